@@ -1,0 +1,215 @@
+"""Which implementation of a k3 op runs, and why.
+
+Every op in ``k3compile/ops/<op>/`` has up to three implementations side by side: ``reference``
+(plain PyTorch, any device, the ground truth), ``triton`` (any GPU; CPU tensors under
+``TRITON_INTERPRET=1``) and ``cute`` (NVIDIA sm_90+, CuTe DSL). An op declares them once::
+
+    SKINNY_GEMM = OpImpls("skinny_gemm", reference=Impl(...), triton=Impl(...), cute=Impl(...))
+
+and its custom op body calls ``SKINNY_GEMM.select(backend, key, *args)`` with the backend string
+the pass baked into the graph. Each ``Impl`` has two predicates that return ``None`` when they
+pass and a human-readable reason when they do not:
+
+- ``available(*args)``: can this implementation run on this machine / device at all
+  (package importable, tensors on CUDA, not ROCm for CuTe, ...)?
+- ``supports(*args)``: does it handle these particular shapes / dtypes / strides?
+
+Rules:
+- ``backend="auto"``: CuTe on CUDA (not ROCm) if available and supported, else Triton on any GPU,
+  else the reference. Every step down is recorded with its reason.
+- ``backend="cute"`` or ``"triton"`` (forced): if the implementation is not *available* the
+  call raises ``BackendUnavailableError`` (the user asked for something this machine cannot do);
+  if it is available but does not *support* the shape, the next implementation down runs and the
+  fallback is recorded. Never a silently wrong result.
+- ``backend="reference"``: always the reference.
+
+Choices are cached per (op, backend, key) so dispatch costs one dict lookup after the first call;
+``key`` must capture everything the predicates read (dtypes, shapes or shape classes, device,
+contiguity). The cache doubles as the record that ``k3compile.report`` prints.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Optional
+
+import torch
+
+BACKENDS = ("auto", "cute", "triton", "reference")
+IMPL_ORDER = ("cute", "triton", "reference")
+
+Reason = Optional[str]  # None = fine; a string says why not
+
+
+class BackendUnavailableError(RuntimeError):
+    """The user forced a backend that cannot run here (not installed, wrong device, ...)."""
+
+
+def check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+@functools.cache
+def is_rocm() -> bool:
+    return torch.version.hip is not None
+
+
+@functools.cache
+def triton_importable() -> Reason:
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # pragma: no cover - depends on the machine
+        return f"triton does not import ({type(e).__name__}: {e})"
+    return None
+
+
+@functools.cache
+def cute_importable() -> Reason:
+    if is_rocm():
+        return "CuTe DSL is NVIDIA-only (ROCm build of torch)"
+    try:
+        import cutlass  # noqa: F401
+        import cutlass.cute  # noqa: F401
+    except Exception as e:
+        return f"CuTe DSL does not import ({type(e).__name__}: {e})"
+    return None
+
+
+def triton_interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_can_run_on(*tensors: torch.Tensor) -> Reason:
+    """Triton runs on CUDA/ROCm tensors, or on CPU tensors under TRITON_INTERPRET=1."""
+    reason = triton_importable()
+    if reason:
+        return reason
+    for t in tensors:
+        if t is None:
+            continue
+        if t.device.type == "cuda":
+            continue
+        if t.device.type == "cpu" and triton_interpret():
+            continue
+        return f"tensor on {t.device.type} (Triton needs a GPU, or TRITON_INTERPRET=1 for CPU tensors)"
+    return None
+
+
+def cute_can_run_on(*tensors: torch.Tensor) -> Reason:
+    """CuTe kernels need CUDA tensors on an sm_90+ NVIDIA GPU and an importable CuTe DSL."""
+    reason = cute_importable()
+    if reason:
+        return reason
+    for t in tensors:
+        if t is None:
+            continue
+        if t.device.type != "cuda":
+            return f"tensor on {t.device.type} (CuTe kernels need CUDA tensors)"
+        major, _ = torch.cuda.get_device_capability(t.device)
+        if major < 9:
+            return f"GPU capability sm_{major}x < sm_90"
+    return None
+
+
+def _always(*args, **kwargs) -> Reason:
+    return None
+
+
+@dataclass(frozen=True)
+class Impl:
+    """One implementation of an op: the function and its two predicates (see module doc)."""
+    fn: Callable[..., Any]
+    available: Callable[..., Reason] = _always
+    supports: Callable[..., Reason] = _always
+
+
+@dataclass
+class Choice:
+    op: str
+    backend: str       # what the user asked for
+    impl: str          # what runs
+    reason: str        # why (the chain of fallbacks, or "preferred")
+    key: Hashable = None
+    calls: int = 0
+
+
+@dataclass
+class OpImpls:
+    """The implementations of one op and the record of which one ran for which key."""
+    name: str
+    reference: Impl
+    triton: Optional[Impl] = None
+    cute: Optional[Impl] = None
+    _choices: dict = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def impl(self, impl_name: str) -> Optional[Impl]:
+        return getattr(self, impl_name)
+
+    def _decide(self, backend: str, args: tuple) -> tuple[str, str]:
+        check_backend(backend)
+        if backend == "reference":
+            return "reference", "backend='reference' requested"
+        if backend == "auto":
+            order = ("triton", "reference") if is_rocm() else IMPL_ORDER
+        else:
+            order = IMPL_ORDER[IMPL_ORDER.index(backend):]
+        notes = []
+        for name in order:
+            impl = self.impl(name)
+            if impl is None:
+                why = f"{self.name} has no {name} implementation"
+                if backend == name:
+                    raise BackendUnavailableError(f"backend={backend!r}: {why}")
+                notes.append(f"{name}: {why}")
+                continue
+            why = impl.available(*args)
+            if why is not None:
+                if backend == name:
+                    raise BackendUnavailableError(f"{self.name}: backend={backend!r} cannot run here: {why}")
+                notes.append(f"{name}: {why}")
+                continue
+            why = impl.supports(*args)
+            if why is not None:
+                notes.append(f"{name}: {why}")
+                continue
+            return name, ("; ".join(notes) + " -> " + name) if notes else "preferred"
+        raise AssertionError("the reference implementation must always run")  # pragma: no cover
+
+    def select(self, backend: str, key: Hashable, *args) -> Callable[..., Any]:
+        """The function to run for these arguments; records the choice under ``key``."""
+        ck = (backend, key)
+        choice = self._choices.get(ck)
+        if choice is None:
+            impl_name, reason = self._decide(backend, args)
+            choice = Choice(self.name, backend, impl_name, reason, key)
+            with self._lock:
+                self._choices.setdefault(ck, choice)
+        choice.calls += 1
+        return self.impl(choice.impl).fn
+
+    def choices(self) -> list[Choice]:
+        return list(self._choices.values())
+
+    def clear(self) -> None:
+        with self._lock:
+            self._choices.clear()
+
+
+# Every OpImpls registers here so the report can list them.
+REGISTRY: dict[str, OpImpls] = {}
+
+
+def register_op_impls(impls: OpImpls) -> OpImpls:
+    if impls.name in REGISTRY and REGISTRY[impls.name] is not impls:
+        raise ValueError(f"op {impls.name!r} registered twice")
+    REGISTRY[impls.name] = impls
+    return impls
+
+
+def all_choices() -> list[Choice]:
+    return [c for impls in REGISTRY.values() for c in impls.choices()]

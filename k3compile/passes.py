@@ -1,0 +1,157 @@
+"""The post-grad pass manager: one ``CustomGraphPass`` that runs every enabled k3 pattern pass.
+
+Inductor calls it as ``post_grad_custom_post_pass`` on each functional, normalized ATen graph it
+compiles (only on an FX-graph-cache miss). It
+
+1. registers each enabled pattern module once per options value (lazily, under fake tensors),
+2. applies the passes in ``patterns.PASS_ORDER`` and records each pass's match count in
+   :data:`COMPILE_RECORD` (per-thread, read by ``optimize``'s backend and by ``report``),
+3. runs the pass the user had installed before us (chained), if any.
+
+Its ``uuid()`` hashes our version, the torch version, the source of every pass and pattern file and
+op schema, the options, and the chained pass's uuid, so the FX graph and AOTAutograd caches stay
+valid -- and are invalidated by any edit that could change the rewritten graph.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch._inductor import pattern_matcher as pm
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from .backends import check_backend
+
+log = logging.getLogger("k3compile")
+
+
+@dataclass(frozen=True)
+class K3Options:
+    """Everything that changes what our passes do. Part of the cache key (see ``uuid``)."""
+    backend: str = "auto"                       # auto | cute | triton | reference
+    passes: tuple[str, ...] = ()                # enabled pass names; () = all of patterns.PASS_ORDER
+    small_m_limit: int = 16                     # skinny GEMM / fused tails only up to this many rows
+
+    def __post_init__(self):
+        check_backend(self.backend)
+        from k3compile.patterns import PASS_ORDER
+        unknown = set(self.passes) - set(PASS_ORDER)
+        if unknown:
+            raise ValueError(f"unknown pass(es) {sorted(unknown)}; known: {list(PASS_ORDER)}")
+        if self.small_m_limit < 1:
+            raise ValueError("small_m_limit must be >= 1")
+
+    @property
+    def enabled(self) -> tuple[str, ...]:
+        from k3compile.patterns import PASS_ORDER
+        return tuple(p for p in PASS_ORDER if not self.passes or p in self.passes)
+
+
+def pattern_module(name: str):
+    return importlib.import_module(f"k3compile.patterns.{name}")
+
+
+@dataclass
+class GraphRecord:
+    """What our passes did to one compiled graph."""
+    matches: dict = field(default_factory=dict)   # pass name -> matches
+    seconds: float = 0.0                          # time spent in our passes (registration included)
+    registration_seconds: float = 0.0
+
+
+class _CompileRecord(threading.local):
+    """Per-thread list of the graphs our pass rewrote since the last ``take()``."""
+
+    def __init__(self):
+        self.graphs: list[GraphRecord] = []
+
+    def take(self) -> list[GraphRecord]:
+        graphs, self.graphs = self.graphs, []
+        return graphs
+
+
+COMPILE_RECORD = _CompileRecord()
+
+_register_lock = threading.Lock()
+
+
+def _register(options: K3Options) -> tuple[dict[str, pm.PatternMatcherPass], float]:
+    with _register_lock:
+        cached = _REGISTERED.get(options)
+        if cached is not None:
+            return cached, 0.0
+        from k3compile.patterns._common import fake_mode
+
+        t0 = time.perf_counter()
+        passes = {}
+        with fake_mode():
+            for name in options.enabled:
+                pm_pass = pm.PatternMatcherPass(pass_name=f"k3_{name}")
+                pattern_module(name).register(pm_pass, options)
+                passes[name] = pm_pass
+        _REGISTERED[options] = passes
+        return passes, time.perf_counter() - t0
+
+
+_REGISTERED: dict[K3Options, dict[str, pm.PatternMatcherPass]] = {}
+
+
+def _source_files() -> tuple[str, ...]:
+    """Every file whose edit could change the rewritten graph: passes, patterns, op schemas."""
+    root = Path(__file__).resolve().parent
+    files = [root / "passes.py", root / "backends.py"]
+    files += sorted((root / "ops").rglob("op.py"))
+    import k3compile.patterns as patterns_pkg
+    files += sorted(Path(patterns_pkg.__file__).resolve().parent.glob("*.py"))
+    return tuple(str(f) for f in files)
+
+
+class K3PostGradPass(CustomGraphPass):
+    """The one pass object ``optimize`` installs. Reuse one instance per options value."""
+
+    def __init__(self, options: K3Options, chained: Optional[Any] = None):
+        self.options = options
+        self.chained = chained
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        t0 = time.perf_counter()
+        passes, reg_s = _register(self.options)
+        record = GraphRecord(registration_seconds=reg_s)
+        for name, pm_pass in passes.items():
+            n = pm_pass.apply(graph)
+            post = getattr(pattern_module(name), "postprocess", None)
+            if post is not None:
+                n += post(graph, self.options)
+            record.matches[name] = n
+            log.debug("k3compile %s: %d matches", name, n)
+        graph.eliminate_dead_code()
+        graph.lint()
+        record.seconds = time.perf_counter() - t0
+        COMPILE_RECORD.graphs.append(record)
+        if self.chained is not None:
+            self.chained(graph)
+
+    def uuid(self) -> Optional[str]:
+        import k3compile
+
+        h = hashlib.sha256()
+        h.update(k3compile.__version__.encode())
+        h.update(torch.__version__.encode())
+        h.update(get_hash_for_files(_source_files()))
+        h.update(repr(dataclasses.astuple(self.options)).encode())
+        if self.chained is not None:
+            other = self.chained.uuid() if hasattr(self.chained, "uuid") else None
+            if other is None:
+                # A raw callable has no stable identity: caching would be unsound, so bypass.
+                return None
+            h.update(repr(other).encode())
+        return h.hexdigest()

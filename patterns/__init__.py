@@ -1,0 +1,8 @@
+"""The k3 graph rewrites, one file per pattern (contract: ``patterns/_common.py``).
+
+``PASS_ORDER`` is the order the pass manager applies them in. Order matters where two passes could
+claim the same nodes: the latent-MoE tail consumes its up-projection ``mm`` before the skinny-GEMM
+pass would turn it into ``k3::skinny_gemm``, and the KDA decode step is claimed whole before its
+projections are considered.
+"""
+PASS_ORDER: tuple[str, ...] = ()

@@ -1,0 +1,77 @@
+"""What every pattern file shares: tracing, fake-mode registration, reading node metadata.
+
+Contract of a pattern module ``patterns/<name>.py`` (listed in ``patterns/__init__.py``):
+
+- ``NAME: str`` -- the pass name shown in reports and used in ``optimize(passes=...)``.
+- ``register(pm_pass: PatternMatcherPass, options: K3Options) -> None`` -- registers its
+  search/replacement pairs into ``pm_pass``. Called once per (pass, options) under fake tensors,
+  lazily, at the first compile that needs it.
+- ``expected(model_summary: dict) -> bool`` -- whether a K3 model described by the summary
+  (see ``k3compile.passes.summarize_model``) should produce at least one match; used by
+  ``strict=True`` and the warning on zero matches.
+- Optionally ``postprocess(graph, options) -> int`` for rewrites done by hand after the pattern
+  matcher (returns the number of rewrites).
+
+Search and replacement functions are plain eager functions traced with :func:`trace_fn`; guards
+read ``meta["val"]`` through :func:`val` and decide symbolic sizes only through
+``statically_known_true`` / ``guard_or_false`` so that they never add guards of their own.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Optional
+
+import torch
+from torch._inductor import pattern_matcher as pm
+from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
+
+aten = torch.ops.aten
+
+__all__ = [
+    "aten", "pm", "trace_fn", "fake_mode", "val", "match_val", "is_static_le", "guard_or_false",
+    "statically_known_true", "LOW_PRECISION", "TRACE_DTYPES",
+]
+
+# Patterns ignore sizes but not dtypes (a 16-bit trace carries converts a fp32 trace lacks), so each
+# pattern registers one fp32 and one 16-bit trace; bf16 and fp16 traces are identical.
+LOW_PRECISION = torch.bfloat16
+TRACE_DTYPES = (torch.float32, LOW_PRECISION)
+
+
+def trace_fn(*args, **kwargs) -> torch.fx.GraphModule:
+    """``fwd_only`` + ``view_to_reshape`` so traced patterns look like the post-grad graph.
+
+    torch >= 2.12 passes extra keywords (``get_decomp_fn``); accept and forward them.
+    """
+    from torch._inductor.fx_passes.post_grad import view_to_reshape
+
+    gm = pm.fwd_only(*args, **kwargs)
+    view_to_reshape(gm)
+    return gm
+
+
+@contextlib.contextmanager
+def fake_mode():
+    """Register patterns on fake tensors: no real memory, no real kernels, no device needed."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+
+    with torch._guards.tracing(None), unset_fake_temporarily(), FakeTensorMode():
+        yield
+
+
+def val(node: Any) -> Optional[torch.Tensor]:
+    """The fake value an FX node carries (None for non-nodes or nodes without one)."""
+    if isinstance(node, torch.fx.Node):
+        return node.meta.get("val")
+    return None
+
+
+def match_val(match: pm.Match, name: str) -> Any:
+    """The fake value bound to keyword ``name`` in a match (a tensor, or a plain Python value)."""
+    v = match.kwargs[name]
+    return val(v) if isinstance(v, torch.fx.Node) else v
+
+
+def is_static_le(size: Any, limit: int) -> bool:
+    """True only when ``size <= limit`` holds for every value a symbolic size may take."""
+    return bool(statically_known_true(size <= limit))
