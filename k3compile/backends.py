@@ -192,6 +192,18 @@ class OpImpls:
         choice.calls += 1
         return self.impl(choice.impl).fn
 
+    def select_fixed(self, backend: str, key: Hashable, label: str, reason: str,
+                     fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Record that ``fn`` (shown as ``label``) runs for ``key`` regardless of the backends,
+        e.g. a size the op sends to a vendor library; returns ``fn``."""
+        ck = (backend, key, label)  # never collides with select()'s (backend, key)
+        choice = self._choices.get(ck)
+        if choice is None:
+            with self._lock:
+                choice = self._choices.setdefault(ck, Choice(self.name, backend, label, reason, key))
+        choice.calls += 1
+        return fn
+
     def choices(self) -> list[Choice]:
         return list(self._choices.values())
 

@@ -66,6 +66,14 @@ class GraphRecord:
     matches: dict = field(default_factory=dict)   # pass name -> matches
     seconds: float = 0.0                          # time spent in our passes (registration included)
     registration_seconds: float = 0.0
+    facts: dict = field(default_factory=dict)     # what pattern modules' facts() saw before rewriting
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "GraphRecord":
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
 
 class _CompileRecord(threading.local):
@@ -115,6 +123,39 @@ def _source_files() -> tuple[str, ...]:
     return tuple(str(f) for f in files)
 
 
+def summarize_model(model: Any) -> dict:
+    """What ``expected()`` of each pattern reads about the model (graph facts are added per graph).
+
+    Keys: ``is_k3`` (a Kimi K3 / Kimi Linear text model), ``num_layers``, ``kda_layers``,
+    ``mla_layers``, ``moe_layers`` (counts), ``tp_size`` (``torch.distributed`` world size, or the
+    model's own ``tp_size`` attribute).
+    """
+    config = getattr(model, "config", None)
+    text = getattr(config, "text_config", None) or config
+    model_type = str(getattr(config, "model_type", "") or "")
+    text_type = str(getattr(text, "model_type", "") or "")
+    is_k3 = (model_type in ("kimi_k3", "kimi_linear") or text_type == "kimi_linear"
+             or type(model).__name__.startswith(("KimiK3", "KimiLinear")))
+    lin = getattr(text, "linear_attn_config", None) or {}
+    if not isinstance(lin, dict):
+        lin = vars(lin)
+    num_layers = int(getattr(text, "num_hidden_layers", 0) or 0)
+    num_experts = int(getattr(text, "num_experts", 0) or 0)
+    first_dense = int(getattr(text, "first_k_dense_replace", 0) or 0)
+    tp_size = getattr(model, "tp_size", None)
+    if tp_size is None:
+        dist = torch.distributed
+        tp_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return {
+        "is_k3": is_k3,
+        "num_layers": num_layers,
+        "kda_layers": len(lin.get("kda_layers", []) or []),
+        "mla_layers": len(lin.get("full_attn_layers", []) or []),
+        "moe_layers": max(0, num_layers - first_dense) if num_experts else 0,
+        "tp_size": int(tp_size),
+    }
+
+
 class K3PostGradPass(CustomGraphPass):
     """The one pass object ``optimize`` installs. Reuse one instance per options value."""
 
@@ -126,6 +167,10 @@ class K3PostGradPass(CustomGraphPass):
         t0 = time.perf_counter()
         passes, reg_s = _register(self.options)
         record = GraphRecord(registration_seconds=reg_s)
+        for name in passes:
+            read_facts = getattr(pattern_module(name), "facts", None)
+            if read_facts is not None:
+                record.facts.update(read_facts(graph, self.options))
         for name, pm_pass in passes.items():
             n = pm_pass.apply(graph)
             post = getattr(pattern_module(name), "postprocess", None)

@@ -5,4 +5,8 @@ claim the same nodes: the latent-MoE tail consumes its up-projection ``mm`` befo
 pass would turn it into ``k3::skinny_gemm``, and the KDA decode step is claimed whole before its
 projections are considered.
 """
-PASS_ORDER: tuple[str, ...] = ()
+PASS_ORDER: tuple[str, ...] = (
+    "latent_moe_tail",  # first: takes its up-projection mm before skinny_gemm would
+    "kda_decode",  # before skinny_gemm: the KDA step is claimed whole before its projections are considered
+    "skinny_gemm",  # last: claims the GEMMs no earlier pass fused
+)

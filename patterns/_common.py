@@ -6,11 +6,17 @@ Contract of a pattern module ``patterns/<name>.py`` (listed in ``patterns/__init
 - ``register(pm_pass: PatternMatcherPass, options: K3Options) -> None`` -- registers its
   search/replacement pairs into ``pm_pass``. Called once per (pass, options) under fake tensors,
   lazily, at the first compile that needs it.
-- ``expected(model_summary: dict) -> bool`` -- whether a K3 model described by the summary
-  (see ``k3compile.passes.summarize_model``) should produce at least one match; used by
-  ``strict=True`` and the warning on zero matches.
+- ``expected(summary: dict) -> bool`` -- whether a graph of a model described by the summary
+  (``k3compile.passes.summarize_model`` keys, plus every module's ``facts`` for this graph and
+  ``small_m_limit``) should produce at least one match; used by ``strict=True`` and the warning
+  on zero matches.
 - Optionally ``postprocess(graph, options) -> int`` for rewrites done by hand after the pattern
   matcher (returns the number of rewrites).
+- Optionally ``facts(graph, options) -> dict`` -- read-only facts about a post-grad graph, taken
+  before any pass rewrites it (e.g. ``{"graph_small_m_gemms": 3}``). The pass manager merges every
+  module's facts into the summary that ``expected()`` receives for that graph, so a pass can be
+  expected only where its candidates exist (a decode graph, not a prefill graph). Keys must be
+  unique across modules: prefix them ``graph_``.
 
 Search and replacement functions are plain eager functions traced with :func:`trace_fn`; guards
 read ``meta["val"]`` through :func:`val` and decide symbolic sizes only through

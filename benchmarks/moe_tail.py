@@ -1,0 +1,353 @@
+"""Latent-MoE tail: fused ``k3::latent_moe_tail`` vs the unfused sequence, on one or two GPUs.
+
+    # one GPU: RMSNorm(3584) -> up-proj 7168x3584 -> + shared, M = 1..16
+    python benchmarks/moe_tail.py [--quick] [--json out.json]
+    # the Triton kernel's configurations, best per M
+    python benchmarks/moe_tail.py --sweep [--quick]
+    # two GPUs, NCCL, whole tail: 2 all-reduces + unfused tail vs 1 all-reduce of the concatenation + fused tail
+    python benchmarks/moe_tail.py --tp 2 [--quick]
+
+Method (docs/anchors.md): CUDA graphs, median; the up-projection weight rotates through enough
+copies (> 640 MB) that every call streams it from HBM; a device-to-device copy measured in the same run
+is the 100% line. Each row first checks its output against an fp32 reference on fresh random inputs.
+
+Bytes of one tail (the floor): weight D·L + norm weight L + latent M·L + shared M·D + out M·D, each
+times the element size; the collectives are not counted in the single-GPU floor.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from k3compile.ops.latent_moe_tail import latent_moe_tail  # noqa: E402
+from k3compile.ops.latent_moe_tail.op import LATENT_MOE_TAIL  # noqa: E402
+from k3compile.ops.latent_moe_tail.reference import kimi_rms_norm, latent_moe_tail_ref  # noqa: E402
+from k3compile.ops.latent_moe_tail.triton import TailConfig, latent_moe_tail_triton  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+ROTATE_BYTES = 640 * 2**20
+EPS = 1e-5
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="rows (tokens)")
+    p.add_argument("--latent", type=int, default=3584, help="latent width L")
+    p.add_argument("--hidden", type=int, default=7168, help="hidden width D")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    p.add_argument("--tp", type=int, default=1, help="1: single GPU; 2: two processes on two GPUs with NCCL")
+    p.add_argument("--sweep", action="store_true", help="time the Triton kernel's configurations")
+    p.add_argument("--quick", action="store_true", help="M = 1, 16; fewer repetitions; a smaller sweep")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    p.add_argument("--json", type=str, default=None, help="write the rows here")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.m = [1, 16]
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# providers: each takes (latent, shared, norm_weight, up_weight) and returns [M, D]
+
+def tail_eager(latent, shared, norm_weight, up_weight):
+    """The model's sequence: KimiRMSNorm -> Linear (no bias) -> + shared."""
+    return torch.nn.functional.linear(kimi_rms_norm(latent, norm_weight, EPS), up_weight) + shared
+
+
+def tail_fused(latent, shared, norm_weight, up_weight):
+    return latent_moe_tail(latent, shared, norm_weight, up_weight, EPS)
+
+
+def make_inputs(m, l, d, dtype, n_weights, seed=0, device="cuda"):
+    g = torch.Generator(device=device).manual_seed(seed)
+    latent = torch.randn(m, l, generator=g, device=device).to(dtype)
+    shared = torch.randn(m, d, generator=g, device=device).to(dtype)
+    norm_weight = (1 + 0.1 * torch.randn(l, generator=g, device=device)).to(dtype)
+    weights = [(torch.randn(d, l, generator=g, device=device) / math.sqrt(l)).to(dtype) for _ in range(n_weights)]
+    return latent, shared, norm_weight, weights
+
+
+def rel_err(out, ref):
+    ref = ref.double()
+    if out.isnan().any():
+        return float("nan")
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def n_rotations(d, l, dtype):
+    return max(1, math.ceil(ROTATE_BYTES / (d * l * dtype.itemsize)))
+
+
+def tail_bytes(m, l, d, dtype):
+    return (d * l + l + m * l + 2 * m * d) * dtype.itemsize
+
+
+def copy_ceiling_tbps(rep):
+    """Bytes read + written per second by a 2 GiB device-to-device copy (the 100% line)."""
+    import triton.testing
+
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench_cudagraph(lambda: dst.copy_(src), rep=rep, return_mode="median")
+    del src, dst
+    return 2 * 2**30 / (ms * 1e-3) / 1e12
+
+
+# ---------------------------------------------------------------------------------------------
+# one GPU
+
+def bench_single(args):
+    import triton.testing
+
+    dtype = DTYPES[args.dtype]
+    l, d = args.latent, args.hidden
+    rep = 20 if args.quick else 100
+    ceiling = copy_ceiling_tbps(rep)
+    n_rot = n_rotations(d, l, dtype)
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  copy ceiling {ceiling:.2f} TB/s  "
+          f"weights rotated: {n_rot} x {d * l * dtype.itemsize / 2**20:.0f} MiB")
+    providers = {"eager": tail_eager, "fused": tail_fused}
+    if not args.no_compile:
+        providers["compile"] = torch.compile(tail_eager, dynamic=False)
+
+    rows = []
+    for m in args.m:
+        # correctness first, on fresh inputs (one weight)
+        lat, sh, g, (w,) = make_inputs(m, l, d, dtype, 1, seed=1000 + m)
+        ref = latent_moe_tail_ref(lat.float(), sh.float(), g.float(), w.float(), EPS)
+        errs = {name: rel_err(fn(lat, sh, g, w), ref) for name, fn in providers.items()}
+        print(f"M={m:<3} rel err vs fp32: " + "  ".join(f"{k}={v:.2e}" for k, v in errs.items()))
+
+        lat, sh, g, ws = make_inputs(m, l, d, dtype, n_rot, seed=m)
+        floor_us = tail_bytes(m, l, d, dtype) / (ceiling * 1e12) * 1e6
+        times = {}
+        for name, fn in providers.items():
+            def run(fn=fn):
+                for w in ws:
+                    fn(lat, sh, g, w)
+            run()  # compile / warm up outside the graph
+            torch.cuda.synchronize()
+            times[name] = triton.testing.do_bench_cudagraph(run, rep=rep, return_mode="median") * 1e3 / n_rot
+        for name, us in times.items():
+            rows.append(dict(mode="tp1", m=m, l=l, d=d, dtype=args.dtype, provider=name, us=us,
+                             pct_ceiling=100 * floor_us / us, rel_err=errs[name],
+                             speedup_vs_eager=times["eager"] / us,
+                             speedup_vs_compile=times["compile"] / us if "compile" in times else None))
+    print_table(rows)
+    print("choices:", [(c.impl, c.reason) for c in LATENT_MOE_TAIL.choices()])
+    return rows, dict(copy_ceiling_tbps=ceiling, rotations=n_rot)
+
+
+def sweep_configs(quick):
+    grid = [(bn, bk, nw, ns, pre)
+            for bn in ((16, 32, 64) if not quick else (16, 32))
+            for bk in ((64, 128, 256) if not quick else (128, 256))
+            for nw in (4, 8)
+            for ns in ((3, 4, 5) if not quick else (4,))
+            for pre in (False, True)]
+    return [TailConfig(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, prenorm=pre)
+            for bn, bk, nw, ns, pre in grid]
+
+
+def bench_sweep(args):
+    import triton.testing
+
+    dtype = DTYPES[args.dtype]
+    l, d = args.latent, args.hidden
+    rep = 20 if args.quick else 50
+    ceiling = copy_ceiling_tbps(rep)
+    n_rot = n_rotations(d, l, dtype)
+    rows = []
+    for m in args.m:
+        lat, sh, g, ws = make_inputs(m, l, d, dtype, n_rot, seed=m)
+        ref = latent_moe_tail_ref(lat.float(), sh.float(), g.float(), ws[0].float(), EPS)
+        floor_us = tail_bytes(m, l, d, dtype) / (ceiling * 1e12) * 1e6
+        best = None
+        for cfg in sweep_configs(args.quick):
+            try:
+                err = rel_err(latent_moe_tail_triton(lat, sh, g, ws[0], EPS, cfg), ref)
+
+                def run(cfg=cfg):
+                    for w in ws:
+                        latent_moe_tail_triton(lat, sh, g, w, EPS, cfg)
+                us = triton.testing.do_bench_cudagraph(run, rep=rep, return_mode="median") * 1e3 / n_rot
+            except Exception as e:  # a configuration that does not compile (shared memory) is skipped
+                print(f"M={m} {cfg}: {type(e).__name__}: {str(e)[:120]}")
+                continue
+            row = dict(mode="sweep", m=m, provider="triton", config=cfg.__dict__, us=us,
+                       pct_ceiling=100 * floor_us / us, rel_err=err)
+            rows.append(row)
+            if best is None or us < best["us"]:
+                best = row
+        print(f"M={m:<3} best {best['config']}  {best['us']:.1f} us  {best['pct_ceiling']:.0f}% of ceiling  "
+              f"rel err {best['rel_err']:.1e}")
+    return rows, dict(copy_ceiling_tbps=ceiling, rotations=n_rot)
+
+
+def print_table(rows):
+    print(f"{'mode':<5} {'M':>3} {'provider':<16} {'us':>8} {'% ceil':>7} {'x eager':>8} {'x compile':>9} {'rel err':>9}")
+    for r in rows:
+        xc = r.get("speedup_vs_compile")
+        xe = r.get("speedup_vs_eager")
+        print(f"{r['mode']:<5} {r['m']:>3} {r['provider']:<16} {r['us']:>8.1f} "
+              f"{r['pct_ceiling'] if r.get('pct_ceiling') is not None else float('nan'):>7.1f} "
+              f"{xe if xe is not None else float('nan'):>8.2f} {xc if xc is not None else float('nan'):>9.2f} "
+              f"{r['rel_err']:>9.1e}")
+
+
+# ---------------------------------------------------------------------------------------------
+# two GPUs: the whole tail with its collectives
+
+def time_graph_collective(fn, iters, replays):
+    """Median µs of ``fn`` captured ``iters`` times in one CUDA graph, replayed ``replays`` times.
+
+    Every rank replays the same fixed count (``do_bench_cudagraph`` picks its count per process,
+    which would let the ranks' collectives fall out of step). Returns the slowest rank's median.
+    """
+    import torch.distributed as dist
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        dist.barrier()
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / iters)
+    med = torch.tensor([sorted(times)[len(times) // 2]], device="cuda")
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    del graph
+    return med.item()
+
+
+def tp_worker(rank, world, port, args, result_path):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    dtype = DTYPES[args.dtype]
+    l, d = args.latent, args.hidden
+    n_rot = n_rotations(d, l, dtype)
+    graph_reps, replays = (1, 20) if args.quick else (2, 50)   # a graph holds graph_reps x n_rot tails
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"TP={world}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, NCCL_NVLS_ENABLE=0, "
+        f"{torch.cuda.get_device_name()}, weights rotated: {n_rot}")
+
+    compiled_tail = None if args.no_compile else torch.compile(tail_eager, dynamic=False)
+
+    def two_allreduces(lat, sh):
+        lat, sh = lat.clone(), sh.clone()   # as Inductor lowers a functional all_reduce
+        dist.all_reduce(lat)
+        dist.all_reduce(sh)
+        return lat, sh
+
+    def one_allreduce(lat, sh):
+        buf = torch.cat([lat, sh], dim=1)
+        dist.all_reduce(buf)
+        return buf.split([l, d], dim=1)
+
+    variants = {
+        "2AR": lambda lat, sh, g, w: two_allreduces(lat, sh),
+        "1AR(cat)": lambda lat, sh, g, w: one_allreduce(lat, sh),
+        "2AR+eager": lambda lat, sh, g, w: tail_eager(*two_allreduces(lat, sh), g, w),
+        "1AR+fused": lambda lat, sh, g, w: tail_fused(*one_allreduce(lat, sh), g, w),
+    }
+    if compiled_tail is not None:
+        variants["2AR+compile"] = lambda lat, sh, g, w: compiled_tail(*two_allreduces(lat, sh), g, w)
+
+    rows = []
+    for m in args.m:
+        # correctness: each rank holds different partials; the reference sums them in fp32
+        lat, sh, g, (w,) = make_inputs(m, l, d, dtype, 1, seed=100 * m + rank)
+        g.copy_(make_inputs(m, l, d, dtype, 1, seed=7)[2])      # replicated weights
+        w.copy_(make_inputs(m, l, d, dtype, 1, seed=7)[3][0])
+        lat32, sh32 = lat.float(), sh.float()
+        dist.all_reduce(lat32)
+        dist.all_reduce(sh32)
+        ref = latent_moe_tail_ref(lat32, sh32, g.float(), w.float(), EPS)
+        errs = {}
+        for name in ("2AR+eager", "2AR+compile", "1AR+fused"):
+            if name in variants:
+                errs[name] = rel_err(variants[name](lat, sh, g, w), ref)
+        say(f"M={m:<3} rel err vs fp32 (rank 0): " + "  ".join(f"{k}={v:.2e}" for k, v in errs.items()))
+
+        lat, sh, g, ws = make_inputs(m, l, d, dtype, n_rot, seed=m)
+        times = {}
+        for name, fn in variants.items():
+            def run(fn=fn):
+                for w in ws:
+                    fn(lat, sh, g, w)
+            times[name] = time_graph_collective(run, iters=graph_reps, replays=replays) / n_rot
+        for name, us in times.items():
+            base = "2AR+compile" if "2AR+compile" in times else "2AR+eager"
+            rows.append(dict(mode=f"tp{world}", m=m, l=l, d=d, dtype=args.dtype, provider=name, us=us,
+                             pct_ceiling=None, rel_err=errs.get(name, float("nan")),
+                             speedup_vs_eager=times["2AR+eager"] / us, speedup_vs_compile=times[base] / us))
+    if rank == 0:
+        print_table(rows)
+        print("choices:", [(c.impl, c.reason) for c in LATENT_MOE_TAIL.choices()])
+        Path(result_path).write_text(json.dumps(rows))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def bench_tp(args):
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    if torch.cuda.device_count() < args.tp:
+        raise SystemExit(f"--tp {args.tp} needs {args.tp} GPUs, found {torch.cuda.device_count()}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = Path(tempfile.mkdtemp()) / "tp_rows.json"
+    mp.spawn(tp_worker, args=(args.tp, port, args, str(result)), nprocs=args.tp, join=True)
+    return json.loads(result.read_text()), dict(nccl_nvls_enable=0)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    t0 = time.time()
+    if args.tp > 1:
+        rows, meta = bench_tp(args)
+    elif args.sweep:
+        rows, meta = bench_sweep(args)
+    else:
+        rows, meta = bench_single(args)
+    meta.update(device=torch.cuda.get_device_name(), torch=torch.__version__, argv=sys.argv[1:],
+                seconds=time.time() - t0)
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+        print("wrote", args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""The fused latent-MoE tail: ``RMSNorm(latent) @ up_weightᵀ + shared`` (spec §6.2, steps 4 and 6)."""
+from __future__ import annotations
+
+import torch
+
+from .op import latent_moe_tail_op  # noqa: F401  (registers k3::latent_moe_tail)
+
+__all__ = ["latent_moe_tail"]
+
+
+def latent_moe_tail(latent: torch.Tensor, shared: torch.Tensor, norm_weight: torch.Tensor,
+                    up_weight: torch.Tensor, eps: float = 1e-5, *, backend: str = "auto",
+                    small_m_limit: int = 16) -> torch.Tensor:
+    """The tail of a K3 latent-MoE layer in one kernel for small M.
+
+    Args:
+        latent: [M, L] combined routed-expert output in the latent (already all-reduced under TP).
+        shared: [M, D] shared-experts output (already all-reduced under TP).
+        norm_weight: [L] weight of the latent ``KimiRMSNorm``.
+        up_weight: [D, L] latent up-projection (``nn.Linear(L, D, bias=False).weight``).
+        eps: RMSNorm epsilon (K3: 1e-5).
+        backend: "auto" | "cute" | "triton" | "reference" (see ``k3compile.backends``).
+        small_m_limit: the fused kernel runs up to this many rows (at most 16); above it, norm + ``addmm``.
+
+    All four tensors share one floating dtype and one device; nothing is mutated.
+    The kernel covers bf16, fp16 and fp32; another dtype runs the reference (recorded).
+
+    Returns:
+        [M, D] in the inputs' dtype.
+
+    Example::
+
+        out = latent_moe_tail(y_lat, shared, norm.weight, up_proj.weight, 1e-5)   # [M, 7168]
+    """
+    return torch.ops.k3.latent_moe_tail(latent, shared, norm_weight, up_weight, eps, backend, small_m_limit)

@@ -1,0 +1,447 @@
+"""The skinny GEMM as a CuTe DSL kernel (NVIDIA sm_90+): ``C = A · Wᵀ (+ bias) (+ residual)``.
+
+a: [M, K] (M ≤ 16), w: [N, K], bias: [N] or None, residual: [M, N] or None, all bf16 or all fp16,
+fp32 accumulation, one rounding at the end (the same as ``reference.py``). One kernel is compiled per
+(dtype, M, configuration, bias?, residual?); N, K and the row strides are run-time values.
+
+How it streams the weight: every lane loads 16 bytes of one weight row per K-step (4 lanes cover 32
+consecutive K of a row, a warp covers 8 rows) and feeds them to two ``mma.sync.m16n8k16`` as the B
+operand, A padded to 16 rows. Any order of K inside a step gives the same dot product, so A is loaded
+in the same permuted order, also as 16-byte vectors: no shuffles, no shared memory in the main loop.
+See ``config.py`` for the work division (rows per warp, split-K inside the block).
+
+cutlass is imported only inside functions: CI has no CuTe DSL and must still import this module.
+"""
+# no `from __future__ import annotations`: the DSL evaluates the kernels' annotations
+import functools
+import hashlib
+import os
+import threading
+from typing import Optional
+
+import torch
+
+from k3compile.backends import cute_can_run_on
+from k3compile.ops.skinny_gemm import config as _config
+
+MAX_M = 16
+VEC = 8  # elements per 128-bit load; K and the row strides must be multiples of it
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+# --------------------------------------------------------------------------------------------------
+# predicates (no cutlass needed)
+
+def available(a, w, bias=None, residual=None) -> Optional[str]:
+    """None when the CuTe kernel can run on this machine for these tensors, else the reason."""
+    return cute_can_run_on(a, w, bias, residual)
+
+
+def supports(a, w, bias=None, residual=None) -> Optional[str]:
+    """None when the kernel handles these shapes/dtypes/strides, else the reason."""
+    if a.dim() != 2 or w.dim() != 2:
+        return f"needs 2-D a and w, got {a.dim()}-D and {w.dim()}-D"
+    m, k = a.shape
+    n, kw = w.shape
+    if kw != k:
+        return f"K mismatch: a is [{m}, {k}], w is [{n}, {kw}]"
+    if not 1 <= m <= MAX_M:
+        return f"M={m} outside 1..{MAX_M}"
+    if n < 1 or k < 1:
+        return f"empty product (N={n}, K={k})"
+    if a.dtype not in _DTYPES or w.dtype != a.dtype:
+        return f"dtypes {a.dtype}/{w.dtype}: needs bf16 or fp16, both the same"
+    if k % VEC:
+        return f"K={k} not a multiple of {VEC} (128-bit loads)"
+    for name, t in (("a", a), ("w", w)):
+        if t.stride(1) != 1 or t.stride(0) % VEC or t.data_ptr() % 16:
+            return f"{name} must be row-major with 16-byte aligned rows (strides {t.stride()})"
+    if bias is not None:
+        if bias.shape != (n,) or bias.dtype != a.dtype or bias.stride(0) != 1:
+            return f"bias must be a contiguous [{n}] {a.dtype} tensor"
+    if residual is not None:
+        if residual.shape != (m, n) or residual.dtype != a.dtype or residual.stride(1) != 1:
+            return f"residual must be a row-major [{m}, {n}] {a.dtype} tensor"
+    if _config.choose(m, n, k) is None:
+        return f"cuBLAS measured faster for M={m} N={n} K={k} (config table)"
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# the kernel (built lazily: defining it needs cutlass)
+
+@functools.cache
+def _kernel_class():
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T, dsl_user_op
+
+    @dsl_user_op
+    def mma_16816(a, b, c, is_fp16: bool, *, loc=None, ip=None):
+        """One m16n8k16 MMA: a = 4 packed 32-bit A registers, b = 2 B registers, c = 4 fp32."""
+        ty = "f16" if is_fp16 else "bf16"
+        res = llvm.inline_asm(
+            llvm.StructType.get_literal([T.f32()] * 4),
+            [x.ir_value(loc=loc, ip=ip) for x in (*a, *b, *c)],
+            f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 "
+            "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
+            "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+            has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+            loc=loc, ip=ip,
+        )
+        return [cutlass.Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
+
+    class SkinnyGemm:
+        """C[M, N] = A[M, K] · B[N, K]ᵀ (+ bias[N]) (+ R[M, N]); M, dtype and tiling fixed."""
+
+        def __init__(self, dtype, m: int, cfg: _config.SkinnyConfig, has_bias: bool, has_res: bool):
+            self.dtype = dtype
+            self.m = m
+            self.rg, self.wn, self.wk, self.unroll = cfg.row_groups, cfg.warps_n, cfg.warps_k, cfg.unroll
+            self.prefetch = cfg.prefetch
+            self.stages = cfg.stages
+            self.block_n = cfg.block_n
+            self.threads = cfg.threads
+            self.smem = cfg.smem_bytes()
+            self.has_bias, self.has_res = has_bias, has_res
+            self.is_fp16 = dtype is cutlass.Float16
+
+        @cute.jit
+        def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor,
+                     mBias, mRes, stream):
+            n = mB.shape[0]
+            self.kernel(mA, mB, mC, mBias, mRes).launch(
+                grid=[(n + self.block_n - 1) // self.block_n, 1, 1],
+                block=[self.threads, 1, 1],
+                smem=self.smem,
+                stream=stream,
+                use_pdl=True,
+            )
+
+        @cute.jit
+        def load_vec(self, src: cute.Tensor, dst: cute.Tensor):
+            cute.autovec_copy(cute.make_tensor(src.iterator.align(16), src.layout), dst)
+
+        @cute.kernel
+        def kernel(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mBias, mRes):
+            M: cutlass.Constexpr = self.m
+            RG: cutlass.Constexpr = self.rg
+            WN: cutlass.Constexpr = self.wn
+            WK: cutlass.Constexpr = self.wk
+            U: cutlass.Constexpr = self.unroll
+            BN: cutlass.Constexpr = self.block_n
+            NT: cutlass.Constexpr = self.threads
+            CH: cutlass.Constexpr = 32 * self.unroll  # K elements per unrolled chunk
+            S: cutlass.Constexpr = self.stages
+
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, _, _ = cute.arch.block_idx()
+            warp = tidx // 32
+            lane = tidx % 32
+            g = lane // 4   # weight row inside the 8-row group; A row (and A row + 8)
+            t = lane % 4    # which 8 of the 32 K of a step
+            wn = warp % WN
+            wk = warp // WN
+            N = mB.shape[0]
+            K = mB.shape[1]
+            n0 = bidx * BN
+
+            # [row, (8, K/8)]: one 16-byte vector per (row, vector index)
+            gA = cute.logical_divide(mA, (None, 8))
+            gB = cute.logical_divide(mB, (None, 8))
+
+            # rows past N / M are clamped to a valid row: their results are never stored
+            rows = []
+            for r in cutlass.range_constexpr(RG):
+                rows.append(cutlass.min(n0 + (wn * RG + r) * 8 + g, N - 1))
+            m_lo = cutlass.min(g, M - 1)
+            m_hi = cutlass.min(g + 8, M - 1)
+
+            # one accumulator per unrolled step: independent MMA chains instead of one serial chain
+            acc = cute.make_rmem_tensor((4, RG, U), cutlass.Float32)
+            acc.fill(0.0)
+            rB = cute.make_rmem_tensor((8, RG * U), self.dtype)
+            rA = cute.make_rmem_tensor((8, 2 * U), self.dtype)
+            rB32 = cute.recast_tensor(rB, cutlass.Int32)
+            rA32 = cute.recast_tensor(rA, cutlass.Int32)
+
+            n_full = K // CH
+            smem = cutlass.memory.SmemAllocator()
+            red = smem.allocate_tensor(
+                cutlass.Float32, cute.make_layout((WK, BN, 16), stride=(BN * 16, 16, 1)), byte_alignment=16)
+            if cutlass.const_expr(S > 1):
+                self.main_loop_cp_async(gA, gB, rows, m_lo, m_hi, t, lane, warp, wk, n_full,
+                                        acc, rA, rB, rA32, rB32, smem)
+            else:
+                if cutlass.const_expr(self.prefetch):
+                    # the weight does not depend on the previous kernel: start pulling it into L2 now
+                    if wk < n_full:
+                        for u in cutlass.range_constexpr(U):
+                            for r in cutlass.range_constexpr(RG):
+                                v = gB[rows[r], (None, wk * (CH // 8) + t + 4 * u)]
+                                cute.arch.prefetch(v.iterator.llvm_ptr, cache_level="L2")
+
+                # PDL: everything above overlaps the previous kernel's tail; A may be its output
+                cute.arch.griddepcontrol_wait()
+
+                for j in cutlass.range(wk, n_full, WK, unroll=1):
+                    kv0 = j * (CH // 8) + t
+                    for u in cutlass.range_constexpr(U):
+                        for r in cutlass.range_constexpr(RG):
+                            self.load_vec(gB[rows[r], (None, kv0 + 4 * u)], rB[None, r * U + u])
+                    self.load_a(gA, m_lo, m_hi, kv0, rA)
+                    for u in cutlass.range_constexpr(U):
+                        self.mma_step(acc, rA32, rB32, u, u, U)
+
+            # K tail: single steps of 32, lanes past K contribute zeros
+            n_steps = (K + 31) // 32
+            for s in cutlass.range(n_full * U + wk, n_steps, WK, unroll=1):
+                kv = s * 4 + t
+                rB.fill(0.0)
+                rA.fill(0.0)
+                if kv * 8 < K:
+                    for r in cutlass.range_constexpr(RG):
+                        self.load_vec(gB[rows[r], (None, kv)], rB[None, r * U])
+                    self.load_vec(gA[m_lo, (None, kv)], rA[None, 0])
+                    if cutlass.const_expr(M > 8):
+                        self.load_vec(gA[m_hi, (None, kv)], rA[None, 1])
+                self.mma_step(acc, rA32, rB32, 0, 0, U)
+
+            # the next kernel may start launching; it still waits for our stores (griddepcontrol.wait)
+            cute.arch.griddepcontrol_launch_dependents()
+
+            # partial sums of the K-warps meet in shared memory: red[wk, row in block, m]
+            for r in cutlass.range_constexpr(RG):
+                for u in cutlass.range_constexpr(1, U):
+                    for i in cutlass.range_constexpr(4):
+                        acc[i, r, 0] = acc[i, r, 0] + acc[i, r, u]
+                nl = (wn * RG + r) * 8 + 2 * t
+                red[wk, nl, g] = acc[0, r, 0]
+                red[wk, nl + 1, g] = acc[1, r, 0]
+                if cutlass.const_expr(M > 8):
+                    red[wk, nl, g + 8] = acc[2, r, 0]
+                    red[wk, nl + 1, g + 8] = acc[3, r, 0]
+            cute.arch.sync_threads()
+
+            for idx in cutlass.range(tidx, BN * M, NT, unroll=1):
+                m = idx // BN
+                nl = idx % BN
+                n = n0 + nl
+                if n < N:
+                    s = cutlass.Float32(0.0)
+                    for w in cutlass.range_constexpr(WK):
+                        s = s + red[w, nl, m]
+                    if cutlass.const_expr(self.has_bias):
+                        s = s + mBias[n].to(cutlass.Float32)
+                    if cutlass.const_expr(self.has_res):
+                        s = s + mRes[m, n].to(cutlass.Float32)
+                    mC[m, n] = s.to(self.dtype)
+
+        @cute.jit
+        def load_a(self, gA: cute.Tensor, m_lo, m_hi, kv0, rA: cute.Tensor):
+            """A for one chunk, in the same permuted K order as the weight (rows ≥ 8 only if M > 8)."""
+            for u in cutlass.range_constexpr(self.unroll):
+                self.load_vec(gA[m_lo, (None, kv0 + 4 * u)], rA[None, 2 * u])
+                if cutlass.const_expr(self.m > 8):
+                    self.load_vec(gA[m_hi, (None, kv0 + 4 * u)], rA[None, 2 * u + 1])
+
+        @cute.jit
+        def main_loop_cp_async(self, gA: cute.Tensor, gB: cute.Tensor, rows, m_lo, m_hi, t, lane, warp, wk,
+                               n_full, acc: cute.Tensor, rA: cute.Tensor, rB: cute.Tensor,
+                               rA32: cute.Tensor, rB32: cute.Tensor, smem):
+            """Full chunks with the weight streamed by cp.async through a per-warp ring of S stages.
+
+            Loads in flight then cost shared memory, not registers, and the first S-1 stages are issued
+            before ``griddepcontrol.wait`` (the weight never depends on the previous kernel). Every lane
+            reads back only the 16-byte slots it wrote itself, so no barrier is needed, only
+            ``cp.async.wait_group``.
+            """
+            RG: cutlass.Constexpr = self.rg
+            U: cutlass.Constexpr = self.unroll
+            S: cutlass.Constexpr = self.stages
+            WK: cutlass.Constexpr = self.wk
+            NW: cutlass.Constexpr = self.wn * self.wk
+            CHV: cutlass.Constexpr = 4 * self.unroll  # 16-byte vectors per chunk along K
+            # [8 elements, lane, slot, stage, warp]: a warp's 32 lanes read 512 contiguous bytes
+            sW = smem.allocate_tensor(self.dtype, cute.make_layout((8, 32, RG * U, S, NW)), byte_alignment=16)
+            atom = cute.make_copy_atom(
+                cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
+                self.dtype, num_bits_per_copy=128)
+            count = (cutlass.max(n_full - wk, 0) + WK - 1) // WK  # chunks of this warp
+
+            for st in cutlass.range_constexpr(S - 1):
+                if st < count:
+                    kv0 = (wk + st * WK) * CHV + t
+                    for u in cutlass.range_constexpr(U):
+                        for r in cutlass.range_constexpr(RG):
+                            src = gB[rows[r], (None, kv0 + 4 * u)]
+                            cute.copy(atom, cute.make_tensor(src.iterator.align(16), src.layout),
+                                      sW[None, lane, r * U + u, st, warp])
+                cute.arch.cp_async_commit_group()
+
+            # PDL: the prologue above overlaps the previous kernel's tail; A may be its output
+            cute.arch.griddepcontrol_wait()
+
+            for i in cutlass.range(0, count, 1, unroll=1):
+                nxt = i + S - 1
+                if nxt < count:
+                    kvn = (wk + nxt * WK) * CHV + t
+                    stn = nxt % S
+                    for u in cutlass.range_constexpr(U):
+                        for r in cutlass.range_constexpr(RG):
+                            src = gB[rows[r], (None, kvn + 4 * u)]
+                            cute.copy(atom, cute.make_tensor(src.iterator.align(16), src.layout),
+                                      sW[None, lane, r * U + u, stn, warp])
+                cute.arch.cp_async_commit_group()
+                self.load_a(gA, m_lo, m_hi, (wk + i * WK) * CHV + t, rA)
+                cute.arch.cp_async_wait_group(S - 1)  # chunk i has landed
+                cur = i % S
+                for slot in cutlass.range_constexpr(RG * U):
+                    cute.autovec_copy(sW[None, lane, slot, cur, warp], rB[None, slot])
+                for u in cutlass.range_constexpr(U):
+                    self.mma_step(acc, rA32, rB32, u, u, U)
+            cute.arch.cp_async_wait_group(0)
+
+        @cute.jit
+        def mma_step(self, acc: cute.Tensor, rA32: cute.Tensor, rB32: cute.Tensor,
+                     u: cutlass.Constexpr, slot: cutlass.Constexpr, U: cutlass.Constexpr):
+            """Two m16n8k16 MMAs per row group over the 32 K of step u (see the module doc)."""
+            M: cutlass.Constexpr = self.m
+            hi: cutlass.Constexpr = 2 * u + 1 if M > 8 else 2 * u  # rows 8..15: garbage when M ≤ 8
+            for r in cutlass.range_constexpr(self.rg):
+                for h in cutlass.range_constexpr(2):
+                    a = (rA32[2 * h, 2 * u], rA32[2 * h, hi], rA32[2 * h + 1, 2 * u], rA32[2 * h + 1, hi])
+                    b = (rB32[2 * h, r * U + u], rB32[2 * h + 1, r * U + u])
+                    c = (acc[0, r, slot], acc[1, r, slot], acc[2, r, slot], acc[3, r, slot])
+                    d = mma_16816(a, b, c, self.is_fp16)
+                    for i in cutlass.range_constexpr(4):
+                        acc[i, r, slot] = d[i]
+
+    return SkinnyGemm
+
+
+# --------------------------------------------------------------------------------------------------
+# compilation and caches
+
+_compiled: dict = {}
+_compile_lock = threading.Lock()
+
+
+def _cute_dtype(dtype: torch.dtype):
+    import cutlass
+    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
+
+
+def _fake_args(dtype: torch.dtype, m: int, has_bias: bool, has_res: bool):
+    """Fake tensors with symbolic N, K and row strides: one compile serves every N and K."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    cd = _cute_dtype(dtype)
+    n, k = cute.sym_int(), cute.sym_int(divisibility=VEC)
+    lda, ldb = cute.sym_int64(divisibility=VEC), cute.sym_int64(divisibility=VEC)
+    a = make_fake_tensor(cd, (m, k), (lda, 1), assumed_align=16)
+    b = make_fake_tensor(cd, (n, k), (ldb, 1), assumed_align=16)
+    c = make_fake_tensor(cd, (m, n), (cute.sym_int64(), 1), assumed_align=2)
+    bias = make_fake_tensor(cd, (n,), (1,), assumed_align=2) if has_bias else None
+    res = make_fake_tensor(cd, (m, n), (cute.sym_int64(), 1), assumed_align=2) if has_res else None
+    return a, b, c, bias, res, make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+def _source_fingerprint() -> str:
+    h = hashlib.sha256()
+    for f in ("cute.py", "config.py"):
+        with open(os.path.join(os.path.dirname(__file__), f), "rb") as fh:
+            h.update(fh.read())
+    import cutlass
+    h.update(str(getattr(cutlass, "__version__", "?")).encode())
+    h.update(os.environ.get("CUTE_DSL_ARCH", "").encode())
+    return h.hexdigest()[:16]
+
+
+def _cache_dir() -> Optional[str]:
+    """On-disk kernel cache (K3_CUTE_CACHE_DIR; "0" disables it)."""
+    d = os.environ.get("K3_CUTE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "k3compile", "cute"))
+    return None if d == "0" else os.path.join(d, _source_fingerprint())
+
+
+def compile_kernel(dtype: torch.dtype, m: int, cfg: _config.SkinnyConfig, has_bias: bool, has_res: bool):
+    """The compiled kernel for this variant: from memory, else from disk, else compiled (and saved)."""
+    key = (dtype, m, cfg, has_bias, has_res)
+    fn = _compiled.get(key)
+    if fn is not None:
+        return fn
+    with _compile_lock:  # cute.compile is not thread-safe
+        fn = _compiled.get(key)
+        if fn is None:
+            fn = _load_or_compile(key)
+            _compiled[key] = fn
+    return fn
+
+
+def _variant_name(key) -> str:
+    dtype, m, cfg, has_bias, has_res = key
+    return f"k3_skinny_{str(dtype).split('.')[-1]}_m{m}_{cfg.tag().replace('-', '_')}_b{int(has_bias)}_r{int(has_res)}"
+
+
+def _load_or_compile(key):
+    import cutlass.cute as cute
+
+    name = _variant_name(key)
+    cdir = _cache_dir()
+    path = os.path.join(cdir, name + ".o") if cdir else None
+    if path and os.path.exists(path):
+        try:
+            return cute.runtime.load_module(path, enable_tvm_ffi=True)[name]
+        except Exception:  # a stale or torn file: recompile below and overwrite it
+            pass
+    dtype, m, cfg, has_bias, has_res = key
+    kern = _kernel_class()(_cute_dtype(dtype), m, cfg, has_bias, has_res)
+    fn = cute.compile(kern, *_fake_args(dtype, m, has_bias, has_res), options="--enable-tvm-ffi")
+    if path:
+        try:
+            os.makedirs(cdir, exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            fn.export_to_c(object_file_path=tmp, function_name=name)
+            os.replace(tmp, path)  # atomic: a second process sees the whole file or none
+        except Exception:
+            pass  # the cache is an optimisation; the compiled function is already in hand
+    return fn
+
+
+# --------------------------------------------------------------------------------------------------
+# public entry points
+
+def skinny_gemm_cute(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                     residual: Optional[torch.Tensor] = None,
+                     cfg: Optional[_config.SkinnyConfig] = None,
+                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``a @ w.T (+ bias) (+ residual)`` on the current CUDA stream; returns a new [M, N] tensor.
+
+    a: [M, K] (M ≤ 16), w: [N, K], bias: [N], residual: [M, N]; bf16 or fp16; K % 8 == 0. Call
+    ``available``/``supports`` first (the op's dispatch does). ``cfg`` overrides the table (benchmarks);
+    ``out`` (a contiguous [M, N] tensor of a's dtype) receives the result instead of a new tensor.
+    """
+    m, k = a.shape
+    n = w.shape[0]
+    if cfg is None:
+        cfg = _config.choose(m, n, k) or _config.heuristic(m, n, k)
+    fn = compile_kernel(a.dtype, m, cfg, bias is not None, residual is not None)
+    if out is None:
+        out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    fn(a, w, out, bias, residual)
+    return out
+
+
+def warmup(dtype: torch.dtype, m: int, n: Optional[int] = None, k: Optional[int] = None,
+           has_bias: bool = False, has_residual: bool = False,
+           cfg: Optional[_config.SkinnyConfig] = None) -> None:
+    """Compile (or load) the variant a later call will use, so CUDA-graph capture never compiles.
+
+    With n and k, the configuration those shapes choose; else ``cfg`` or the heuristic's default.
+    """
+    if cfg is None:
+        cfg = _config.choose(m, n, k) if n is not None and k is not None else _config.heuristic(m, 4096, 4096)
+    if cfg is not None:
+        compile_kernel(dtype, m, cfg, has_bias, has_residual)

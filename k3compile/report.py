@@ -1,0 +1,82 @@
+"""``k3compile.report(model)``: what our passes did to a compiled model, and which kernels ran."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .backends import Choice, all_choices
+from .optimize import CompiledGraph, state_of
+
+
+@dataclass
+class Report:
+    passes: tuple                                  # enabled pass names, in order
+    matches: dict                                  # pass -> total matches over all graphs
+    graphs: list[CompiledGraph]
+    choices: list[Choice]                          # op implementation records (this process)
+    pass_seconds: float                            # time our passes added to compilation
+    registration_seconds: float                    # of which: pattern registration
+    compile_seconds: float                         # wall time of all compile_fx calls
+    backend: str
+    unknown_graphs: int = 0                        # cache hits without a stored record
+    op_calls: dict = field(default_factory=dict)   # op -> calls seen by dispatch (what ran)
+
+    @property
+    def cache_hits(self) -> int:
+        return sum(1 for g in self.graphs if g.source != "pass ran")
+
+    def __str__(self) -> str:
+        lines = [f"k3compile report: {len(self.graphs)} graph(s) compiled, {self.cache_hits} served "
+                 f"from the cache, backend={self.backend!r}"]
+        lines.append(f"  passes added {self.pass_seconds:.3f} s to {self.compile_seconds:.3f} s of "
+                     f"compilation (registration {self.registration_seconds:.3f} s)")
+        lines.append("  pass matches:")
+        for name in self.passes:
+            per_graph = [str(g.record.matches.get(name, 0)) if g.record else "?" for g in self.graphs]
+            lines.append(f"    {name:<20} {self.matches.get(name, 0):>5}   per graph: {', '.join(per_graph)}")
+        for i, g in enumerate(self.graphs):
+            lines.append(f"  graph {i}: {g.source}, compile {g.compile_seconds:.3f} s"
+                         + (f", pass {g.record.seconds:.3f} s" if g.record and g.source == "pass ran" else ""))
+        if self.unknown_graphs:
+            lines.append(f"  ({self.unknown_graphs} cached graph(s) had no stored record: counts incomplete)")
+        lines.append("  kernels chosen:")
+        if not self.choices:
+            lines.append("    (no k3 op has run yet)")
+        for c in self.choices:
+            lines.append(f"    {c.op:<16} asked {c.backend!r:<12} ran {c.impl:<10} x{c.calls:<6} "
+                         f"{_key_str(c.key)}: {c.reason}")
+        return "\n".join(lines)
+
+
+def _key_str(key) -> str:
+    if isinstance(key, tuple) and len(key) >= 3:
+        return f"{str(key[0]).replace('torch.', '')} {key[1]} [M,K]={list(key[2])} N={key[3]}"
+    return str(key)
+
+
+def report(model) -> Report:
+    """Per pass its match count, the implementation chosen for each op and why, and the time our
+    passes added to compilation. Truthful on a warm start: graphs served by the FX cache report
+    the counts stored when they were compiled."""
+    state = state_of(model)
+    with state.lock:
+        graphs = list(state.graphs)
+    matches: dict = {name: 0 for name in state.options.enabled}
+    pass_s = reg_s = 0.0
+    for g in graphs:
+        if g.record is None:
+            continue
+        for name, n in g.record.matches.items():
+            matches[name] = matches.get(name, 0) + n
+        if g.source == "pass ran":  # a cache hit added no pass time now
+            pass_s += g.record.seconds
+            reg_s += g.record.registration_seconds
+    choices = all_choices()
+    op_calls: dict = {}
+    for c in choices:
+        op_calls[c.op] = op_calls.get(c.op, 0) + c.calls
+    return Report(
+        passes=state.options.enabled, matches=matches, graphs=graphs, choices=choices,
+        pass_seconds=pass_s, registration_seconds=reg_s,
+        compile_seconds=sum(g.compile_seconds for g in graphs), backend=state.options.backend,
+        unknown_graphs=sum(1 for g in graphs if g.record is None), op_calls=op_calls,
+    )

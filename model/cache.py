@@ -1,0 +1,73 @@
+"""Static-shape inference state, updated in place so that every decode step runs the same compiled graph.
+
+Shape legend: B batch, S max length, P = H*K (KDA width local to this TP rank), W conv kernel,
+Lk kv_lora_rank, R qk_rope_head_dim.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+
+@dataclass
+class KDAState:
+    conv_q: torch.Tensor          # [B, P, W-1] model dtype: the last W-1 projected inputs
+    conv_k: torch.Tensor
+    conv_v: torch.Tensor
+    recurrent: torch.Tensor       # [B, H, V, K] fp32
+
+    def tensors(self):
+        return (self.conv_q, self.conv_k, self.conv_v, self.recurrent)
+
+
+@dataclass
+class MLAState:
+    c_kv: torch.Tensor            # [B, S, Lk] normalised latent KV
+    k_pe: torch.Tensor            # [B, S, R] the un-rotated shared key part
+
+    def tensors(self):
+        return (self.c_kv, self.k_pe)
+
+
+class KimiK3Cache:
+    """Per-layer KDA / MLA state plus ``pos``, a 0-dim int64 tensor: how many tokens are already in the cache
+    (a tensor, not a Python int, so that advancing it does not change what torch.compile guards on)."""
+
+    def __init__(self, layers: list, pos: torch.Tensor, max_len: int):
+        self.layers = layers
+        self.pos = pos
+        self.max_len = max_len
+
+    @classmethod
+    def allocate(cls, text_model, batch: int, max_len: int, dtype: Optional[torch.dtype] = None,
+                 device: Optional[Union[str, torch.device]] = None) -> "KimiK3Cache":
+        """Zeroed state for ``batch`` sequences of up to ``max_len`` tokens for every layer of ``text_model``."""
+        ref = text_model.embed_tokens.weight
+        dtype = dtype or ref.dtype
+        device = device if device is not None else ref.device
+        layers = []
+        for layer in text_model.layers:
+            attn = layer.self_attn
+            if layer.is_mla:
+                layers.append(MLAState(
+                    c_kv=torch.zeros(batch, max_len, attn.kv_lora_rank, dtype=dtype, device=device),
+                    k_pe=torch.zeros(batch, max_len, attn.rope, dtype=dtype, device=device)))
+            else:
+                P, W = attn.q_conv1d.weight.shape[0], attn.q_conv1d.weight.shape[-1]
+                H, K = attn.num_heads, attn.head_dim
+                layers.append(KDAState(
+                    *(torch.zeros(batch, P, W - 1, dtype=dtype, device=device) for _ in range(3)),
+                    recurrent=torch.zeros(batch, H, K, K, dtype=torch.float32, device=device)))
+        return cls(layers, torch.zeros((), dtype=torch.long, device=device), max_len)
+
+    @property
+    def batch_size(self) -> int:
+        return self.pos.new_zeros(0).shape[0] if not self.layers else self.layers[0].tensors()[0].shape[0]
+
+    def reset(self) -> None:
+        for state in self.layers:
+            for t in state.tensors():
+                t.zero_()
+        self.pos.zero_()

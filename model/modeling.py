@@ -1,0 +1,254 @@
+"""The Kimi K3 text model (spec §7-8): decoder layers wired by Block Attention Residuals, inference and generate.
+
+Shape legend: B batch, T tokens, D hidden, Vocab vocabulary, N stored AttnRes blocks.
+Module names follow the published checkpoint: ``language_model.model.layers.{i}.self_attn...``,
+``language_model.lm_head.weight``; state-dict keys equal the published tensor names.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .attn_res import attn_res
+from .cache import KimiK3Cache
+from .config import KimiK3Config, KimiK3TextConfig
+from .kda import KimiDeltaAttention
+from .layers import KimiMLP, RMSNorm
+from .mla import KimiMLAAttention
+from .moe import KimiLatentMoE
+from .parallel import SINGLE, TPContext
+
+# Tensors the checkpoint keeps in fp32 (and so does ``set_dtype``).
+FP32_PARAMS = ("A_log", "dt_bias", "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "o_norm.weight",
+               "e_score_correction_bias")
+
+
+class AttnResMix(nn.Module):
+    """The weights of one AttnRes mixing point: ``*_res_norm.weight`` [D] and ``*_res_proj.weight`` [1, D]."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.norm = RMSNorm(hidden_size, eps)
+        self.proj = nn.Linear(hidden_size, 1, bias=False)
+
+
+class KimiDecoderLayer(nn.Module):
+    def __init__(self, config: KimiK3TextConfig, layer_idx: int, tp: TPContext = SINGLE,
+                 attn_res_block_size: Optional[int] = -1):
+        super().__init__()
+        D, eps = config.hidden_size, config.rms_norm_eps
+        self.layer_idx = layer_idx
+        self.block_size = config.attn_res_block_size if attn_res_block_size == -1 else attn_res_block_size
+        self.eps = eps
+        self.is_mla = config.is_mla_layer(layer_idx)
+        self.self_attn = (KimiMLAAttention if self.is_mla else KimiDeltaAttention)(config, layer_idx, tp)
+        if config.is_moe_layer(layer_idx):
+            self.block_sparse_moe = KimiLatentMoE(config, tp)
+        else:
+            self.mlp = KimiMLP(config, D, config.intermediate_size, tp)
+        self.input_layernorm = RMSNorm(D, eps)
+        self.post_attention_layernorm = RMSNorm(D, eps)
+        if self.block_size:
+            self.self_attention_res_norm = RMSNorm(D, eps)
+            self.self_attention_res_proj = nn.Linear(D, 1, bias=False)
+            self.mlp_res_norm = RMSNorm(D, eps)
+            self.mlp_res_proj = nn.Linear(D, 1, bias=False)
+
+    def attention(self, x: torch.Tensor, state, pos: torch.Tensor) -> torch.Tensor:
+        return self.self_attn(x, state, pos) if self.is_mla else self.self_attn(x, state)
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
+
+    def forward(self, prefix: torch.Tensor, blocks: list, state, pos: torch.Tensor):
+        """prefix [B, T, D] (sum of the current block so far), blocks: N completed block sums [B, T, D]
+        -> (prefix, blocks) after this layer."""
+        if not self.block_size:  # plain pre-norm residual (MTP / draft layers)
+            h = prefix + self.attention(self.input_layernorm(prefix), state, pos)
+            return h + self.ffn(self.post_attention_layernorm(h)), blocks
+        h = attn_res(prefix, blocks, self.self_attention_res_proj.weight, self.self_attention_res_norm.weight,
+                     self.eps) if blocks else prefix
+        starts_block = self.layer_idx % self.block_size == 0
+        if starts_block:  # the finished block becomes a source; a new partial sum starts
+            blocks = blocks + [prefix]
+        a = self.attention(self.input_layernorm(h), state, pos)
+        prefix = a if starts_block else prefix + a
+        h = attn_res(prefix, blocks, self.mlp_res_proj.weight, self.mlp_res_norm.weight, self.eps)
+        prefix = prefix + self.ffn(self.post_attention_layernorm(h))
+        return prefix, blocks
+
+
+class KimiK3TextModel(nn.Module):
+    def __init__(self, config: KimiK3TextConfig, tp: TPContext = SINGLE):
+        super().__init__()
+        D = config.hidden_size
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, D)
+        self.layers = nn.ModuleList(KimiDecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(D, config.rms_norm_eps)
+        self.use_attn_res = bool(config.attn_res_block_size)
+        if self.use_attn_res:
+            self.output_attn_res_norm = RMSNorm(D, config.rms_norm_eps)
+            self.output_attn_res_proj = nn.Linear(D, 1, bias=False)
+
+    def forward(self, inputs_embeds: torch.Tensor, cache: KimiK3Cache) -> torch.Tensor:
+        """inputs_embeds [B, T, D] -> hidden [B, T, D] after the output AttnRes, before the final norm.
+        Advances ``cache.pos`` by T."""
+        prefix, blocks = inputs_embeds, []
+        for layer, state in zip(self.layers, cache.layers):
+            prefix, blocks = layer(prefix, blocks, state, cache.pos)
+        if self.use_attn_res:
+            prefix = attn_res(prefix, blocks, self.output_attn_res_proj.weight, self.output_attn_res_norm.weight,
+                              self.config.rms_norm_eps)
+        cache.pos.add_(inputs_embeds.shape[1])
+        return prefix
+
+
+class KimiK3ForCausalLM(nn.Module):
+    """The text tower with its head (``language_model`` in the published checkpoint)."""
+
+    def __init__(self, config: KimiK3TextConfig, tp: TPContext = SINGLE):
+        super().__init__()
+        self.config = config
+        self.model = KimiK3TextModel(config, tp)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(hidden))
+
+
+class KimiK3ForConditionalGeneration(nn.Module):
+    """Kimi K3 (text path; the vision tower plugs into :meth:`embed_input_ids`).
+
+    >>> model = KimiK3ForConditionalGeneration(KimiK3Config.tiny()).eval()
+    >>> new_tokens = model.generate(input_ids, max_new_tokens=8)        # input_ids [B, T] int64
+    """
+
+    config_class = KimiK3Config
+
+    def __init__(self, config: KimiK3Config, tp: Optional[TPContext] = None):
+        super().__init__()
+        if isinstance(config, KimiK3TextConfig):
+            config = KimiK3Config(text_config=config)
+        self.config = config
+        self.tp = tp or SINGLE
+        self.language_model = KimiK3ForCausalLM(config.text_config, self.tp)
+        self.init_weights()
+
+    # -- construction ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Random weights with O(1) activations everywhere (tests); loading overwrites them."""
+        cfg = self.config.text_config
+        for name, p in self.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if name.endswith("A_log"):
+                p.uniform_(1, 16).log_()
+            elif name.endswith("dt_bias"):
+                dt = torch.exp(torch.empty_like(p).uniform_(math.log(1e-3), math.log(1e-1)))
+                p.copy_(dt + torch.log(-torch.expm1(-dt)))         # inverse softplus
+            elif name.endswith("e_score_correction_bias"):
+                p.normal_(0, 0.05)
+            elif name.endswith("_res_proj.weight"):
+                p.normal_(0, cfg.hidden_size ** -0.5)
+            elif "norm" in name and leaf == "weight":
+                p.fill_(1.0)
+            elif name.endswith("embed_tokens.weight"):
+                p.normal_(0, 1.0)
+            elif p.dim() >= 2:
+                bound = p.shape[-1] ** -0.5                        # fan-in (the kernel width for convs)
+                p.uniform_(-bound, bound)
+
+    def set_dtype(self, dtype: torch.dtype) -> "KimiK3ForConditionalGeneration":
+        """Cast to ``dtype`` except the tensors the checkpoint keeps in fp32 (:data:`FP32_PARAMS`)."""
+        for name, p in self.named_parameters():
+            p.data = p.data.to(torch.float32 if name.endswith(FP32_PARAMS) else dtype)
+        return self
+
+    @property
+    def tp_size(self) -> int:
+        return self.tp.world
+
+    @property
+    def text_model(self) -> KimiK3TextModel:
+        return self.language_model.model
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.text_model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.text_model.embed_tokens.weight.device
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.text_model.embed_tokens
+
+    def embed_input_ids(self, input_ids: torch.Tensor, pixel_values=None, grid_thws=None) -> torch.Tensor:
+        """input_ids [B, T] -> [B, T, D]. (Image features replace media placeholder positions here.)"""
+        return self.get_input_embeddings()(input_ids)
+
+    def allocate_cache(self, batch: int, max_len: int, dtype=None, device=None) -> KimiK3Cache:
+        return KimiK3Cache.allocate(self.text_model, batch, max_len, dtype=dtype, device=device)
+
+    new_cache = allocate_cache
+
+    # -- inference ---------------------------------------------------------------------------------------------
+    def forward(self, input_ids: Optional[torch.Tensor] = None, cache: Optional[KimiK3Cache] = None,
+                pixel_values=None, grid_thws=None, inputs_embeds: Optional[torch.Tensor] = None,
+                logits_to_keep: int = 0, return_hidden: bool = False):
+        """input_ids [B, T] (or inputs_embeds [B, T, D]) -> logits [B, T', Vocab] (T' = logits_to_keep or T).
+
+        With ``cache`` the tokens continue the cached sequence and the cache is updated in place (T == 1 is a
+        decode step); without, a fresh cache of length T is used. ``return_hidden`` also returns the hidden
+        state before the final norm [B, T, D] (what the MTP module consumes).
+        """
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_input_ids(input_ids, pixel_values, grid_thws)
+        if cache is None:
+            cache = self.allocate_cache(inputs_embeds.shape[0], inputs_embeds.shape[1],
+                                        device=inputs_embeds.device)
+        hidden = self.text_model(inputs_embeds, cache)
+        kept = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
+        logits = self.language_model.logits(kept)
+        return (logits, hidden) if return_hidden else logits
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, cache: Optional[KimiK3Cache] = None,
+                 **forward_kwargs) -> torch.Tensor:
+        """Greedy decoding. input_ids [B, T] -> the new tokens [B, max_new_tokens].
+
+        Every step calls ``self(...)``, so a model compiled in place (``model.compile(...)``) decodes compiled.
+        """
+        B, T = input_ids.shape
+        if max_new_tokens < 1:
+            return input_ids.new_zeros(B, 0)
+        if cache is None:
+            cache = self.allocate_cache(B, T + max_new_tokens, device=input_ids.device)
+        elif int(cache.pos) + T + max_new_tokens - 1 > cache.max_len:
+            raise ValueError(f"cache of length {cache.max_len} holds {int(cache.pos)} tokens; "
+                             f"{T} + {max_new_tokens} more do not fit")
+        token = self(input_ids, cache=cache, logits_to_keep=1, **forward_kwargs).argmax(-1)   # [B, 1]
+        new = [token]
+        for _ in range(max_new_tokens - 1):
+            token = self(token, cache=cache, logits_to_keep=1).argmax(-1)
+            new.append(token)
+        return torch.cat(new, dim=1)
+
+    # -- checkpoints -------------------------------------------------------------------------------------------
+    @classmethod
+    def _from_config(cls, config, **kwargs) -> "KimiK3ForConditionalGeneration":
+        """What ``AutoModelForCausalLM.from_config`` calls."""
+        return cls(config, kwargs.get("tp"))
+
+    @classmethod
+    def from_pretrained(cls, path, *args, **kwargs) -> "KimiK3ForConditionalGeneration":
+        from .loading import from_pretrained
+        return from_pretrained(cls, path, *args, **kwargs)
+
+    def save_pretrained(self, path, **kwargs) -> None:
+        from .loading import save_pretrained
+        save_pretrained(self, path, **kwargs)

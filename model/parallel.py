@@ -1,0 +1,61 @@
+"""Tensor parallelism: which rank holds which slice, and the all-reduce the captured graph shows.
+
+Modules are built with their *local* shapes (a column-parallel projection holds ``out / tp`` rows, a row-parallel
+one ``in / tp`` columns). Each sharded parameter carries ``tp_dim`` (the dimension cut into ``tp`` equal,
+contiguous pieces; rank r holds piece r); unmarked parameters are replicated. Loading slices full tensors with
+:func:`shard_tensor`. The reduction is ``torch.distributed._functional_collectives.all_reduce``, so it appears in
+the graph torch.compile captures (``_c10d_functional.all_reduce`` + ``wait_tensor``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class TPContext:
+    """Rank, world size and the process-group name of one tensor-parallel group."""
+    rank: int = 0
+    world: int = 1
+    group_name: Optional[str] = None
+
+    @classmethod
+    def from_group(cls, group=None) -> "TPContext":
+        import torch.distributed as dist
+        group = group if group is not None else dist.group.WORLD
+        return cls(rank=dist.get_rank(group), world=dist.get_world_size(group), group_name=group.group_name)
+
+    def split(self, size: int, what: str = "size") -> int:
+        """This rank's share of ``size`` (which must divide evenly)."""
+        if size % self.world:
+            raise ValueError(f"{what} {size} does not split over tensor-parallel size {self.world}")
+        return size // self.world
+
+
+SINGLE = TPContext()
+
+
+def all_reduce(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    """Sum over the tensor-parallel group (identity without TP)."""
+    if tp.world == 1:
+        return x
+    from torch.distributed import _functional_collectives as funcol
+    return funcol.all_reduce(x, "sum", tp.group_name)
+
+
+def mark_shard(param: torch.nn.Parameter, dim: int) -> torch.nn.Parameter:
+    """Record that ``param`` is the ``dim``-slice of a full tensor split over the TP group."""
+    param.tp_dim = dim
+    return param
+
+
+def shard_tensor(full: torch.Tensor, dim: Optional[int], tp: TPContext) -> torch.Tensor:
+    """Rank ``tp.rank``'s contiguous piece of ``full`` along ``dim`` (``full`` itself when replicated)."""
+    if dim is None or tp.world == 1:
+        return full
+    size = full.shape[dim]
+    if size % tp.world:
+        raise ValueError(f"cannot split dim {dim} of shape {tuple(full.shape)} over {tp.world} ranks")
+    return full.narrow(dim, tp.rank * (size // tp.world), size // tp.world)

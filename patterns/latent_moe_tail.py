@@ -1,0 +1,268 @@
+"""The tail of a latent-MoE layer, fused; under tensor parallelism its two all-reduces merged into one.
+
+Matches (post-grad ATen; L latent width, D hidden, M tokens)::
+
+    latent = wait_tensor(all_reduce(y_lat, "sum", g))      # [M, L]  (no collective without TP)
+    shared = wait_tensor(all_reduce(y_sh,  "sum", g))      # [M, D]
+    x32 = latent.float()
+    h   = norm_weight * (x32 * rsqrt(mean(x32², -1) + eps)).to(dtype)        # KimiRMSNorm(L)
+    out = mm(h, permute(up_weight)) + shared        # or shared + mm(...), or addmm(shared, h, upᵀ),
+                                                    # or addmm(mm(h, upᵀ), a, b) with shared = a @ b
+
+Rewrites to::
+
+    buf            = wait_tensor(all_reduce(cat([y_lat, y_sh], 1), "sum", g))   # [M, L + D], TP only
+    latent, shared = buf[:, :L], buf[:, L:]
+    out = k3::latent_moe_tail(latent, shared, norm_weight, up_weight, eps, backend, small_m_limit)
+
+The fusion is a ``register_replacement`` (fp32 and 16-bit traces, four spellings of the add: without
+TP, Inductor's own post-grad patterns fold the shared experts' down-projection and the add into
+``addmm(tail_mm, a, b)`` before our pass runs). The
+collective merge is a graph walk in :func:`postprocess` over the ``k3::latent_moe_tail`` nodes just
+made: the group name is a string constant the traced patterns would bake in.
+
+The pass fires only where the math is the tail's: a 1-D norm weight of the latent's width, an up
+weight [D, L], an addend [M, D], one dtype, and M not statically above the small-M limit (a static
+prefill M is left to Inductor). The collectives merge only when both are a ``sum`` all-reduce over the
+same group, of 2-D tensors with the same rows, each read only through its ``wait_tensor``; other readers
+of the reduced tensors then read the slices.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from k3compile.patterns._common import TRACE_DTYPES, aten, match_val, pm, statically_known_true, trace_fn, val
+
+NAME = "latent_moe_tail"
+log = logging.getLogger("k3compile")
+
+EPS_PLACEHOLDER = 1.2345e-4   # traced in place of eps and turned back into a keyword (must be unique)
+
+
+def _kimi_rms_norm(x, weight, eps):
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _tail_add_right(latent, shared, norm_weight, up_weight, eps):
+    return torch.nn.functional.linear(_kimi_rms_norm(latent, norm_weight, eps), up_weight) + shared
+
+
+def _tail_add_left(latent, shared, norm_weight, up_weight, eps):
+    return shared + torch.nn.functional.linear(_kimi_rms_norm(latent, norm_weight, eps), up_weight)
+
+
+def _tail_addmm(latent, shared, norm_weight, up_weight, eps):
+    # Inductor's own post-grad patterns may already have folded ``mm + shared`` into ``addmm``.
+    return torch.addmm(shared, _kimi_rms_norm(latent, norm_weight, eps), up_weight.t())
+
+
+def _tail_shared_addmm(latent, shared_a, shared_b, norm_weight, up_weight, eps):
+    # Without TP the shared experts' down-projection ``a @ b`` meets the tail's ``mm`` in one add,
+    # which Inductor folds into ``addmm(tail_mm, a, b)``.
+    return torch.addmm(torch.nn.functional.linear(_kimi_rms_norm(latent, norm_weight, eps), up_weight),
+                       shared_a, shared_b)
+
+
+def _replace_shared_addmm(backend, limit):
+    def replacement(latent, shared_a, shared_b, norm_weight, up_weight, eps):
+        return torch.ops.k3.latent_moe_tail(latent, torch.mm(shared_a, shared_b), norm_weight, up_weight,
+                                            eps, backend, limit)
+    return replacement
+
+
+def _replace_shared(backend, limit):
+    def replacement(latent, shared, norm_weight, up_weight, eps):
+        return torch.ops.k3.latent_moe_tail(latent, shared, norm_weight, up_weight, eps, backend, limit)
+    return replacement
+
+
+# (search, replacement factory, takes the shared output as a product a @ b)
+SEARCHES = ((_tail_add_right, _replace_shared, False), (_tail_add_left, _replace_shared, False),
+            (_tail_addmm, _replace_shared, False), (_tail_shared_addmm, _replace_shared_addmm, True))
+
+M_EX, L_EX, D_EX, K_EX = 4, 24, 16, 20   # example sizes, all distinct; M > 1 (Inductor decomposes M=1 mm)
+
+
+def get_inputs(dtype: torch.dtype, shared_as_product: bool = False) -> list[torch.Tensor]:
+    """latent [M, L], shared [M, D] (or a [M, K], b [K, D]), norm_weight [L], up_weight [D, L]."""
+    shared = ([torch.empty(M_EX, K_EX, dtype=dtype), torch.empty(K_EX, D_EX, dtype=dtype)] if shared_as_product
+              else [torch.empty(M_EX, D_EX, dtype=dtype)])
+    return [torch.empty(M_EX, L_EX, dtype=dtype), *shared,
+            torch.empty(L_EX, dtype=dtype), torch.empty(D_EX, L_EX, dtype=dtype)]
+
+
+def _shared_shape(match: pm.Match):
+    """[M, D] of the addend, whether it is a tensor or the product ``a @ b`` (None if neither fits)."""
+    if "shared" in match.kwargs:
+        shared = match_val(match, "shared")
+        return (tuple(shared.shape), shared) if isinstance(shared, torch.Tensor) and shared.dim() == 2 else None
+    a, b = match_val(match, "shared_a"), match_val(match, "shared_b")
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == 2 and b.dim() == 2):
+        return None
+    if a.dtype != b.dtype or not statically_known_true(a.shape[1] == b.shape[0]):
+        return None
+    return (a.shape[0], b.shape[1]), a
+
+
+def _can_fuse_tail(match: pm.Match, small_m_limit: int) -> bool:
+    """Correctness: the op's shapes and one dtype. Profit: not when M is statically above the limit."""
+    latent, norm_weight, up_weight = (match_val(match, k) for k in ("latent", "norm_weight", "up_weight"))
+    found = _shared_shape(match)
+    if found is None or not all(isinstance(t, torch.Tensor) for t in (latent, norm_weight, up_weight)):
+        return False
+    shared_shape, shared = found
+    if (latent.dim(), norm_weight.dim(), up_weight.dim()) != (2, 1, 2):
+        return False
+    dtypes = {latent.dtype, shared.dtype, norm_weight.dtype, up_weight.dtype}
+    if len(dtypes) != 1 or not latent.dtype.is_floating_point:
+        return False
+    if len({latent.device, shared.device, norm_weight.device, up_weight.device}) != 1:
+        return False
+    m, l = latent.shape
+    d = up_weight.shape[0]
+    same = [(norm_weight.shape[0], l), (up_weight.shape[1], l), (shared_shape[0], m), (shared_shape[1], d)]
+    if not all(statically_known_true(a == b) for a, b in same):
+        return False
+    # Prefill with a static M: norm + addmm inside an opaque op would lose Inductor's fused norm.
+    return not statically_known_true(m > small_m_limit)
+
+
+def register(pm_pass: pm.PatternMatcherPass, options) -> None:
+    import k3compile.ops.latent_moe_tail  # noqa: F401  (registers k3::latent_moe_tail)
+
+    for dtype in TRACE_DTYPES:
+        for search, make_replacement, shared_as_product in SEARCHES:
+            pm.register_replacement(
+                search, make_replacement(options.backend, options.small_m_limit),
+                get_inputs(dtype, shared_as_product), trace_fn, pm_pass,
+                extra_check=functools.partial(_can_fuse_tail, small_m_limit=options.small_m_limit),
+                scalar_workaround={"eps": EPS_PLACEHOLDER}, skip_duplicates=True,
+            )
+
+
+def expected(summary: dict) -> bool:
+    """A K3 with latent-MoE layers, on a graph holding a normed projection with an addend of small M."""
+    return summary.get("moe_layers", 0) > 0 and summary.get(FACT, 1) > 0
+
+
+FACT = "graph_latent_moe_tail_candidates"
+
+
+def _is_call(node, target) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is target
+
+
+def _scaled_norm_outputs(rsqrt: torch.fx.Node):
+    """``w * (x * rsqrt(...))`` nodes (an optional dtype cast between) with a 1-D ``w``."""
+    for inner in rsqrt.users:
+        if not _is_call(inner, aten.mul.Tensor):
+            continue
+        casts = [u for u in inner.users if _is_call(u, torch.ops.prims.convert_element_type.default)]
+        for normed in [inner, *casts]:
+            for outer in normed.users:
+                if _is_call(outer, aten.mul.Tensor):
+                    weight = outer.args[0] if outer.args[1] is normed else outer.args[1]
+                    v = val(weight)
+                    if isinstance(v, torch.Tensor) and v.dim() == 1:
+                        yield outer
+
+
+def facts(graph: torch.fx.Graph, options) -> dict:
+    """How many tails this graph holds before rewriting: a normed latent projected by ``mm`` (or
+    ``addmm``) and added to something, with M not statically above the small-M limit."""
+    n = 0
+    for node in graph.nodes:
+        if not _is_call(node, aten.rsqrt.default):
+            continue
+        for h in _scaled_norm_outputs(node):
+            for user in h.users:
+                with_addend = (_is_call(user, aten.addmm.default) and user.args[1] is h) or (
+                    _is_call(user, aten.mm.default) and user.args[0] is h
+                    and any(_is_call(u, aten.add.Tensor) or _is_call(u, aten.addmm.default) for u in user.users))
+                v = val(h)
+                if with_addend and isinstance(v, torch.Tensor) and v.dim() == 2 and not statically_known_true(
+                        v.shape[0] > options.small_m_limit):
+                    n += 1
+    return {FACT: n}
+
+
+# ----------------------------------------------------------------------------------------------
+# The collective merge (tensor-parallel form)
+
+c10d = torch.ops._c10d_functional
+
+
+def _reduced_input(node):
+    """(all_reduce node, its input, reduce op, group) when ``node`` is ``wait_tensor(all_reduce(x))``."""
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_function"
+            and node.target is c10d.wait_tensor.default):
+        return None
+    ar = node.args[0]
+    if not (isinstance(ar, torch.fx.Node) and ar.op == "call_function" and ar.target is c10d.all_reduce.default):
+        return None
+    if len(ar.users) != 1:
+        return None
+    inp, reduce_op, group = ar.args[:3]
+    return ar, inp, reduce_op, group
+
+
+def _static_int(x):
+    return x if isinstance(x, int) else None
+
+
+def _merge_collectives(graph: torch.fx.Graph, tail: torch.fx.Node) -> bool:
+    lat_wait, sh_wait = tail.args[0], tail.args[1]
+    lat, sh = _reduced_input(lat_wait), _reduced_input(sh_wait)
+    if lat is None or sh is None or lat_wait is sh_wait:
+        return False
+    (lat_ar, lat_in, lat_op, lat_group), (sh_ar, sh_in, sh_op, sh_group) = lat, sh
+    if lat_op != "sum" or sh_op != "sum" or lat_group != sh_group:
+        return False
+    v_lat, v_sh = val(lat_in), val(sh_in)
+    if v_lat is None or v_sh is None or v_lat.dim() != 2 or v_sh.dim() != 2:
+        return False
+    if v_lat.dtype != v_sh.dtype or v_lat.device != v_sh.device:
+        return False
+    # Concatenating along the width needs the same rows: a sequence-parallel layout (rows split over
+    # ranks) or anything else with different M stays as it is.
+    if not statically_known_true(v_lat.shape[0] == v_sh.shape[0]):
+        return False
+    l, d = _static_int(v_lat.shape[1]), _static_int(v_sh.shape[1])
+    if l is None or d is None:
+        return False
+
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    later = max(lat_ar, sh_ar, key=order.__getitem__)
+    # the merged result exists only from ``later`` on: every reader must come after it
+    if any(order[u] < order[later] for w in (lat_wait, sh_wait) for u in w.users):
+        return False
+    with graph.inserting_before(later):
+        cat = graph.call_function(aten.cat.default, ([lat_in, sh_in], 1))
+        ar = graph.call_function(c10d.all_reduce.default, (cat, lat_op, lat_group))
+        wait = graph.call_function(c10d.wait_tensor.default, (ar,))
+        new_lat = graph.call_function(aten.slice.Tensor, (wait, 1, 0, l))
+        new_sh = graph.call_function(aten.slice.Tensor, (wait, 1, l, l + d))
+    v_cat = torch.cat([v_lat, v_sh], 1)
+    for node, v in ((cat, v_cat), (ar, v_cat), (wait, v_cat), (new_lat, v_cat[:, :l]), (new_sh, v_cat[:, l:])):
+        node.meta["val"] = v
+    lat_wait.replace_all_uses_with(new_lat)
+    sh_wait.replace_all_uses_with(new_sh)
+    for node in (lat_wait, sh_wait, lat_ar, sh_ar):
+        graph.erase_node(node)
+    return True
+
+
+def postprocess(graph: torch.fx.Graph, options) -> int:
+    """Merge the two all-reduces feeding each fused tail. Returns 0: the count stays one per tail."""
+    merged = sum(_merge_collectives(graph, node) for node in list(graph.nodes)
+                 if node.op == "call_function" and node.target is torch.ops.k3.latent_moe_tail.default)
+    if merged:
+        log.debug("%s: merged %d all-reduce pairs", NAME, merged)
+    return 0
+
+
+__all__ = ["NAME", "register", "expected", "facts", "postprocess", "get_inputs"]

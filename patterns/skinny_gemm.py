@@ -1,0 +1,213 @@
+"""Skinny GEMM: small-M matrix products (+ bias, + residual) -> ``k3::skinny_gemm``.
+
+Matches, in the post-grad graph (w: [N, K] as ``nn.Linear`` stores it, a: [M, K]):
+
+    mm(a, permute(w, [1, 0]))                                   -> skinny_gemm(a, w)
+    addmm(bias, a, permute(w, [1, 0]))     bias: [N] or [1, N]  -> skinny_gemm(a, w, bias)
+    addmm(r, a, permute(w, [1, 0]))        r: [M, N]            -> skinny_gemm(a, w, None, r)
+      (Inductor's own post-grad patterns fold ``mm + add`` into this form on CPU)
+    add(mm | addmm(...), r)            r: [M, N]                -> skinny_gemm(a, w, bias?, r)
+    add(reshape(mm | addmm(...), S), r)    r: S = [..., N]      -> reshape(skinny_gemm(a, w, bias?, r.reshape(M, N)), S)
+    (and the add with its operands swapped)
+
+Guard: M <= ``options.small_m_limit`` when M is static (decided at compile time); a symbolic M
+matches unless it is provably above the limit, and the op dispatches at run time (skinny kernel up
+to the limit, ``torch.addmm`` above). No broadcasting bias or residual, one dtype throughout,
+fp16 / bf16 / fp32 only.
+
+Not seen: products Inductor decomposes into pointwise ops before any post-grad pass -- K = 1; on
+CPU M = N = 1; on a GPU with coordinate-descent tuning (``mode="max-autotune*"``) M = 1 or N = 1.
+
+Order: last in ``PASS_ORDER``, so the latent-MoE tail and KDA passes claim their GEMMs first. Within
+this pass, the pattern matcher visits nodes from the graph's end, so an ``add`` with its residual is
+seen before the ``mm`` it consumes: the fused forms win over the bare ``mm``.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+import k3compile.ops.skinny_gemm  # noqa: F401  (registers k3::skinny_gemm)
+from k3compile.patterns._common import (
+    TRACE_DTYPES, aten, guard_or_false, pm, statically_known_true, trace_fn, val,
+)
+
+NAME = "skinny_gemm"
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# example sizes: all distinct, so no two dimensions are confused while tracing
+_M, _K, _N, _B = 6, 8, 10, 2
+
+
+# --- search functions (traced into patterns) --------------------------------------------------
+
+def _mm(a, w):
+    return aten.mm(a, aten.permute(w, [1, 0]))
+
+
+def _addmm(bias, a, w):
+    return aten.addmm(bias, a, aten.permute(w, [1, 0]))
+
+
+def _mm_res(a, w, r):
+    return _mm(a, w) + r
+
+
+def _res_mm(a, w, r):
+    return r + _mm(a, w)
+
+
+def _addmm_res(bias, a, w, r):
+    return _addmm(bias, a, w) + r
+
+
+def _res_addmm(bias, a, w, r):
+    return r + _addmm(bias, a, w)
+
+
+def _mm_nd_res(a, w, r):
+    return _mm(a, w).reshape(r.shape) + r
+
+
+def _res_mm_nd(a, w, r):
+    return r + _mm(a, w).reshape(r.shape)
+
+
+def _addmm_nd_res(bias, a, w, r):
+    return _addmm(bias, a, w).reshape(r.shape) + r
+
+
+def _res_addmm_nd(bias, a, w, r):
+    return r + _addmm(bias, a, w).reshape(r.shape)
+
+
+# --- replacements (closures over the options baked into the graph) ------------------------------
+
+def _replacements(backend: str, m_limit: int) -> dict:
+    op = torch.ops.k3.skinny_gemm.default
+
+    def mm(a, w):
+        return op(a, w, None, None, backend, m_limit)
+
+    def addmm(bias, a, w):
+        if bias.dim() == 2 and not statically_known_true(bias.shape[0] == 1):
+            return op(a, w, None, bias, backend, m_limit)   # a full [M, N] "bias" is a residual
+        return op(a, w, bias.reshape(w.shape[0]), None, backend, m_limit)
+
+    def mm_res(a, w, r):
+        return op(a, w, None, r, backend, m_limit)
+
+    def addmm_res(bias, a, w, r):
+        return op(a, w, bias.reshape(w.shape[0]), r, backend, m_limit)
+
+    def mm_nd_res(a, w, r):
+        return op(a, w, None, r.reshape(a.shape[0], w.shape[0]), backend, m_limit).reshape(r.shape)
+
+    def addmm_nd_res(bias, a, w, r):
+        r2 = r.reshape(a.shape[0], w.shape[0])
+        return op(a, w, bias.reshape(w.shape[0]), r2, backend, m_limit).reshape(r.shape)
+
+    return dict(mm=mm, addmm=addmm, mm_res=mm_res, addmm_res=addmm_res,
+                mm_nd_res=mm_nd_res, addmm_nd_res=addmm_nd_res)
+
+
+def get_inputs(dtype: torch.dtype, kind: str) -> list[torch.Tensor]:
+    """Example inputs for tracing: (bias?, a, w, r?) with r 2-D or 3-D."""
+    a = torch.empty(_M, _K, dtype=dtype)
+    w = torch.empty(_N, _K, dtype=dtype)
+    bias = torch.empty(_N, dtype=dtype)
+    r2 = torch.empty(_M, _N, dtype=dtype)
+    r3 = torch.empty(_B, _M // _B, _N, dtype=dtype)
+    return {
+        "mm": [a, w], "addmm": [bias, a, w], "mm_res": [a, w, r2], "addmm_res": [bias, a, w, r2],
+        "mm_nd_res": [a, w, r3], "addmm_nd_res": [bias, a, w, r3],
+    }[kind]
+
+
+# (search, replacement kind) -- residual forms first only for readability; the matcher's node
+# order is what makes them win (see the module doc).
+_PATTERNS = (
+    (_mm_res, "mm_res"), (_res_mm, "mm_res"),
+    (_addmm_res, "addmm_res"), (_res_addmm, "addmm_res"),
+    (_mm_nd_res, "mm_nd_res"), (_res_mm_nd, "mm_nd_res"),
+    (_addmm_nd_res, "addmm_nd_res"), (_res_addmm_nd, "addmm_nd_res"),
+    (_mm, "mm"), (_addmm, "addmm"),
+)
+
+
+# --- guard ------------------------------------------------------------------------------------
+
+def small_m(m, limit: int) -> bool:
+    """A static M decides now; a symbolic M matches unless provably above the limit (run-time dispatch)."""
+    if isinstance(m, int):
+        return m <= limit
+    return not statically_known_true(m > limit)
+
+
+def _same_shape(x, shape) -> bool:
+    return len(x) == len(shape) and all(guard_or_false(p == q) for p, q in zip(x, shape))
+
+
+def _bias_fits(shape, m, n, alone: bool) -> bool:
+    """addmm broadcasts its first operand; the op takes a [N] bias (also given as [1, N]) or, when no
+    other residual is fused, a full [M, N] one as the residual. Anything else ([M, 1], scalar) is refused."""
+    if _same_shape(shape, (n,)) or _same_shape(shape, (1, n)):
+        return True
+    return alone and _same_shape(shape, (m, n))
+
+
+def _can_skinny_gemm(match: pm.Match, limit: int) -> bool:
+    a, w = val(match.kwargs["a"]), val(match.kwargs["w"])
+    bias, r = val(match.kwargs.get("bias")), val(match.kwargs.get("r"))
+    if a is None or w is None or a.dim() != 2 or w.dim() != 2:
+        return False
+    if a.dtype not in KERNEL_DTYPES or any(t is not None and t.dtype != a.dtype for t in (w, bias, r)):
+        return False
+    m, n = a.shape[0], w.shape[0]
+    if bias is not None and not _bias_fits(bias.shape, m, n, alone=r is None):
+        return False
+    if r is not None:
+        out = val(match.output_node())
+        if out is None or out.dtype != a.dtype or not _same_shape(r.shape, out.shape):
+            return False  # broadcasting or type-promoting residual add
+        if r.dim() != 2 and not guard_or_false(r.numel() == m * n):
+            return False
+    return small_m(m, limit)
+
+
+# --- registration -----------------------------------------------------------------------------
+
+def register(pm_pass: pm.PatternMatcherPass, options) -> None:
+    replacements = _replacements(options.backend, options.small_m_limit)
+    check = functools.partial(_can_skinny_gemm, limit=options.small_m_limit)
+    for dtype in TRACE_DTYPES:
+        for search, kind in _PATTERNS:
+            pm.register_replacement(
+                search, replacements[kind], get_inputs(dtype, kind), trace_fn, pm_pass,
+                extra_check=check, skip_duplicates=True,
+            )
+
+
+def expected(summary: dict) -> bool:
+    """A K3 graph with any small-M (or symbolic-M) matrix product should produce a match."""
+    return bool(summary.get("is_k3")) and summary.get("graph_small_m_gemms", 0) > 0
+
+
+def facts(graph: torch.fx.Graph, options) -> dict:
+    """Read before any rewrite: how many mm / addmm nodes have a small or symbolic M."""
+    limit = options.small_m_limit
+    n = 0
+    for node in graph.find_nodes(op="call_function", target=aten.mm.default):
+        n += _candidate(node.args[0], limit)
+    for node in graph.find_nodes(op="call_function", target=aten.addmm.default):
+        n += _candidate(node.args[1], limit)
+    return {"graph_small_m_gemms": n}
+
+
+def _candidate(a_node, limit: int) -> bool:
+    a = val(a_node)
+    return a is not None and a.dim() == 2 and a.dtype in KERNEL_DTYPES and small_m(a.shape[0], limit)
+
+
+__all__ = ["NAME", "register", "expected", "facts", "get_inputs", "small_m"]

@@ -1,0 +1,169 @@
+"""k3compile.optimize / report on small hand-written modules: in-place compile, strict mode,
+chaining a user's pass, option folding, the cache key."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+import k3compile
+from k3compile.optimize import K3PassMissingError, state_of
+from k3compile.passes import K3Options, K3PostGradPass, summarize_model
+
+
+@pytest.fixture(autouse=True)
+def no_graph_caches():
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        torch._dynamo.reset()
+        yield
+
+
+class Decoder(torch.nn.Module):
+    """A residual projection and a ``generate`` that calls ``self(...)`` like a real model."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.proj = torch.nn.Linear(d, d)
+
+    def forward(self, h):
+        return self.proj(h) + h
+
+    def generate(self, h, steps):
+        for _ in range(steps):
+            h = self(h)
+        return h
+
+
+class FakeK3Config:
+    model_type = "kimi_k3"
+
+    class text_config:
+        model_type = "kimi_linear"
+        num_hidden_layers = 4
+        num_experts = 8
+        first_k_dense_replace = 1
+        linear_attn_config = {"kda_layers": [1, 2, 3], "full_attn_layers": [4]}
+
+
+class BroadcastBiasK3(torch.nn.Module):
+    """Looks like a K3 to summarize_model; its one small-M product has a [M, 1] bias the rewrite refuses."""
+    config = FakeK3Config
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+        self.b = torch.nn.Parameter(torch.randn(2, 1))
+
+    def forward(self, x):
+        return torch.addmm(self.b, x, self.w.T)
+
+
+def test_optimize_compiles_in_place_so_generate_runs_compiled():
+    model = Decoder()
+    h = torch.randn(2, 16)
+    ref = model.generate(h, 3)
+    assert k3compile.optimize(model, passes=["skinny_gemm"], backend="reference") is model
+    with torch.no_grad():
+        out = model.generate(h, 3)
+    torch.testing.assert_close(out, ref)
+    rep = k3compile.report(model)
+    assert rep.matches == {"skinny_gemm": 1}
+    assert rep.op_calls.get("skinny_gemm", 0) >= 3
+    assert rep.graphs[0].source == "pass ran" and rep.pass_seconds > 0
+    text = str(rep)
+    assert "skinny_gemm" in text and "reference" in text
+
+
+def test_report_needs_an_optimized_model():
+    with pytest.raises(ValueError, match="optimize"):
+        k3compile.report(Decoder())
+
+
+def test_summarize_model_reads_the_k3_config():
+    s = summarize_model(BroadcastBiasK3())
+    assert s == {"is_k3": True, "num_layers": 4, "kda_layers": 3, "mla_layers": 1, "moe_layers": 3,
+                 "tp_size": 1}
+    assert summarize_model(Decoder())["is_k3"] is False
+
+
+def test_strict_raises_when_an_expected_pass_matches_nothing():
+    model = BroadcastBiasK3()
+    k3compile.optimize(model, passes=["skinny_gemm"], strict=True)
+    with pytest.raises(Exception, match="skinny_gemm") as info:
+        model(torch.randn(2, 8))
+    assert isinstance(info.value, K3PassMissingError) or isinstance(info.value.__cause__, K3PassMissingError) \
+        or "K3PassMissingError" in str(info.value)
+
+
+def test_default_warns_naming_the_pass(caplog):
+    model = BroadcastBiasK3()
+    k3compile.optimize(model, passes=["skinny_gemm"])
+    with caplog.at_level(logging.WARNING, logger="k3compile"), torch.no_grad():
+        out = model(torch.randn(2, 8))
+    assert out.shape == (2, 8)
+    assert any("'skinny_gemm' matched nothing" in r.getMessage() for r in caplog.records)
+
+
+def test_no_warning_on_graphs_without_candidates(caplog):
+    class K3Decoder(Decoder):
+        config = FakeK3Config
+
+    model = K3Decoder()
+    k3compile.optimize(model, passes=["skinny_gemm"], strict=True)
+    with caplog.at_level(logging.WARNING, logger="k3compile"), torch.no_grad():
+        model(torch.randn(40, 16))   # M = 40 > limit: no candidate, nothing expected, no raise
+    assert not any("matched nothing" in r.getMessage() for r in caplog.records)
+    assert k3compile.report(model).matches == {"skinny_gemm": 0}
+
+
+class CountingPass(CustomGraphPass):
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, graph):
+        self.calls += 1
+
+    def uuid(self):
+        return "counting-pass-v1"
+
+
+def test_user_pass_is_chained_and_keyed():
+    user = CountingPass()
+    model = Decoder()
+    k3compile.optimize(model, passes=["skinny_gemm"], options={"post_grad_custom_post_pass": user})
+    with torch.no_grad():
+        model(torch.randn(2, 16))
+    assert user.calls == 1
+    ours = state_of(model).compiler.config["post_grad_custom_post_pass"]
+    assert isinstance(ours, K3PostGradPass) and ours.chained is user
+    assert ours.uuid() != K3PostGradPass(ours.options).uuid()
+
+
+def test_raw_callable_user_pass_warns_about_caching():
+    with torch._inductor.config.patch(post_grad_custom_post_pass=lambda g: None):
+        with pytest.warns(UserWarning, match="cannot cache"):
+            model = k3compile.optimize(Decoder(), passes=["skinny_gemm"])
+    assert state_of(model).compiler.config["post_grad_custom_post_pass"].uuid() is None
+
+
+def test_mode_is_folded_into_options():
+    model = k3compile.optimize(Decoder(), mode="max-autotune-no-cudagraphs")
+    config = state_of(model).compiler.config
+    assert config["max_autotune"] is True and isinstance(config["post_grad_custom_post_pass"], K3PostGradPass)
+
+
+def test_uuid_changes_with_every_option():
+    uuids = {K3PostGradPass(o).uuid() for o in (
+        K3Options(), K3Options(backend="triton"), K3Options(small_m_limit=8), K3Options(passes=("skinny_gemm",)))}
+    assert len(uuids) == 4
+    assert K3PostGradPass(K3Options()).uuid() == K3PostGradPass(K3Options()).uuid()
+
+
+@pytest.mark.parametrize("bad", [dict(backend="cuda"), dict(passes=["nope"]), dict(small_m_limit=0)],
+                         ids=["backend", "pass-name", "limit"])
+def test_bad_options_raise(bad):
+    with pytest.raises(ValueError):
+        k3compile.optimize(Decoder(), **bad)

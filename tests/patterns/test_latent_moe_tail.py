@@ -1,0 +1,409 @@
+"""The latent-MoE tail rewrite: fires exactly where the math is the tail's, and equals eager.
+
+Three levels, cheapest first:
+- graph level: a function traced to ATen with fake tensors (as Inductor's post-grad graph looks),
+  our pass applied, the rewritten graph run on real tensors. Collectives are traced by name with
+  no process group (their fake kernels need none), so the tensor-parallel form is checked here too.
+- Inductor: a small tail module and the micro K3 compiled with only this pass, caches off.
+- two gloo processes: the micro K3 with TP=2, the all-reduces counted in the graph after our pass.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from torch._guards import detect_fake_mode
+from torch._inductor.decomposition import select_decomp_table
+from torch._inductor.fx_passes.post_grad import view_to_reshape
+from torch._inductor.virtualized import V
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import k3compile.ops.latent_moe_tail  # noqa: F401  (registers k3::latent_moe_tail)
+from k3compile.passes import COMPILE_RECORD, K3Options, K3PostGradPass
+
+NAME = "latent_moe_tail"
+c10d = torch.ops._c10d_functional
+TAIL_OP = torch.ops.k3.latent_moe_tail.default
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# bf16 vs the model's own bf16 sequence: both round; the interpreter truncates (see tests/ops)
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+def rel_err(out, ref) -> float:
+    assert not out.isnan().any()
+    ref = ref.double()
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def count(graph, target) -> int:
+    return sum(1 for n in graph.nodes if n.op == "call_function" and n.target is target)
+
+
+def rms(x, w, eps):
+    """KimiRMSNorm as the model writes it."""
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+LAST_FACTS = {}
+
+
+def rewrite(fn, args, small_m_limit=16):
+    """Trace ``fn`` to a post-grad-like ATen graph on fake tensors, apply our pass; (module, matches).
+    The facts our module read from the graph before rewriting land in ``LAST_FACTS``."""
+    gm = make_fx(lambda *a: fn(*a), select_decomp_table(), tracing_mode="fake")(*args)
+    view_to_reshape(gm)
+    gm.graph.eliminate_dead_code()
+    fake_mode = detect_fake_mode([n.meta["val"] for n in gm.graph.nodes if "val" in n.meta])
+    COMPILE_RECORD.take()
+    with V.set_fake_mode(fake_mode):
+        K3PostGradPass(K3Options(passes=(NAME,), small_m_limit=small_m_limit))(gm.graph)
+    gm.recompile()
+    (record,) = COMPILE_RECORD.take()
+    LAST_FACTS.clear()
+    LAST_FACTS.update(record.facts)
+    return gm, record.matches[NAME]
+
+
+def tail_inputs(m, l, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(m, l, generator=g).to(dtype), torch.randn(m, d, generator=g).to(dtype),
+            (1 + 0.1 * torch.randn(l, generator=g)).to(dtype), (torch.randn(d, l, generator=g) / l ** 0.5).to(dtype)]
+
+
+# The spellings of one tail: the add on either side, the add folded into addmm, and the shared output
+# arriving as a product that Inductor folds with the tail's add into addmm(tail_mm, a, b).
+def tail_add_right(y, s, g, w, eps=1e-5):
+    return torch.nn.functional.linear(rms(y, g, eps), w) + s
+
+
+def tail_add_left(y, s, g, w, eps=1e-5):
+    return s + torch.nn.functional.linear(rms(y, g, eps), w)
+
+
+def tail_addmm(y, s, g, w, eps=1e-5):
+    return torch.addmm(s, rms(y, g, eps), w.t())
+
+
+def tail_shared_product(y, s, g, w, eps=1e-5):
+    # s [M, D] stands for a @ b with a = s, b = I (the shared experts' down-projection)
+    eye = torch.eye(s.shape[1], dtype=s.dtype)
+    return torch.addmm(torch.nn.functional.linear(rms(y, g, eps), w), s, eye)
+
+
+SPELLINGS = {f.__name__: f for f in (tail_add_right, tail_add_left, tail_addmm, tail_shared_product)}
+
+
+@settings(max_examples=max(10, settings.default.max_examples // 2))
+@given(m=st.integers(2, 16), l=st.integers(2, 70), d=st.integers(2, 50), dtype=st.sampled_from(sorted(DTYPES)),
+       eps=st.sampled_from([1e-6, 1e-5, 1e-3]), spelling=st.sampled_from(sorted(SPELLINGS)),
+       seed=st.integers(0, 2**16))
+@example(m=4, l=64, d=128, dtype="bf16", eps=1e-5, spelling="tail_add_right", seed=0)   # micro K3 widths
+@example(m=16, l=33, d=17, dtype="fp16", eps=1e-6, spelling="tail_shared_product", seed=1)
+def test_rewritten_graph_equals_eager(m, l, d, dtype, eps, spelling, seed):
+    fn = SPELLINGS[spelling]
+    args = tail_inputs(m, l, d, DTYPES[dtype], seed)
+    gm, matches = rewrite(lambda y, s, g, w: fn(y, s, g, w, eps), args)
+    assert matches == 1 and count(gm.graph, TAIL_OP) == 1, gm.code
+    assert count(gm.graph, torch.ops.aten.rsqrt.default) == 0
+    assert LAST_FACTS == {"graph_latent_moe_tail_candidates": 1}
+    ref = fn(*args, eps)
+    assert rel_err(gm(*args), ref) < TOL[DTYPES[dtype]], f"M{m}-L{l}-D{d}-{dtype}-{spelling}"
+
+
+def no_shared(y, s, g, w):
+    return torch.nn.functional.linear(rms(y, g, 1e-5), w)
+
+
+def no_norm(y, s, g, w):
+    return torch.nn.functional.linear(y, w) + s
+
+
+def norm_weight_2d(y, s, g, w):
+    return torch.nn.functional.linear(rms(y, g[None, :], 1e-5), w) + s
+
+
+def norm_in_low_precision(y, s, g, w):
+    """RMSNorm without the fp32 upcast: different rounding in bf16."""
+    return torch.nn.functional.linear(g * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5)), w) + s
+
+
+def eps_outside_sqrt(y, s, g, w):
+    yf = y.float()
+    return torch.nn.functional.linear(g * (yf / (yf.pow(2).mean(-1, keepdim=True).sqrt() + 1e-5)).to(y.dtype),
+                                      w) + s
+
+
+def shared_broadcast(y, s, g, w):
+    return torch.nn.functional.linear(rms(y, g, 1e-5), w) + s[:1]
+
+
+NEAR_MISSES = {f.__name__: f for f in (no_shared, no_norm, norm_weight_2d, norm_in_low_precision, eps_outside_sqrt,
+                                       shared_broadcast)}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("case", sorted(NEAR_MISSES))
+def test_does_not_fire_where_math_differs(case, dtype):
+    if case == "norm_in_low_precision" and dtype == "fp32":
+        pytest.skip("in fp32 the upcast is a no-op: the same math, and it does fire")
+    fn = NEAR_MISSES[case]
+    args = tail_inputs(4, 24, 16, DTYPES[dtype])
+    gm, matches = rewrite(fn, args)
+    assert matches == 0 and count(gm.graph, TAIL_OP) == 0
+    assert rel_err(gm(*args), fn(*args)) < 1e-6
+
+
+@pytest.mark.parametrize("m,limit,fires", [(16, 16, True), (17, 16, False), (8, 4, False), (4, 4, True)],
+                         ids=["M16-lim16", "M17-lim16", "M8-lim4", "M4-lim4"])
+def test_static_m_above_limit_left_to_inductor(m, limit, fires):
+    args = tail_inputs(m, 24, 16, torch.bfloat16)
+    _, matches = rewrite(lambda y, s, g, w: tail_add_right(y, s, g, w), args, small_m_limit=limit)
+    assert matches == int(fires)
+
+
+# ---------------------------------------------------------------------------------------------
+# tensor-parallel form, graph level (group "g0" of 2 ranks, never executed)
+
+def tp_tail(y, s, g, w, *, groups=("g0", "g0"), ops=("sum", "sum"), shared_collective="all_reduce"):
+    y = c10d.wait_tensor(c10d.all_reduce(y, ops[0], groups[0]))
+    if shared_collective == "all_reduce":
+        s = c10d.wait_tensor(c10d.all_reduce(s, ops[1], groups[1]))
+    elif shared_collective == "sequence_parallel":   # rows reduce-scattered, then gathered back
+        s = c10d.wait_tensor(c10d.reduce_scatter_tensor(s, "sum", 2, groups[1]))
+        s = c10d.wait_tensor(c10d.all_gather_into_tensor(s, 2, groups[1]))
+    return torch.nn.functional.linear(rms(y, g, 1e-5), w) + s
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_tp_two_all_reduces_become_one(dtype):
+    gm, matches = rewrite(tp_tail, tail_inputs(4, 24, 16, DTYPES[dtype]))
+    assert matches == 1 and count(gm.graph, TAIL_OP) == 1
+    assert count(gm.graph, c10d.all_reduce.default) == 1 and count(gm.graph, c10d.wait_tensor.default) == 1
+    (ar,) = [n for n in gm.graph.nodes if n.target is c10d.all_reduce.default]
+    assert ar.args[0].target is torch.ops.aten.cat.default and ar.args[1:] == ("sum", "g0")
+    assert tuple(ar.meta["val"].shape) == (4, 24 + 16)
+
+
+@pytest.mark.parametrize("kwargs", [dict(groups=("g0", "g1")), dict(ops=("sum", "avg")),
+                                    dict(shared_collective="sequence_parallel"), dict(shared_collective="none")],
+                         ids=["different-groups", "sum-and-avg", "sequence-parallel-shared", "shared-replicated"])
+def test_tp_collectives_left_alone_where_they_differ(kwargs):
+    """The tail itself still fuses (its inputs are complete tensors); the collectives are not merged."""
+    args = tail_inputs(4, 24, 16, torch.bfloat16)
+    gm0 = make_fx(lambda *a: tp_tail(*a, **kwargs), tracing_mode="fake")(*args)
+    gm, matches = rewrite(lambda *a: tp_tail(*a, **kwargs), args)
+    assert matches == 1
+    for op in (c10d.all_reduce.default, c10d.reduce_scatter_tensor.default, c10d.all_gather_into_tensor.default):
+        assert count(gm.graph, op) == count(gm0.graph, op), op
+
+
+@pytest.mark.parametrize("reader", ["before-shared-all-reduce", "after-both"])
+def test_tp_other_readers_of_the_reduced_latent(reader):
+    """Another reader of the reduced latent: it reads the slice when it comes after both collectives;
+    when it comes between them the merged result would not exist yet, so nothing merges."""
+    def fn(y, s, g, w):
+        y = c10d.wait_tensor(c10d.all_reduce(y, "sum", "g0"))
+        early = y.sum() if reader == "before-shared-all-reduce" else None
+        s = c10d.wait_tensor(c10d.all_reduce(s, "sum", "g0"))
+        late = y.sum() if early is None else early
+        return torch.nn.functional.linear(rms(y, g, 1e-5), w) + s, late
+    gm, matches = rewrite(fn, tail_inputs(4, 24, 16, torch.float32))
+    assert matches == 1
+    assert count(gm.graph, c10d.all_reduce.default) == (2 if reader == "before-shared-all-reduce" else 1)
+    gm.graph.lint()
+
+
+def test_tp_sequence_sharded_rows_keep_their_collectives():
+    """Shared output reduce-scattered to [M/2, D], the latent sliced to match: nothing to concatenate."""
+    def fn(y, s, g, w):
+        y = c10d.wait_tensor(c10d.all_reduce(y, "sum", "g0"))
+        s = c10d.wait_tensor(c10d.reduce_scatter_tensor(s, "sum", 2, "g0"))
+        return torch.nn.functional.linear(rms(y[: s.shape[0]], g, 1e-5), w) + s
+    gm, _ = rewrite(fn, tail_inputs(4, 24, 16, torch.bfloat16))
+    assert count(gm.graph, c10d.all_reduce.default) == 1
+    assert count(gm.graph, c10d.reduce_scatter_tensor.default) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# the model's own module, graph level: fires once, and not without shared experts or latent norm
+
+def moe_graph(**overrides):
+    from torch.func import functional_call
+
+    from k3compile.model import KimiK3Config
+    from k3compile.model.moe import KimiLatentMoE
+
+    torch.manual_seed(0)
+    cfg = KimiK3Config.micro(**overrides).text_config
+    moe = KimiLatentMoE(cfg)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=cfg.hidden_size ** -0.5)
+    params = dict(moe.named_parameters())
+    x = torch.randn(1, 3, cfg.hidden_size)
+    gm, matches = rewrite(lambda p, x: functional_call(moe, p, (x,)), (params, x))
+    return gm, matches, rel_err(gm(params, x), moe(x)) if matches else None
+
+
+@pytest.mark.parametrize("overrides,fires", [({}, True), ({"num_shared_experts": 0}, False),
+                                             ({"latent_moe_use_norm": False}, False)],
+                         ids=["k3", "no-shared-experts", "no-latent-norm"])
+@torch.no_grad()
+def test_model_moe_module(overrides, fires):
+    from k3compile.patterns.latent_moe_tail import FACT, expected
+
+    gm, matches, err = moe_graph(**overrides)
+    assert matches == int(fires) and count(gm.graph, TAIL_OP) == int(fires)
+    assert LAST_FACTS[FACT] == int(fires)
+    assert expected({"moe_layers": 3, **LAST_FACTS}) == fires
+    if fires:
+        assert err < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# through Inductor
+
+@pytest.fixture
+def no_graph_caches():
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+
+
+class CountingPass(K3PostGradPass):
+    """Our pass, counting all-reduces and fused tails in each graph before and after it runs."""
+
+    def __init__(self, options):
+        super().__init__(options)
+        self.seen = []
+
+    def __call__(self, graph):
+        before = count(graph, c10d.all_reduce.default)
+        super().__call__(graph)
+        self.seen.append(dict(all_reduce_before=before, all_reduce_after=count(graph, c10d.all_reduce.default),
+                              tails=count(graph, TAIL_OP)))
+
+
+class Tail(torch.nn.Module):
+    """down-projection to the latent, shared projection, then the tail (the single-device form)."""
+
+    def __init__(self, l, d):
+        super().__init__()
+        self.down, self.shared = torch.nn.Linear(d, l, bias=False), torch.nn.Linear(d, d, bias=False)
+        self.norm_weight = torch.nn.Parameter(1 + 0.1 * torch.randn(l))
+        self.up = torch.nn.Linear(l, d, bias=False)
+
+    def forward(self, x):
+        return self.up(rms(self.down(x), self.norm_weight, 1e-5)) + self.shared(x)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@torch.no_grad()
+def test_inductor_dynamic_m(dtype, no_graph_caches):
+    """A symbolic M: the pass fires once, the op picks the kernel or addmm at run time."""
+    torch._dynamo.reset()
+    model = Tail(40, 24).to(DTYPES[dtype])
+    pass_ = CountingPass(K3Options(passes=(NAME,)))
+    compiled = torch.compile(model, dynamic=True, options={"post_grad_custom_post_pass": pass_})
+    for m in (2, 9, 40):
+        x = torch.randn(m, 24, dtype=DTYPES[dtype])
+        assert rel_err(compiled(x), model(x)) < TOL[DTYPES[dtype]], f"M{m}"
+    assert [s["tails"] for s in pass_.seen] == [1]
+
+
+def greedy(model, step, ids, n):
+    """Eager prefill, then ``n - 1`` decode steps through ``step`` (the compiled or the eager model)."""
+    cache = model.allocate_cache(ids.shape[0], ids.shape[1] + n)
+    token = model(ids, cache=cache, logits_to_keep=1).argmax(-1)
+    tokens = [token]
+    for _ in range(n - 1):
+        token = step(token, cache=cache, logits_to_keep=1).argmax(-1)
+        tokens.append(token)
+    return torch.cat(tokens, 1)
+
+
+MICRO_LAYERS = 3   # layer 0 dense (KDA), 1 KDA + MoE, 2 MLA + MoE: two MoE layers
+
+
+def micro_k3(tp=None):
+    from k3compile.model import KimiK3Config, KimiK3ForConditionalGeneration
+
+    torch.manual_seed(0)
+    return KimiK3ForConditionalGeneration(KimiK3Config.micro(num_hidden_layers=MICRO_LAYERS), tp=tp).eval()
+
+
+def decode_compiled(model, n=4):
+    """(eager tokens, compiled tokens, what the pass saw) for a greedy decode of ``n`` tokens."""
+    torch._dynamo.reset()
+    ids = torch.randint(0, model.config.text_config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(1))
+    pass_ = CountingPass(K3Options(passes=(NAME,)))
+    compiled = torch.compile(model, options={"post_grad_custom_post_pass": pass_})
+    with torch.no_grad():
+        eager = greedy(model, model, ids, n)
+        fused = greedy(model, compiled, ids, n)
+    return eager, fused, pass_.seen
+
+
+@pytest.mark.slow
+def test_micro_k3_decode_single_device(no_graph_caches):
+    model = micro_k3()
+    n_moe = sum(hasattr(layer, "block_sparse_moe") for layer in model.text_model.layers)
+    eager, fused, seen = decode_compiled(model)
+    assert torch.equal(eager, fused), (eager, fused)
+    assert seen == [dict(all_reduce_before=0, all_reduce_after=0, tails=n_moe)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tp_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from k3compile.model import TPContext
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = micro_k3(TPContext.from_group())
+        n_moe = sum(hasattr(layer, "block_sparse_moe") for layer in model.text_model.layers)
+        eager, fused, seen = decode_compiled(model)
+        Path(out).write_text(json.dumps(dict(eager=eager.tolist(), fused=fused.tolist(), seen=seen, n_moe=n_moe)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_micro_k3_decode_tp2_gloo(tmp_path):
+    """Two CPU processes, TP=2 on gloo: one all-reduce per MoE layer instead of two, tokens equal eager."""
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET=os.environ.get("TRITON_INTERPRET", "1"))
+    procs = [subprocess.Popen([sys.executable, __file__, "--tp-worker", str(r), "2", str(port),
+                               str(tmp_path / f"rank{r}.json")], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    logs = [p.communicate(timeout=1200)[0] for p in procs]
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r} failed:\n{logs[r][-4000:]}"
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for res in results:
+        assert res["eager"] == res["fused"]
+        (seen,) = res["seen"]
+        assert seen["tails"] == res["n_moe"] == 2
+        assert seen["all_reduce_after"] == seen["all_reduce_before"] - res["n_moe"], seen
+    assert results[0]["fused"] == results[1]["fused"]
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--tp-worker"]:
+    _tp_worker(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
