@@ -25,7 +25,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+if "--smoke" in sys.argv:   # before triton is imported: the kernels then run in its interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -33,10 +36,15 @@ from k3compile.ops.latent_moe_tail import latent_moe_tail  # noqa: E402
 from k3compile.ops.latent_moe_tail.op import LATENT_MOE_TAIL  # noqa: E402
 from k3compile.ops.latent_moe_tail.reference import kimi_rms_norm, latent_moe_tail_ref  # noqa: E402
 from k3compile.ops.latent_moe_tail.triton import TailConfig, latent_moe_tail_triton  # noqa: E402
+from k3compile.passes import COMPILE_RECORD  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 ROTATE_BYTES = 640 * 2**20
 EPS = 1e-5
+# --smoke: the same code paths on CPU (gloo, wall-clock timing, tiny widths) to check the script
+# itself without a GPU; its numbers mean nothing.
+SMOKE = False
+DEVICE = "cuda"
 
 
 def parse_args(argv=None):
@@ -50,7 +58,10 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="M = 1, 16; fewer repetitions; a smaller sweep")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     p.add_argument("--json", type=str, default=None, help="write the rows here")
+    p.add_argument("--smoke", action="store_true", help="run every code path on CPU at tiny widths (no GPU)")
     args = p.parse_args(argv)
+    if args.smoke:
+        args.latent, args.hidden, args.m = 40, 56, [1, 3]
     if args.quick:
         args.m = [1, 16]
     return args
@@ -68,7 +79,8 @@ def tail_fused(latent, shared, norm_weight, up_weight):
     return latent_moe_tail(latent, shared, norm_weight, up_weight, EPS)
 
 
-def make_inputs(m, l, d, dtype, n_weights, seed=0, device="cuda"):
+def make_inputs(m, l, d, dtype, n_weights, seed=0):
+    device = DEVICE
     g = torch.Generator(device=device).manual_seed(seed)
     latent = torch.randn(m, l, generator=g, device=device).to(dtype)
     shared = torch.randn(m, d, generator=g, device=device).to(dtype)
@@ -85,7 +97,27 @@ def rel_err(out, ref):
 
 
 def n_rotations(d, l, dtype):
-    return max(1, math.ceil(ROTATE_BYTES / (d * l * dtype.itemsize)))
+    return 2 if SMOKE else max(1, math.ceil(ROTATE_BYTES / (d * l * dtype.itemsize)))
+
+
+def bench(fn, rep):
+    """Median ms of ``fn`` under a CUDA graph (wall clock of one call with --smoke)."""
+    if SMOKE:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    import triton.testing
+
+    return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
+
+
+def device_name():
+    return "cpu (smoke)" if SMOKE else torch.cuda.get_device_name()
+
+
+def synchronize():
+    if not SMOKE:
+        torch.cuda.synchronize()
 
 
 def tail_bytes(m, l, d, dtype):
@@ -93,32 +125,35 @@ def tail_bytes(m, l, d, dtype):
 
 
 def copy_ceiling_tbps(rep):
-    """Bytes read + written per second by a 2 GiB device-to-device copy (the 100% line)."""
-    import triton.testing
-
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
+    """Bytes read + written per second by a device-to-device copy of 1 GiB (2 GiB moved): the 100% line."""
+    n = 2**20 if SMOKE else 2**30
+    src = torch.empty(n, dtype=torch.uint8, device=DEVICE).random_()
     dst = torch.empty_like(src)
-    ms = triton.testing.do_bench_cudagraph(lambda: dst.copy_(src), rep=rep, return_mode="median")
+    ms = bench(lambda: dst.copy_(src), rep)
     del src, dst
-    return 2 * 2**30 / (ms * 1e-3) / 1e12
+    return 2 * n / (ms * 1e-3) / 1e12
 
 
 # ---------------------------------------------------------------------------------------------
 # one GPU
 
 def bench_single(args):
-    import triton.testing
-
     dtype = DTYPES[args.dtype]
     l, d = args.latent, args.hidden
     rep = 20 if args.quick else 100
     ceiling = copy_ceiling_tbps(rep)
     n_rot = n_rotations(d, l, dtype)
-    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  copy ceiling {ceiling:.2f} TB/s  "
+    print(f"device: {device_name()}  torch {torch.__version__}  copy ceiling {ceiling:.2f} TB/s  "
           f"weights rotated: {n_rot} x {d * l * dtype.itemsize / 2**20:.0f} MiB")
     providers = {"eager": tail_eager, "fused": tail_fused}
     if not args.no_compile:
+        from k3compile.passes import K3Options, K3PostGradPass
+
         providers["compile"] = torch.compile(tail_eager, dynamic=False)
+        # what k3compile.optimize gives the model's own sequence
+        k3_pass = K3PostGradPass(K3Options(passes=("latent_moe_tail",)))
+        providers["compile+k3"] = torch.compile(tail_eager, dynamic=False,
+                                                options={"post_grad_custom_post_pass": k3_pass})
 
     rows = []
     for m in args.m:
@@ -126,7 +161,8 @@ def bench_single(args):
         lat, sh, g, (w,) = make_inputs(m, l, d, dtype, 1, seed=1000 + m)
         ref = latent_moe_tail_ref(lat.float(), sh.float(), g.float(), w.float(), EPS)
         errs = {name: rel_err(fn(lat, sh, g, w), ref) for name, fn in providers.items()}
-        print(f"M={m:<3} rel err vs fp32: " + "  ".join(f"{k}={v:.2e}" for k, v in errs.items()))
+        print(f"M={m:<3} rel err vs fp32: " + "  ".join(f"{k}={v:.2e}" for k, v in errs.items())
+              + f"  k3 pass matches: {[g.matches for g in COMPILE_RECORD.take()]}")
 
         lat, sh, g, ws = make_inputs(m, l, d, dtype, n_rot, seed=m)
         floor_us = tail_bytes(m, l, d, dtype) / (ceiling * 1e12) * 1e6
@@ -136,8 +172,8 @@ def bench_single(args):
                 for w in ws:
                     fn(lat, sh, g, w)
             run()  # compile / warm up outside the graph
-            torch.cuda.synchronize()
-            times[name] = triton.testing.do_bench_cudagraph(run, rep=rep, return_mode="median") * 1e3 / n_rot
+            synchronize()
+            times[name] = bench(run, rep) * 1e3 / n_rot
         for name, us in times.items():
             rows.append(dict(mode="tp1", m=m, l=l, d=d, dtype=args.dtype, provider=name, us=us,
                              pct_ceiling=100 * floor_us / us, rel_err=errs[name],
@@ -160,8 +196,6 @@ def sweep_configs(quick):
 
 
 def bench_sweep(args):
-    import triton.testing
-
     dtype = DTYPES[args.dtype]
     l, d = args.latent, args.hidden
     rep = 20 if args.quick else 50
@@ -180,7 +214,7 @@ def bench_sweep(args):
                 def run(cfg=cfg):
                     for w in ws:
                         latent_moe_tail_triton(lat, sh, g, w, EPS, cfg)
-                us = triton.testing.do_bench_cudagraph(run, rep=rep, return_mode="median") * 1e3 / n_rot
+                us = bench(run, rep) * 1e3 / n_rot
             except Exception as e:  # a configuration that does not compile (shared memory) is skipped
                 print(f"M={m} {cfg}: {type(e).__name__}: {str(e)[:120]}")
                 continue
@@ -216,6 +250,11 @@ def time_graph_collective(fn, iters, replays):
     """
     import torch.distributed as dist
 
+    if SMOKE:
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -238,7 +277,7 @@ def time_graph_collective(fn, iters, replays):
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / iters)
-    med = torch.tensor([sorted(times)[len(times) // 2]], device="cuda")
+    med = torch.tensor([sorted(times)[len(times) // 2]], device=DEVICE)
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
     del graph
     return med.item()
@@ -247,18 +286,21 @@ def time_graph_collective(fn, iters, replays):
 def tp_worker(rank, world, port, args, result_path):
     import torch.distributed as dist
 
+    global SMOKE, DEVICE
+    SMOKE, DEVICE = args.smoke, "cpu" if args.smoke else "cuda"
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    if SMOKE:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    else:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
     dtype = DTYPES[args.dtype]
     l, d = args.latent, args.hidden
     n_rot = n_rotations(d, l, dtype)
     graph_reps, replays = (1, 20) if args.quick else (2, 50)   # a graph holds graph_reps x n_rot tails
     say = print if rank == 0 else (lambda *a, **k: None)
-    say(f"TP={world}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, NCCL_NVLS_ENABLE=0, "
-        f"{torch.cuda.get_device_name()}, weights rotated: {n_rot}")
-
-    compiled_tail = None if args.no_compile else torch.compile(tail_eager, dynamic=False)
+    comm = "gloo" if SMOKE else f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, NCCL_NVLS_ENABLE=0"
+    say(f"TP={world}, {comm}, {device_name()}, weights rotated: {n_rot}")
 
     def two_allreduces(lat, sh):
         lat, sh = lat.clone(), sh.clone()   # as Inductor lowers a functional all_reduce
@@ -271,14 +313,28 @@ def tp_worker(rank, world, port, args, result_path):
         dist.all_reduce(buf)
         return buf.split([l, d], dim=1)
 
+    group_name = dist.group.WORLD.group_name
+
+    def model_tail(lat, sh, g, w):
+        """The tail as the model writes it under TP (functional collectives), for torch.compile."""
+        from torch.distributed import _functional_collectives as funcol
+        lat = funcol.all_reduce(lat, "sum", group_name)
+        sh = funcol.all_reduce(sh, "sum", group_name)
+        return tail_eager(lat, sh, g, w)
+
     variants = {
         "2AR": lambda lat, sh, g, w: two_allreduces(lat, sh),
         "1AR(cat)": lambda lat, sh, g, w: one_allreduce(lat, sh),
         "2AR+eager": lambda lat, sh, g, w: tail_eager(*two_allreduces(lat, sh), g, w),
         "1AR+fused": lambda lat, sh, g, w: tail_fused(*one_allreduce(lat, sh), g, w),
     }
-    if compiled_tail is not None:
-        variants["2AR+compile"] = lambda lat, sh, g, w: compiled_tail(*two_allreduces(lat, sh), g, w)
+    if not args.no_compile:
+        from k3compile.passes import K3Options, K3PostGradPass
+
+        variants["compile"] = torch.compile(model_tail, dynamic=False)
+        k3_pass = K3PostGradPass(K3Options(passes=("latent_moe_tail",)))
+        variants["compile+k3"] = torch.compile(model_tail, dynamic=False,
+                                               options={"post_grad_custom_post_pass": k3_pass})
 
     rows = []
     for m in args.m:
@@ -291,10 +347,15 @@ def tp_worker(rank, world, port, args, result_path):
         dist.all_reduce(sh32)
         ref = latent_moe_tail_ref(lat32, sh32, g.float(), w.float(), EPS)
         errs = {}
-        for name in ("2AR+eager", "2AR+compile", "1AR+fused"):
+        for name in ("2AR+eager", "1AR+fused", "compile", "compile+k3"):
             if name in variants:
-                errs[name] = rel_err(variants[name](lat, sh, g, w), ref)
-        say(f"M={m:<3} rel err vs fp32 (rank 0): " + "  ".join(f"{k}={v:.2e}" for k, v in errs.items()))
+                try:
+                    errs[name] = rel_err(variants[name](lat, sh, g, w), ref)
+                except Exception as e:   # deterministic, so every rank drops the same variant
+                    say(f"{name} failed: {type(e).__name__}: {str(e)[:300]}")
+                    variants.pop(name)
+        say(f"M={m:<3} rel err vs fp32 (rank 0): " + "  ".join(f"{k}={v:.2e}" for k, v in errs.items())
+            + f"  k3 pass matches: {[g.matches for g in COMPILE_RECORD.take()]}")
 
         lat, sh, g, ws = make_inputs(m, l, d, dtype, n_rot, seed=m)
         times = {}
@@ -304,7 +365,7 @@ def tp_worker(rank, world, port, args, result_path):
                     fn(lat, sh, g, w)
             times[name] = time_graph_collective(run, iters=graph_reps, replays=replays) / n_rot
         for name, us in times.items():
-            base = "2AR+compile" if "2AR+compile" in times else "2AR+eager"
+            base = "compile" if "compile" in times else "2AR+eager"
             rows.append(dict(mode=f"tp{world}", m=m, l=l, d=d, dtype=args.dtype, provider=name, us=us,
                              pct_ceiling=None, rel_err=errs.get(name, float("nan")),
                              speedup_vs_eager=times["2AR+eager"] / us, speedup_vs_compile=times[base] / us))
@@ -321,7 +382,7 @@ def bench_tp(args):
 
     import torch.multiprocessing as mp
 
-    if torch.cuda.device_count() < args.tp:
+    if not args.smoke and torch.cuda.device_count() < args.tp:
         raise SystemExit(f"--tp {args.tp} needs {args.tp} GPUs, found {torch.cuda.device_count()}")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -332,9 +393,11 @@ def bench_tp(args):
 
 
 def main(argv=None):
+    global SMOKE, DEVICE
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA GPU")
+    SMOKE, DEVICE = args.smoke, "cpu" if args.smoke else "cuda"
+    if not SMOKE and not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU (or --smoke)")
     t0 = time.time()
     if args.tp > 1:
         rows, meta = bench_tp(args)
@@ -342,7 +405,7 @@ def main(argv=None):
         rows, meta = bench_sweep(args)
     else:
         rows, meta = bench_single(args)
-    meta.update(device=torch.cuda.get_device_name(), torch=torch.__version__, argv=sys.argv[1:],
+    meta.update(device=device_name(), torch=torch.__version__, argv=sys.argv[1:],
                 seconds=time.time() - t0)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))

@@ -52,7 +52,9 @@ def providers():
         from k3compile.ops.skinny_gemm import cute as kc
         if kc.available(torch.empty(1, 8, device="cuda", dtype=torch.bfloat16),
                         torch.empty(8, 8, device="cuda", dtype=torch.bfloat16)) is None:
-            out["cute"] = lambda a, w, cfg=None: kc.skinny_gemm_cute(a, w, cfg=cfg)
+            # the benchmark's weights are parameters no kernel writes (--dynamic-weight: the default path)
+            static = "--dynamic-weight" not in sys.argv
+            out["cute"] = lambda a, w, cfg=None: kc.skinny_gemm_cute(a, w, cfg=cfg, static_weight=static)
     except Exception as e:
         print(f"# cute kernel not benchmarked: {type(e).__name__}: {e}", file=sys.stderr)
     return out
@@ -78,6 +80,7 @@ def main():
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--dynamic-weight", action="store_true", help="time the CuTe kernel without static_weight")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     ms = [int(x) for x in args.ms.split(",")]

@@ -64,7 +64,7 @@ class KimiK3Cache:
 
     @property
     def batch_size(self) -> int:
-        return self.pos.new_zeros(0).shape[0] if not self.layers else self.layers[0].tensors()[0].shape[0]
+        return self.layers[0].tensors()[0].shape[0]
 
     def reset(self) -> None:
         for state in self.layers:

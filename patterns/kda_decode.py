@@ -202,9 +202,22 @@ def register(pm_pass: pm.PatternMatcherPass, options) -> None:
         )
 
 
+def facts(graph: torch.fx.Graph, options) -> dict:
+    """Read before any rewrite: how many one-token conv-state windows ``cat([state, x[..., None]], -1)``
+    the graph holds (three per KDA decode step; a prefill concatenates a whole [B, P, T] block)."""
+    n = 0
+    for node in graph.find_nodes(op="call_function", target=torch.ops.aten.cat.default):
+        parts = node.args[0]
+        if (len(parts) == 2 and isinstance(parts[0], torch.fx.Node) and parts[0].op == "placeholder"
+                and isinstance(parts[1], torch.fx.Node) and parts[1].target == torch.ops.aten.unsqueeze.default):
+            n += 1
+    return {"graph_kda_decode_convs": n}
+
+
 def expected(model_summary: dict) -> bool:
-    """A K3 / Kimi Linear model with KDA layers; only its decode graphs (one token) match."""
-    return bool(model_summary.get("is_k3")) and model_summary.get("kda_layers", 0) > 0
+    """A K3 / Kimi Linear model with KDA layers, on a graph with one-token conv windows (a decode step)."""
+    return (bool(model_summary.get("is_k3")) and model_summary.get("kda_layers", 0) > 0
+            and model_summary.get("graph_kda_decode_convs", 1) > 0)
 
 
 def postprocess(graph: torch.fx.Graph, options) -> int:

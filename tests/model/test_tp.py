@@ -1,6 +1,7 @@
 """Tensor parallelism: two gloo processes give the single-process logits, and the all-reduces are in the graph
 torch.compile captures."""
 import os
+import re
 import socket
 
 import pytest
@@ -65,5 +66,7 @@ def test_tp2_gloo_equals_tp1(tmp_path):
         assert rel < 1e-5, rel
         rel_c = ((r["compiled_step"][:, 0] - ref[:, 8]).norm() / ref[:, 8].norm()).item()
         assert rel_c < 1e-5, rel_c
-        # KDA/MLA o_proj, dense MLP, and the MoE tail's two reductions are collectives in the captured graph
-        assert r["graph"].count("all_reduce") >= 4 + 2 * 3, r["graph"].count("all_reduce")
+        # in the captured graph: one all-reduce per attention layer (4) and for the dense MLP (1), two per MoE
+        # tail (routed latent and shared experts, 3 layers)
+        calls = re.findall(r"call_function\[target=[^\]]*all_reduce", r["graph"])
+        assert len(calls) == 4 + 1 + 2 * 3, calls

@@ -78,14 +78,15 @@ def test_heuristic_config_is_launchable(m, n, k):
 def test_compiles_for_sm90a_without_gpu(monkeypatch, tmp_path):
     monkeypatch.setenv("CUTE_DSL_ARCH", os.environ.get("CUTE_DSL_ARCH", "sm_90a"))
     monkeypatch.setenv("K3_CUTE_CACHE_DIR", str(tmp_path))
-    fn = kc.compile_kernel(torch.bfloat16, 3, cfgmod.SkinnyConfig(2, 1, 2, 2), True, True)
-    assert fn is not None
-    assert any(p.suffix == ".o" for p in tmp_path.rglob("*"))
+    for cfg, static in [(cfgmod.SkinnyConfig(2, 1, 2, 2), False), (cfgmod.SkinnyConfig(1, 1, 4, 2, stages=3), False),
+                        (cfgmod.SkinnyConfig(1, 1, 4, 2, stages=3), True)]:
+        assert kc.compile_kernel(torch.bfloat16, 3, cfg, True, True, static) is not None
+    assert len([p for p in tmp_path.rglob("*.o")]) == 3  # the on-disk cache a second process loads
 
 
 # ---------------------------------------------------------------------------------------- GPU tests
 
-def _run(m, n, k, dtype, bias, residual, cfg=None):
+def _run(m, n, k, dtype, bias, residual, cfg=None, static_weight=False):
     a = torch.randn(m, k, device="cuda", dtype=dtype)
     w = torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5
     b = torch.randn(n, device="cuda", dtype=dtype) if bias else None
@@ -93,7 +94,7 @@ def _run(m, n, k, dtype, bias, residual, cfg=None):
     assert kc.available(a, w, b, r) is None
     assert kc.supports(a, w, b, r) is None
     out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
-    kc.skinny_gemm_cute(a, w, b, r, cfg=cfg, out=out)
+    kc.skinny_gemm_cute(a, w, b, r, cfg=cfg, out=out, static_weight=static_weight)
     ref = skinny_gemm_reference(a.double(), w.double(), None if b is None else b.double(),
                                 None if r is None else r.double())
     assert not out.isnan().any(), "unwritten or NaN outputs"
@@ -117,8 +118,9 @@ def test_matches_reference_random_shapes(m, n, k, dtype, bias, residual):
                                  cfgmod.SkinnyConfig(1, 1, 8, 2, stages=4), cfgmod.SkinnyConfig(2, 2, 2, 1, stages=3)],
                          ids=lambda c: c.tag())
 @pytest.mark.parametrize("m", [1, 8, 9, 16], ids=lambda m: f"M{m}")
-def test_every_config_matches_reference(cfg, m):
-    _run(m, 1000, 2056, torch.bfloat16, True, True, cfg=cfg)
+@pytest.mark.parametrize("static_weight", [False, True], ids=["dynamic_w", "static_w"])
+def test_every_config_matches_reference(cfg, m, static_weight):
+    _run(m, 1000, 2056, torch.bfloat16, True, True, cfg=cfg, static_weight=static_weight)
 
 
 @pytest.mark.gpu

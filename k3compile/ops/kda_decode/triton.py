@@ -78,6 +78,11 @@ def kda_decode_kernel(
     o_v = tl.arange(0, BV)
     m_k = o_k < K
     m_v = o_v < V
+    m_s = m_v[:, None] & m_k[None, :]
+    # Issue the first state tile's load before any conv-state store: the compiler cannot prove the
+    # pointers disjoint, so a load placed after a store would wait for it (and for the conv math).
+    p_s = state + i_b * stride_state + (i_h * (HV // H)) * V * K + o_v[:, None] * K + o_k[None, :]
+    b_s_next = tl.load(p_s, mask=m_s, other=0, eviction_policy="evict_first")
 
     b_q = _short_conv_step(q + i_b * stride_q + i_h * K, conv_q + i_b * stride_cq + i_h * K * (W - 1),
                            w_q + i_h * K * W, o_k, m_k, W)
@@ -105,10 +110,11 @@ def kda_decode_kernel(
             b_g = -b_a * tl.where(b_f > 20.0, b_f, b_sp)
         b_beta = tl.sigmoid(tl.load(beta + i_b * stride_beta + i_hv).to(tl.float32))
 
-        # delta rule on the V-first state tile S [V, K]
+        # delta rule on the V-first state tile S [V, K]; prefetch the next value head's tile
+        b_s = b_s_next
         p_s = state + i_b * stride_state + i_hv * V * K + o_v[:, None] * K + o_k[None, :]
-        m_s = m_v[:, None] & m_k[None, :]
-        b_s = tl.load(p_s, mask=m_s, other=0)
+        if i_g + 1 < HV // H:
+            b_s_next = tl.load(p_s + V * K, mask=m_s, other=0, eviction_policy="evict_first")
         b_s *= tl.exp(b_g)[None, :]
         b_u = b_beta * (b_v - tl.sum(b_s * b_k[None, :], 1))
         b_s += b_u[:, None] * b_k[None, :]

@@ -95,11 +95,13 @@ def _kernel_class():
     class SkinnyGemm:
         """C[M, N] = A[M, K] · B[N, K]ᵀ (+ bias[N]) (+ R[M, N]); M, dtype and tiling fixed."""
 
-        def __init__(self, dtype, m: int, cfg: _config.SkinnyConfig, has_bias: bool, has_res: bool):
+        def __init__(self, dtype, m: int, cfg: _config.SkinnyConfig, has_bias: bool, has_res: bool,
+                     static_weight: bool):
             self.dtype = dtype
             self.m = m
             self.rg, self.wn, self.wk, self.unroll = cfg.row_groups, cfg.warps_n, cfg.warps_k, cfg.unroll
             self.prefetch = cfg.prefetch
+            self.static_weight = static_weight
             self.stages = cfg.stages
             self.block_n = cfg.block_n
             self.threads = cfg.threads
@@ -252,10 +254,10 @@ def _kernel_class():
                                rA32: cute.Tensor, rB32: cute.Tensor, smem):
             """Full chunks with the weight streamed by cp.async through a per-warp ring of S stages.
 
-            Loads in flight then cost shared memory, not registers, and the first S-1 stages are issued
-            before ``griddepcontrol.wait`` (the weight never depends on the previous kernel). Every lane
-            reads back only the 16-byte slots it wrote itself, so no barrier is needed, only
-            ``cp.async.wait_group``.
+            Loads in flight then cost shared memory, not registers. With ``static_weight`` (a parameter
+            no kernel writes) the first S-1 stages are issued before ``griddepcontrol.wait``, overlapping
+            the previous kernel's tail (PDL); otherwise only an L2 prefetch is. Every lane reads back only
+            the 16-byte slots it wrote itself, so no barrier is needed, only ``cp.async.wait_group``.
             """
             RG: cutlass.Constexpr = self.rg
             U: cutlass.Constexpr = self.unroll
@@ -270,6 +272,19 @@ def _kernel_class():
                 self.dtype, num_bits_per_copy=128)
             count = (cutlass.max(n_full - wk, 0) + WK - 1) // WK  # chunks of this warp
 
+            if cutlass.const_expr(not self.static_weight):
+                # the weight may be the previous kernel's output: only warm L2 (coherent) before the
+                # wait; the copies into shared memory start after it
+                if cutlass.const_expr(self.prefetch):
+                    for st in cutlass.range_constexpr(S - 1):
+                        if st < count:
+                            kvp = (wk + st * WK) * CHV + t
+                            for u in cutlass.range_constexpr(U):
+                                for r in cutlass.range_constexpr(RG):
+                                    v = gB[rows[r], (None, kvp + 4 * u)]
+                                    cute.arch.prefetch(v.iterator.llvm_ptr, cache_level="L2")
+                cute.arch.griddepcontrol_wait()
+
             for st in cutlass.range_constexpr(S - 1):
                 if st < count:
                     kv0 = (wk + st * WK) * CHV + t
@@ -280,8 +295,9 @@ def _kernel_class():
                                       sW[None, lane, r * U + u, st, warp])
                 cute.arch.cp_async_commit_group()
 
-            # PDL: the prologue above overlaps the previous kernel's tail; A may be its output
-            cute.arch.griddepcontrol_wait()
+            if cutlass.const_expr(self.static_weight):
+                # PDL: the prologue above overlapped the previous kernel's tail; A may be its output
+                cute.arch.griddepcontrol_wait()
 
             for i in cutlass.range(0, count, 1, unroll=1):
                 nxt = i + S - 1
@@ -366,9 +382,10 @@ def _cache_dir() -> Optional[str]:
     return None if d == "0" else os.path.join(d, _source_fingerprint())
 
 
-def compile_kernel(dtype: torch.dtype, m: int, cfg: _config.SkinnyConfig, has_bias: bool, has_res: bool):
+def compile_kernel(dtype: torch.dtype, m: int, cfg: _config.SkinnyConfig, has_bias: bool, has_res: bool,
+                   static_weight: bool = False):
     """The compiled kernel for this variant: from memory, else from disk, else compiled (and saved)."""
-    key = (dtype, m, cfg, has_bias, has_res)
+    key = (dtype, m, cfg, has_bias, has_res, static_weight)
     fn = _compiled.get(key)
     if fn is not None:
         return fn
@@ -381,8 +398,9 @@ def compile_kernel(dtype: torch.dtype, m: int, cfg: _config.SkinnyConfig, has_bi
 
 
 def _variant_name(key) -> str:
-    dtype, m, cfg, has_bias, has_res = key
-    return f"k3_skinny_{str(dtype).split('.')[-1]}_m{m}_{cfg.tag().replace('-', '_')}_b{int(has_bias)}_r{int(has_res)}"
+    dtype, m, cfg, has_bias, has_res, static_w = key
+    return (f"k3_skinny_{str(dtype).split('.')[-1]}_m{m}_{cfg.tag().replace('-', '_')}"
+            f"_b{int(has_bias)}_r{int(has_res)}_s{int(static_w)}")
 
 
 def _load_or_compile(key):
@@ -396,8 +414,8 @@ def _load_or_compile(key):
             return cute.runtime.load_module(path, enable_tvm_ffi=True)[name]
         except Exception:  # a stale or torn file: recompile below and overwrite it
             pass
-    dtype, m, cfg, has_bias, has_res = key
-    kern = _kernel_class()(_cute_dtype(dtype), m, cfg, has_bias, has_res)
+    dtype, m, cfg, has_bias, has_res, static_w = key
+    kern = _kernel_class()(_cute_dtype(dtype), m, cfg, has_bias, has_res, static_w)
     fn = cute.compile(kern, *_fake_args(dtype, m, has_bias, has_res), options="--enable-tvm-ffi")
     if path:
         try:
@@ -416,18 +434,20 @@ def _load_or_compile(key):
 def skinny_gemm_cute(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
                      residual: Optional[torch.Tensor] = None,
                      cfg: Optional[_config.SkinnyConfig] = None,
-                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     out: Optional[torch.Tensor] = None, static_weight: bool = False) -> torch.Tensor:
     """``a @ w.T (+ bias) (+ residual)`` on the current CUDA stream; returns a new [M, N] tensor.
 
     a: [M, K] (M ≤ 16), w: [N, K], bias: [N], residual: [M, N]; bf16 or fp16; K % 8 == 0. Call
     ``available``/``supports`` first (the op's dispatch does). ``cfg`` overrides the table (benchmarks);
     ``out`` (a contiguous [M, N] tensor of a's dtype) receives the result instead of a new tensor.
+    ``static_weight=True`` promises that no kernel writes ``w`` (a module parameter): the kernel then
+    starts streaming it before waiting on the previous kernel (PDL), which is unsafe otherwise.
     """
     m, k = a.shape
     n = w.shape[0]
     if cfg is None:
         cfg = _config.choose(m, n, k) or _config.heuristic(m, n, k)
-    fn = compile_kernel(a.dtype, m, cfg, bias is not None, residual is not None)
+    fn = compile_kernel(a.dtype, m, cfg, bias is not None, residual is not None, static_weight)
     if out is None:
         out = torch.empty((m, n), dtype=a.dtype, device=a.device)
     fn(a, w, out, bias, residual)
@@ -436,7 +456,7 @@ def skinny_gemm_cute(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tens
 
 def warmup(dtype: torch.dtype, m: int, n: Optional[int] = None, k: Optional[int] = None,
            has_bias: bool = False, has_residual: bool = False,
-           cfg: Optional[_config.SkinnyConfig] = None) -> None:
+           cfg: Optional[_config.SkinnyConfig] = None, static_weight: bool = False) -> None:
     """Compile (or load) the variant a later call will use, so CUDA-graph capture never compiles.
 
     With n and k, the configuration those shapes choose; else ``cfg`` or the heuristic's default.
@@ -444,4 +464,4 @@ def warmup(dtype: torch.dtype, m: int, n: Optional[int] = None, k: Optional[int]
     if cfg is None:
         cfg = _config.choose(m, n, k) if n is not None and k is not None else _config.heuristic(m, 4096, 4096)
     if cfg is not None:
-        compile_kernel(dtype, m, cfg, has_bias, has_residual)
+        compile_kernel(dtype, m, cfg, has_bias, has_residual, static_weight)
