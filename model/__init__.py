@@ -1,8 +1,12 @@
-"""The plain PyTorch Kimi K3 (``k3compile.model``): config, model, cache, loading. Imports nothing from k3compile."""
+"""The plain PyTorch Kimi K3 (``k3compile.model``): config, model, cache, loading, vision, processor, MTP.
+Imports nothing from k3compile."""
 from .cache import KDAState, KimiK3Cache, MLAState
 from .config import KimiK3Config, KimiK3TextConfig, KimiK3VisionConfig
 from .modeling import KimiDecoderLayer, KimiK3ForCausalLM, KimiK3ForConditionalGeneration, KimiK3TextModel
+from .mtp import KimiK3MultiTokenPredictor, SpeculativeResult, speculative_generate
 from .parallel import TPContext
+from .processing import KimiK3ImageProcessor, KimiK3Processor
+from .vision import MoonViT, PatchMergerV2
 from .auto import register as _register_auto
 
 _register_auto()
@@ -10,4 +14,6 @@ _register_auto()
 __all__ = [
     "KimiK3Config", "KimiK3TextConfig", "KimiK3VisionConfig", "KimiK3ForConditionalGeneration",
     "KimiK3ForCausalLM", "KimiK3TextModel", "KimiDecoderLayer", "KimiK3Cache", "KDAState", "MLAState", "TPContext",
+    "MoonViT", "PatchMergerV2", "KimiK3Processor", "KimiK3ImageProcessor", "KimiK3MultiTokenPredictor",
+    "SpeculativeResult", "speculative_generate",
 ]

@@ -30,6 +30,30 @@ MXFP4_GROUP = 32
 
 ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
 
+# MTP layers (spec §10) are published as text layers past the last one: language_model.model.layers.{L+s}.*;
+# this model keeps them under mtp.layers.{s}.*, the decoder-layer part under mtp.layers.{s}.mtp_block.*.
+TEXT_LAYER = re.compile(r"^language_model\.model\.layers\.(\d+)\.(.*)$")
+MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.*)$")
+MTP_OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")
+
+
+def mtp_key_to_published(key: str, num_hidden_layers: int) -> str:
+    """``mtp.layers.{s}[.mtp_block].rest`` -> ``language_model.model.layers.{L+s}.rest``; other keys unchanged."""
+    m = MTP_LAYER.match(key)
+    if m is None:
+        return key
+    rest = m.group(2).removeprefix("mtp_block.")
+    return f"language_model.model.layers.{num_hidden_layers + int(m.group(1))}.{rest}"
+
+
+def published_key_to_mtp(key: str, num_hidden_layers: int) -> str:
+    """Inverse of :func:`mtp_key_to_published` for layer indices >= num_hidden_layers."""
+    m = TEXT_LAYER.match(key)
+    if m is None or int(m.group(1)) < num_hidden_layers:
+        return key
+    s, rest = int(m.group(1)) - num_hidden_layers, m.group(2)
+    return f"mtp.layers.{s}.{rest}" if rest.startswith(MTP_OWN) else f"mtp.layers.{s}.mtp_block.{rest}"
+
 
 # -- MXFP4 -----------------------------------------------------------------------------------------------------
 def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -118,14 +142,16 @@ def _param_for_key(model: torch.nn.Module, key: str):
 def convert_checkpoint(model, tensors: dict, dtype: torch.dtype, tp: TPContext) -> dict:
     """Published tensors -> this model's state dict (dequantised, trimmed, sharded, cast)."""
     from .modeling import FP32_PARAMS
-    heads = model.config.text_config.linear_attn_config["num_heads"]
+    text = model.config.text_config
+    heads = text.linear_attn_config["num_heads"]
+    tensors = {published_key_to_mtp(k, text.num_hidden_layers): t for k, t in tensors.items()}
     tensors = dequantize_experts(tensors, dtype)
     own = {name for name, _ in model.named_parameters()}
     state = {}
     for key, t in tensors.items():
-        top = key.split(".", 1)[0]
-        if top in ("vision_tower", "mm_projector") and not hasattr(model, top):
-            continue  # the text-only model has no vision tower yet
+        if key.startswith("mtp.") and not hasattr(model, "mtp"):
+            raise KeyError(f"checkpoint holds MTP layer tensors ({key!r}) but the config has "
+                           f"num_nextn_predict_layers = {text.num_nextn_predict_layers}")
         if key.endswith("A_log"):
             t = t.reshape(-1)
             if t.numel() > heads:  # published: per-head [H] zero-padded for kernels
@@ -208,7 +234,9 @@ def save_pretrained(model, path, max_shard_size: int = 5 * 1024 ** 3, quantize_e
     if not quantize_experts and getattr(config, "quantization_config", None) is not None:
         config.quantization_config = None
     tensors = {}
+    L = config.text_config.num_hidden_layers
     for key, t in model.state_dict().items():
+        key = mtp_key_to_published(key, L)
         t = t.detach().to("cpu")
         if quantize_experts and ROUTED_EXPERT.search(key):
             packed, scale = quantize_mxfp4(t)

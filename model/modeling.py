@@ -20,6 +20,7 @@ from .layers import KimiMLP, RMSNorm
 from .mla import KimiMLAAttention
 from .moe import KimiLatentMoE
 from .parallel import SINGLE, TPContext
+from .vision import MoonViT, PatchMergerV2, grid_list, image_features, merge_image_features
 
 # Tensors the checkpoint keeps in fp32 (and so does ``set_dtype``).
 FP32_PARAMS = ("A_log", "dt_bias", "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "o_norm.weight",
@@ -36,14 +37,17 @@ class AttnResMix(nn.Module):
 
 
 class KimiDecoderLayer(nn.Module):
+    """One decoder layer. attn_res_block_size: -1 = the config's, 0 = plain pre-norm residual (MTP);
+    is_mla: None = the config's 1-based ``full_attn_layers`` rule (MTP layers past the last index pass True)."""
+
     def __init__(self, config: KimiK3TextConfig, layer_idx: int, tp: TPContext = SINGLE,
-                 attn_res_block_size: Optional[int] = -1):
+                 attn_res_block_size: Optional[int] = -1, is_mla: Optional[bool] = None):
         super().__init__()
         D, eps = config.hidden_size, config.rms_norm_eps
         self.layer_idx = layer_idx
         self.block_size = config.attn_res_block_size if attn_res_block_size == -1 else attn_res_block_size
         self.eps = eps
-        self.is_mla = config.is_mla_layer(layer_idx)
+        self.is_mla = config.is_mla_layer(layer_idx) if is_mla is None else bool(is_mla)
         self.self_attn = (KimiMLAAttention if self.is_mla else KimiDeltaAttention)(config, layer_idx, tp)
         if config.is_moe_layer(layer_idx):
             self.block_sparse_moe = KimiLatentMoE(config, tp)
@@ -121,10 +125,13 @@ class KimiK3ForCausalLM(nn.Module):
 
 
 class KimiK3ForConditionalGeneration(nn.Module):
-    """Kimi K3 (text path; the vision tower plugs into :meth:`embed_input_ids`).
+    """Kimi K3: text tower, MoonViT-V2 vision tower + patchmergerv2 projector, optional MTP module.
 
     >>> model = KimiK3ForConditionalGeneration(KimiK3Config.tiny()).eval()
     >>> new_tokens = model.generate(input_ids, max_new_tokens=8)        # input_ids [B, T] int64
+    >>> batch = KimiK3Processor(...)(text=prompt, images=images)        # images enter at prefill only
+    >>> new_tokens = model.generate(batch["input_ids"], 8, pixel_values=batch["pixel_values"],
+    ...                             grid_thws=batch["grid_thws"])
     """
 
     config_class = KimiK3Config
@@ -137,13 +144,23 @@ class KimiK3ForConditionalGeneration(nn.Module):
         self.tp = tp or SINGLE
         self.language_model = KimiK3ForCausalLM(config.text_config, self.tp)
         self.init_weights()
+        # The vision tower is replicated under TP (0.45 B parameters); its modules keep their own init.
+        self.vision_tower = MoonViT(config.vision_config)
+        self.mm_projector = PatchMergerV2(config.vision_config)
+        if config.text_config.num_nextn_predict_layers > 0:
+            from .mtp import KimiK3MultiTokenPredictor  # mtp.py imports this module
+            self.mtp = KimiK3MultiTokenPredictor(config.text_config, self.tp)
+            # state-dict keys stay the published names: mtp.layers.{s}.* <-> language_model.model.layers.{L+s}.*
+            self.register_state_dict_post_hook(_publish_mtp_keys)
+            self.register_load_state_dict_pre_hook(_unpublish_mtp_keys)
 
     # -- construction ------------------------------------------------------------------------------------------
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Random weights with O(1) activations everywhere (tests); loading overwrites them."""
+        """Random weights with O(1) activations everywhere (tests); loading overwrites them.
+        (Text tower only: the vision tower and the MTP module initialise themselves.)"""
         cfg = self.config.text_config
-        for name, p in self.named_parameters():
+        for name, p in self.language_model.named_parameters():
             leaf = name.rsplit(".", 1)[-1]
             if name.endswith("A_log"):
                 p.uniform_(1, 16).log_()
@@ -163,7 +180,8 @@ class KimiK3ForConditionalGeneration(nn.Module):
                 p.uniform_(-bound, bound)
 
     def set_dtype(self, dtype: torch.dtype) -> "KimiK3ForConditionalGeneration":
-        """Cast to ``dtype`` except the tensors the checkpoint keeps in fp32 (:data:`FP32_PARAMS`)."""
+        """Cast to ``dtype`` except the tensors the checkpoint keeps in fp32 (:data:`FP32_PARAMS`).
+        Vision norm weights follow ``dtype`` (as published); the vision norms and RoPE compute in fp32."""
         for name, p in self.named_parameters():
             p.data = p.data.to(torch.float32 if name.endswith(FP32_PARAMS) else dtype)
         return self
@@ -187,9 +205,50 @@ class KimiK3ForConditionalGeneration(nn.Module):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.text_model.embed_tokens
 
-    def embed_input_ids(self, input_ids: torch.Tensor, pixel_values=None, grid_thws=None) -> torch.Tensor:
-        """input_ids [B, T] -> [B, T, D]. (Image features replace media placeholder positions here.)"""
-        return self.get_input_embeddings()(input_ids)
+    def embed_input_ids(self, input_ids: torch.Tensor, pixel_values: Optional[torch.Tensor] = None,
+                        grid_thws=None) -> torch.Tensor:
+        """input_ids [B, T] -> [B, T, D]; with images, their features replace the media-pad positions.
+
+        pixel_values [N, 3, p, p] and grid_thws [n_images, 3] as the processor returns them (grid_thws may
+        also be Python ints, which keeps a compiled prefill free of the data-dependent ``.tolist()``).
+        Raises ValueError when the prompt's images (runs of media-pad tokens) do not match the given images.
+        """
+        embeds = self.get_input_embeddings()(input_ids)
+        if pixel_values is None:
+            if grid_thws is not None:
+                raise ValueError("grid_thws given without pixel_values")
+            return embeds  # (media-pad ids without images embed as text: decode steps may emit any id)
+        if grid_thws is None:
+            raise ValueError("pixel_values given without grid_thws")
+        grids = grid_list(grid_thws)
+        if not torch.compiler.is_compiling():
+            self.check_media_runs(input_ids, grids)
+        feats = image_features(self.vision_tower, self.mm_projector, pixel_values, grids)      # [M, D]
+        return merge_image_features(embeds, input_ids, feats, self.config.media_placeholder_token_id)
+
+    def check_media_runs(self, input_ids: torch.Tensor, grids: list[tuple[int, int, int]]) -> None:
+        """Each image of the prompt is one run of media-pad tokens; compare runs and their lengths with
+        the images' token counts (t·h·w / merge) before any vision work is done."""
+        kh, kw = self.vision_tower.merge_kernel_size
+        want = [h * w // (kh * kw) for _, h, w in grids]
+        is_pad = (input_ids == self.config.media_placeholder_token_id).cpu()
+        runs = []
+        for row in is_pad:
+            edges = torch.diff(torch.cat([row.new_zeros(1), row, row.new_zeros(1)]).int()).nonzero().flatten()
+            runs += (edges[1::2] - edges[0::2]).tolist()
+        if len(runs) != len(want):
+            raise ValueError(f"the prompt holds {len(runs)} image(s) (runs of media-pad tokens) but "
+                             f"{len(want)} image(s) were given in pixel_values / grid_thws")
+        if runs != want:
+            raise ValueError(f"media-pad runs of the prompt {runs} do not match the images' token counts {want}")
+
+    def __call__(self, *args, **kwargs):
+        # grid_thws as Python ints before a compiled forward sees it (a tensor would need .tolist() inside
+        # the graph: a graph break). model.compile() / k3compile.optimize() compile what this calls.
+        grids = kwargs.get("grid_thws")
+        if isinstance(grids, torch.Tensor):
+            kwargs["grid_thws"] = tuple(grid_list(grids))
+        return super().__call__(*args, **kwargs)
 
     def allocate_cache(self, batch: int, max_len: int, dtype=None, device=None) -> KimiK3Cache:
         return KimiK3Cache.allocate(self.text_model, batch, max_len, dtype=dtype, device=device)
@@ -252,3 +311,20 @@ class KimiK3ForConditionalGeneration(nn.Module):
     def save_pretrained(self, path, **kwargs) -> None:
         from .loading import save_pretrained
         save_pretrained(self, path, **kwargs)
+
+
+def _publish_mtp_keys(module: KimiK3ForConditionalGeneration, state_dict: dict, prefix: str, local_metadata) -> None:
+    from .loading import mtp_key_to_published
+    L = module.config.text_config.num_hidden_layers
+    for key in [k for k in state_dict if k.startswith(prefix + "mtp.")]:
+        state_dict[prefix + mtp_key_to_published(key[len(prefix):], L)] = state_dict.pop(key)
+
+
+def _unpublish_mtp_keys(module: KimiK3ForConditionalGeneration, state_dict: dict, prefix: str, local_metadata,
+                        strict, missing_keys, unexpected_keys, error_msgs) -> None:
+    from .loading import published_key_to_mtp
+    L = module.config.text_config.num_hidden_layers
+    for key in [k for k in state_dict if k.startswith(prefix + "language_model.model.layers.")]:
+        new = published_key_to_mtp(key[len(prefix):], L)
+        if new != key[len(prefix):]:
+            state_dict[prefix + new] = state_dict.pop(key)

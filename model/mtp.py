@@ -26,7 +26,7 @@ from torch import nn
 
 from .cache import KDAState, KimiK3Cache
 from .layers import RMSNorm
-from .mla import KimiMLAAttention
+from .loading import mtp_key_to_published
 from .modeling import KimiDecoderLayer
 from .parallel import SINGLE, TPContext
 
@@ -53,12 +53,9 @@ class KimiK3MTPLayer(nn.Module):
         self.enorm = RMSNorm(D, eps)
         self.hnorm = RMSNorm(D, eps)
         self.eh_proj = nn.Linear(2 * D, D, bias=False)
-        self.mtp_block = KimiDecoderLayer(config, layer_idx, tp, attn_res_block_size=0)
-        if not self.mtp_block.is_mla:
-            # j >= num_hidden_layers is in no kda_layers list, hence MLA (spec §10: index 93 ⇒ MLA);
-            # the decoder layer's 1-based full_attn_layers test would pick KDA here.
-            self.mtp_block.self_attn = KimiMLAAttention(config, layer_idx, tp)
-            self.mtp_block.is_mla = True
+        # j >= num_hidden_layers is in no kda_layers list, hence MLA (spec §10: index 93 ⇒ MLA); the
+        # 1-based full_attn_layers rule alone would pick KDA here.
+        self.mtp_block = KimiDecoderLayer(config, layer_idx, tp, attn_res_block_size=0, is_mla=True)
         self.shared_head = SharedHead(D, config.vocab_size, eps)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, state, pos: torch.Tensor):
@@ -83,13 +80,8 @@ class KimiK3MultiTokenPredictor(nn.Module):
 
     def published_state_dict_keys(self) -> dict[str, str]:
         """{our name: published name} with the real layer index j = num_hidden_layers + s."""
-        L = self.config.num_hidden_layers
-        out = {}
-        for name in self.state_dict():
-            _, s, *rest = name.split(".")
-            rest = [p for p in rest if p != "mtp_block"]
-            out[name] = ".".join(["layers", str(L + int(s)), *rest])
-        return out
+        L, prefix = self.config.num_hidden_layers, "language_model.model."
+        return {name: mtp_key_to_published("mtp." + name, L).removeprefix(prefix) for name in self.state_dict()}
 
     def allocate_state(self, batch: int, max_len: int, dtype=None, device=None) -> KimiK3Cache:
         """One attention state per MTP layer, as the target cache allocates them."""
@@ -188,20 +180,28 @@ class MTPSpeculator:
 
 
 @torch.no_grad()
-def speculative_generate(model, mtp: KimiK3MultiTokenPredictor, input_ids: torch.Tensor, max_new_tokens: int,
-                         num_draft_tokens: int = 3, speculator: Optional[MTPSpeculator] = None) -> SpeculativeResult:
+def speculative_generate(model, mtp: Optional[KimiK3MultiTokenPredictor], input_ids: torch.Tensor,
+                         max_new_tokens: int, num_draft_tokens: int = 3, speculator: Optional[MTPSpeculator] = None,
+                         **forward_kwargs) -> SpeculativeResult:
     """Greedy decoding of `model`, drafting `num_draft_tokens` per step with `mtp`; tokens equal
-    `model.generate(input_ids, max_new_tokens)`.
+    `model.generate(input_ids, max_new_tokens, **forward_kwargs)`.
 
     Args:
+        mtp: the drafter; None = the model's own (`model.mtp`, present when num_nextn_predict_layers > 0).
         input_ids: [B, T] int64 prompt. In a batch every sequence advances by the shortest accepted
             prefix of the batch (still exact, fewer tokens accepted).
+        forward_kwargs: given to the prefill only (pixel_values, grid_thws); the MTP drafts from the
+            token embeddings, so image positions only lower its acceptance, never the exactness.
     Returns:
         SpeculativeResult(tokens [B, max_new_tokens], num_drafted, num_accepted, target_calls);
         `.acceptance_rate` = accepted / drafted.
     """
     if num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+    if mtp is None:
+        mtp = getattr(model, "mtp", None)
+        if mtp is None:
+            raise ValueError("the model has no MTP module (num_nextn_predict_layers = 0): pass one as `mtp`")
     B, T = input_ids.shape
     if max_new_tokens < 1:
         return SpeculativeResult(input_ids.new_zeros(B, 0), 0, 0, 0)
@@ -211,7 +211,7 @@ def speculative_generate(model, mtp: KimiK3MultiTokenPredictor, input_ids: torch
     cache = model.allocate_cache(B, max_len, device=input_ids.device)
     mtp_cache = mtp.allocate_state(B, max_len, dtype=model.dtype, device=input_ids.device)
 
-    logits, hidden = model(input_ids, cache=cache, return_hidden=True)
+    logits, hidden = model(input_ids, cache=cache, return_hidden=True, **forward_kwargs)
     pending = logits[:, -1:].argmax(-1)                                         # [B, 1], not yet fed
     out = [pending]
     n_out, calls, drafted, accepted = 1, 1, 0, 0

@@ -15,8 +15,7 @@ def rel(out, ref):
 def build(cfg, seed=0):
     torch.manual_seed(seed)
     model = KimiK3ForConditionalGeneration(cfg).eval()
-    mtp = KimiK3MultiTokenPredictor(cfg.text_config).eval()
-    return model, mtp
+    return model, model.mtp                                # the model owns its MTP module
 
 
 @pytest.fixture(scope="module")

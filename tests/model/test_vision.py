@@ -311,27 +311,6 @@ def test_processor_output_feeds_tower(tower, projector):
 # End to end: processor -> vision tower -> features at media-pad positions -> generate
 # ----------------------------------------------------------------------------------------------
 
-def _multimodal_class():
-    """The model class with the vision path: the integration lines the model needs (see report)."""
-    from k3compile.model import KimiK3ForConditionalGeneration
-
-    class WithVision(KimiK3ForConditionalGeneration):
-        def __init__(self, config, tp=None):
-            super().__init__(config, tp)
-            if not hasattr(self, "vision_tower"):
-                self.vision_tower = MoonViT(config.vision_config)
-                self.mm_projector = PatchMergerV2(config.vision_config)
-
-        def embed_input_ids(self, input_ids, pixel_values=None, grid_thws=None):
-            embeds = self.get_input_embeddings()(input_ids)
-            if pixel_values is not None:
-                feats = image_features(self.vision_tower, self.mm_projector, pixel_values, grid_thws)
-                embeds = merge_image_features(embeds, input_ids, feats, self.config.media_placeholder_token_id)
-            return embeds
-
-    return WithVision
-
-
 @pytest.fixture(scope="module")
 def multimodal():
     from k3compile.model import KimiK3Config
@@ -345,7 +324,8 @@ def multimodal():
     cfg = KimiK3Config.micro()
     cfg.media_placeholder_token_id = proc.media_pad_token_id
     torch.manual_seed(0)
-    model = _multimodal_class()(cfg).eval()
+    from k3compile.model import KimiK3ForConditionalGeneration
+    model = KimiK3ForConditionalGeneration(cfg).eval()
     return model, proc
 
 

@@ -59,7 +59,7 @@ def fresh_step_inputs(inputs: dict, seed: int) -> dict:
     out = dict(inputs)
     for n in ("q", "k", "v", "f", "beta_logits", "out_gate"):
         t = inputs[n]
-        out[n] = torch.randn(t.shape, generator=gen).to(t.dtype)
+        out[n] = torch.randn(t.shape, generator=gen).to(device=t.device, dtype=t.dtype)
     return out
 
 
@@ -279,3 +279,41 @@ def test_kda_decode_in_compiled_graph_mutates_states():
     out = torch.compile(step, backend="inductor", fullgraph=True)(a)
     ref = kda_decode_ref(**b) * 2
     assert_close_to(out, ref, a, b, torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU: the compiled kernel (not the interpreter) at K3 decode shapes, and under CUDA-graph capture
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,H,dtype,lb", [(1, 12, "bf16", -5.0), (64, 12, "bf16", -5.0), (8, 96, "bf16", None),
+                                          (3, 4, "fp16", -5.0), (5, 3, "fp32", None)],
+                         ids=["B1-H12-K128-bf16-lb", "B64-H12-K128-bf16-lb", "B8-H96-K128-bf16-softplus",
+                              "B3-H4-K128-fp16-lb", "B5-H3-K128-fp32-softplus"])
+def test_kda_decode_cuda_matches_reference(B, H, dtype, lb):
+    dtype = DTYPES[dtype]
+    ref_in = make_inputs(B, H, H, 128, 128, dtype, lb, device="cuda")
+    tri_in = clone(ref_in)
+    truth = fp32_truth(clone(ref_in))
+    ref = kda_decode_ref(**ref_in)
+    out = torch.full((B, H * 128), float("nan"), dtype=dtype, device="cuda")
+    kda_decode_triton(**tri_in, out=out)
+    assert_close_to(out, ref, tri_in, ref_in, dtype, truth=truth)
+
+
+@pytest.mark.gpu
+def test_kda_decode_cuda_graph_replay_steps_like_eager():
+    B, H, dtype = 4, 12, torch.bfloat16
+    ref_in = make_inputs(B, H, H, 128, 128, dtype, -5.0, device="cuda")
+    tri_in = clone(ref_in)
+    kda_decode(**clone(tri_in), backend="triton")                         # warm up (compile) outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kda_decode(**tri_in, backend="triton")
+    for step in range(3):
+        new = fresh_step_inputs(ref_in, step)
+        for n in ("q", "k", "v", "f", "beta_logits", "out_gate"):
+            tri_in[n].copy_(new[n])
+        ref_in = new
+        ref = kda_decode_ref(**ref_in)
+        graph.replay()
+        assert_close_to(out, ref, tri_in, ref_in, dtype, f"replay {step}")

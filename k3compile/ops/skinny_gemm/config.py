@@ -4,9 +4,10 @@ The kernel (``cute.py``) computes ``C[M, N] = A[M, K] · W[N, K]ᵀ`` with one w
 tile of 16 (M, padded) × 8 (weight rows) × 32 (K, two m16n8k16 steps) per step. A thread block is
 ``warps_n × warps_k`` warps: ``warps_n`` split the block's weight rows, ``warps_k`` split K inside
 the block (their partial sums meet in shared memory), so no global workspace and no second kernel
-are needed. Each warp owns ``row_groups`` groups of 8 weight rows and issues ``unroll`` K-steps of
-128-bit weight loads before its first MMA, which keeps ``row_groups × unroll`` loads in flight per
-lane.
+are needed. Each warp owns ``row_groups`` groups of 8 weight rows and handles ``unroll`` K-steps per
+chunk. With ``stages == 1`` the weight goes straight to registers (128-bit loads); with ``stages > 1``
+it is streamed by cp.async through a per-warp shared-memory ring, which keeps far more bytes in flight
+(the H200 sweep's winners all use it: ptxas interleaves register loads with the MMAs to save registers).
 
 Nothing here imports cutlass: the dispatch reads this table on any machine.
 """
@@ -136,6 +137,11 @@ def heuristic(m: int, n: int, k: int) -> SkinnyConfig:
     while warps_k > 1 and chunks < warps_k:
         warps_k //= 2
     return SkinnyConfig(row_groups=1, warps_n=1, warps_k=warps_k, unroll=unroll, stages=stages)
+
+
+def cublas_preferred(m: int, n: int, k: int) -> bool:
+    """True where the H200 measurements found cuBLAS faster than (or within 3% of) the CuTe kernel."""
+    return choose(m, n, k) is None
 
 
 def choose(m: int, n: int, k: int) -> Optional[SkinnyConfig]:

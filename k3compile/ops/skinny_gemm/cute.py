@@ -2,13 +2,17 @@
 
 a: [M, K] (M ≤ 16), w: [N, K], bias: [N] or None, residual: [M, N] or None, all bf16 or all fp16,
 fp32 accumulation, one rounding at the end (the same as ``reference.py``). One kernel is compiled per
-(dtype, M, configuration, bias?, residual?); N, K and the row strides are run-time values.
+(dtype, M, configuration, bias?, residual?, static weight?); N, K and the row strides are run-time
+values. Compiled kernels are kept in memory and exported to an on-disk cache, launched through
+TVM-FFI on the current torch stream (so they can be captured in CUDA graphs), with programmatic
+dependent launch.
 
-How it streams the weight: every lane loads 16 bytes of one weight row per K-step (4 lanes cover 32
+How it streams the weight: every lane takes 16 bytes of one weight row per K-step (4 lanes cover 32
 consecutive K of a row, a warp covers 8 rows) and feeds them to two ``mma.sync.m16n8k16`` as the B
 operand, A padded to 16 rows. Any order of K inside a step gives the same dot product, so A is loaded
-in the same permuted order, also as 16-byte vectors: no shuffles, no shared memory in the main loop.
-See ``config.py`` for the work division (rows per warp, split-K inside the block).
+in the same permuted order, also as 16-byte vectors: no shuffles and no ldmatrix. The weight reaches
+registers either directly or through a per-warp cp.async ring in shared memory (``config.stages``);
+see ``config.py`` for the work division (split-K inside the block, rows per warp).
 
 cutlass is imported only inside functions: CI has no CuTe DSL and must still import this module.
 """
@@ -365,19 +369,24 @@ def _fake_args(dtype: torch.dtype, m: int, has_bias: bool, has_res: bool):
     return a, b, c, bias, res, make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
+@functools.cache
 def _source_fingerprint() -> str:
+    """What a cached kernel depends on: our sources, the DSL version and the target GPU arch."""
     h = hashlib.sha256()
     for f in ("cute.py", "config.py"):
         with open(os.path.join(os.path.dirname(__file__), f), "rb") as fh:
             h.update(fh.read())
     import cutlass
     h.update(str(getattr(cutlass, "__version__", "?")).encode())
-    h.update(os.environ.get("CUTE_DSL_ARCH", "").encode())
+    arch = os.environ.get("CUTE_DSL_ARCH", "")
+    if not arch and torch.cuda.is_available():
+        arch = "sm_%d%d" % torch.cuda.get_device_capability()
+    h.update(arch.encode())
     return h.hexdigest()[:16]
 
 
 def _cache_dir() -> Optional[str]:
-    """On-disk kernel cache (K3_CUTE_CACHE_DIR; "0" disables it)."""
+    """On-disk kernel cache (K3_CUTE_CACHE_DIR, default ~/.cache/k3compile/cute; "0" disables it)."""
     d = os.environ.get("K3_CUTE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "k3compile", "cute"))
     return None if d == "0" else os.path.join(d, _source_fingerprint())
 

@@ -191,7 +191,8 @@ def skinny_gemm_triton(
             m, n, k, k_per_split,
             a.stride(0), a.stride(1), w.stride(0), w.stride(1), *r_strides,
             out.stride(0), out.stride(1),
-            PRECISION="ieee" if a.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
+            # fp32: IEEE products (no TF32); 16-bit: the target's default (ROCm rejects "tf32")
+            PRECISION="ieee" if a.dtype == torch.float32 or upcast else None, UPCAST=upcast,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             num_warps=config.num_warps, **flags,
         )
