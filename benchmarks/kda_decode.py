@@ -37,18 +37,18 @@ EPS = 1e-5
 
 
 def make_inputs(B, H, dtype=torch.bfloat16, device="cuda", seed=0):
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)   # on the device: the largest state is 1.6 GB
     P = H * K
 
     def r(*shape, dt=dtype, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dt)
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(dt)
 
     return dict(
         q=r(B, P), k=r(B, P), v=r(B, P),
         conv_state_q=r(B, P, W - 1), conv_state_k=r(B, P, W - 1), conv_state_v=r(B, P, W - 1),
         conv_weight_q=r(P, 1, W, dt=torch.float32, scale=0.5), conv_weight_k=r(P, 1, W, dt=torch.float32, scale=0.5),
         conv_weight_v=r(P, 1, W, dt=torch.float32, scale=0.5),
-        f=r(B, P), A_log=torch.empty(H).uniform_(1, 16, generator=g).log().to(device),
+        f=r(B, P), A_log=torch.empty(H, device=device).uniform_(1, 16, generator=g).log(),
         dt_bias=r(P, dt=torch.float32, scale=0.5), lower_bound=LOWER_BOUND,
         beta_logits=r(B, H), out_gate=r(B, P), o_norm_weight=1 + r(V, dt=torch.float32, scale=0.1),
         state=r(B, H, V, K, dt=torch.float32, scale=0.1), eps=EPS,

@@ -1,8 +1,10 @@
-"""The Kimi K3 text model (spec §7-8): decoder layers wired by Block Attention Residuals, inference and generate.
+"""The Kimi K3 model (spec §7-10): decoder layers wired by Block Attention Residuals, the vision path, inference
+and generate.
 
 Shape legend: B batch, T tokens, D hidden, Vocab vocabulary, N stored AttnRes blocks.
 Module names follow the published checkpoint: ``language_model.model.layers.{i}.self_attn...``,
-``language_model.lm_head.weight``; state-dict keys equal the published tensor names.
+``language_model.lm_head.weight``, ``vision_tower.*``, ``mm_projector.*``; state-dict keys equal the published
+tensor names (the MTP module's through state-dict hooks: ``language_model.model.layers.{L+s}.*``).
 """
 from __future__ import annotations
 
@@ -260,6 +262,9 @@ class KimiK3ForConditionalGeneration(nn.Module):
                 pixel_values=None, grid_thws=None, inputs_embeds: Optional[torch.Tensor] = None,
                 logits_to_keep: int = 0, return_hidden: bool = False):
         """input_ids [B, T] (or inputs_embeds [B, T, D]) -> logits [B, T', Vocab] (T' = logits_to_keep or T).
+
+        pixel_values [N, 3, p, p] / grid_thws [n_images, 3]: images whose features replace the prompt's
+        media-pad tokens (:meth:`embed_input_ids`); give them with the prompt only, not with decode steps.
 
         With ``cache`` the tokens continue the cached sequence and the cache is updated in place (T == 1 is a
         decode step); without, a fresh cache of length T is used. ``return_hidden`` also returns the hidden

@@ -313,7 +313,7 @@ def test_processor_output_feeds_tower(tower, projector):
 
 @pytest.fixture(scope="module")
 def multimodal():
-    from k3compile.model import KimiK3Config
+    from k3compile.model import KimiK3Config, KimiK3ForConditionalGeneration
     from k3compile.model.processing import KimiK3Processor
 
     try:  # tests/model may or may not be a package
@@ -324,7 +324,6 @@ def multimodal():
     cfg = KimiK3Config.micro()
     cfg.media_placeholder_token_id = proc.media_pad_token_id
     torch.manual_seed(0)
-    from k3compile.model import KimiK3ForConditionalGeneration
     model = KimiK3ForConditionalGeneration(cfg).eval()
     return model, proc
 

@@ -79,6 +79,8 @@ def test_tiny_k3_fires_on_every_kda_layer_of_decode_and_not_on_prefill(tiny_gene
     rep = tiny_generate["report"]
     per_graph = [g.record.matches["kda_decode"] for g in rep.graphs]
     assert per_graph == [0, 9], per_graph   # prefill [2, 5] graph, then the decode [2, 1] graph; 9 KDA layers
+    # the prefill graph is not one where the pass is expected (no warning / strict error there)
+    assert [g.record.facts["graph_kda_decode_convs"] for g in rep.graphs] == [0, 27]
     assert any(c.op == "kda_decode" and c.impl == "triton" for c in rep.choices)
 
 
@@ -151,6 +153,7 @@ def compile_count_and_check(fn, inputs_a, inputs_b, dtype):
     for got, want in zip(inputs_a + inputs_b, ref_a + ref_b):        # states updated in place, as eager
         assert rel(got, want) < TOL[dtype] or want.norm() == 0
     assert_states_not_copied(code)
+    assert record.facts["graph_kda_decode_convs"] == 6          # two steps, three one-token conv windows each
     return record.matches["kda_decode"]
 
 

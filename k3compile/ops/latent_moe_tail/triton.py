@@ -15,6 +15,7 @@ feeds ``(x·rstd)·g`` to the dot as the model rounds it.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -85,7 +86,7 @@ def _latent_moe_tail_kernel(
             b_xf = b_x.to(tl.float32)
             b_ss += tl.sum(b_xf * b_xf, axis=1)
             b_h = (b_xf * b_g.to(tl.float32)).to(b_x.dtype)
-        b_w = tl.load(p_w + o_n[:, None] * s_wn + o_k[None, :] * s_wk,
+        b_w = tl.load(p_w + o_n[:, None].to(tl.int64) * s_wn + o_k[None, :] * s_wk,   # D·L may pass 2**31
                       mask=m_n[:, None] & m_k[None, :], other=0.)
         if UPCAST_DOT:
             b_acc += tl.dot(b_h.to(tl.float32), tl.trans(b_w.to(tl.float32)))
@@ -114,7 +115,7 @@ def triton_supports(latent, shared, norm_weight, up_weight, eps, small_m_limit=M
         return f"dtype {latent.dtype} (kernel has {[str(d) for d in SUPPORTED_DTYPES]})"
     m = latent.shape[0]
     if m > min(small_m_limit, MAX_BLOCK_M):
-        return f"M={m} above the small-M limit {min(small_m_limit, MAX_BLOCK_M)} (norm + addmm is faster)"
+        return f"M > {min(small_m_limit, MAX_BLOCK_M)}, the small-M limit (norm + addmm is faster there)"
     if m == 0 or latent.shape[1] == 0:
         return "empty input"
     return None
@@ -134,16 +135,19 @@ def latent_moe_tail_triton(latent: torch.Tensor, shared: torch.Tensor, norm_weig
     if not norm_weight.is_contiguous():
         norm_weight = norm_weight.contiguous()
     grid = (triton.cdiv(d, cfg.block_n),)
-    _latent_moe_tail_kernel[grid](
-        latent, shared, norm_weight, up_weight, out,
-        m, d, l, float(eps),
-        latent.stride(0), latent.stride(1), shared.stride(0), shared.stride(1),
-        up_weight.stride(0), up_weight.stride(1), out.stride(0), out.stride(1),
-        BLOCK_M=MAX_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        PRENORM=cfg.prenorm, IEEE_DOT=latent.dtype == torch.float32,
-        # The interpreter (triton 3.7) multiplies bf16 dot operands as raw integers: give it fp32
-        # (bf16 products are exact in fp32, so the rounding is the GPU kernel's).
-        UPCAST_DOT=latent.dtype == torch.bfloat16 and triton_interpret(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    # Triton launches on the current device: make it the tensors' (TP ranks, a model on cuda:1)
+    on_device = torch.cuda.device(latent.device) if latent.device.type == "cuda" else contextlib.nullcontext()
+    with on_device:
+        _latent_moe_tail_kernel[grid](
+            latent, shared, norm_weight, up_weight, out,
+            m, d, l, float(eps),
+            latent.stride(0), latent.stride(1), shared.stride(0), shared.stride(1),
+            up_weight.stride(0), up_weight.stride(1), out.stride(0), out.stride(1),
+            BLOCK_M=MAX_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            PRENORM=cfg.prenorm, IEEE_DOT=latent.dtype == torch.float32,
+            # The interpreter (triton 3.7) multiplies bf16 dot operands as raw integers: give it
+            # fp32 (bf16 products are exact in fp32, so the rounding is the GPU kernel's).
+            UPCAST_DOT=latent.dtype == torch.bfloat16 and triton_interpret(),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     return out
