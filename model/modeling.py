@@ -230,7 +230,7 @@ class KimiK3ForConditionalGeneration(nn.Module):
 
     def check_media_runs(self, input_ids: torch.Tensor, grids: list[tuple[int, int, int]]) -> None:
         """Each image of the prompt is one run of media-pad tokens; compare runs and their lengths with
-        the images' token counts (t·h·w / merge) before any vision work is done."""
+        the images' token counts (h·w / (kh·kw): frames are averaged) before any vision work is done."""
         kh, kw = self.vision_tower.merge_kernel_size
         want = [h * w // (kh * kw) for _, h, w in grids]
         is_pad = (input_ids == self.config.media_placeholder_token_id).cpu()
@@ -245,11 +245,19 @@ class KimiK3ForConditionalGeneration(nn.Module):
             raise ValueError(f"media-pad runs of the prompt {runs} do not match the images' token counts {want}")
 
     def __call__(self, *args, **kwargs):
-        # grid_thws as Python ints before a compiled forward sees it (a tensor would need .tolist() inside
-        # the graph: a graph break). model.compile() / k3compile.optimize() compile what this calls.
-        grids = kwargs.get("grid_thws")
-        if isinstance(grids, torch.Tensor):
-            kwargs["grid_thws"] = tuple(grid_list(grids))
+        # Runs before a compiled forward (model.compile() / k3compile.optimize() compile what super() calls):
+        # grid_thws becomes Python ints (a tensor would need .tolist() inside the graph: a graph break), and
+        # the images are checked against the prompt here, as the compiled graph skips data-dependent checks.
+        if len(args) > 3 and isinstance(args[3], torch.Tensor):  # forward(input_ids, cache, pixel_values, grid_thws)
+            args = (*args[:3], tuple(grid_list(args[3])), *args[4:])
+        if isinstance(kwargs.get("grid_thws"), torch.Tensor):
+            kwargs["grid_thws"] = tuple(grid_list(kwargs["grid_thws"]))
+        pixel_values = kwargs.get("pixel_values", args[2] if len(args) > 2 else None)
+        if pixel_values is not None and not torch.compiler.is_compiling():
+            input_ids = kwargs.get("input_ids", args[0] if args else None)
+            grids = kwargs.get("grid_thws", args[3] if len(args) > 3 else None)
+            if input_ids is not None and grids is not None:
+                self.check_media_runs(input_ids, grid_list(grids))
         return super().__call__(*args, **kwargs)
 
     def allocate_cache(self, batch: int, max_len: int, dtype=None, device=None) -> KimiK3Cache:

@@ -46,23 +46,30 @@ def generated():
         k3compile.optimize(model, passes=["skinny_gemm"], dynamic=False, fullgraph=True)
         out = model.generate(batch["input_ids"], NEW, **kw)
     stats = dict(unique_graphs=counters["stats"]["unique_graphs"], graph_breaks=sum(counters["graph_break"].values()))
-    return out, ref, stats, k3compile.report(model)
+    return out, ref, stats, k3compile.report(model), model, batch
 
 
 def test_image_prompt_tokens_equal_eager(generated):
-    out, ref, _, _ = generated
+    out, ref, *_ = generated
     assert out.shape == (1, NEW)
     assert torch.equal(out, ref)
 
 
 def test_prefill_with_vision_and_decode_are_one_graph_each(generated):
-    _, _, stats, rep = generated
+    _, _, stats, rep, *_ = generated
     assert stats == dict(unique_graphs=2, graph_breaks=0)
     assert len(rep.graphs) == 2
 
 
 def test_text_pass_fires_on_the_decode_graph(generated):
-    _, _, _, rep = generated
+    _, _, _, rep, *_ = generated
     decode = rep.graphs[1]
     assert decode.record.matches["skinny_gemm"] > 0
     assert rep.op_calls["skinny_gemm"] >= decode.record.matches["skinny_gemm"] * (NEW - 1)
+
+
+def test_compiled_model_still_rejects_a_prompt_image_mismatch(generated):
+    *_, model, batch = generated
+    t, h, w = batch["grid_thws"][0].tolist()
+    with torch.no_grad(), pytest.raises(ValueError, match=r"2 image\(s\).*1 image\(s\)"):
+        model(batch["input_ids"], pixel_values=batch["pixel_values"][:t * h * w], grid_thws=batch["grid_thws"][:1])
