@@ -141,6 +141,14 @@ def load_shards(config, state, tp):
 # ---------------------------------------------------------------------------------------------
 # graph counting
 
+def _op_name(node: torch.fx.Node) -> str:
+    """``namespace.op`` of a call; a mutating op wrapped by functionalization counts as itself."""
+    target = node.target
+    if "auto_functionalized" in str(target) and node.args:
+        target = node.args[0]
+    return str(target).rsplit(".", 1)[0]
+
+
 class CollectiveCounter(CustomGraphPass):
     """Counts collectives and k3 ops in each post-grad graph, under the label of the current phase."""
 
@@ -149,7 +157,7 @@ class CollectiveCounter(CustomGraphPass):
         self.graphs: dict[str, list[dict]] = {}
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        ops = Counter(str(n.target).rsplit(".", 1)[0] for n in graph.nodes if n.op == "call_function")
+        ops = Counter(_op_name(n) for n in graph.nodes if n.op == "call_function")
         counts = {"all_reduce": sum(n for name, n in ops.items() if name.startswith(ALL_REDUCE)),
                   "latent_moe_tail": ops.get(TAIL_OP, 0),
                   "k3_ops": {name: n for name, n in ops.items() if name.startswith("k3.")}}
@@ -169,12 +177,13 @@ class CollectiveCounter(CustomGraphPass):
 # decoding and timing
 
 @torch.no_grad()
-def greedy(model, counter, ids, steps, label, eager_prefill=False):
+def greedy(model, counter, ids, steps, label, eager_prefill=False, spare=0):
     """Prefill ``ids`` [M, T] (compiled, or eagerly through ``forward``), then ``steps`` greedy
-    decode steps. Returns (tokens [M, 1 + steps], logits [M, 1 + steps, V] fp32, cache, decode-graph
-    counts)."""
+    decode steps. Returns (tokens [M, 1 + steps], logits [M, 1 + steps, V] fp32, the cache (with
+    ``spare`` free positions left), decode-graph counts)."""
     M, T = ids.shape
-    cache = model.allocate_cache(M, T + steps + 1)
+    cache = model.allocate_cache(M, T + steps + spare)
+    counter.graphs.clear()
     counter.phase = f"{label}/prefill"
     prefill = model.forward if eager_prefill else model   # forward() bypasses the in-place compile
     logits = [prefill(ids, cache=cache, logits_to_keep=1).float()]
@@ -188,10 +197,13 @@ def greedy(model, counter, ids, steps, label, eager_prefill=False):
     return logits.argmax(-1), logits, cache, decode
 
 
-def time_decode_step(model, token, cache, iters, replays):
+def time_decode_step(model, counter, token, cache, iters, replays):
     """Median µs of one decode step, ``iters`` steps captured in one CUDA graph, replayed
-    ``replays`` times from the same cache position; the slowest rank's median."""
+    ``replays`` times from the same cache position; the slowest rank's median, and how many graphs
+    were compiled meanwhile (0 unless the timed step is not the checked one)."""
     import torch.distributed as dist
+
+    counter.phase = "timing"
 
     pos0 = int(cache.pos)
     if pos0 + iters > cache.max_len:
@@ -229,7 +241,7 @@ def time_decode_step(model, token, cache, iters, replays):
     del graph
     median = torch.tensor([sorted(times)[len(times) // 2]], device=token.device)
     dist.all_reduce(median, op=dist.ReduceOp.MAX)
-    return median.item()
+    return median.item(), len(counter.graphs.pop("timing", []))
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -291,6 +303,8 @@ def run_rank(rank, world, args, device):
     k3compile.optimize(fused, backend=args.k3_backend, dynamic=False, fullgraph=True,
                        options={"post_grad_custom_post_pass": counter_f})   # chained after ours
 
+    timed = args.backend == "nccl" and not args.no_time
+    spare = args.iters + 1 if timed else 1
     rows, ok = [], True
     for m in args.batch:
         torch._dynamo.reset()   # a fresh compile per M: every graph passes through the counters
@@ -298,36 +312,48 @@ def run_rank(rank, world, args, device):
                             generator=torch.Generator().manual_seed(args.seed + m)).to(device)
         t1 = time.perf_counter()
         tok_u, logits_u, cache_u, graph_u = greedy(unfused, counter_u, ids, args.steps, "unfused",
-                                                      args.eager_prefill)
+                                                      args.eager_prefill, spare)
         t2 = time.perf_counter()
         tok_f, logits_f, cache_f, graph_f = greedy(fused, counter_f, ids, args.steps, "fused",
-                                                      args.eager_prefill)
+                                                      args.eager_prefill, spare)
         t3 = time.perf_counter()
         row = dict(m=m, tokens_equal=bool(torch.equal(tok_u, tok_f)), logits_rel_err=rel_err(logits_f, logits_u),
                    unfused_all_reduce=graph_u["all_reduce"], fused_all_reduce=graph_f["all_reduce"],
                    fused_tails=graph_f["latent_moe_tail"], fused_k3_ops=graph_f["k3_ops"],
-                   fused_pass_matches=k3compile.report(fused).graphs[-1].record.matches,
+                   fused_pass_matches=decode_matches(fused),
                    seconds_unfused=t2 - t1, seconds_fused=t3 - t2)
         if not row["tokens_equal"]:
             first = int((tok_u != tok_f).any(0).nonzero()[0])
             top2 = logits_u[:, first].topk(2, -1).values
             row["first_divergent_step"] = first
             row["unfused_top2_margin"] = (top2[:, 0] - top2[:, 1]).min().item()
-        if args.backend == "nccl" and not args.no_time:
-            row["unfused_us"] = time_decode_step(unfused, tok_u[:, -1:].clone(), cache_u, args.iters, args.replays)
-            row["fused_us"] = time_decode_step(fused, tok_f[:, -1:].clone(), cache_f, args.iters, args.replays)
+        if timed:
+            row["unfused_us"], row["unfused_timing_recompiles"] = time_decode_step(
+                unfused, counter_u, tok_u[:, -1:].clone(), cache_u, args.iters, args.replays)
+            row["fused_us"], row["fused_timing_recompiles"] = time_decode_step(
+                fused, counter_f, tok_f[:, -1:].clone(), cache_f, args.iters, args.replays)
         per_rank = [None] * world
         dist.all_gather_object(per_rank, row)
         good = check(per_rank, plan)
         ok &= good
         say(f"M={m}: unfused {t2 - t1:.1f} s, fused {t3 - t2:.1f} s (compile + {args.steps} steps), "
             f"{'ok' if good else 'MISMATCH'}")
+        if any(r.get("unfused_timing_recompiles") or r.get("fused_timing_recompiles") for r in per_rank):
+            say(f"M={m}: note: a graph was compiled while timing; the timed step is not the checked one")
         rows.append(dict(per_rank[0], ranks=per_rank, expected=plan, ok=good))
         del cache_u, cache_f
     say(table(rows, world))
     if not ok:
         say("MISMATCH: see the rows marked above")
     return rows, ok
+
+
+def decode_matches(model) -> dict:
+    """Per k3 pass, its matches in the graph compiled last (the decode step), from the report."""
+    import k3compile
+
+    record = k3compile.report(model).graphs[-1].record
+    return dict(record.matches) if record is not None else {}
 
 
 def check(per_rank: list[dict], plan: dict) -> bool:

@@ -13,6 +13,7 @@ import torch
 
 import k3compile
 from k3compile.model import KimiK3Config, KimiK3ForConditionalGeneration
+from k3compile.ops.skinny_gemm import SKINNY_GEMM
 
 pytestmark = pytest.mark.slow
 
@@ -27,6 +28,7 @@ def generated():
     ids = torch.randint(0, eager.config.text_config.vocab_size, (BATCH, PROMPT))
     ref = eager.generate(ids, NEW)
     torch._dynamo.reset()
+    SKINNY_GEMM.clear()          # op records are per process: drop other tests' calls
     with torch._inductor.config.patch(fx_graph_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False):
         k3compile.optimize(model, passes=["skinny_gemm"], strict=True, dynamic=False)
