@@ -30,15 +30,7 @@ def bench(fn, reps_per_call):
     return do_bench_cudagraph(fn, rep=10, return_mode="median") * 1e3 / reps_per_call  # µs
 
 
-def copy_ceiling_tbs():
-    from triton.testing import do_bench
-    n = 2**30 // 2  # 1 GiB of bf16: 1 GiB read + 1 GiB written
-    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    # a 0.25 ms copy needs no graph; the best of events-timed and graph-timed is the ceiling
-    us = min(do_bench(lambda: dst.copy_(src), rep=200, return_mode="median") * 1e3, bench(lambda: dst.copy_(src), 1))
-    del src, dst
-    return 2 * n * 2 / (us * 1e-6) / 1e12
+from _common import copy_ceiling_tbps  # noqa: E402
 
 
 def providers():
@@ -86,7 +78,7 @@ def main():
     ms = [int(x) for x in args.ms.split(",")]
     shapes = K3_SHAPES if args.shapes is None else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     torch.manual_seed(0)
-    ceil = copy_ceiling_tbs()
+    ceil = copy_ceiling_tbps()
     print(f"# copy ceiling: {ceil:.3f} TB/s (2 GiB device-to-device copy, read + write)")
     provs = providers()
     rows, table = [], {}

@@ -2,7 +2,9 @@
 
     # eight GPUs of one host (NCCL, one GPU a rank), a real-width slice, M = 1..16
     python benchmarks/tp_decode.py --backend nccl --world-size 8 --config slice --json tp8.json
-    # the graph and token checks only, on CPU processes (gloo)
+    # two GPUs (nvidia-h200-x2), same slice
+    python benchmarks/tp_decode.py --backend nccl --world-size 2 --config slice --json tp2.json
+    # the graph and token checks only, on CPU processes (gloo); --eager-prefill compiles decode only
     python benchmarks/tp_decode.py --backend gloo --world-size 8 --config micro --batch 1,4 --steps 3
 
 Every rank builds the same seeded full model and keeps its own shard of the full state dict
@@ -204,7 +206,6 @@ def time_decode_step(model, counter, token, cache, iters, replays):
     import torch.distributed as dist
 
     counter.phase = "timing"
-
     pos0 = int(cache.pos)
     if pos0 + iters > cache.max_len:
         raise ValueError(f"cache of {cache.max_len} positions cannot hold {iters} more steps after {pos0}")
@@ -317,7 +318,9 @@ def run_rank(rank, world, args, device):
         tok_f, logits_f, cache_f, graph_f = greedy(fused, counter_f, ids, args.steps, "fused",
                                                       args.eager_prefill, spare)
         t3 = time.perf_counter()
-        row = dict(m=m, tokens_equal=bool(torch.equal(tok_u, tok_f)), logits_rel_err=rel_err(logits_f, logits_u),
+        finite = bool(torch.isfinite(logits_u).all() and torch.isfinite(logits_f).all())
+        row = dict(m=m, tokens_equal=bool(torch.equal(tok_u, tok_f)), logits_finite=finite,
+                   logits_rel_err=rel_err(logits_f, logits_u),
                    unfused_all_reduce=graph_u["all_reduce"], fused_all_reduce=graph_f["all_reduce"],
                    fused_tails=graph_f["latent_moe_tail"], fused_k3_ops=graph_f["k3_ops"],
                    fused_pass_matches=decode_matches(fused),
@@ -357,9 +360,9 @@ def decode_matches(model) -> dict:
 
 
 def check(per_rank: list[dict], plan: dict) -> bool:
-    """Every rank: equal tokens, the unfused graph holds the model's all-reduces and the fused one
-    one per MoE layer fewer."""
-    return all(r["tokens_equal"] and r["unfused_all_reduce"] == plan["unfused"]
+    """Every rank: finite logits, equal tokens, the unfused graph holds the model's all-reduces and
+    the fused one one per MoE layer fewer."""
+    return all(r["logits_finite"] and r["tokens_equal"] and r["unfused_all_reduce"] == plan["unfused"]
                and r["fused_all_reduce"] == r["unfused_all_reduce"] - plan["moe_layers"]
                for r in per_rank)
 
@@ -373,7 +376,8 @@ def table(rows: list[dict], world: int) -> str:
         ar_u = "/".join(sorted({str(x["unfused_all_reduce"]) for x in ranks}))
         ar_f = "/".join(sorted({str(x["fused_all_reduce"]) for x in ranks}))
         tails = "/".join(sorted({str(x["fused_tails"]) for x in ranks}))
-        tokens = "equal" if all(x["tokens_equal"] for x in ranks) else "DIFFER"
+        tokens = ("NaN" if not all(x["logits_finite"] for x in ranks)
+                  else "equal" if all(x["tokens_equal"] for x in ranks) else "DIFFER")
         rel = max(x["logits_rel_err"] for x in ranks)
         us_u, us_f = r.get("unfused_us"), r.get("fused_us")
         timing = (f"{us_u:>10.1f} {us_f:>9.1f} {us_u / us_f:>7.2f}" if us_u and us_f

@@ -48,7 +48,8 @@ class Report:
 
 
 def _key_str(key) -> str:
-    if isinstance(key, tuple) and len(key) >= 3:
+    # The skinny-GEMM key is (dtype, device, (M, K), N); other ops use readable strings.
+    if isinstance(key, tuple) and len(key) == 4 and isinstance(key[2], (tuple, list)):
         return f"{str(key[0]).replace('torch.', '')} {key[1]} [M,K]={list(key[2])} N={key[3]}"
     return str(key)
 

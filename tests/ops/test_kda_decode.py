@@ -339,7 +339,7 @@ attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in ac
 out = {}
 for target in (("cuda", 90, 32), ("hip", "gfx942", 64)):
     for lb in (True, False):
-        consts = dict(H=12, HV=12, K=128, V=128, W=4, BK=128, BV=128, USE_LOWER_BOUND=lb)
+        consts = dict(H=12, HV=12, K=128, V=128, W=4, BK=128, BV=128, BW=4, USE_LOWER_BOUND=lb)
         try:
             src = ASTSource(fn=kda_decode_kernel, signature=sig,
                             constexprs={(names.index(n),): v for n, v in consts.items()}, attrs=attrs)

@@ -41,22 +41,24 @@ def _round_to(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _short_conv_step(p_x, p_state, p_w, o_c, m_c, W: tl.constexpr):
+def _short_conv_step(p_x, p_state, p_w, o_c, m_c, W: tl.constexpr, BW: tl.constexpr):
     """SiLU(Σ_j w[c, j] · window[c, j]) for window = [state[c, :], x[c]]; shifts x into the state.
 
-    Columns are read as separate vectors with one layout, so each thread rewrites only the state entries
-    it has read itself: no barrier is needed between the loads and the stores.
+    The window is one [C, BW] tile (column W-1 holds x); the new state is the same tile stored one column
+    to the left. A barrier separates every thread's loads from any thread's stores: a tile element can be
+    held by several threads (more threads than elements), and without it a fast warp could overwrite a
+    state column that a slower warp has not read yet.
     """
+    o_w = tl.arange(0, BW)
     b_x = tl.load(p_x + o_c, mask=m_c, other=0)
-    b_y = tl.zeros(o_c.shape, dtype=tl.float32)
-    for j in tl.static_range(W):
-        if j < W - 1:
-            b_col = tl.load(p_state + o_c * (W - 1) + j, mask=m_c, other=0).to(tl.float32)
-        else:
-            b_col = b_x.to(tl.float32)
-        b_y += b_col * tl.load(p_w + o_c * W + j, mask=m_c, other=0).to(tl.float32)
-        if j >= 1:
-            tl.store(p_state + o_c * (W - 1) + (j - 1), b_col.to(p_state.dtype.element_ty), mask=m_c)
+    p_win = p_state + o_c[:, None] * (W - 1) + o_w[None, :]
+    b_win = tl.load(p_win, mask=m_c[:, None] & (o_w[None, :] < W - 1), other=0)
+    b_win = tl.where(o_w[None, :] == W - 1, b_x[:, None], b_win)
+    b_w = tl.load(p_w + o_c[:, None] * W + o_w[None, :], mask=m_c[:, None] & (o_w[None, :] < W), other=0)
+    b_y = tl.sum(b_win.to(tl.float32) * b_w.to(tl.float32), 1)
+    tl.debug_barrier()
+    tl.store(p_win - 1, b_win.to(p_state.dtype.element_ty),
+             mask=m_c[:, None] & (o_w[None, :] >= 1) & (o_w[None, :] < W))
     b_y = b_y * tl.sigmoid(b_y)
     # the model casts the conv output back to the activation dtype before normalising it
     return _round_to(b_y, b_x.dtype).to(tl.float32)
@@ -70,7 +72,7 @@ def kda_decode_kernel(
     stride_f, stride_beta, stride_gate, stride_state, stride_o,
     lower_bound, scale, eps,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
@@ -86,9 +88,9 @@ def kda_decode_kernel(
     b_s_next = tl.load(p_s, mask=m_s, other=0, eviction_policy="evict_first")
 
     b_q = _short_conv_step(q + i_b * stride_q + i_h * K, conv_q + i_b * stride_cq + i_h * K * (W - 1),
-                           w_q + i_h * K * W, o_k, m_k, W)
+                           w_q + i_h * K * W, o_k, m_k, W, BW)
     b_k = _short_conv_step(k + i_b * stride_k + i_h * K, conv_k + i_b * stride_ck + i_h * K * (W - 1),
-                           w_k + i_h * K * W, o_k, m_k, W)
+                           w_k + i_h * K * W, o_k, m_k, W, BW)
     b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6) * scale
     b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
     b_nw = tl.load(norm_w + o_v, mask=m_v, other=0).to(tl.float32)
@@ -98,7 +100,7 @@ def kda_decode_kernel(
     for i_g in tl.static_range(HV // H):
         i_hv = i_h * (HV // H) + i_g
         b_v = _short_conv_step(v + i_b * stride_v + i_hv * V, conv_v + i_b * stride_cv + i_hv * V * (W - 1),
-                               w_v + i_hv * V * W, o_v, m_v, W)
+                               w_v + i_hv * V * W, o_v, m_v, W, BW)
 
         b_f = tl.load(f + i_b * stride_f + i_hv * K + o_k, mask=m_k, other=0).to(tl.float32)
         b_f += tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0).to(tl.float32)
@@ -200,7 +202,7 @@ def kda_decode_triton(
         f.stride(0), beta_logits.stride(0), out_gate.stride(0), state.stride(0), o.stride(0),
         0.0 if lower_bound is None else float(lower_bound), K ** -0.5, float(eps),
         H=H, HV=HV, K=K, V=V, W=W,
-        BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V),
+        BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V), BW=triton.next_power_of_2(W),
         USE_LOWER_BOUND=lower_bound is not None,
         num_warps=num_warps or default_num_warps(K, V, B * H, state.device),
     )

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One device call that checks and times everything GPU-side on the lent H200s (the figures in the notes):
+#   run(kind="nvidia-h200-x2", carry=[".gpu-deps"],
+#       command="source .gpu-deps/activate.sh && bash benchmarks/h200_session.sh")
+# Single-GPU steps use GPU 0; the --tp 2 step needs two GPUs (skipped with one). Each step has its own time
+# limit so a slow step cannot take the others' results with it; logs and JSON land in $OUT (or ./h200_out).
+set -u
+OUT=${OUT:-h200_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# the image's torch stays; k3compile.model / k3compile.patterns need the package-dir mapping of setup.py
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || tail -5 "$OUT/install.log"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.device_count(), 'x', torch.cuda.get_device_name())"
+NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+STEPS=${STEPS:-gpu_tests kda_decode moe_tail moe_tail_tp2 decode_tp1}
+step() {  # step NAME SECONDS CMD...
+    local name=$1 secs=$2; shift 2
+    case " $STEPS " in *" $name "*) ;; *) return ;; esac
+    echo "=== $name (limit ${secs}s): $*"
+    local t0=$SECONDS
+    timeout --kill-after=10 "$secs" "$@" > "$OUT/$name.log" 2>&1
+    echo "=== $name: rc=$? in $((SECONDS - t0))s"
+}
+step gpu_tests    ${T_TESTS:-130} python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops ${TESTS_K:+-k "$TESTS_K"}
+step kda_decode   ${T_KDA:-130}   python3 benchmarks/kda_decode.py --rep-ms 50 --out "$OUT/kda_decode.json"
+step moe_tail     ${T_MOE:-110}   python3 benchmarks/moe_tail.py --m 1 4 16 --json "$OUT/moe_tail_tp1.json"
+[ "$NGPU" -ge 2 ] && step moe_tail_tp2 ${T_MOE2:-100} python3 benchmarks/moe_tail.py --tp 2 --m 1 4 16 --json "$OUT/moe_tail_tp2.json"
+step skinny_dyn   ${T_SKINNY:-60} python3 benchmarks/skinny_gemm.py --dynamic-weight --ms 1,4,16 \
+                                  --shapes 896x7168,2112x7168,7168x3584,20480x7168 --json "$OUT/skinny_dynamic.json"
+step decode_tp1   ${T_DECODE:-120} python3 benchmarks/tp_decode.py --world-size 1 --backend nccl --config slice \
+                                  --batch 1,16 --steps 3 --json "$OUT/decode_tp1.json"
+for f in $STEPS; do
+    [ -f "$OUT/$f.log" ] && { echo "----- $f (tail)"; tail -n ${TAIL:-22} "$OUT/$f.log"; }
+done
