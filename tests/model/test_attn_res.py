@@ -4,12 +4,9 @@ import torch
 from hypothesis import example, given, strategies as st
 
 from k3compile.model.attn_res import attn_res
+from k3compile.testing import rel_err as rel
 
 fla_attnres = pytest.importorskip("fla.ops.attnres.naive")
-
-
-def rel(out, ref):
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 @given(st.tuples(st.integers(0, 9), st.integers(1, 3), st.integers(1, 9), st.sampled_from([16, 128, 7168]),

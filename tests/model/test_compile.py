@@ -8,12 +8,9 @@ import torch
 from torch._dynamo.utils import counters
 
 from k3compile.model import KimiK3Config, KimiK3ForConditionalGeneration
+from k3compile.testing import rel_err as rel
 
 pytestmark = pytest.mark.slow
-
-
-def rel(out, ref):
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def clone_cache(cache):

@@ -11,13 +11,10 @@ from k3compile.model.kda import (
     gated_rms_norm, kda_chunked, kda_gate_lower_bound, kda_gate_softplus, kda_recurrent_step, l2_normalize,
     short_conv_decode, short_conv_prefill,
 )
+from k3compile.testing import rel_err as rel
 
 fla_naive = pytest.importorskip("fla.ops.kda.naive")
 fla_gate = pytest.importorskip("fla.ops.kda.gate")
-
-
-def rel(out, ref):
-    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
 def kda_inputs(B, T, H, K, V, lower_bound, seed):

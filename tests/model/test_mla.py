@@ -6,10 +6,7 @@ from k3compile.model import KimiK3Config
 from k3compile.model.cache import MLAState
 from k3compile.model.layers import rms_norm
 from k3compile.model.mla import KimiMLAAttention
-
-
-def rel(out, ref):
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+from k3compile.testing import rel_err as rel
 
 
 def expanded_reference(attn, x):

@@ -4,10 +4,7 @@ import torch
 from hypothesis import example, given, settings, strategies as st
 
 from k3compile.model import KimiK3Config, KimiK3ForConditionalGeneration
-
-
-def rel(out, ref):
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+from k3compile.testing import rel_err as rel
 
 
 @pytest.fixture(scope="module")

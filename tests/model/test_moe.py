@@ -7,10 +7,7 @@ from hypothesis import example, given, strategies as st
 from k3compile.model import KimiK3Config
 from k3compile.model.layers import situ_glu
 from k3compile.model.moe import KimiLatentMoE, experts_dense, experts_gathered, route
-
-
-def rel(out, ref):
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+from k3compile.testing import rel_err as rel
 
 
 def situ_ref(x, beta):

@@ -4,12 +4,9 @@ import torch
 
 from k3compile.model import KimiK3Config, KimiK3ForConditionalGeneration
 from k3compile.model.mtp import KimiK3MultiTokenPredictor, MTPSpeculator, speculative_generate
+from k3compile.testing import rel_err as rel
 
 N_NEW = 8
-
-
-def rel(out, ref):
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def build(cfg, seed=0):

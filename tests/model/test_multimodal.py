@@ -11,6 +11,7 @@ from PIL import Image
 from k3compile.model import (KimiK3Config, KimiK3ForConditionalGeneration, KimiK3ImageProcessor, KimiK3Processor,
                              speculative_generate)
 from k3compile.model.processing import IMAGE_PLACEHOLDER, MediaProcConfig
+from k3compile.testing import rel_err as rel
 
 try:  # tests/model may or may not be a package
     from .test_processing import make_tokenizer
@@ -18,10 +19,6 @@ except ImportError:
     from test_processing import make_tokenizer
 
 L = 4  # micro: text layers 0..3, the MTP layer is published as layer 4
-
-
-def rel(out, ref):
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,9 @@ from k3compile.model.vision import (
     MoonViT, PatchMergerV2, apply_rope_2d, image_features, merge_image_features, rope_2d_angles,
     tpool_patch_merge,
 )
+from k3compile.testing import rel_err as rel
 
 CFG = KimiK3VisionConfig.tiny()
-
-
-def rel(out, ref):
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 @pytest.fixture(scope="module")

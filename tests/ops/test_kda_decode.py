@@ -9,18 +9,13 @@ from k3compile.backends import BackendUnavailableError
 from k3compile.ops.kda_decode import KDA_DECODE, kda_decode
 from k3compile.ops.kda_decode.reference import kda_decode_ref, short_conv_decode_ref
 from k3compile.ops.kda_decode.triton import kda_decode_triton
+from k3compile.testing import rel_err as rel
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # relative-error budgets on the output / the fp32 state. 16-bit: one rounding of the conv output to the
 # activation dtype may flip an ulp between two summation orders; the output itself is stored in 16 bit.
 TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 1e-2), torch.float16: (4e-3, 2e-3)}
 MUTATED = ("conv_state_q", "conv_state_k", "conv_state_v", "state")
-
-
-def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert not out.isnan().any(), "NaN in output"
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def make_inputs(B, H, HV, K, V, dtype, lower_bound=-5.0, W=4, state_scale=1.0, seed=0, device="cpu"):

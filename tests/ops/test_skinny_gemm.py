@@ -15,17 +15,12 @@ from k3compile.backends import BackendUnavailableError, triton_interpret
 from k3compile.ops.skinny_gemm import SKINNY_GEMM, skinny_gemm
 from k3compile.ops.skinny_gemm.reference import skinny_gemm_reference
 from k3compile.ops.skinny_gemm.triton import TritonConfig, choose_config, skinny_gemm_triton, supports
+from k3compile.testing import rel_err
 
 # the kernel tests run on the GPU when there is one, else on CPU under the interpreter
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float64: 1e-12}
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not out.isnan().any(), "NaN in the output (unwritten element or bad math)"
-    ref = ref.double()
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def make_inputs(m, n, k, dtype, bias=True, residual=True, seed=0, device=DEVICE):

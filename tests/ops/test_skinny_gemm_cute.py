@@ -14,14 +14,10 @@ from hypothesis import example, given, strategies as st
 from k3compile.ops.skinny_gemm import config as cfgmod
 from k3compile.ops.skinny_gemm import cute as kc
 from k3compile.ops.skinny_gemm.reference import skinny_gemm_reference
+from k3compile.testing import rel_err
 
 HAS_CUTLASS = importlib.util.find_spec("cutlass") is not None
 needs_cutlass = pytest.mark.skipif(not HAS_CUTLASS, reason="CuTe DSL (nvidia-cutlass-dsl) not installed")
-
-
-def rel_err(out, ref):
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def tol(dtype):

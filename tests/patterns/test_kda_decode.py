@@ -19,6 +19,7 @@ from k3compile.model.kda import (
     gated_rms_norm, kda_gate_lower_bound, kda_gate_softplus, kda_recurrent_step, l2_normalize, short_conv_decode,
 )
 from k3compile.passes import COMPILE_RECORD, K3Options, K3PostGradPass
+from k3compile.testing import rel_err as rel
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 KDA_CALL = re.compile(r"torch\.ops\.k3\.kda_decode\.default\(([^)]*)\)")
@@ -30,11 +31,6 @@ def no_graph_caches():
     with torch._inductor.config.patch(fx_graph_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False):
         yield
-
-
-def rel(out, ref) -> float:
-    assert not out.isnan().any()
-    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
 def assert_states_not_copied(code: str) -> int:

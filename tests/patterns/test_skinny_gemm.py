@@ -13,6 +13,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import k3compile
+from k3compile.testing import rel_err
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float64: 1e-12}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -23,12 +24,6 @@ def no_graph_caches():
     with torch._inductor.config.patch(fx_graph_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False):
         yield
-
-
-def rel_err(out, ref) -> float:
-    assert not out.isnan().any()
-    ref = ref.double()
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 class Projection(torch.nn.Module):
