@@ -25,6 +25,10 @@ class Report:
         return sum(1 for g in self.graphs if g.source != "pass ran")
 
     def __str__(self) -> str:
+        return self.format()
+
+    def format(self, verbose: bool = False) -> str:
+        """The table; ``verbose`` lists each shape's kernel choice instead of grouping equal choices."""
         lines = [f"k3compile report: {len(self.graphs)} graph(s) compiled, {self.cache_hits} served "
                  f"from the cache, backend={self.backend!r}"]
         lines.append(f"  passes added {self.pass_seconds:.3f} s to {self.compile_seconds:.3f} s of "
@@ -41,9 +45,19 @@ class Report:
         lines.append("  kernels chosen:")
         if not self.choices:
             lines.append("    (no k3 op has run yet)")
-        for c in self.choices:
-            lines.append(f"    {c.op:<16} asked {c.backend!r:<12} ran {c.impl:<10} x{c.calls:<6} "
-                         f"{_key_str(c.key)}: {c.reason}")
+        if verbose:
+            for c in self.choices:
+                lines.append(f"    {c.op:<16} asked {c.backend!r:<12} ran {c.impl:<10} x{c.calls:<6} "
+                             f"{_key_str(c.key)}: {c.reason}")
+            return "\n".join(lines)
+        groups: dict = {}
+        for c in self.choices:  # one line per (op, asked, ran, reason): shapes and calls summed
+            g = groups.setdefault((c.op, c.backend, c.impl, c.reason), [0, 0])
+            g[0] += 1
+            g[1] += c.calls
+        for (op, asked, impl, reason), (shapes, calls) in groups.items():
+            lines.append(f"    {op:<16} asked {asked!r:<8} ran {impl:<10} {shapes:>3} shape(s) {calls:>6} call(s): "
+                         f"{reason}")
         return "\n".join(lines)
 
 
