@@ -121,10 +121,16 @@ def _always(*args, **kwargs) -> Reason:
 
 @dataclass(frozen=True)
 class Impl:
-    """One implementation of an op: the function and its two predicates (see module doc)."""
+    """One implementation of an op: the function and its predicates (see module doc).
+
+    ``profitable(*args)``: None where this kernel is measured (or expected) to beat the op's vendor-library
+    path (``OpImpls.vendor``, e.g. cuBLAS through aten), else the reason. Checked under ``backend="auto"``
+    only; a forced backend runs the kernel it names wherever it can.
+    """
     fn: Callable[..., Any]
     available: Callable[..., Reason] = _always
     supports: Callable[..., Reason] = _always
+    profitable: Callable[..., Reason] = _always
 
 
 @dataclass
@@ -144,6 +150,7 @@ class OpImpls:
     reference: Impl
     triton: Optional[Impl] = None
     cute: Optional[Impl] = None
+    aten: Optional[Impl] = None      # the vendor-library path an unprofitable kernel yields to
     _choices: dict = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -177,6 +184,11 @@ class OpImpls:
             if why is not None:
                 notes.append(f"{name}: {why}")
                 continue
+            if backend == "auto" and self.aten is not None and name != "reference":
+                why = impl.profitable(*args)
+                if why is not None:
+                    notes.append(f"{name}: {why}")
+                    return "aten", "; ".join(notes) + " -> aten"
             return name, ("; ".join(notes) + " -> " + name) if notes else "preferred"
         raise AssertionError("the reference implementation must always run")  # pragma: no cover
 

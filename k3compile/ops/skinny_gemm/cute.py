@@ -66,6 +66,13 @@ def supports(a, w, bias=None, residual=None) -> Optional[str]:
     if residual is not None:
         if residual.shape != (m, n) or residual.dtype != a.dtype or residual.stride(1) != 1:
             return f"residual must be a row-major [{m}, {n}] {a.dtype} tensor"
+    return None
+
+
+def profitable(a, w, bias=None, residual=None) -> Optional[str]:
+    """None where the H200 table (or its heuristic) has the kernel ahead of cuBLAS, else the reason."""
+    m, k = a.shape
+    n = w.shape[0]
     if _config.choose(m, n, k) is None:
         return f"cuBLAS measured faster for M={m} N={n} K={k} (config table)"
     return None

@@ -40,12 +40,16 @@ def _cute_supports(a, w, bias, residual) -> Reason:
     return _cute().supports(a, w, bias, residual)
 
 
+def _cute_profitable(a, w, bias, residual) -> Reason:
+    return _cute().profitable(a, w, bias, residual)
+
+
 def _cute_fn(a, w, bias, residual):
     return _cute().skinny_gemm_cute(a, w, bias, residual)
 
 
 def _large_m(a, w, bias, residual):
-    """Rows above the skinny limit: the vendor GEMM, rounded exactly as eager ``linear + add``."""
+    """Rows above the skinny limit, or shapes our kernels lose on: the vendor GEMM, rounded exactly as eager ``linear + add``."""
     out = torch.nn.functional.linear(a, w, bias)
     return out if residual is None else out.add_(residual)
 
@@ -53,8 +57,10 @@ def _large_m(a, w, bias, residual):
 SKINNY_GEMM = register_op_impls(OpImpls(
     "skinny_gemm",
     reference=Impl(skinny_gemm_reference),
-    triton=Impl(triton_impl.skinny_gemm_triton, triton_impl.available, triton_impl.supports),
-    cute=Impl(_cute_fn, _cute_available, _cute_supports),
+    triton=Impl(triton_impl.skinny_gemm_triton, triton_impl.available, triton_impl.supports,
+                triton_impl.profitable),
+    cute=Impl(_cute_fn, _cute_available, _cute_supports, _cute_profitable),
+    aten=Impl(_large_m),   # cuBLAS where the table says no kernel of ours is faster
 ))
 
 

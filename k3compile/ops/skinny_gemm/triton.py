@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3compile.backends import Reason, triton_can_run_on
+from k3compile.backends import is_rocm, Reason, triton_can_run_on
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_M = 64  # beyond this the whole-M register tile spills; callers use cuBLAS there
@@ -138,6 +138,19 @@ def supports(a, w, bias=None, residual=None) -> Reason:
     if a.shape[0] > MAX_M:
         return f"M={a.shape[0]} > {MAX_M}"
     return None
+
+
+def profitable(a, w, bias=None, residual=None) -> Reason:
+    """None where the kernel beats cuBLAS, else the reason. Measured on the H200 (benchmarks/results/
+    skinny_gemm_h200_sweep.json, M = 1..16): ahead by 4-19% when N >= 2048 and K >= 4096 (e.g. 2112x7168,
+    4608x7168, 20480x7168), 3-15% behind on narrower products (896x7168, 7168x1536, 2304x1536). ROCm has no
+    measurement and no CuTe: Triton stays the path there, as it does for CPU tensors under the interpreter."""
+    if a.device.type != "cuda" or is_rocm():
+        return None
+    n, k = w.shape
+    if n >= 2048 and k >= 4096:
+        return None
+    return f"cuBLAS measured faster for N={n} K={k} (Triton wins at N >= 2048 and K >= 4096 on the H200)"
 
 
 def available(a, w, bias=None, residual=None) -> Reason:

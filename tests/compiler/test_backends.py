@@ -1,0 +1,68 @@
+"""Backend selection (k3compile/backends.py): fallbacks, forced backends and the profit check, on stand-in ops."""
+import pytest
+import torch
+
+from k3compile.backends import BackendUnavailableError, Impl, OpImpls
+
+
+def _ran(label):
+    return lambda *args: label
+
+
+def _op(cute_supports=None, cute_profitable=None, triton_available=None, with_aten=True):
+    return OpImpls(
+        "stand_in",
+        reference=Impl(_ran("reference")),
+        triton=Impl(_ran("triton"), available=lambda *a: triton_available),
+        cute=Impl(_ran("cute"), supports=lambda *a: cute_supports, profitable=lambda *a: cute_profitable),
+        aten=Impl(_ran("aten")) if with_aten else None,
+    )
+
+
+def test_auto_prefers_cute():
+    op = _op()
+    assert op.select("auto", "k", torch.zeros(1))() == "cute"
+    assert op.choices()[0].reason == "preferred"
+
+
+def test_auto_yields_to_aten_where_the_kernel_is_not_profitable():
+    op = _op(cute_profitable="cuBLAS measured faster")
+    assert op.select("auto", "k", torch.zeros(1))() == "aten"
+    assert op.choices()[0].impl == "aten" and "cuBLAS measured faster" in op.choices()[0].reason
+
+
+def test_forced_backend_skips_the_profit_check():
+    op = _op(cute_profitable="cuBLAS measured faster")
+    assert op.select("cute", "k", torch.zeros(1))() == "cute"
+
+
+def test_without_a_vendor_path_an_unprofitable_kernel_still_runs():
+    op = _op(cute_profitable="cuBLAS measured faster", with_aten=False)
+    assert op.select("auto", "k", torch.zeros(1))() == "cute"
+
+
+def test_unsupported_shape_falls_back_and_records_why():
+    op = _op(cute_supports="K not a multiple of 8")
+    assert op.select("auto", "k", torch.zeros(1))() == "triton"
+    assert "K not a multiple of 8" in op.choices()[0].reason
+
+
+def test_forced_unavailable_backend_raises():
+    op = _op(triton_available="tensor on cpu")
+    with pytest.raises(BackendUnavailableError, match="tensor on cpu"):
+        op.select("triton", "k", torch.zeros(1))
+
+
+def test_reference_is_never_replaced():
+    op = _op(cute_supports="no", cute_profitable="no", triton_available="no")
+    assert op.select("reference", "k", torch.zeros(1))() == "reference"
+    assert op.select("auto", "k2", torch.zeros(1))() == "reference"
+
+
+def test_choice_is_cached_per_key():
+    calls = []
+    op = OpImpls("stand_in_cache", reference=Impl(_ran("reference"),
+                                                   supports=lambda *a: calls.append(1)))
+    for _ in range(3):
+        op.select("auto", "same", torch.zeros(1))
+    assert len(calls) == 1 and op.choices()[0].calls == 3
