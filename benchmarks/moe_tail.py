@@ -35,7 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from k3compile.ops.latent_moe_tail import latent_moe_tail  # noqa: E402
 from k3compile.ops.latent_moe_tail.op import LATENT_MOE_TAIL  # noqa: E402
 from k3compile.ops.latent_moe_tail.reference import kimi_rms_norm, latent_moe_tail_ref  # noqa: E402
+from k3compile.ops.latent_moe_tail.split import kimi_rms_norm_triton  # noqa: E402
 from k3compile.ops.latent_moe_tail.triton import TailConfig, latent_moe_tail_triton  # noqa: E402
+from k3compile.ops.skinny_gemm import SKINNY_GEMM  # noqa: E402
 from k3compile.passes import COMPILE_RECORD  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -76,7 +78,18 @@ def tail_eager(latent, shared, norm_weight, up_weight):
 
 
 def tail_fused(latent, shared, norm_weight, up_weight):
+    """The op as the pass emits it: Triton norm + k3::skinny_gemm (CuTe/Triton) with the shared add."""
     return latent_moe_tail(latent, shared, norm_weight, up_weight, EPS)
+
+
+def tail_one_kernel(latent, shared, norm_weight, up_weight):
+    """The single-kernel Triton tail (kept; the op uses it only where measured faster)."""
+    return latent_moe_tail_triton(latent, shared, norm_weight, up_weight, EPS)
+
+
+def tail_norm_only(latent, shared, norm_weight, up_weight):
+    """The split path's first kernel alone (its cost on top of the skinny GEMM); not a tail."""
+    return kimi_rms_norm_triton(latent, norm_weight, EPS)
 
 
 def make_inputs(m, l, d, dtype, n_weights, seed=0):
@@ -144,7 +157,7 @@ def bench_single(args):
     n_rot = n_rotations(d, l, dtype)
     print(f"device: {device_name()}  torch {torch.__version__}  copy ceiling {ceiling:.2f} TB/s  "
           f"weights rotated: {n_rot} x {d * l * dtype.itemsize / 2**20:.0f} MiB")
-    providers = {"eager": tail_eager, "fused": tail_fused}
+    providers = {"eager": tail_eager, "fused": tail_fused, "fused-1kernel": tail_one_kernel}
     if not args.no_compile:
         from k3compile.passes import K3Options, K3PostGradPass
 
@@ -160,13 +173,15 @@ def bench_single(args):
         lat, sh, g, (w,) = make_inputs(m, l, d, dtype, 1, seed=1000 + m)
         ref = latent_moe_tail_ref(lat.float(), sh.float(), g.float(), w.float(), EPS)
         errs = {name: rel_err(fn(lat, sh, g, w), ref) for name, fn in providers.items()}
+        providers_timed = dict(providers, **{"norm only": tail_norm_only})
+        errs["norm only"] = rel_err(tail_norm_only(lat, sh, g, w), kimi_rms_norm(lat.float(), g.float(), EPS))
         print(f"M={m:<3} rel err vs fp32: " + "  ".join(f"{k}={v:.2e}" for k, v in errs.items())
               + f"  k3 pass matches: {[g.matches for g in COMPILE_RECORD.take()]}")
 
         lat, sh, g, ws = make_inputs(m, l, d, dtype, n_rot, seed=m)
         floor_us = tail_bytes(m, l, d, dtype) / (ceiling * 1e12) * 1e6
         times = {}
-        for name, fn in providers.items():
+        for name, fn in providers_timed.items():
             def run(fn=fn):
                 for w in ws:
                     fn(lat, sh, g, w)
@@ -180,6 +195,8 @@ def bench_single(args):
                              speedup_vs_compile=times["compile"] / us if "compile" in times else None))
     print_table(rows)
     print("choices:", [(c.impl, c.reason) for c in LATENT_MOE_TAIL.choices()])
+    print("skinny_gemm choices:", [(c.key[2] if isinstance(c.key, tuple) else c.key, c.impl, c.reason)
+                                   for c in SKINNY_GEMM.choices()])
     return rows, dict(copy_ceiling_tbps=ceiling, rotations=n_rot)
 
 

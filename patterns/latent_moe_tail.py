@@ -17,9 +17,13 @@ Rewrites to::
 
 The fusion is a ``register_replacement`` (fp32 and 16-bit traces, four spellings of the add: without
 TP, Inductor's own post-grad patterns fold the shared experts' down-projection and the add into
-``addmm(tail_mm, a, b)`` before our pass runs). The
-collective merge is a graph walk in :func:`postprocess` over the ``k3::latent_moe_tail`` nodes just
-made: the group name is a string constant the traced patterns would bake in.
+``addmm(tail_mm, a, b)`` before our pass runs). A structural graph walk (:func:`_tail_at`) backs
+the traces: it counts the candidates the guard accepts (``facts``, so ``expected()`` warns only about
+tails that should have fused, and lists why others were refused under ``latent_moe_tail_rejected``),
+and :func:`postprocess` fuses any accepted tail the traces left (the real-width bf16 decode graph on
+the H200 went unmatched by the traces). The collective merge is a graph walk in :func:`postprocess`
+over the ``k3::latent_moe_tail`` nodes just made: the group name is a string constant the traced
+patterns would bake in.
 
 The pass fires only where the math is the tail's: a 1-D norm weight of the latent's width, an up
 weight [D, L], an addend [M, D], one dtype, and M not statically above the small-M limit (a static
@@ -156,38 +160,171 @@ def _is_call(node, target) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is target
 
 
-def _scaled_norm_outputs(rsqrt: torch.fx.Node):
-    """``w * (x * rsqrt(...))`` nodes (an optional dtype cast between) with a 1-D ``w``."""
+def _other(node: torch.fx.Node, one):
+    """The other operand of a binary call (``None`` if ``one`` is neither)."""
+    a, b = node.args[:2]
+    return b if a is one else (a if b is one else None)
+
+
+def _tail_at(rsqrt: torch.fx.Node, small_m_limit: int):
+    """Walk the graph from a ``rsqrt`` to the tail it belongs to, checking the math and the op's
+    contract as :func:`_can_fuse_tail` does. Yields ``(found, why_not)``: ``found`` is a dict
+    (latent, norm_weight, up_weight, eps, out (the node the tail's value replaces), shared (a node)
+    or shared_ab (a, b)) when every check holds, else ``None`` with the reason.
+
+    This is the structural twin of the traced patterns: it counts the candidates (``facts``) and
+    rewrites any the traced patterns did not match (``postprocess``), so a graph spelled in a way the
+    traces do not know still fuses, and a rejected candidate says why in the record.
+    """
+    var_eps = rsqrt.args[0]
+    if not (_is_call(var_eps, aten.add.Tensor) and isinstance(var_eps.args[1], float)
+            and _is_call(var_eps.args[0], aten.mean.dim)):
+        return
+    mean = var_eps.args[0]
+    if not (list(mean.args[1]) in ([-1], [1]) and (mean.args[2:3] == (True,) or mean.kwargs.get("keepdim"))):
+        return
+    sq = mean.args[0]
+    if not (_is_call(sq, aten.pow.Tensor_Scalar) and sq.args[1] == 2):
+        return
+    x32 = sq.args[0]
+    upcast = _is_call(x32, torch.ops.prims.convert_element_type.default) and x32.args[1] == torch.float32
+    latent = x32.args[0] if upcast else x32
+    v_lat = val(latent)
+    if not (isinstance(v_lat, torch.Tensor) and v_lat.dim() == 2 and v_lat.dtype.is_floating_point):
+        return
+    eps = var_eps.args[1]
     for inner in rsqrt.users:
-        if not _is_call(inner, aten.mul.Tensor):
+        if not (_is_call(inner, aten.mul.Tensor) and _other(inner, rsqrt) is x32):
             continue
-        casts = [u for u in inner.users if _is_call(u, torch.ops.prims.convert_element_type.default)]
-        for normed in [inner, *casts]:
-            for outer in normed.users:
-                if _is_call(outer, aten.mul.Tensor):
-                    weight = outer.args[0] if outer.args[1] is normed else outer.args[1]
-                    v = val(weight)
-                    if isinstance(v, torch.Tensor) and v.dim() == 1:
-                        yield outer
+        converts = [u for u in inner.users if _is_call(u, torch.ops.prims.convert_element_type.default)]
+        if v_lat.dtype == torch.float32:
+            # An fp32 latent normalised, then rounded to a 16-bit activation dtype: torch < 2.12's
+            # joint-graph ``pointless_convert`` folds the model's ``bf16(y_lat).float()`` into
+            # ``y_lat`` (fp32), so the bf16 decode graph looks like this. The op then gets
+            # ``latent.to(dtype)``: the model's own rounding of y_lat, which Inductor had dropped.
+            normed_nodes = [inner] + [u for u in converts if u.args[1] in (torch.bfloat16, torch.float16)]
+        else:
+            normed_nodes = [u for u in converts if u.args[1] == v_lat.dtype]
+        for normed in normed_nodes:
+            act_dtype = normed.args[1] if normed is not inner else v_lat.dtype
+            for h in normed.users:
+                if not _is_call(h, aten.mul.Tensor):
+                    continue
+                g = _other(h, normed)
+                for use in h.users:
+                    found, why = _check_tail(latent, g, h, use, eps, small_m_limit, act_dtype)
+                    yield found, why
+
+
+def _up_weight(node):
+    return node.args[0] if _is_call(node, aten.permute.default) and list(node.args[1]) == [1, 0] else None
+
+
+def _check_tail(latent, g, h, use, eps, small_m_limit, act_dtype):
+    """``use`` reads ``h``: the up-projection and its addend, then the op's contract (``act_dtype``:
+    the dtype the normalised latent is rounded to; the latent is cast to it when it is wider)."""
+    found = dict(latent=latent, norm_weight=g, eps=eps, cast_latent=val(latent).dtype != act_dtype)
+    if _is_call(use, aten.addmm.default) and use.args[1] is h and not use.kwargs:
+        found.update(up_weight=_up_weight(use.args[2]), shared=use.args[0], out=use)
+    elif _is_call(use, aten.mm.default) and use.args[0] is h:
+        found["up_weight"] = _up_weight(use.args[1])
+        adds = [u for u in use.users if _is_call(u, aten.add.Tensor) and len(u.args) == 2 and not u.kwargs]
+        addmms = [u for u in use.users if _is_call(u, aten.addmm.default) and u.args[0] is use and not u.kwargs]
+        if adds:
+            found.update(shared=_other(adds[0], use), out=adds[0])
+        elif addmms:
+            found.update(shared_ab=tuple(addmms[0].args[1:3]), out=addmms[0])
+        else:
+            return None, None   # a norm and a projection, no addend: not a tail
+    else:
+        return None, None   # h read by something else: not a tail (not counted)
+    if found["up_weight"] is None:
+        return None, "up-projection weight is not permute(w)"
+    if len(found["out"].args) > 3 or found["out"].kwargs:
+        return None, "addmm with alpha/beta"
+    v = {k: val(found[k]) for k in ("latent", "norm_weight", "up_weight")}
+    if "shared" in found:
+        v_sh = val(found["shared"])
+        sh_shape = tuple(v_sh.shape) if isinstance(v_sh, torch.Tensor) and v_sh.dim() == 2 else None
+    else:
+        a, b = (val(n) for n in found["shared_ab"])
+        ok = all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in (a, b))
+        v_sh = a if ok else None
+        sh_shape = (a.shape[0], b.shape[1]) if ok and statically_known_true(a.shape[1] == b.shape[0]) else None
+        if ok and a.dtype != b.dtype:
+            sh_shape = None
+    if not all(isinstance(t, torch.Tensor) for t in v.values()):
+        return None, None   # a scalar scale, not a norm weight: not a tail
+    if sh_shape is None:
+        return None, "addend is not a 2-D tensor [M, D]"
+    lat, nw, up = v["latent"], v["norm_weight"], v["up_weight"]
+    if (nw.dim(), up.dim()) != (1, 2):
+        return None, f"norm weight {nw.dim()}-D / up weight {up.dim()}-D"
+    dtypes = {act_dtype, v_sh.dtype, nw.dtype, up.dtype}   # the latent enters the op as act_dtype
+    if len(dtypes) != 1:
+        return None, f"dtypes differ: latent {act_dtype}, shared {v_sh.dtype}, norm weight {nw.dtype}, up {up.dtype}"
+    if len({lat.device, v_sh.device, nw.device, up.device}) != 1:
+        return None, "devices differ"
+    m, l = lat.shape
+    same = [(nw.shape[0], l), (up.shape[1], l), (sh_shape[0], m), (sh_shape[1], up.shape[0])]
+    if not all(statically_known_true(a == b) for a, b in same):
+        return None, "widths differ"
+    if statically_known_true(m > small_m_limit):
+        return None, None   # prefill with a static M: left to Inductor, not a candidate
+    return found, None
+
+
+def _tails(graph: torch.fx.Graph, small_m_limit: int):
+    for node in list(graph.nodes):
+        if _is_call(node, aten.rsqrt.default):
+            yield from _tail_at(node, small_m_limit)
+
+
+REJECTED = "latent_moe_tail_rejected"
 
 
 def facts(graph: torch.fx.Graph, options) -> dict:
-    """How many tails this graph holds before rewriting: a normed latent projected by ``mm`` (or
-    ``addmm``) and added to something, with M not statically above the small-M limit."""
+    """How many tails this graph holds before rewriting that the guard accepts (M not statically
+    above the small-M limit, one dtype, the op's shapes), and why the others were refused."""
+    n, why_not = 0, []
+    for found, reason in _tails(graph, options.small_m_limit):
+        n += found is not None
+        if reason:
+            why_not.append(reason)
+    return {FACT: n, **({REJECTED: sorted(set(why_not))} if why_not else {})}
+
+
+def _rewrite_walked(graph: torch.fx.Graph, options) -> int:
+    """Fuse the tails the traced patterns left (a spelling they do not know); returns how many."""
+    op = torch.ops.k3.latent_moe_tail.default
     n = 0
-    for node in graph.nodes:
-        if not _is_call(node, aten.rsqrt.default):
+    for found, _ in list(_tails(graph, options.small_m_limit)):
+        if found is None:
             continue
-        for h in _scaled_norm_outputs(node):
-            for user in h.users:
-                with_addend = (_is_call(user, aten.addmm.default) and user.args[1] is h) or (
-                    _is_call(user, aten.mm.default) and user.args[0] is h
-                    and any(_is_call(u, aten.add.Tensor) or _is_call(u, aten.addmm.default) for u in user.users))
-                v = val(h)
-                if with_addend and isinstance(v, torch.Tensor) and v.dim() == 2 and not statically_known_true(
-                        v.shape[0] > options.small_m_limit):
-                    n += 1
-    return {FACT: n}
+        out = found["out"]
+        with graph.inserting_before(out):
+            if "shared_ab" in found:
+                a, b = found["shared_ab"]
+                shared = graph.call_function(aten.mm.default, (a, b))
+                shared.meta["val"] = torch.mm(val(a), val(b))
+            else:
+                shared = found["shared"]
+            latent = found["latent"]
+            if found["cast_latent"]:
+                v_sh = val(shared)
+                latent = graph.call_function(torch.ops.prims.convert_element_type.default, (latent, v_sh.dtype))
+                latent.meta["val"] = val(found["latent"]).to(v_sh.dtype)
+            args = (latent, shared, found["norm_weight"], found["up_weight"], float(found["eps"]),
+                    options.backend, options.small_m_limit)
+            fused = graph.call_function(op, args)
+        fused.meta["val"] = op(*(val(a) if isinstance(a, torch.fx.Node) else a for a in args))
+        out.replace_all_uses_with(fused)
+        graph.erase_node(out)
+        n += 1
+    if n:
+        graph.eliminate_dead_code()
+        log.debug("%s: %d tails fused by the graph walk (not by a traced pattern)", NAME, n)
+    return n
 
 
 # ----------------------------------------------------------------------------------------------
@@ -257,12 +394,14 @@ def _merge_collectives(graph: torch.fx.Graph, tail: torch.fx.Node) -> bool:
 
 
 def postprocess(graph: torch.fx.Graph, options) -> int:
-    """Merge the two all-reduces feeding each fused tail. Returns 0: the count stays one per tail."""
+    """Fuse the tails the traced patterns missed, then merge the two all-reduces feeding each fused
+    tail. Returns the tails fused here (a merge does not add to the count: one per tail)."""
+    walked = _rewrite_walked(graph, options)
     merged = sum(_merge_collectives(graph, node) for node in list(graph.nodes)
                  if node.op == "call_function" and node.target is torch.ops.k3.latent_moe_tail.default)
     if merged:
         log.debug("%s: merged %d all-reduce pairs", NAME, merged)
-    return 0
+    return walked
 
 
 __all__ = ["NAME", "register", "expected", "facts", "postprocess", "get_inputs"]

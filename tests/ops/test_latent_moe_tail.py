@@ -17,7 +17,9 @@ from k3compile.ops.latent_moe_tail.op import LATENT_MOE_TAIL
 from k3compile.ops.latent_moe_tail.reference import (
     kimi_rms_norm, latent_moe_tail_ref, latent_moe_tail_unfused,
 )
+from k3compile.ops.latent_moe_tail.split import kimi_rms_norm_triton, latent_moe_tail_split
 from k3compile.ops.latent_moe_tail.triton import TailConfig, latent_moe_tail_triton
+from k3compile.ops.skinny_gemm import SKINNY_GEMM
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float64: 1e-12}
@@ -56,6 +58,53 @@ def test_triton_matches_reference(m, l, d, dtype, eps, prenorm, block_n, block_k
     out = torch.full((m, d), float("nan"), dtype=dt)
     latent_moe_tail_triton(*args, eps, TailConfig(block_n=block_n, block_k=block_k, prenorm=prenorm), out=out)
     assert rel_err(out, truth(*args, eps)) < TOL[dt], f"M{m}-L{l}-D{d}-{dtype}-eps{eps}-prenorm{prenorm}"
+
+
+# the interpreter truncates fp32 -> bf16 / fp16 (a GPU rounds): one unit in the last place of the dtype
+NORM_TOL = {torch.float32: 1e-6, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}
+
+
+@given(m=st.integers(1, 16), l=st.integers(1, 300), dtype=st.sampled_from(list(DTYPES)),
+       eps=st.sampled_from([1e-6, 1e-5, 1e-2]), strided=st.booleans(), seed=st.integers(0, 2**16))
+@example(m=1, l=3584, dtype="bf16", eps=1e-5, strided=False, seed=0)
+@example(m=16, l=3584, dtype="bf16", eps=1e-5, strided=True, seed=1)
+def test_triton_norm_matches_model_norm(m, l, dtype, eps, strided, seed):
+    """The split path's first kernel rounds as the model's KimiRMSNorm (normalised value, then weight)."""
+    dt = DTYPES[dtype]
+    latent, _, norm_weight, _ = make_inputs(m, l, 1, dt, seed)
+    if strided:
+        latent = torch.cat([latent, latent], 1)[:, ::2]
+    out = torch.full((m, l), float("nan"), dtype=dt)
+    kimi_rms_norm_triton(latent, norm_weight, eps, out=out)
+    ref = kimi_rms_norm(latent, norm_weight, eps)
+    # elementwise: each value within a few units in the last place of the model's value
+    assert not out.isnan().any()
+    worst = ((out.double() - ref.double()).abs() / ref.double().abs().clamp_min(1e-3)).max().item()
+    assert worst <= 4 * NORM_TOL[dt], f"M{m}-L{l}-{dtype}-eps{eps}-strided{strided}: {worst}"
+
+
+@given(m=st.integers(1, 16), l=st.integers(1, 300), d=st.integers(1, 160),
+       dtype=st.sampled_from(list(DTYPES)), eps=st.sampled_from([1e-6, 1e-5]), seed=st.integers(0, 2**16))
+@example(m=1, l=3584, d=64, dtype="bf16", eps=1e-5, seed=0)
+@example(m=16, l=3584, d=64, dtype="bf16", eps=1e-5, seed=1)
+def test_split_norm_then_skinny_gemm_matches_reference(m, l, d, dtype, eps, seed):
+    """Triton norm + k3::skinny_gemm (its Triton kernel, residual = shared) against the fp32 truth."""
+    dt = DTYPES[dtype]
+    args = make_inputs(m, l, d, dt, seed)
+    out = latent_moe_tail_split(*args, eps, backend="triton")
+    assert rel_err(out, truth(*args, eps)) < TOL[dt], f"M{m}-L{l}-D{d}-{dtype}-eps{eps}"
+
+
+def test_triton_impl_is_norm_plus_skinny_gemm_recorded():
+    """backend='triton': the tail records 'triton', and the GEMM it ran records its own choice."""
+    LATENT_MOE_TAIL.clear()
+    SKINNY_GEMM.clear()
+    args = make_inputs(4, 64, 48, torch.bfloat16)
+    out = latent_moe_tail(*args, 1e-5, backend="triton")
+    assert rel_err(out, truth(*args, 1e-5)) < TOL[torch.bfloat16]
+    (tail,) = _choice(torch.bfloat16, "triton")
+    (gemm,) = [c for c in SKINNY_GEMM.choices() if c.backend == "triton"]
+    assert (tail.impl, gemm.impl) == ("triton", "triton"), (tail, gemm)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
@@ -191,7 +240,7 @@ def test_opcheck():
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 16, 17], ids=lambda m: f"M{m}-L3584-D7168")
 def test_cuda_real_widths(m, dtype):
-    """The compiled kernel (native bf16/fp16 tensor-core dot, pipelined loads) at K3's widths."""
+    """The single-kernel variant and the op's split path (norm + skinny GEMM) at K3's widths."""
     dt = DTYPES[dtype]
     args = [t.cuda() for t in make_inputs(m, 3584, 7168, dt, seed=m)]
     LATENT_MOE_TAIL.clear()
@@ -202,7 +251,11 @@ def test_cuda_real_widths(m, dtype):
         out = latent_moe_tail(*args, 1e-5)
     ref = truth(*(t.cpu() for t in args), 1e-5)
     assert rel_err(out.cpu(), ref) < {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dt]
-    # through the op: the kernel on the GPU (or the reference above the limit), recorded
-    latent_moe_tail(*args, 1e-5)
+    # through the op: Triton norm + skinny GEMM on the GPU (or the reference above the limit), recorded
+    SKINNY_GEMM.clear()
+    out = latent_moe_tail(*args, 1e-5)
+    assert rel_err(out.cpu(), ref) < {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dt]
     (choice,) = LATENT_MOE_TAIL.choices()
     assert choice.impl == ("triton" if m <= 16 else "reference"), choice
+    if m <= 16:   # the GEMM's own choice: CuTe where it runs (bf16/fp16 on sm_90+), else Triton
+        assert [c.impl for c in SKINNY_GEMM.choices()] in (["cute"], ["triton"]), SKINNY_GEMM.choices()

@@ -170,6 +170,86 @@ def test_static_m_above_limit_left_to_inductor(m, limit, fires):
     assert matches == int(fires)
 
 
+def tail_weight_on_the_right(y, s, g, w, eps=1e-5):
+    """``normed * weight`` (the traced patterns spell ``weight * normed``): only the graph walk knows it."""
+    yf = y.float()
+    h = (yf * torch.rsqrt(yf.pow(2).mean(-1, keepdim=True) + eps)).to(y.dtype) * g
+    return torch.nn.functional.linear(h, w) + s
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("spelling", sorted(SPELLINGS) + ["tail_weight_on_the_right"])
+def test_graph_walk_alone_fuses_every_spelling(spelling, dtype):
+    """The structural walk in ``postprocess`` (the fallback for graphs the traces do not match, as on
+    the H200 decode graph) fuses each spelling by itself and equals eager."""
+    from k3compile.patterns import latent_moe_tail as mod
+
+    fn = {**SPELLINGS, "tail_weight_on_the_right": tail_weight_on_the_right}[spelling]
+    args = tail_inputs(5, 40, 24, DTYPES[dtype])
+    gm = make_fx(lambda *a: fn(*a), select_decomp_table(), tracing_mode="fake")(*args)
+    view_to_reshape(gm)
+    fake_mode = detect_fake_mode([n.meta["val"] for n in gm.graph.nodes if "val" in n.meta])
+    with V.set_fake_mode(fake_mode):
+        assert mod.facts(gm.graph, K3Options())[mod.FACT] == 1
+        assert mod.postprocess(gm.graph, K3Options()) == 1
+    gm.graph.lint()
+    gm.recompile()
+    assert count(gm.graph, TAIL_OP) == 1 and count(gm.graph, torch.ops.aten.rsqrt.default) == 0, gm.code
+    assert rel_err(gm(*args), fn(*args)) < TOL[DTYPES[dtype]]
+
+
+def test_unknown_spelling_fires_through_the_pass():
+    args = tail_inputs(4, 24, 16, torch.bfloat16)
+    gm, matches = rewrite(tail_weight_on_the_right, args)
+    assert matches == 1 and count(gm.graph, TAIL_OP) == 1
+    assert rel_err(gm(*args), tail_weight_on_the_right(*args)) < TOL[torch.bfloat16]
+
+
+def collapsed_upcast(y32, s, g, w, eps=1e-5):
+    """The bf16 tail as torch < 2.12 leaves it: its joint-graph ``pointless_convert`` folds the
+    model's ``bf16(y_lat).float()`` into the fp32 ``y_lat``, so the norm reads an fp32 latent."""
+    h = g * (y32 * torch.rsqrt(y32.pow(2).mean(-1, keepdim=True) + eps)).to(g.dtype)
+    return torch.nn.functional.linear(h, w) + s
+
+
+@pytest.mark.parametrize("m", [1, 4, 16], ids=lambda m: f"M{m}-L40-D24-bf16")
+def test_collapsed_upcast_fuses_with_the_models_rounding(m):
+    """The H200 (torch 2.11) decode graph: the traced patterns miss it (their latent would be fp32);
+    the walk fuses it and feeds the op ``bf16(y_lat)``, the model's own rounding."""
+    y32, s, g, w = tail_inputs(m, 40, 24, torch.float32)
+    s, g, w = s.bfloat16(), g.bfloat16(), w.bfloat16()
+    gm, matches = rewrite(collapsed_upcast, [y32, s, g, w])
+    assert matches == 1 and count(gm.graph, TAIL_OP) == 1, gm.code
+    assert LAST_FACTS == {"graph_latent_moe_tail_candidates": 1}
+    model = tail_add_right(y32.bfloat16(), s, g, w)   # what the model's code computes
+    assert rel_err(gm(y32, s, g, w), model) < TOL[torch.bfloat16]
+
+
+def fp32_shared(y, s, g, w):
+    return torch.nn.functional.linear(rms(y, g, 1e-5), w) + s.float()
+
+
+def test_rejected_candidate_says_why():
+    """An addend in fp32 (the sum promoted) is not the op's contract: no rewrite, not counted as a
+    candidate, and the record (printed by the missing-pass warning) says why."""
+    args = tail_inputs(4, 24, 16, torch.bfloat16)
+    gm, matches = rewrite(fp32_shared, args)
+    assert matches == 0 and count(gm.graph, TAIL_OP) == 0
+    assert LAST_FACTS["graph_latent_moe_tail_candidates"] == 0
+    assert any("dtypes differ" in why for why in LAST_FACTS["latent_moe_tail_rejected"]), LAST_FACTS
+    assert rel_err(gm(*args), fp32_shared(*args)) < 1e-6
+
+
+def test_prefill_above_limit_is_not_a_candidate():
+    """A static prefill M above the limit is left to Inductor and not counted, so ``expected()`` stays quiet."""
+    from k3compile.patterns import latent_moe_tail as mod
+
+    args = tail_inputs(128, 24, 16, torch.bfloat16)
+    _, matches = rewrite(tail_add_right, args)
+    assert matches == 0 and LAST_FACTS["graph_latent_moe_tail_candidates"] == 0
+    assert not mod.expected({"moe_layers": 3, **LAST_FACTS})
+
+
 # ---------------------------------------------------------------------------------------------
 # tensor-parallel form, graph level (group "g0" of 2 ranks, never executed)
 
@@ -340,10 +420,11 @@ def micro_k3(tp=None):
     return KimiK3ForConditionalGeneration(KimiK3Config.micro(num_hidden_layers=MICRO_LAYERS), tp=tp).eval()
 
 
-def decode_compiled(model, n=4):
+def decode_compiled(model, n=4, batch=1):
     """(eager tokens, compiled tokens, what the pass saw) for a greedy decode of ``n`` tokens."""
     torch._dynamo.reset()
-    ids = torch.randint(0, model.config.text_config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, model.config.text_config.vocab_size, (batch, 5),
+                        generator=torch.Generator().manual_seed(1))
     pass_ = CountingPass(K3Options(passes=(NAME,)))
     compiled = torch.compile(model, options={"post_grad_custom_post_pass": pass_})
     with torch.no_grad():
@@ -357,6 +438,35 @@ def test_micro_k3_decode_single_device(no_graph_caches):
     model = micro_k3()
     n_moe = sum(hasattr(layer, "block_sparse_moe") for layer in model.text_model.layers)
     eager, fused, seen = decode_compiled(model)
+    assert torch.equal(eager, fused), (eager, fused)
+    assert seen == [dict(all_reduce_before=0, all_reduce_after=0, tails=n_moe)]
+
+
+def collapse_upcasts_like_torch_2_11(graph: torch.fx.Graph) -> None:
+    """torch < 2.12's joint-graph ``pointless_convert``: ``f32(bf16(x))`` -> ``x`` for an fp32 ``x``
+    (torch 2.12 keeps the narrower intermediate). Installed as ``joint_custom_post_pass`` it gives
+    this CPU the graph the H200 (torch 2.11) compiled."""
+    convert = torch.ops.prims.convert_element_type.default
+    for node in list(graph.nodes):
+        inner = node.args[0] if node.op == "call_function" and node.target is convert else None
+        if (node.op == "call_function" and node.target is convert and node.args[1] == torch.float32
+                and isinstance(inner, torch.fx.Node) and inner.target is convert
+                and inner.args[1] in (torch.bfloat16, torch.float16)
+                and getattr(inner.args[0].meta.get("val"), "dtype", None) == torch.float32):
+            node.replace_all_uses_with(inner.args[0])
+    graph.eliminate_dead_code()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("graph_as", ["torch-2.12+", "torch-2.11"])
+def test_micro_k3_decode_single_device_bf16(graph_as, no_graph_caches):
+    """bf16 weights and activations (as served): one tail per MoE layer, the same tokens as eager,
+    also on the graph torch 2.11 makes (where the traced patterns alone matched nothing)."""
+    model = micro_k3().set_dtype(torch.bfloat16)
+    n_moe = sum(hasattr(layer, "block_sparse_moe") for layer in model.text_model.layers)
+    joint = collapse_upcasts_like_torch_2_11 if graph_as == "torch-2.11" else None
+    with torch._inductor.config.patch(joint_custom_post_pass=joint):
+        eager, fused, seen = decode_compiled(model, n=3, batch=2)
     assert torch.equal(eager, fused), (eager, fused)
     assert seen == [dict(all_reduce_before=0, all_reduce_after=0, tails=n_moe)]
 

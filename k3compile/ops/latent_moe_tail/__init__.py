@@ -11,7 +11,9 @@ __all__ = ["latent_moe_tail"]
 def latent_moe_tail(latent: torch.Tensor, shared: torch.Tensor, norm_weight: torch.Tensor,
                     up_weight: torch.Tensor, eps: float = 1e-5, *, backend: str = "auto",
                     small_m_limit: int = 16) -> torch.Tensor:
-    """The tail of a K3 latent-MoE layer in one kernel for small M.
+    """The tail of a K3 latent-MoE layer; for small M a Triton RMSNorm then the skinny GEMM with the
+    shared add in its epilogue (``split.py``; the single-kernel variant in ``triton.py`` is kept for
+    GPUs where it measures faster, none yet).
 
     Args:
         latent: [M, L] combined routed-expert output in the latent (already all-reduced under TP).
@@ -20,7 +22,7 @@ def latent_moe_tail(latent: torch.Tensor, shared: torch.Tensor, norm_weight: tor
         up_weight: [D, L] latent up-projection (``nn.Linear(L, D, bias=False).weight``).
         eps: RMSNorm epsilon (K3: 1e-5).
         backend: "auto" | "cute" | "triton" | "reference" (see ``k3compile.backends``).
-        small_m_limit: the fused kernel runs up to this many rows (at most 16); above it, norm + ``addmm``.
+        small_m_limit: the kernels run up to this many rows (at most 16); above it, norm + ``addmm``.
 
     All four tensors share one floating dtype and one device; nothing is mutated.
     The kernel covers bf16, fp16 and fp32; another dtype runs the reference (recorded).

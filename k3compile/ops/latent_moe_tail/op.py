@@ -2,9 +2,13 @@
 
     out = RMSNorm_eps(latent) · norm_weight @ up_weightᵀ + shared
 
-Up to ``small_m_limit`` rows (≤ 16) the fused Triton kernel runs (CuTe: not written yet, recorded
-as a fallback); above it, or for a dtype the kernel lacks, the plain PyTorch ``reference``
-(norm + ``addmm``) runs, and the choice with its reason is recorded in ``LATENT_MOE_TAIL``.
+Up to ``small_m_limit`` rows (≤ 16) the ``triton`` implementation runs: a Triton RMSNorm kernel, then
+``k3::skinny_gemm`` with ``shared`` as its residual (``split.py``; the GEMM's own CuTe / Triton / cuBLAS
+choice is recorded under ``skinny_gemm``). The single-kernel Triton tail (``triton.py``) is used only
+where it is measured faster: nowhere yet (:data:`FUSED_KERNEL_FASTER_ON` is empty; on an H200 it took
+50 µs against 22 µs for unfused ``torch.compile``). CuTe: no tail of its own, recorded as a fallback.
+Above the limit, or for a dtype the kernels lack, the plain PyTorch ``reference`` (norm + ``addmm``)
+runs; each choice with its reason is recorded in ``LATENT_MOE_TAIL``.
 """
 from __future__ import annotations
 
@@ -13,12 +17,33 @@ import torch
 from k3compile.backends import Impl, OpImpls, register_op_impls
 
 from .reference import latent_moe_tail_unfused
+from .split import latent_moe_tail_split
 from .triton import MAX_BLOCK_M, latent_moe_tail_triton, triton_available, triton_supports
+
+# GPU names (``torch.cuda.get_device_name``) where benchmarks/moe_tail.py measured the single fused
+# kernel faster than norm + skinny GEMM. Empty: on the H200 the skinny GEMM streams the weight faster.
+FUSED_KERNEL_FASTER_ON: frozenset[str] = frozenset()
+
+
+def _fused_kernel_faster(latent: torch.Tensor) -> bool:
+    return (bool(FUSED_KERNEL_FASTER_ON) and latent.device.type == "cuda"
+            and torch.cuda.get_device_name(latent.device) in FUSED_KERNEL_FASTER_ON)
+
+
+def _tail_triton(latent, shared, norm_weight, up_weight, eps, backend, small_m_limit):
+    if _fused_kernel_faster(latent):
+        return latent_moe_tail_triton(latent, shared, norm_weight, up_weight, eps)
+    return latent_moe_tail_split(latent, shared, norm_weight, up_weight, eps, backend, small_m_limit)
+
+
+def _tail_reference(latent, shared, norm_weight, up_weight, eps, backend, small_m_limit):
+    return latent_moe_tail_unfused(latent, shared, norm_weight, up_weight, eps)
+
 
 LATENT_MOE_TAIL = register_op_impls(OpImpls(
     "latent_moe_tail",
-    reference=Impl(latent_moe_tail_unfused),
-    triton=Impl(latent_moe_tail_triton, available=triton_available, supports=triton_supports),
+    reference=Impl(_tail_reference),
+    triton=Impl(_tail_triton, available=triton_available, supports=triton_supports),
 ))
 
 
@@ -60,7 +85,7 @@ def latent_moe_tail_op(latent: torch.Tensor, shared: torch.Tensor, norm_weight: 
     rows = "M=0" if m == 0 else (f"M<={limit}" if m <= limit else f"M>{limit}")
     key = f"{latent.device} {str(latent.dtype).removeprefix('torch.')} {rows}" + ("" if latent.shape[1] else " L=0")
     fn = LATENT_MOE_TAIL.select(backend, key, latent, shared, norm_weight, up_weight, eps, small_m_limit)
-    return fn(latent, shared, norm_weight, up_weight, eps)
+    return fn(latent, shared, norm_weight, up_weight, eps, backend, limit)
 
 
 @latent_moe_tail_op.register_fake

@@ -1,5 +1,9 @@
 """Triton kernel of the fused latent-MoE tail for small M: RMSNorm + skinny up-projection + shared add.
 
+The op does not pick it by default: on an H200 it streamed the 51 MB weight at 50 µs where norm +
+``k3::skinny_gemm`` (``split.py``) reaches ~18 µs; ``op.FUSED_KERNEL_FASTER_ON`` lists the GPUs where it
+measures faster (none yet). Kept for that, for ``benchmarks/moe_tail.py`` and as a tested kernel.
+
 One program owns ``BLOCK_N`` output columns for all M (≤ 16) rows and walks the latent width L in
 ``BLOCK_K`` steps, so the [D, L] up-projection weight is streamed from memory exactly once:
 
