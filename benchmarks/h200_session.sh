@@ -22,6 +22,8 @@ step() {  # step NAME SECONDS CMD...
 }
 step gpu_tests    ${T_TESTS:-130} python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops ${TESTS_K:+-k "$TESTS_K"}
 step kda_decode   ${T_KDA:-130}   python3 benchmarks/kda_decode.py --rep-ms 50 --out "$OUT/kda_decode.json"
+step kda_warps    ${T_KDAW:-60}   python3 benchmarks/kda_decode.py --batch 64 256 --heads 12 96 --providers k3 \
+                                  --num-warps 4 8 16 --rep-ms 30 --out "$OUT/kda_warps.json"
 step moe_tail     ${T_MOE:-110}   python3 benchmarks/moe_tail.py --m 1 4 16 --json "$OUT/moe_tail_tp1.json"
 [ "$NGPU" -ge 2 ] && step moe_tail_tp2 ${T_MOE2:-100} python3 benchmarks/moe_tail.py --tp 2 --m 1 4 16 --json "$OUT/moe_tail_tp2.json"
 step skinny_dyn   ${T_SKINNY:-60} python3 benchmarks/skinny_gemm.py --dynamic-weight --ms 1,4,16 \

@@ -103,13 +103,15 @@ def make_config(args, world: int):
     return getattr(KimiK3Config, args.config)(**overrides)
 
 
-def collective_plan(text) -> dict:
+def collective_plan(text, world: int = 2) -> dict:
     """All-reduces of one forward: one per attention layer, one per dense MLP, two per latent-MoE
-    layer (routed latent and shared experts), of which the fused tail saves one."""
+    layer (routed latent and shared experts), of which the fused tail saves one. None at world size 1."""
     layers = text.num_hidden_layers
     moe = sum(text.is_moe_layer(i) for i in range(layers))
     if moe and not (text.num_shared_experts and text.routed_expert_hidden_size):
         raise ValueError("the all-reduce check expects latent-MoE layers with shared experts")
+    if world == 1:
+        return dict(layers=layers, moe_layers=moe, unfused=0, fused=0)
     unfused = layers + (layers - moe) + 2 * moe
     return dict(layers=layers, moe_layers=moe, unfused=unfused, fused=unfused - moe)
 
@@ -291,7 +293,7 @@ def run_rank(rank, world, args, device):
     if len(set(sums)) != 1:
         raise RuntimeError(f"ranks built different full models (parameter sums {sums})")
     text = config.text_config
-    plan = collective_plan(text)
+    plan = collective_plan(text, world)
     say(f"TP={world} {args.backend} on {device.type}, config {args.config}: {text.num_hidden_layers} layers "
         f"({plan['moe_layers']} MoE, {text.num_experts} experts), hidden {text.hidden_size}, heads "
         f"{text.num_attention_heads}/{text.linear_attn_config['num_heads']}, {args.dtype}; built in "
@@ -363,7 +365,7 @@ def check(per_rank: list[dict], plan: dict) -> bool:
     """Every rank: finite logits, equal tokens, the unfused graph holds the model's all-reduces and
     the fused one one per MoE layer fewer."""
     return all(r["logits_finite"] and r["tokens_equal"] and r["unfused_all_reduce"] == plan["unfused"]
-               and r["fused_all_reduce"] == r["unfused_all_reduce"] - plan["moe_layers"]
+               and r["fused_all_reduce"] == plan["fused"]
                for r in per_rank)
 
 
