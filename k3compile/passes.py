@@ -18,7 +18,6 @@ import dataclasses
 import hashlib
 import importlib
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field

@@ -10,7 +10,6 @@ Runs on CUDA/ROCm, and on CPU tensors under ``TRITON_INTERPRET=1`` (CI).
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
