@@ -66,7 +66,8 @@ def main(argv=None) -> int:
     ids = torch.randint(0, text.vocab_size, (args.batch, args.prompt_len), generator=gen).to(args.device)
 
     eager, t_eager = timed(lambda: model.generate(ids, max_new_tokens=args.tokens))
-    print(f"eager:    {args.tokens} tokens in {t_eager:.2f} s   {eager[0].tolist()}")
+    print(f"eager:    {args.tokens} tokens in {t_eager:.2f} s ({1e3 * t_eager / args.tokens:.1f} ms/token)   "
+          f"{eager[0].tolist()}")
     if args.eager_only:
         return 0
 
@@ -79,7 +80,8 @@ def main(argv=None) -> int:
     compiled, t_first = timed(lambda: model.generate(ids, max_new_tokens=args.tokens))
     print(f"compiled: first call (includes compilation) {t_first:.1f} s")
     compiled, t_warm = timed(lambda: model.generate(ids, max_new_tokens=args.tokens))
-    print(f"compiled: {args.tokens} tokens in {t_warm:.2f} s   {compiled[0].tolist()}")
+    print(f"compiled: {args.tokens} tokens in {t_warm:.2f} s ({1e3 * t_warm / args.tokens:.1f} ms/token)   "
+          f"{compiled[0].tolist()}")
     same = torch.equal(eager, compiled)
     print("tokens agree with eager decoding" if same else
           f"tokens differ from eager decoding from position "
