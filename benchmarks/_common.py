@@ -18,3 +18,46 @@ def copy_ceiling_tbps() -> float:
     del src, dst
     torch.cuda.empty_cache()
     return 2 * n * 2 / (ms * 1e-3) / 1e12
+
+
+def graph_replay_us(fn, *, iters: int, replays: int, warmup: int, reset=None) -> float:
+    """Median µs of one ``fn()`` when ``iters`` calls are captured in one CUDA graph and replayed ``replays``
+    times, the slowest rank's median (all ranks of the default process group).
+
+    Every rank replays the same fixed count (``do_bench_cudagraph`` picks its count per process, which would let
+    the ranks' collectives fall out of step). ``reset()`` runs before each warm-up call, the capture and each
+    replay (e.g. to rewind a cache position). Warm-up runs on a side stream, so lazily compiled kernels are built
+    before the capture, never inside it.
+    """
+    import torch.distributed as dist
+
+    reset = reset or (lambda: None)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            reset()
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    reset()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        reset()
+        dist.barrier()
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / iters)
+    del graph
+    median = torch.tensor([sorted(times)[len(times) // 2]], device="cuda")
+    dist.all_reduce(median, op=dist.ReduceOp.MAX)
+    return median.item()

@@ -264,39 +264,14 @@ def time_graph_collective(fn, iters, replays):
     Every rank replays the same fixed count (``do_bench_cudagraph`` picks its count per process,
     which would let the ranks' collectives fall out of step). Returns the slowest rank's median.
     """
-    import torch.distributed as dist
-
     if SMOKE:
         fn()
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e6
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    dist.barrier()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        dist.barrier()
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / iters)
-    med = torch.tensor([sorted(times)[len(times) // 2]], device=DEVICE)
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)
-    del graph
-    return med.item()
+    from _common import graph_replay_us
+
+    return graph_replay_us(fn, iters=iters, replays=replays, warmup=3)
 
 
 def tp_worker(rank, world, port, args, result_path):

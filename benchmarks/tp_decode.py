@@ -205,46 +205,20 @@ def time_decode_step(model, counter, token, cache, iters, replays):
     """Median µs of one decode step, ``iters`` steps captured in one CUDA graph, replayed
     ``replays`` times from the same cache position; the slowest rank's median, and how many graphs
     were compiled meanwhile (0 unless the timed step is not the checked one)."""
-    import torch.distributed as dist
-
     counter.phase = "timing"
     pos0 = int(cache.pos)
     if pos0 + iters > cache.max_len:
         raise ValueError(f"cache of {cache.max_len} positions cannot hold {iters} more steps after {pos0}")
 
-    def steps():
+    from _common import graph_replay_us
+
+    def steps():   # one capture holds ``iters`` decode steps, each from the position the previous left
         for _ in range(iters):
             model(token, cache=cache, logits_to_keep=1)
 
     with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):   # warm up (k3 kernels compile here, never inside the capture)
-            for _ in range(2):
-                cache.pos.fill_(pos0)
-                steps()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        dist.barrier()
-        graph = torch.cuda.CUDAGraph()
-        cache.pos.fill_(pos0)
-        with torch.cuda.graph(graph):
-            steps()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(replays):
-            cache.pos.fill_(pos0)
-            dist.barrier()
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / iters)
-    del graph
-    median = torch.tensor([sorted(times)[len(times) // 2]], device=token.device)
-    dist.all_reduce(median, op=dist.ReduceOp.MAX)
-    return median.item(), len(counter.graphs.pop("timing", []))
+        us = graph_replay_us(steps, iters=1, replays=replays, warmup=2, reset=lambda: cache.pos.fill_(pos0))
+    return us / iters, len(counter.graphs.pop("timing", []))
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
