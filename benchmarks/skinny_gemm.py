@@ -1,6 +1,7 @@
 """Skinny GEMM on the GPU: cuBLAS vs the Triton and CuTe kernels, against the copy ceiling.
 
-    python benchmarks/skinny_gemm.py [--sweep] [--json out.json] [--ms 1,2,4,8,16]
+    python benchmarks/skinny_gemm.py [--sweep] [--json out.json] [--ms 1,2,4,8,16] [--no-triton]
+                                     [--static-weight]
 
 Method (docs/anchors.md): the ceiling is a 2 GiB device-to-device copy measured in the same run;
 each product streams its weight from HBM because the timed function walks through enough weight
@@ -11,6 +12,10 @@ Bytes of one product: (N·K + M·K + M·N) · 2 (weight, activation and output o
 --sweep also times every candidate configuration of the CuTe kernel and prints the per-shape best
 (the table in k3compile/ops/skinny_gemm/config.py is filled from it); "cute" is then the best
 configuration, or cuBLAS where none beat it (what the dispatch does).
+
+The CuTe kernel is timed on the path the dispatch runs (``static_weight=False``: only an L2 prefetch
+of the weight before the PDL wait); --static-weight times the variant that also starts copying the
+weight before the wait (safe only where no kernel writes the weight).
 """
 import argparse
 import json
@@ -33,19 +38,18 @@ def bench(fn, reps_per_call):
 from _common import copy_ceiling_tbps  # noqa: E402
 
 
-def providers():
+def providers(with_triton=True, static=False):
     out = {"cublas": lambda a, w, cfg=None: F.linear(a, w)}
     try:
-        from k3compile.ops.skinny_gemm.triton import skinny_gemm_triton
-        out["triton"] = lambda a, w, cfg=None: skinny_gemm_triton(a, w)
+        if with_triton:
+            from k3compile.ops.skinny_gemm.triton import skinny_gemm_triton
+            out["triton"] = lambda a, w, cfg=None: skinny_gemm_triton(a, w)
     except Exception as e:  # the Triton kernel is another part's; report and go on
         print(f"# triton kernel not benchmarked: {type(e).__name__}: {e}", file=sys.stderr)
     try:
         from k3compile.ops.skinny_gemm import cute as kc
         if kc.available(torch.empty(1, 8, device="cuda", dtype=torch.bfloat16),
                         torch.empty(8, 8, device="cuda", dtype=torch.bfloat16)) is None:
-            # the benchmark's weights are parameters no kernel writes (--dynamic-weight: the default path)
-            static = "--dynamic-weight" not in sys.argv
             out["cute"] = lambda a, w, cfg=None: kc.skinny_gemm_cute(a, w, cfg=cfg, static_weight=static)
     except Exception as e:
         print(f"# cute kernel not benchmarked: {type(e).__name__}: {e}", file=sys.stderr)
@@ -53,14 +57,16 @@ def providers():
 
 
 def candidates(m, n, k):
-    """The heuristic's pick, then register-path and cp.async-path configurations around it."""
+    """The table's and the heuristic's picks, then the configurations that won somewhere on the H200
+    (cp.async rings of several depths, split-K clusters of 2 for few row blocks)."""
     from k3compile.ops.skinny_gemm import config as cc
-    seen = [cc.heuristic(m, n, k)]
-    for rg, wn, wk, u, st in [(1, 1, 8, 4, 1), (1, 1, 4, 4, 1), (1, 1, 2, 4, 1),
-                              (1, 1, 8, 2, 4), (1, 1, 8, 2, 3), (1, 1, 4, 4, 4), (1, 1, 4, 2, 4),
-                              (1, 1, 16, 1, 4), (1, 1, 2, 4, 4), (2, 1, 4, 2, 4)]:
-        c = cc.SkinnyConfig(rg, wn, wk, u, stages=st)
-        if c not in seen and n >= 8 * rg and c.smem_bytes() <= 48 * 1024:
+    seen = [c for c in (cc.TABLE.get((cc.m_bucket(m), n, k)), cc.heuristic(m, n, k)) if c is not None]
+    for rg, wn, wk, u, st, ks in [(1, 1, 8, 2, 3, 1), (1, 1, 4, 2, 4, 1), (2, 1, 4, 2, 4, 1), (1, 1, 16, 1, 4, 1),
+                                  (1, 1, 8, 1, 8, 1), (1, 1, 4, 4, 1, 1), (1, 1, 8, 4, 1, 1),
+                                  (1, 1, 8, 2, 3, 2), (1, 1, 16, 1, 4, 2), (1, 1, 8, 2, 4, 2)]:
+        c = cc.SkinnyConfig(rg, wn, wk, u, stages=st, split_k=ks)
+        if (c not in seen and n >= 8 * rg * ks and c.smem_bytes() <= 48 * 1024
+                and k // (cc.K_STEP * u * ks) >= wk):
             seen.append(c)
     return seen
 
@@ -72,7 +78,9 @@ def main():
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--dynamic-weight", action="store_true", help="time the CuTe kernel without static_weight")
+    ap.add_argument("--static-weight", action="store_true",
+                    help="time the CuTe kernel with static_weight=True (not what the dispatch runs)")
+    ap.add_argument("--no-triton", action="store_true", help="leave the Triton kernel out")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     ms = [int(x) for x in args.ms.split(",")]
@@ -80,7 +88,7 @@ def main():
     torch.manual_seed(0)
     ceil = copy_ceiling_tbps()
     print(f"# copy ceiling: {ceil:.3f} TB/s (2 GiB device-to-device copy, read + write)")
-    provs = providers()
+    provs = providers(with_triton=not args.no_triton, static=args.static_weight)
     rows, table = [], {}
     for n, k in shapes:
         copies = max(2, math.ceil(ROTATE_BYTES / (n * k * 2)))
@@ -154,7 +162,7 @@ def main():
     if args.sweep:
         print("# TABLE = {")
         for (m, n, k), c in table.items():
-            print(f"#     ({m}, {n}, {k}): {'None' if c is None else 'SkinnyConfig(%d, %d, %d, %d, stages=%d)' % (c.row_groups, c.warps_n, c.warps_k, c.unroll, c.stages)},")
+            print(f"#     ({m}, {n}, {k}): {'None' if c is None else 'SkinnyConfig(%d, %d, %d, %d, stages=%d, split_k=%d)' % (c.row_groups, c.warps_n, c.warps_k, c.unroll, c.stages, c.split_k)},")
         print("# }")
     if args.json:
         dump(args, ceil, rows)

@@ -75,9 +75,21 @@ def test_compiles_for_sm90a_without_gpu(monkeypatch, tmp_path):
     monkeypatch.setenv("CUTE_DSL_ARCH", os.environ.get("CUTE_DSL_ARCH", "sm_90a"))
     monkeypatch.setenv("K3_CUTE_CACHE_DIR", str(tmp_path))
     for cfg, static in [(cfgmod.SkinnyConfig(2, 1, 2, 2), False), (cfgmod.SkinnyConfig(1, 1, 4, 2, stages=3), False),
-                        (cfgmod.SkinnyConfig(1, 1, 4, 2, stages=3), True)]:
+                        (cfgmod.SkinnyConfig(1, 1, 4, 2, stages=3), True),
+                        (cfgmod.SkinnyConfig(1, 1, 4, 2, stages=4, split_k=4), False)]:
         assert kc.compile_kernel(torch.bfloat16, 3, cfg, True, True, static) is not None
-    assert len([p for p in tmp_path.rglob("*.o")]) == 3  # the on-disk cache a second process loads
+    assert len([p for p in tmp_path.rglob("*.o")]) == 4  # the on-disk cache a second process loads
+
+
+@pytest.mark.parametrize("kwargs", [dict(split_k=3), dict(split_k=16), dict(stages=0), dict(warps_k=64)],
+                         ids=["split_k3", "split_k16", "stages0", "threads2048"])
+def test_config_rejects_unlaunchable(kwargs):
+    with pytest.raises(ValueError):
+        cfgmod.SkinnyConfig(**kwargs)
+
+
+def test_config_tag_names_split_k():
+    assert cfgmod.SkinnyConfig(1, 1, 8, 2, stages=3, split_k=2).tag() == "rg1-wn1-wk8-u2-s3-c2"
 
 
 # ---------------------------------------------------------------------------------------- GPU tests
@@ -111,7 +123,10 @@ def test_matches_reference_random_shapes(m, n, k, dtype, bias, residual):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [cfgmod.SkinnyConfig(1, 1, 1, 1), cfgmod.SkinnyConfig(4, 2, 2, 8),
                                  cfgmod.SkinnyConfig(2, 4, 1, 2), cfgmod.SkinnyConfig(1, 1, 8, 4),
-                                 cfgmod.SkinnyConfig(1, 1, 8, 2, stages=4), cfgmod.SkinnyConfig(2, 2, 2, 1, stages=3)],
+                                 cfgmod.SkinnyConfig(1, 1, 8, 2, stages=4), cfgmod.SkinnyConfig(2, 2, 2, 1, stages=3),
+                                 cfgmod.SkinnyConfig(1, 1, 8, 2, stages=3, split_k=2),
+                                 cfgmod.SkinnyConfig(1, 1, 4, 4, split_k=4),
+                                 cfgmod.SkinnyConfig(2, 1, 2, 2, stages=4, split_k=8)],
                          ids=lambda c: c.tag())
 @pytest.mark.parametrize("m", [1, 8, 9, 16], ids=lambda m: f"M{m}")
 @pytest.mark.parametrize("static_weight", [False, True], ids=["dynamic_w", "static_w"])

@@ -4,10 +4,14 @@ The kernel (``cute.py``) computes ``C[M, N] = A[M, K] · W[N, K]ᵀ`` with one w
 tile of 16 (M, padded) × 8 (weight rows) × 32 (K, two m16n8k16 steps) per step. A thread block is
 ``warps_n × warps_k`` warps: ``warps_n`` split the block's weight rows, ``warps_k`` split K inside
 the block (their partial sums meet in shared memory), so no global workspace and no second kernel
-are needed. Each warp owns ``row_groups`` groups of 8 weight rows and handles ``unroll`` K-steps per
+are needed. ``split_k > 1`` also splits K across a thread-block cluster of that many blocks (more
+blocks and bytes in flight when N gives few row blocks); their partial sums meet through distributed
+shared memory, again with no workspace, counter or second kernel (CUDA-graph safe by construction). Each warp owns ``row_groups`` groups of 8 weight rows and handles ``unroll`` K-steps per
 chunk. With ``stages == 1`` the weight goes straight to registers (128-bit loads); with ``stages > 1``
-it is streamed by cp.async through a per-warp shared-memory ring, which keeps far more bytes in flight
-(the H200 sweep's winners all use it: ptxas interleaves register loads with the MMAs to save registers).
+it is streamed by cp.async through a per-warp shared-memory ring, which keeps more bytes in flight
+(ptxas interleaves register loads with the MMAs to save registers). On the dispatch's path (no weight
+copy before the PDL wait) the H200 sweep picked the ring for K = 7168 and registers (4 K-warps × 4
+steps) for K ≤ 3584 at N = 7168.
 
 Nothing here imports cutlass: the dispatch reads this table on any machine.
 """
@@ -28,11 +32,12 @@ class SkinnyConfig:
     unroll: int = 4       # K-steps of loads issued before the MMAs
     prefetch: bool = True  # L2-prefetch the first weight chunk before waiting on the previous kernel (PDL)
     stages: int = 1       # >1: weight streamed by cp.async through this many shared-memory stages per warp
+    split_k: int = 1      # >1: a cluster of this many blocks splits K; partial sums meet through DSMEM
 
     def __post_init__(self):
         if self.row_groups < 1 or self.warps_n < 1 or self.warps_k < 1 or self.unroll < 1:
             raise ValueError(f"bad config {self}")
-        if self.stages < 1:
+        if self.stages < 1 or self.split_k not in (1, 2, 4, 8):  # a portable cluster holds ≤ 8 blocks
             raise ValueError(f"bad config {self}")
         if self.threads > MAX_THREADS:
             raise ValueError(f"{self} needs {self.threads} threads > {MAX_THREADS}")
@@ -53,63 +58,66 @@ class SkinnyConfig:
 
     def tag(self) -> str:
         return (f"rg{self.row_groups}-wn{self.warps_n}-wk{self.warps_k}-u{self.unroll}"
-                + ("" if self.prefetch else "-nopf") + (f"-s{self.stages}" if self.stages > 1 else ""))
+                + ("" if self.prefetch else "-nopf") + (f"-s{self.stages}" if self.stages > 1 else "")
+                + (f"-c{self.split_k}" if self.split_k > 1 else ""))
 
 
-# Measured on one H200 (benchmarks/skinny_gemm.py --sweep, bf16, 2026-11-30, copy ceiling 4.245 TB/s):
+# Measured on one H200 (bf16, 2026-11-30, copy ceiling 4.222 TB/s): ``benchmarks/skinny_gemm.py --sweep
+# --no-triton`` (results: benchmarks/results/skinny_gemm_h200_sweep2.json), timing the path the dispatch
+# runs (``static_weight=False``: only an L2 prefetch of the weight before the PDL wait).
 # (M bucket, N, K) -> the fastest configuration, or None where cuBLAS was faster or within 3% (the
 # dispatch then leaves the product to cuBLAS). Shapes not listed use `heuristic`.
 TABLE: dict[tuple[int, int, int], Optional[SkinnyConfig]] = {
-    (1, 4608, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 18.01 µs vs cuBLAS 21.49
-    (2, 4608, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 18.16 µs vs cuBLAS 21.48
-    (4, 4608, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 18.05 µs vs cuBLAS 21.76
-    (8, 4608, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 18.96 µs vs cuBLAS 21.93
-    (16, 4608, 7168): None,  # CuTe 21.34 µs is within 3% of cuBLAS 21.90 µs
-    (1, 1536, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 7.66 µs vs cuBLAS 10.76
-    (2, 1536, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 7.79 µs vs cuBLAS 11.00
-    (4, 1536, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 8.19 µs vs cuBLAS 10.79
-    (8, 1536, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 8.36 µs vs cuBLAS 10.87
-    (16, 1536, 7168): None,  # cuBLAS 11.05 µs <= CuTe 11.17 µs
-    (1, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 8.98 µs vs cuBLAS 13.85
-    (2, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 9.20 µs vs cuBLAS 13.89
-    (4, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 9.50 µs vs cuBLAS 13.76
-    (8, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 9.85 µs vs cuBLAS 13.84
-    (16, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 12.72 µs vs cuBLAS 14.12
-    (1, 2304, 1536): SkinnyConfig(1, 1, 4, 2, stages=4),  # 3.72 µs vs cuBLAS 5.40
-    (2, 2304, 1536): SkinnyConfig(1, 1, 8, 2, stages=3),  # 3.97 µs vs cuBLAS 5.41
-    (4, 2304, 1536): SkinnyConfig(1, 1, 8, 2, stages=3),  # 4.02 µs vs cuBLAS 5.43
-    (8, 2304, 1536): SkinnyConfig(1, 1, 8, 2, stages=3),  # 4.18 µs vs cuBLAS 5.44
-    (16, 2304, 1536): SkinnyConfig(1, 1, 4, 2, stages=4),  # 4.78 µs vs cuBLAS 5.47
-    (1, 896, 7168): SkinnyConfig(1, 1, 16, 1, stages=4),  # 6.36 µs vs cuBLAS 9.13
-    (2, 896, 7168): SkinnyConfig(1, 1, 16, 1, stages=4),  # 6.43 µs vs cuBLAS 9.00
-    (4, 896, 7168): SkinnyConfig(1, 1, 16, 1, stages=4),  # 6.55 µs vs cuBLAS 9.06
-    (8, 896, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 6.86 µs vs cuBLAS 9.05
-    (16, 896, 7168): SkinnyConfig(1, 1, 16, 1, stages=4),  # 8.78 µs vs cuBLAS 9.20
-    (1, 3584, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 13.99 µs vs cuBLAS 18.39
-    (2, 3584, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 14.25 µs vs cuBLAS 18.31
-    (4, 3584, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 14.76 µs vs cuBLAS 18.32
-    (8, 3584, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 15.26 µs vs cuBLAS 18.36
-    (16, 3584, 7168): SkinnyConfig(1, 1, 8, 4),  # 17.58 µs vs cuBLAS 18.51
-    (1, 7168, 3584): SkinnyConfig(1, 1, 4, 2, stages=4),  # 14.15 µs vs cuBLAS 18.12
-    (2, 7168, 3584): SkinnyConfig(2, 1, 4, 2, stages=4),  # 14.24 µs vs cuBLAS 18.36
-    (4, 7168, 3584): SkinnyConfig(2, 1, 4, 2, stages=4),  # 14.62 µs vs cuBLAS 18.49
-    (8, 7168, 3584): SkinnyConfig(2, 1, 4, 2, stages=4),  # 15.25 µs vs cuBLAS 18.42
-    (16, 7168, 3584): None,  # cuBLAS 15.59 µs <= CuTe 17.39 µs
-    (1, 7168, 1536): SkinnyConfig(2, 1, 4, 2, stages=4),  # 7.54 µs vs cuBLAS 8.38
-    (2, 7168, 1536): SkinnyConfig(1, 1, 4, 2, stages=4),  # 7.28 µs vs cuBLAS 8.22
-    (4, 7168, 1536): SkinnyConfig(2, 1, 4, 2, stages=4),  # 7.58 µs vs cuBLAS 8.31
-    (8, 7168, 1536): SkinnyConfig(2, 1, 4, 2, stages=4),  # 7.71 µs vs cuBLAS 8.33
-    (16, 7168, 1536): None,  # cuBLAS 8.42 µs <= CuTe 8.68 µs
-    (1, 7168, 768): SkinnyConfig(1, 1, 8, 2, stages=3),  # 4.94 µs vs cuBLAS 5.49
-    (2, 7168, 768): SkinnyConfig(2, 1, 4, 2, stages=4),  # 4.56 µs vs cuBLAS 5.47
-    (4, 7168, 768): SkinnyConfig(2, 1, 4, 2, stages=4),  # 5.07 µs vs cuBLAS 5.50
-    (8, 7168, 768): SkinnyConfig(1, 1, 4, 4),  # 5.28 µs vs cuBLAS 5.58
-    (16, 7168, 768): None,  # cuBLAS 5.60 µs <= CuTe 5.60 µs
-    (1, 20480, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 68.87 µs vs cuBLAS 80.47
-    (2, 20480, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 69.45 µs vs cuBLAS 79.77
-    (4, 20480, 7168): SkinnyConfig(1, 1, 4, 2, stages=4),  # 73.52 µs vs cuBLAS 80.41
-    (8, 20480, 7168): SkinnyConfig(1, 1, 4, 2, stages=4),  # 75.04 µs vs cuBLAS 82.46
-    (16, 20480, 7168): None,  # CuTe 79.57 µs is within 3% of cuBLAS 81.58 µs
+    (1, 4608, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 18.80 µs vs cuBLAS 21.44
+    (2, 4608, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 18.02 µs vs cuBLAS 21.37
+    (4, 4608, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 18.24 µs vs cuBLAS 21.62
+    (8, 4608, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 19.08 µs vs cuBLAS 21.74
+    (16, 4608, 7168): None,  # cuBLAS 21.53 µs <= CuTe 25.90 µs
+    (1, 1536, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 7.90 µs vs cuBLAS 10.84
+    (2, 1536, 7168): SkinnyConfig(1, 1, 16, 1, stages=4),  # 8.09 µs vs cuBLAS 11.02
+    (4, 1536, 7168): SkinnyConfig(1, 1, 16, 1, stages=4, split_k=2),  # 9.58 µs vs cuBLAS 10.92
+    (8, 1536, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 10.31 µs vs cuBLAS 10.91
+    (16, 1536, 7168): None,  # CuTe 10.97 µs is within 3% of cuBLAS 11.12 µs
+    (1, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 9.35 µs vs cuBLAS 13.24
+    (2, 2112, 7168): SkinnyConfig(1, 1, 16, 1, stages=4),  # 10.06 µs vs cuBLAS 13.31
+    (4, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 10.64 µs vs cuBLAS 13.55
+    (8, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 11.44 µs vs cuBLAS 13.36
+    (16, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, split_k=2),  # 12.06 µs vs cuBLAS 13.75
+    (1, 2304, 1536): SkinnyConfig(1, 1, 8, 4),  # 4.20 µs vs cuBLAS 5.39
+    (2, 2304, 1536): SkinnyConfig(1, 1, 8, 2, stages=3),  # 4.19 µs vs cuBLAS 5.39
+    (4, 2304, 1536): SkinnyConfig(1, 1, 8, 2, stages=3),  # 4.25 µs vs cuBLAS 5.40
+    (8, 2304, 1536): SkinnyConfig(1, 1, 8, 2, stages=3),  # 4.55 µs vs cuBLAS 5.43
+    (16, 2304, 1536): SkinnyConfig(1, 1, 8, 4),  # 4.50 µs vs cuBLAS 5.47
+    (1, 896, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 6.73 µs vs cuBLAS 8.98
+    (2, 896, 7168): SkinnyConfig(1, 1, 16, 1, stages=4),  # 6.66 µs vs cuBLAS 8.89
+    (4, 896, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, split_k=2),  # 6.81 µs vs cuBLAS 9.03
+    (8, 896, 7168): SkinnyConfig(1, 1, 8, 2, stages=4, split_k=2),  # 7.59 µs vs cuBLAS 8.91
+    (16, 896, 7168): SkinnyConfig(1, 1, 16, 1, stages=4, split_k=2),  # 7.76 µs vs cuBLAS 9.15
+    (1, 3584, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 14.36 µs vs cuBLAS 17.35
+    (2, 3584, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 14.35 µs vs cuBLAS 17.39
+    (4, 3584, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 14.78 µs vs cuBLAS 17.51
+    (8, 3584, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 15.43 µs vs cuBLAS 17.59
+    (16, 3584, 7168): None,  # cuBLAS 17.82 µs <= CuTe 18.28 µs
+    (1, 7168, 3584): SkinnyConfig(1, 1, 4, 4),  # 14.83 µs vs cuBLAS 17.77
+    (2, 7168, 3584): SkinnyConfig(1, 1, 4, 4),  # 14.97 µs vs cuBLAS 17.55
+    (4, 7168, 3584): SkinnyConfig(1, 1, 4, 4),  # 15.26 µs vs cuBLAS 18.41
+    (8, 7168, 3584): SkinnyConfig(1, 1, 4, 4),  # 15.54 µs vs cuBLAS 17.79
+    (16, 7168, 3584): None,  # cuBLAS 15.07 µs <= CuTe 16.80 µs
+    (1, 7168, 1536): SkinnyConfig(1, 1, 4, 4),  # 7.63 µs vs cuBLAS 8.25
+    (2, 7168, 1536): SkinnyConfig(1, 1, 4, 4),  # 7.71 µs vs cuBLAS 8.15
+    (4, 7168, 1536): SkinnyConfig(1, 1, 4, 4),  # 7.79 µs vs cuBLAS 8.20
+    (8, 7168, 1536): SkinnyConfig(1, 1, 4, 4),  # 7.95 µs vs cuBLAS 8.25
+    (16, 7168, 1536): None,  # cuBLAS 8.38 µs <= CuTe 8.83 µs
+    (1, 7168, 768): SkinnyConfig(1, 1, 4, 4),  # 5.09 µs vs cuBLAS 5.47
+    (2, 7168, 768): SkinnyConfig(1, 1, 4, 4),  # 5.13 µs vs cuBLAS 5.46
+    (4, 7168, 768): SkinnyConfig(1, 1, 4, 4),  # 5.19 µs vs cuBLAS 5.48
+    (8, 7168, 768): SkinnyConfig(1, 1, 4, 4),  # 5.02 µs vs cuBLAS 5.56
+    (16, 7168, 768): SkinnyConfig(1, 1, 4, 4),  # 5.34 µs vs cuBLAS 5.58
+    (1, 20480, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 69.48 µs vs cuBLAS 78.81
+    (2, 20480, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 71.01 µs vs cuBLAS 77.03
+    (4, 20480, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 71.93 µs vs cuBLAS 76.64
+    (8, 20480, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 74.26 µs vs cuBLAS 79.14
+    (16, 20480, 7168): None,  # cuBLAS 75.24 µs <= CuTe 84.77 µs
 }
 
 
@@ -124,19 +132,22 @@ def m_bucket(m: int) -> int:
 def heuristic(m: int, n: int, k: int) -> SkinnyConfig:
     """A configuration for a shape the table does not list, read off the H200 sweep.
 
-    The sweep's winners all stream the weight through cp.async (loads in flight cost shared memory,
-    not registers) with one 8-row group per warp: 8 K-warps × 2 steps × 3 stages for long K, 16
-    K-warps × 1 step × 4 stages when N is small (few row groups must still fill the SMs), and 4
-    K-warps × 2 steps × 4 stages for short K. K-warps are halved while a warp would get no chunk.
+    One 8-row group per warp. Long K: the weight through a cp.async ring (8 K-warps × 2 steps × 3
+    stages), split over a cluster of 2 blocks when N is small (few row blocks must still fill the SMs
+    and keep enough bytes in flight). Short K: straight to registers, 4 K-warps × 4 steps. K-warps are
+    halved while a warp would get no chunk.
     """
+    split_k = 1
     if k >= 4096:
-        warps_k, unroll, stages = (16, 1, 4) if n <= 1024 else (8, 2, 3)
+        warps_k, unroll, stages = 8, 2, 3
+        if n <= 1024:
+            split_k = 2
     else:
-        warps_k, unroll, stages = 4, 2, 4
+        warps_k, unroll, stages = 4, 4, 1
     chunks = k // (K_STEP * unroll)
-    while warps_k > 1 and chunks < warps_k:
+    while warps_k > 1 and chunks < warps_k * split_k:
         warps_k //= 2
-    return SkinnyConfig(row_groups=1, warps_n=1, warps_k=warps_k, unroll=unroll, stages=stages)
+    return SkinnyConfig(row_groups=1, warps_n=1, warps_k=warps_k, unroll=unroll, stages=stages, split_k=split_k)
 
 
 def cublas_preferred(m: int, n: int, k: int) -> bool:

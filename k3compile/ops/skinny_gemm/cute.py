@@ -12,7 +12,16 @@ consecutive K of a row, a warp covers 8 rows) and feeds them to two ``mma.sync.m
 operand, A padded to 16 rows. Any order of K inside a step gives the same dot product, so A is loaded
 in the same permuted order, also as 16-byte vectors: no shuffles and no ldmatrix. The weight reaches
 registers either directly or through a per-warp cp.async ring in shared memory (``config.stages``);
-see ``config.py`` for the work division (split-K inside the block, rows per warp).
+see ``config.py`` for the work division (split-K inside the block and across a cluster, rows per warp).
+
+Split-K across a cluster (``config.split_k``): the blocks of a cluster take interleaved K chunks of the
+same rows, fold their K-warps in shared memory, and after a cluster barrier each block reduces its
+share of the outputs by reading the others' partial sums through distributed shared memory; a second
+barrier keeps every block's shared memory alive until it has been read. No workspace, no counter.
+
+The latent-MoE tail (``k3compile/ops/latent_moe_tail/cute.py``) compiles the same kernel with an
+RMSNorm of A fused in (``norm_eps``): A is scaled by the norm weight as it is loaded, its rows' sums of
+squares accumulate beside, and the epilogue multiplies by ``rsqrt(ss / K + eps)``.
 
 cutlass is imported only inside functions: CI has no CuTe DSL and must still import this module.
 """
@@ -20,6 +29,7 @@ cutlass is imported only inside functions: CI has no CuTe DSL and must still imp
 import functools
 import hashlib
 import os
+import struct
 import threading
 from typing import Optional
 
@@ -103,11 +113,24 @@ def _kernel_class():
         )
         return [cutlass.Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
 
+    @dsl_user_op
+    def ld_dsmem_f32(addr, rank, *, loc=None, ip=None):
+        """fp32 at shared-memory address ``addr`` of the cluster's block ``rank`` (mapa + ld)."""
+        res = llvm.inline_asm(
+            T.f32(),
+            [addr.ir_value(loc=loc, ip=ip), rank.ir_value(loc=loc, ip=ip)],
+            "{ .reg .b32 ra; mapa.shared::cluster.u32 ra, $1, $2; ld.shared::cluster.f32 $0, [ra]; }",
+            "=f,r,r",
+            has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+            loc=loc, ip=ip,
+        )
+        return cutlass.Float32(res)
+
     class SkinnyGemm:
         """C[M, N] = A[M, K] · B[N, K]ᵀ (+ bias[N]) (+ R[M, N]); M, dtype and tiling fixed."""
 
         def __init__(self, dtype, m: int, cfg: _config.SkinnyConfig, has_bias: bool, has_res: bool,
-                     static_weight: bool):
+                     static_weight: bool, norm_eps: Optional[float] = None):
             self.dtype = dtype
             self.m = m
             self.rg, self.wn, self.wk, self.unroll = cfg.row_groups, cfg.warps_n, cfg.warps_k, cfg.unroll
@@ -119,25 +142,42 @@ def _kernel_class():
             self.smem = cfg.smem_bytes()
             self.has_bias, self.has_res = has_bias, has_res
             self.is_fp16 = dtype is cutlass.Float16
+            self.ks = cfg.split_k
+            # RMSNorm of A fused in (the latent-MoE tail): A is scaled by g as it is loaded, the rows'
+            # sums of squares accumulate beside, and the epilogue applies rsqrt(ss / K + eps)
+            self.norm = norm_eps is not None
+            self.eps = 0.0 if norm_eps is None else float(norm_eps)
+            if self.norm:  # the K-warps' sums of squares [warps_k, 16] fp32
+                self.smem += 64 * self.wk + 16
 
         @cute.jit
         def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor,
-                     mBias, mRes, stream):
+                     mBias, mRes, mG, stream):
             n = mB.shape[0]
-            self.kernel(mA, mB, mC, mBias, mRes).launch(
-                grid=[(n + self.block_n - 1) // self.block_n, 1, 1],
-                block=[self.threads, 1, 1],
-                smem=self.smem,
-                stream=stream,
-                use_pdl=True,
-            )
+            if cutlass.const_expr(self.ks > 1):
+                self.kernel(mA, mB, mC, mBias, mRes, mG).launch(
+                    grid=[(n + self.block_n - 1) // self.block_n, self.ks, 1],
+                    block=[self.threads, 1, 1],
+                    cluster=[1, self.ks, 1],
+                    smem=self.smem,
+                    stream=stream,
+                    use_pdl=True,
+                )
+            else:
+                self.kernel(mA, mB, mC, mBias, mRes, mG).launch(
+                    grid=[(n + self.block_n - 1) // self.block_n, 1, 1],
+                    block=[self.threads, 1, 1],
+                    smem=self.smem,
+                    stream=stream,
+                    use_pdl=True,
+                )
 
         @cute.jit
         def load_vec(self, src: cute.Tensor, dst: cute.Tensor):
             cute.autovec_copy(cute.make_tensor(src.iterator.align(16), src.layout), dst)
 
         @cute.kernel
-        def kernel(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mBias, mRes):
+        def kernel(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mBias, mRes, mG):
             M: cutlass.Constexpr = self.m
             RG: cutlass.Constexpr = self.rg
             WN: cutlass.Constexpr = self.wn
@@ -147,15 +187,18 @@ def _kernel_class():
             NT: cutlass.Constexpr = self.threads
             CH: cutlass.Constexpr = 32 * self.unroll  # K elements per unrolled chunk
             S: cutlass.Constexpr = self.stages
+            KS: cutlass.Constexpr = self.ks
+            GWK: cutlass.Constexpr = self.wk * self.ks  # K-warps of the whole cluster
 
             tidx, _, _ = cute.arch.thread_idx()
-            bidx, _, _ = cute.arch.block_idx()
+            bidx, q, _ = cute.arch.block_idx()  # q: this block's rank in its split-K cluster
             warp = tidx // 32
             lane = tidx % 32
             g = lane // 4   # weight row inside the 8-row group; A row (and A row + 8)
             t = lane % 4    # which 8 of the 32 K of a step
             wn = warp % WN
             wk = warp // WN
+            gk = q * WK + wk  # the warp's K slice among the cluster's GWK
             N = mB.shape[0]
             K = mB.shape[1]
             n0 = bidx * BN
@@ -163,6 +206,7 @@ def _kernel_class():
             # [row, (8, K/8)]: one 16-byte vector per (row, vector index)
             gA = cute.logical_divide(mA, (None, 8))
             gB = cute.logical_divide(mB, (None, 8))
+            gG = cute.logical_divide(mG, (8,)) if cutlass.const_expr(self.norm) else None
 
             # rows past N / M are clamped to a valid row: their results are never stored
             rows = []
@@ -178,47 +222,51 @@ def _kernel_class():
             rA = cute.make_rmem_tensor((8, 2 * U), self.dtype)
             rB32 = cute.recast_tensor(rB, cutlass.Int32)
             rA32 = cute.recast_tensor(rA, cutlass.Int32)
+            ss = cute.make_rmem_tensor((2,), cutlass.Float32)  # rows m_lo, m_hi: sum of squares of raw A
+            ss.fill(0.0)
 
             n_full = K // CH
             smem = cutlass.memory.SmemAllocator()
             red = smem.allocate_tensor(
                 cutlass.Float32, cute.make_layout((WK, BN, 16), stride=(BN * 16, 16, 1)), byte_alignment=16)
+            ssm = None
+            if cutlass.const_expr(self.norm):
+                ssm = smem.allocate_tensor(cutlass.Float32, cute.make_layout((WK, 16), stride=(16, 1)),
+                                           byte_alignment=16)
             if cutlass.const_expr(S > 1):
-                self.main_loop_cp_async(gA, gB, rows, m_lo, m_hi, t, lane, warp, wk, n_full,
-                                        acc, rA, rB, rA32, rB32, smem)
+                self.main_loop_cp_async(gA, gB, gG, rows, m_lo, m_hi, t, lane, warp, gk, n_full,
+                                        acc, rA, rB, rA32, rB32, ss, smem)
             else:
                 if cutlass.const_expr(self.prefetch):
                     # the weight does not depend on the previous kernel: start pulling it into L2 now
-                    if wk < n_full:
+                    if gk < n_full:
                         for u in cutlass.range_constexpr(U):
                             for r in cutlass.range_constexpr(RG):
-                                v = gB[rows[r], (None, wk * (CH // 8) + t + 4 * u)]
+                                v = gB[rows[r], (None, gk * (CH // 8) + t + 4 * u)]
                                 cute.arch.prefetch(v.iterator.llvm_ptr, cache_level="L2")
 
                 # PDL: everything above overlaps the previous kernel's tail; A may be its output
                 cute.arch.griddepcontrol_wait()
 
-                for j in cutlass.range(wk, n_full, WK, unroll=1):
+                for j in cutlass.range(gk, n_full, GWK, unroll=1):
                     kv0 = j * (CH // 8) + t
                     for u in cutlass.range_constexpr(U):
                         for r in cutlass.range_constexpr(RG):
                             self.load_vec(gB[rows[r], (None, kv0 + 4 * u)], rB[None, r * U + u])
-                    self.load_a(gA, m_lo, m_hi, kv0, rA)
+                    self.load_a(gA, gG, m_lo, m_hi, kv0, rA, ss)
                     for u in cutlass.range_constexpr(U):
                         self.mma_step(acc, rA32, rB32, u, u, U)
 
             # K tail: single steps of 32, lanes past K contribute zeros
             n_steps = (K + 31) // 32
-            for s in cutlass.range(n_full * U + wk, n_steps, WK, unroll=1):
+            for s in cutlass.range(n_full * U + gk, n_steps, GWK, unroll=1):
                 kv = s * 4 + t
                 rB.fill(0.0)
                 rA.fill(0.0)
                 if kv * 8 < K:
                     for r in cutlass.range_constexpr(RG):
                         self.load_vec(gB[rows[r], (None, kv)], rB[None, r * U])
-                    self.load_vec(gA[m_lo, (None, kv)], rA[None, 0])
-                    if cutlass.const_expr(M > 8):
-                        self.load_vec(gA[m_hi, (None, kv)], rA[None, 1])
+                    self.load_a_step(gA, gG, m_lo, m_hi, kv, rA, 0, ss)
                 self.mma_step(acc, rA32, rB32, 0, 0, U)
 
             # the next kernel may start launching; it still waits for our stores (griddepcontrol.wait)
@@ -235,34 +283,121 @@ def _kernel_class():
                 if cutlass.const_expr(M > 8):
                     red[wk, nl, g + 8] = acc[2, r, 0]
                     red[wk, nl + 1, g + 8] = acc[3, r, 0]
+            if cutlass.const_expr(self.norm):
+                # the 4 lanes of a row group hold one row's K slices; one lane per row writes (rows of
+                # clamped lanes are duplicates; warps with wn > 0 load the same A as wn == 0)
+                s_lo = cute.arch.warp_reduction(ss[0], lambda x, y: x + y, threads_in_group=4)
+                s_hi = cute.arch.warp_reduction(ss[1], lambda x, y: x + y, threads_in_group=4)
+                if wn == 0 and t == 0:
+                    if g < M:
+                        ssm[wk, g] = s_lo
+                    if cutlass.const_expr(M > 8):
+                        if g + 8 < M:
+                            ssm[wk, g + 8] = s_hi
             cute.arch.sync_threads()
 
+            if cutlass.const_expr(KS == 1):
+                for idx in cutlass.range(tidx, BN * M, NT, unroll=1):
+                    m = idx // BN
+                    nl = idx % BN
+                    n = n0 + nl
+                    if n < N:
+                        s = cutlass.Float32(0.0)
+                        for w in cutlass.range_constexpr(WK):
+                            s = s + red[w, nl, m]
+                        if cutlass.const_expr(self.norm):
+                            sq = cutlass.Float32(0.0)
+                            for w in cutlass.range_constexpr(WK):
+                                sq = sq + ssm[w, m]
+                            s = s * cute.math.rsqrt(sq / cutlass.Float32(K) + self.eps)
+                        self.store_out(mC, mBias, mRes, m, n, s)
+            else:
+                self.cluster_epilogue(mC, mBias, mRes, red, ssm, tidx, q, n0, N, K)
+
+        @cute.jit
+        def store_out(self, mC: cute.Tensor, mBias, mRes, m, n, s):
+            if cutlass.const_expr(self.has_bias):
+                s = s + mBias[n].to(cutlass.Float32)
+            if cutlass.const_expr(self.has_res):
+                s = s + mRes[m, n].to(cutlass.Float32)
+            mC[m, n] = s.to(self.dtype)
+
+        @cute.jit
+        def cluster_epilogue(self, mC: cute.Tensor, mBias, mRes, red: cute.Tensor, ssm, tidx, q, n0, N, K):
+            """Split-K across the blocks of a cluster: each block folds its K-warps into red[0], then
+            block q reads the partials of every block through distributed shared memory for its share of
+            the outputs. The second cluster barrier keeps every block's shared memory alive until read."""
+            M: cutlass.Constexpr = self.m
+            WK: cutlass.Constexpr = self.wk
+            BN: cutlass.Constexpr = self.block_n
+            NT: cutlass.Constexpr = self.threads
+            KS: cutlass.Constexpr = self.ks
             for idx in cutlass.range(tidx, BN * M, NT, unroll=1):
+                m = idx // BN
+                nl = idx % BN
+                s = cutlass.Float32(0.0)
+                for w in cutlass.range_constexpr(WK):
+                    s = s + red[w, nl, m]
+                red[0, nl, m] = s
+            if cutlass.const_expr(self.norm):
+                if tidx < M:
+                    sq = cutlass.Float32(0.0)
+                    for w in cutlass.range_constexpr(WK):
+                        sq = sq + ssm[w, tidx]
+                    ssm[0, tidx] = sq
+            cute.arch.cluster_arrive()  # release: our partials are visible to the cluster
+            cute.arch.cluster_wait()
+            for idx in cutlass.range(q * NT + tidx, BN * M, NT * KS, unroll=1):
                 m = idx // BN
                 nl = idx % BN
                 n = n0 + nl
                 if n < N:
                     s = cutlass.Float32(0.0)
-                    for w in cutlass.range_constexpr(WK):
-                        s = s + red[w, nl, m]
-                    if cutlass.const_expr(self.has_bias):
-                        s = s + mBias[n].to(cutlass.Float32)
-                    if cutlass.const_expr(self.has_res):
-                        s = s + mRes[m, n].to(cutlass.Float32)
-                    mC[m, n] = s.to(self.dtype)
+                    for r in cutlass.range_constexpr(KS):
+                        s = s + self.load_peer(red.iterator + (nl * 16 + m), r)
+                    if cutlass.const_expr(self.norm):
+                        sq = cutlass.Float32(0.0)
+                        for r in cutlass.range_constexpr(KS):
+                            sq = sq + self.load_peer(ssm.iterator + m, r)
+                        s = s * cute.math.rsqrt(sq / cutlass.Float32(K) + self.eps)
+                    self.store_out(mC, mBias, mRes, m, n, s)
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
         @cute.jit
-        def load_a(self, gA: cute.Tensor, m_lo, m_hi, kv0, rA: cute.Tensor):
+        def load_peer(self, ptr, rank):
+            """The fp32 at our shared-memory address ``ptr`` in the cluster's block ``rank``."""
+            return ld_dsmem_f32(ptr.toint(), cutlass.Int32(rank))
+
+        @cute.jit
+        def load_a(self, gA: cute.Tensor, gG, m_lo, m_hi, kv0, rA: cute.Tensor, ss: cute.Tensor):
             """A for one chunk, in the same permuted K order as the weight (rows ≥ 8 only if M > 8)."""
             for u in cutlass.range_constexpr(self.unroll):
-                self.load_vec(gA[m_lo, (None, kv0 + 4 * u)], rA[None, 2 * u])
-                if cutlass.const_expr(self.m > 8):
-                    self.load_vec(gA[m_hi, (None, kv0 + 4 * u)], rA[None, 2 * u + 1])
+                self.load_a_step(gA, gG, m_lo, m_hi, kv0 + 4 * u, rA, u, ss)
 
         @cute.jit
-        def main_loop_cp_async(self, gA: cute.Tensor, gB: cute.Tensor, rows, m_lo, m_hi, t, lane, warp, wk,
+        def load_a_step(self, gA: cute.Tensor, gG, m_lo, m_hi, kv, rA: cute.Tensor, u: cutlass.Constexpr,
+                        ss: cute.Tensor):
+            """One 16-byte vector of A's rows m_lo (and m_hi) at vector index kv into rA[:, 2u(+1)].
+
+            With the norm fused: ss += x², and x becomes x·g rounded to the input dtype (the MMA's operand).
+            """
+            self.load_vec(gA[m_lo, (None, kv)], rA[None, 2 * u])
+            if cutlass.const_expr(self.m > 8):
+                self.load_vec(gA[m_hi, (None, kv)], rA[None, 2 * u + 1])
+            if cutlass.const_expr(self.norm):
+                rG = cute.make_rmem_tensor((8,), self.dtype)
+                self.load_vec(gG[((None, kv),)], rG)
+                vg = rG.load().to(cutlass.Float32)
+                for h in cutlass.range_constexpr(2 if self.m > 8 else 1):
+                    x = rA[None, 2 * u + h].load().to(cutlass.Float32)
+                    ss[h] = ss[h] + (x * x).reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0)
+                    rA[None, 2 * u + h].store((x * vg).to(self.dtype))
+
+        @cute.jit
+        def main_loop_cp_async(self, gA: cute.Tensor, gB: cute.Tensor, gG, rows, m_lo, m_hi, t, lane, warp, wk,
                                n_full, acc: cute.Tensor, rA: cute.Tensor, rB: cute.Tensor,
-                               rA32: cute.Tensor, rB32: cute.Tensor, smem):
+                               rA32: cute.Tensor, rB32: cute.Tensor, ss: cute.Tensor, smem):
             """Full chunks with the weight streamed by cp.async through a per-warp ring of S stages.
 
             Loads in flight then cost shared memory, not registers. With ``static_weight`` (a parameter
@@ -273,7 +408,7 @@ def _kernel_class():
             RG: cutlass.Constexpr = self.rg
             U: cutlass.Constexpr = self.unroll
             S: cutlass.Constexpr = self.stages
-            WK: cutlass.Constexpr = self.wk
+            WK: cutlass.Constexpr = self.wk * self.ks  # wk is the warp's K slice among the cluster's
             NW: cutlass.Constexpr = self.wn * self.wk
             CHV: cutlass.Constexpr = 4 * self.unroll  # 16-byte vectors per chunk along K
             # [8 elements, lane, slot, stage, warp]: a warp's 32 lanes read 512 contiguous bytes
@@ -321,7 +456,7 @@ def _kernel_class():
                             cute.copy(atom, cute.make_tensor(src.iterator.align(16), src.layout),
                                       sW[None, lane, r * U + u, stn, warp])
                 cute.arch.cp_async_commit_group()
-                self.load_a(gA, m_lo, m_hi, (wk + i * WK) * CHV + t, rA)
+                self.load_a(gA, gG, m_lo, m_hi, (wk + i * WK) * CHV + t, rA, ss)
                 cute.arch.cp_async_wait_group(S - 1)  # chunk i has landed
                 cur = i % S
                 for slot in cutlass.range_constexpr(RG * U):
@@ -360,7 +495,7 @@ def _cute_dtype(dtype: torch.dtype):
     return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
 
 
-def _fake_args(dtype: torch.dtype, m: int, has_bias: bool, has_res: bool):
+def _fake_args(dtype: torch.dtype, m: int, has_bias: bool, has_res: bool, has_norm: bool = False):
     """Fake tensors with symbolic N, K and row strides: one compile serves every N and K."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
@@ -373,7 +508,8 @@ def _fake_args(dtype: torch.dtype, m: int, has_bias: bool, has_res: bool):
     c = make_fake_tensor(cd, (m, n), (cute.sym_int64(), 1), assumed_align=2)
     bias = make_fake_tensor(cd, (n,), (1,), assumed_align=2) if has_bias else None
     res = make_fake_tensor(cd, (m, n), (cute.sym_int64(), 1), assumed_align=2) if has_res else None
-    return a, b, c, bias, res, make_fake_stream(use_tvm_ffi_env_stream=True)
+    g = make_fake_tensor(cd, (k,), (1,), assumed_align=16) if has_norm else None
+    return a, b, c, bias, res, g, make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
 @functools.cache
@@ -399,9 +535,13 @@ def _cache_dir() -> Optional[str]:
 
 
 def compile_kernel(dtype: torch.dtype, m: int, cfg: _config.SkinnyConfig, has_bias: bool, has_res: bool,
-                   static_weight: bool = False):
-    """The compiled kernel for this variant: from memory, else from disk, else compiled (and saved)."""
-    key = (dtype, m, cfg, has_bias, has_res, static_weight)
+                   static_weight: bool = False, norm_eps: Optional[float] = None):
+    """The compiled kernel for this variant: from memory, else from disk, else compiled (and saved).
+
+    ``norm_eps``: fuse the RMSNorm of A with this eps (the latent-MoE tail; the kernel then takes the
+    norm weight as its sixth argument). It is baked into the kernel: one model uses one eps.
+    """
+    key = (dtype, m, cfg, has_bias, has_res, static_weight, None if norm_eps is None else float(norm_eps))
     fn = _compiled.get(key)
     if fn is not None:
         return fn
@@ -414,9 +554,10 @@ def compile_kernel(dtype: torch.dtype, m: int, cfg: _config.SkinnyConfig, has_bi
 
 
 def _variant_name(key) -> str:
-    dtype, m, cfg, has_bias, has_res, static_w = key
+    dtype, m, cfg, has_bias, has_res, static_w, eps = key
+    norm = "" if eps is None else "_norm" + struct.pack(">d", eps).hex()  # the exact eps, name-safe
     return (f"k3_skinny_{str(dtype).split('.')[-1]}_m{m}_{cfg.tag().replace('-', '_')}"
-            f"_b{int(has_bias)}_r{int(has_res)}_s{int(static_w)}")
+            f"_b{int(has_bias)}_r{int(has_res)}_s{int(static_w)}{norm}")
 
 
 def _load_or_compile(key):
@@ -430,9 +571,9 @@ def _load_or_compile(key):
             return cute.runtime.load_module(path, enable_tvm_ffi=True)[name]
         except Exception:  # a stale or torn file: recompile below and overwrite it
             pass
-    dtype, m, cfg, has_bias, has_res, static_w = key
-    kern = _kernel_class()(_cute_dtype(dtype), m, cfg, has_bias, has_res, static_w)
-    fn = cute.compile(kern, *_fake_args(dtype, m, has_bias, has_res), options="--enable-tvm-ffi")
+    dtype, m, cfg, has_bias, has_res, static_w, eps = key
+    kern = _kernel_class()(_cute_dtype(dtype), m, cfg, has_bias, has_res, static_w, eps)
+    fn = cute.compile(kern, *_fake_args(dtype, m, has_bias, has_res, eps is not None), options="--enable-tvm-ffi")
     if path:
         try:
             os.makedirs(cdir, exist_ok=True)
@@ -466,7 +607,7 @@ def skinny_gemm_cute(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tens
     fn = compile_kernel(a.dtype, m, cfg, bias is not None, residual is not None, static_weight)
     if out is None:
         out = torch.empty((m, n), dtype=a.dtype, device=a.device)
-    fn(a, w, out, bias, residual)
+    fn(a, w, out, bias, residual, None)
     return out
 
 
