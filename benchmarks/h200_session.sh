@@ -21,6 +21,7 @@ step() {  # step NAME SECONDS CMD...
     echo "=== $name: rc=$? in $((SECONDS - t0))s"
 }
 step gpu_tests    ${T_TESTS:-130} python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops ${TESTS_K:+-k "$TESTS_K"}
+step gpu_model    ${T_MODEL:-240} python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/compiler/test_gpu_k3.py
 step kda_decode   ${T_KDA:-130}   python3 benchmarks/kda_decode.py --rep-ms 50 --out "$OUT/kda_decode.json"
 step kda_warps    ${T_KDAW:-60}   python3 benchmarks/kda_decode.py --batch 64 256 --heads 12 96 --providers k3 \
                                   --num-warps 4 8 16 --rep-ms 30 --out "$OUT/kda_warps.json"

@@ -39,6 +39,15 @@ class KimiK3Cache:
         self.layers = layers
         self.pos = pos
         self.max_len = max_len
+        # The compiled step mutates these in place. Static addresses let CUDA graphs
+        # (mode="reduce-overhead") keep that mutation inside the graph instead of skipping
+        # it; unguarded, so a new cache re-records a graph rather than recompiling.
+        for t in self.tensors():
+            torch._dynamo.mark_static_address(t)
+
+    def tensors(self):
+        """Every state tensor, ``pos`` last."""
+        return [t for state in self.layers for t in state.tensors()] + [self.pos]
 
     @classmethod
     def allocate(cls, text_model, batch: int, max_len: int, dtype: Optional[torch.dtype] = None,
@@ -67,7 +76,5 @@ class KimiK3Cache:
         return self.layers[0].tensors()[0].shape[0]
 
     def reset(self) -> None:
-        for state in self.layers:
-            for t in state.tensors():
-                t.zero_()
-        self.pos.zero_()
+        for t in self.tensors():
+            t.zero_()
