@@ -166,7 +166,10 @@ class OpImpls:
         else:
             order = IMPL_ORDER[IMPL_ORDER.index(backend):]
         notes = []
+        unprofitable = False   # a kernel could run but the vendor library was measured faster
         for name in order:
+            if name == "reference" and unprofitable:
+                return "aten", "; ".join(notes) + " -> aten"
             impl = self.impl(name)
             if impl is None:
                 why = f"{self.name} has no {name} implementation"
@@ -186,9 +189,10 @@ class OpImpls:
                 continue
             if backend == "auto" and self.aten is not None and name != "reference":
                 why = impl.profitable(*args)
-                if why is not None:
+                if why is not None:  # the next kernel may still beat the vendor library
                     notes.append(f"{name}: {why}")
-                    return "aten", "; ".join(notes) + " -> aten"
+                    unprofitable = True
+                    continue
             return name, ("; ".join(notes) + " -> " + name) if notes else "preferred"
         raise AssertionError("the reference implementation must always run")  # pragma: no cover
 

@@ -9,11 +9,12 @@ def _ran(label):
     return lambda *args: label
 
 
-def _op(cute_supports=None, cute_profitable=None, triton_available=None, with_aten=True):
+def _op(cute_supports=None, cute_profitable=None, triton_available=None, triton_profitable=None, with_aten=True):
     return OpImpls(
         "stand_in",
         reference=Impl(_ran("reference")),
-        triton=Impl(_ran("triton"), available=lambda *a: triton_available),
+        triton=Impl(_ran("triton"), available=lambda *a: triton_available,
+                    profitable=lambda *a: triton_profitable),
         cute=Impl(_ran("cute"), supports=lambda *a: cute_supports, profitable=lambda *a: cute_profitable),
         aten=Impl(_ran("aten")) if with_aten else None,
     )
@@ -25,10 +26,22 @@ def test_auto_prefers_cute():
     assert op.choices()[0].reason == "preferred"
 
 
-def test_auto_yields_to_aten_where_the_kernel_is_not_profitable():
-    op = _op(cute_profitable="cuBLAS measured faster")
+def test_auto_yields_to_aten_where_no_kernel_is_profitable():
+    op = _op(cute_profitable="cuBLAS measured faster", triton_profitable="cuBLAS faster too")
     assert op.select("auto", "k", torch.zeros(1))() == "aten"
-    assert op.choices()[0].impl == "aten" and "cuBLAS measured faster" in op.choices()[0].reason
+    reason = op.choices()[0].reason
+    assert op.choices()[0].impl == "aten" and "cuBLAS measured faster" in reason and "cuBLAS faster too" in reason
+
+
+def test_an_unprofitable_kernel_yields_to_the_next_profitable_one():
+    op = _op(cute_profitable="cuBLAS measured faster")
+    assert op.select("auto", "k", torch.zeros(1))() == "triton"
+    assert "cuBLAS measured faster" in op.choices()[0].reason
+
+
+def test_unprofitable_kernel_then_unavailable_one_goes_to_aten_not_reference():
+    op = _op(cute_profitable="cuBLAS measured faster", triton_available="no triton here")
+    assert op.select("auto", "k", torch.zeros(1))() == "aten"
 
 
 def test_forced_backend_skips_the_profit_check():
