@@ -2,8 +2,8 @@
 
     # one GPU: RMSNorm(3584) -> up-proj 7168x3584 -> + shared, M = 1..16
     python benchmarks/moe_tail.py [--quick] [--json out.json]
-    # the Triton kernel's configurations, best per M
-    python benchmarks/moe_tail.py --sweep [--quick]
+    # the one-kernel Triton tail's configurations vs unfused torch.compile and the split path, per M
+    python benchmarks/moe_tail.py --sweep [--m 1 4 16] [--budget 80]
     # two GPUs, NCCL, whole tail: 2 all-reduces + unfused tail vs 1 all-reduce of the concatenation + fused tail
     python benchmarks/moe_tail.py --tp 2 [--quick]
 
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from k3compile.ops.latent_moe_tail import latent_moe_tail  # noqa: E402
 from k3compile.ops.latent_moe_tail.op import LATENT_MOE_TAIL  # noqa: E402
 from k3compile.ops.latent_moe_tail.reference import kimi_rms_norm, latent_moe_tail_ref  # noqa: E402
-from k3compile.ops.latent_moe_tail.split import kimi_rms_norm_triton  # noqa: E402
+from k3compile.ops.latent_moe_tail.split import kimi_rms_norm_triton, latent_moe_tail_split  # noqa: E402
 from k3compile.ops.latent_moe_tail.triton import TailConfig, latent_moe_tail_triton  # noqa: E402
 from k3compile.ops.skinny_gemm import SKINNY_GEMM  # noqa: E402
 from k3compile.passes import COMPILE_RECORD  # noqa: E402
@@ -59,6 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--sweep", action="store_true", help="time the Triton kernel's configurations")
     p.add_argument("--quick", action="store_true", help="M = 1, 16; fewer repetitions; a smaller sweep")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    p.add_argument("--budget", type=float, default=75.0, help="--sweep: seconds before it stops adding configs")
     p.add_argument("--json", type=str, default=None, help="write the rows here")
     p.add_argument("--smoke", action="store_true", help="run every code path on CPU at tiny widths (no GPU)")
     args = p.parse_args(argv)
@@ -78,13 +79,32 @@ def tail_eager(latent, shared, norm_weight, up_weight):
 
 
 def tail_fused(latent, shared, norm_weight, up_weight):
-    """The op as the pass emits it: Triton norm + k3::skinny_gemm (CuTe/Triton) with the shared add."""
+    """The op as the pass emits it (backend auto: what ran and why is printed under "choices")."""
     return latent_moe_tail(latent, shared, norm_weight, up_weight, EPS)
 
 
 def tail_one_kernel(latent, shared, norm_weight, up_weight):
-    """The single-kernel Triton tail (kept; the op uses it only where measured faster)."""
+    """The one-kernel Triton tail (split-K weight stream), its measured or default configuration."""
     return latent_moe_tail_triton(latent, shared, norm_weight, up_weight, EPS)
+
+
+def tail_split(latent, shared, norm_weight, up_weight):
+    """Triton RMSNorm, then k3::skinny_gemm (CuTe / Triton / cuBLAS) with the shared add."""
+    return latent_moe_tail_split(latent, shared, norm_weight, up_weight, EPS)
+
+
+def tail_cute(latent, shared, norm_weight, up_weight):
+    """The CuTe tail (skinny GEMM with the norm fused), forced: the op's auto takes it only where measured faster."""
+    return latent_moe_tail(latent, shared, norm_weight, up_weight, EPS, backend="cute")
+
+
+def cute_tail_runs(dtype) -> bool:
+    from k3compile.ops.latent_moe_tail.op import _cute_available, _cute_supports
+
+    lat, sh, g, (w,) = make_inputs(1, 64, 64, dtype, 1)
+    why = _cute_available(lat, sh, g, w, EPS, 16, "cute") or _cute_supports(lat, sh, g, w, EPS, 16, "cute")
+    print(f"CuTe tail: {why or 'runs'}")
+    return why is None
 
 
 def tail_norm_only(latent, shared, norm_weight, up_weight):
@@ -157,7 +177,9 @@ def bench_single(args):
     n_rot = n_rotations(d, l, dtype)
     print(f"device: {device_name()}  torch {torch.__version__}  copy ceiling {ceiling:.2f} TB/s  "
           f"weights rotated: {n_rot} x {d * l * dtype.itemsize / 2**20:.0f} MiB")
-    providers = {"eager": tail_eager, "fused": tail_fused, "fused-1kernel": tail_one_kernel}
+    providers = {"eager": tail_eager, "fused": tail_fused, "fused-1kernel": tail_one_kernel, "split": tail_split}
+    if not SMOKE and cute_tail_runs(dtype):
+        providers["cute"] = tail_cute
     if not args.no_compile:
         from k3compile.passes import K3Options, K3PostGradPass
 
@@ -201,47 +223,158 @@ def bench_single(args):
 
 
 def sweep_configs(quick):
-    grid = [(bn, bk, nw, ns, pre)
-            for bn in ((16, 32, 64) if not quick else (16, 32))
-            for bk in ((64, 128, 256) if not quick else (128, 256))
-            for nw in (4, 8)
-            for ns in ((3, 4, 5) if not quick else (4,))
-            for pre in (False, True)]
-    return [TailConfig(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, prenorm=pre)
-            for bn, bk, nw, ns, pre in grid]
+    """The fused kernel's configurations, likeliest first (the sweep stops at its time budget).
+
+    Stream-K (persistent, one wave) first; then the split-K grid's best from the first H200 sweep
+    (n128-k128-s4-w8-st4-last-swap: 19.3 / 19.6 / 20.4 µs at M = 1 / 4 / 16)."""
+    C = TailConfig
+
+    def sk(ctas, bn, bk, nw, ns, tma=False):
+        return C(bn, bk, num_warps=nw, num_stages=ns, stream_k=True, ctas_per_sm=ctas, tma=tma)
+
+    cfgs = [
+        sk(1, 128, 128, 8, 4), sk(1, 128, 128, 8, 4, True), sk(2, 128, 64, 4, 5), sk(2, 128, 64, 4, 5, True),
+        sk(1, 128, 128, 8, 5, True), sk(2, 64, 128, 4, 4, True), sk(1, 128, 128, 8, 5), sk(2, 64, 128, 4, 4),
+        sk(1, 128, 256, 8, 3, True), sk(1, 256, 64, 8, 4, True), C(128, 128, 4, 8, 4, swap_ab=True),
+        sk(2, 64, 64, 4, 8, True), sk(1, 128, 64, 8, 8, True), sk(1, 128, 128, 8, 6, True), sk(3, 64, 64, 4, 6, True),
+        sk(1, 128, 128, 4, 4, True), sk(2, 128, 64, 8, 5, True), sk(1, 128, 256, 8, 3), sk(1, 256, 64, 8, 4),
+        sk(4, 64, 64, 4, 4, True), sk(2, 64, 64, 4, 8), sk(1, 128, 64, 8, 8),
+    ]
+    return cfgs[:8] if quick else cfgs
+
+
+def check_graph_replay(cfg, m, l, d, dtype, replays=3):
+    """The fused kernel captured once in a CUDA graph, replayed on fresh inputs: each replay must match
+    the reference (the arrival counters of reduce="last" must be back at 0 after every launch)."""
+    lat, sh, g, (w,) = make_inputs(m, l, d, dtype, 1, seed=77)
+    out = torch.empty(m, d, dtype=dtype, device=DEVICE)
+    latent_moe_tail_triton(lat, sh, g, w, EPS, cfg, out=out)   # counters made outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        latent_moe_tail_triton(lat, sh, g, w, EPS, cfg, out=out)
+    worst = 0.0
+    for r in range(replays):
+        lat2, sh2, _, _ = make_inputs(m, l, d, dtype, 1, seed=78 + r)
+        lat.copy_(lat2)
+        sh.copy_(sh2)
+        out.fill_(float("nan"))
+        graph.replay()
+        worst = max(worst, rel_err(out, latent_moe_tail_ref(lat.float(), sh.float(), g.float(), w.float(), EPS)))
+    return worst
 
 
 def bench_sweep(args):
+    """Every configuration of the fused kernel at each M, against unfused torch.compile and the op's
+    current path (Triton norm + k3::skinny_gemm); rows sorted per M, best first. Stops adding
+    configurations when ``--budget`` seconds have passed (the baselines always run)."""
     dtype = DTYPES[args.dtype]
     l, d = args.latent, args.hidden
     rep = 20 if args.quick else 50
+    t_start = time.time()
     ceiling = copy_ceiling_tbps(rep)
     n_rot = n_rotations(d, l, dtype)
+    print(f"device: {device_name()}  torch {torch.__version__}  copy ceiling {ceiling:.2f} TB/s  "
+          f"weights rotated: {n_rot}")
+    baselines = {"split": tail_split}
+    if not args.no_compile:
+        baselines["compile"] = torch.compile(tail_eager, dynamic=False)
+    inputs = {m: make_inputs(m, l, d, dtype, n_rot, seed=m) for m in args.m}
+    refs = {m: latent_moe_tail_ref(*(t.float() for t in inputs[m][:3]), inputs[m][3][0].float(), EPS)
+            for m in args.m}
+    floors = {m: tail_bytes(m, l, d, dtype) / (ceiling * 1e12) * 1e6 for m in args.m}
     rows = []
-    for m in args.m:
-        lat, sh, g, ws = make_inputs(m, l, d, dtype, n_rot, seed=m)
-        ref = latent_moe_tail_ref(lat.float(), sh.float(), g.float(), ws[0].float(), EPS)
-        floor_us = tail_bytes(m, l, d, dtype) / (ceiling * 1e12) * 1e6
-        best = None
-        for cfg in sweep_configs(args.quick):
-            try:
-                err = rel_err(latent_moe_tail_triton(lat, sh, g, ws[0], EPS, cfg), ref)
 
-                def run(cfg=cfg):
-                    for w in ws:
-                        latent_moe_tail_triton(lat, sh, g, w, EPS, cfg)
-                us = bench(run, rep) * 1e3 / n_rot
-            except Exception as e:  # a configuration that does not compile (shared memory) is skipped
-                print(f"M={m} {cfg}: {type(e).__name__}: {str(e)[:120]}")
-                continue
-            row = dict(mode="sweep", m=m, provider="triton", config=cfg.__dict__, us=us,
-                       pct_ceiling=100 * floor_us / us, rel_err=err)
-            rows.append(row)
-            if best is None or us < best["us"]:
-                best = row
-        print(f"M={m:<3} best {best['config']}  {best['us']:.1f} us  {best['pct_ceiling']:.0f}% of ceiling  "
-              f"rel err {best['rel_err']:.1e}")
-    return rows, dict(copy_ceiling_tbps=ceiling, rotations=n_rot)
+    def measure(m, name, fn, config=None):
+        lat, sh, g, ws = inputs[m]
+        err = rel_err(fn(lat, sh, g, ws[0]), refs[m])
+
+        def run():
+            for w in ws:
+                fn(lat, sh, g, w)
+        run()
+        synchronize()
+        us = bench(run, rep) * 1e3 / n_rot
+        row = dict(mode="sweep", m=m, l=l, d=d, dtype=args.dtype, provider=name, us=us,
+                   pct_ceiling=100 * floors[m] / us, rel_err=err, config=config)
+        rows.append(row)
+        return row
+
+    for m in args.m:
+        for name, fn in baselines.items():
+            r = measure(m, name, fn)
+            print(f"  M{m} {name}: {r['us']:.2f} us ({r['rel_err']:.0e})", flush=True)
+    for cfg in sweep_configs(args.quick):
+        if time.time() - t_start > args.budget:
+            print(f"budget of {args.budget:.0f} s reached: remaining configurations skipped")
+            break
+        line = []
+        for m in args.m:
+            try:
+                r = measure(m, "fused:" + cfg.tag(), lambda lat, sh, g, w, cfg=cfg: latent_moe_tail_triton(
+                    lat, sh, g, w, EPS, cfg), config=cfg.__dict__)
+                line.append(f"M{m} {r['us']:.2f} us ({r['rel_err']:.0e})")
+            except Exception as e:   # a configuration that does not compile (shared memory) is skipped
+                line.append(f"M{m} {type(e).__name__}: {str(e)[:160]}")
+                break
+        print(f"  {cfg.tag():<32} " + "  ".join(line), flush=True)
+
+    extra = {}
+    fused = [r for r in rows if r["provider"].startswith("fused:") and r["rel_err"] < 2e-2]
+    if fused and not SMOKE:
+        # the fastest configuration, and the fastest with arrival counters (they must reset themselves)
+        last = [r for r in fused if not r["config"]["stream_k"] and r["config"]["reduce"] == "last"
+                and r["config"]["split_k"] > 1]
+        picks = {r["provider"]: TailConfig(**r["config"]) for r in
+                 [min(fused, key=lambda r: r["us"])] + ([min(last, key=lambda r: r["us"])] if last else [])}
+        for name, cfg in picks.items():
+            try:
+                errs = {m: check_graph_replay(cfg, m, l, d, dtype) for m in args.m}
+                extra[f"graph_replay_rel_err {cfg.tag()}"] = errs
+                print(f"CUDA graph replays of {cfg.tag()}: rel err {errs}")
+            except Exception as e:
+                print(f"CUDA graph replay of {cfg.tag()} failed: {type(e).__name__}: {str(e)[:300]}")
+    best_bf16 = min(fused, key=lambda r: r["us"]) if fused else None
+    if best_bf16 is not None and dtype == torch.bfloat16 and time.time() - t_start < args.budget + 15:
+        # fp16 runs PRENORM (each program first reads the whole latent row): is it still ahead of split?
+        cfg16 = TailConfig(**dict(best_bf16["config"], prenorm=True))
+        for m in args.m:
+            lat, sh, g, ws = inputs[m]
+            inputs[m] = (lat.half(), sh.half(), g.half(), [w.half() for w in ws])
+            for name, fn in (("fp16 split", baselines["split"]),
+                             ("fp16 fused:" + cfg16.tag(), lambda lat, sh, g, w: latent_moe_tail_triton(
+                                 lat, sh, g, w, EPS, cfg16))):
+                r = measure(m, name, fn, config=cfg16.__dict__ if "fused" in name else None)
+                print(f"  M{m} {name}: {r['us']:.2f} us ({r['rel_err']:.0e})", flush=True)
+            inputs[m] = None
+    for other in ("fp16", "fp32"):   # correctness only, default configuration (fp16: PRENORM)
+        dt = DTYPES[other]
+        lat, sh, g, (w,) = make_inputs(4, l, d, dt, 1, seed=5)
+        try:
+            extra[f"rel_err_{other}_M4"] = rel_err(
+                latent_moe_tail_triton(lat, sh, g, w, EPS),
+                latent_moe_tail_ref(lat.float(), sh.float(), g.float(), w.float(), EPS))
+        except Exception as e:
+            print(f"{other} default config: {type(e).__name__}: {str(e)[:300]}")
+    print("other dtypes, default config, M=4: " + "  ".join(f"{k}={v:.1e}" for k, v in extra.items()
+                                                             if k.startswith("rel_err")))
+
+    print(f"{'M':>3} {'provider':<44} {'us':>7} {'% ceil':>7} {'x compile':>9} {'x split':>8} {'rel err':>8}")
+    for m in args.m:
+        per_m = sorted((r for r in rows if r["m"] == m and not r["provider"].startswith("fp16")), key=lambda r: r["us"])
+        base = {r["provider"]: r["us"] for r in per_m}
+        for r in per_m:
+            r["speedup_vs_compile"] = base["compile"] / r["us"] if "compile" in base else None
+            r["speedup_vs_split"] = base["split"] / r["us"]
+        shown = [r for r in per_m if not r["provider"].startswith("fused:")] + \
+                [r for r in per_m if r["provider"].startswith("fused:")][:8]
+        for r in sorted(shown, key=lambda r: r["us"]):
+            xc = r["speedup_vs_compile"]
+            print(f"{m:>3} {r['provider']:<44} {r['us']:>7.2f} {r['pct_ceiling']:>7.1f} "
+                  f"{xc if xc is not None else float('nan'):>9.2f} {r['speedup_vs_split']:>8.2f} {r['rel_err']:>8.1e}")
+    n_cfg = len({r["provider"] for r in rows if r["provider"].startswith("fused:")})
+    print(f"{n_cfg} configurations in {time.time() - t_start:.0f} s")
+    return rows, dict(copy_ceiling_tbps=ceiling, rotations=n_rot, **extra)
 
 
 def print_table(rows):

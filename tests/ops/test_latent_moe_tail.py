@@ -1,10 +1,13 @@
-"""k3::latent_moe_tail: the Triton kernel and the op's dispatch against the fp32 reference.
+"""k3::latent_moe_tail: the one-kernel Triton tail, the split path and the op's dispatch, against the fp32 reference.
 
-On CPU the Triton kernel runs under TRITON_INTERPRET=1 (set by conftest). The interpreter
-(triton 3.7) truncates fp32 -> bf16 where a GPU rounds to nearest, so bf16 errors here are about
-twice the GPU's; the tolerances cover both.
+On CPU the Triton kernels run under TRITON_INTERPRET=1 (set by conftest). The interpreter (triton 3.7)
+truncates fp32 -> bf16 where a GPU rounds to nearest, so bf16 errors here are about twice the GPU's; the
+tolerances cover both. The CuTe implementation is wired in through a fake module here (CI has no cutlass);
+its kernel is tested in test_latent_moe_tail_cute.py.
 """
 from __future__ import annotations
+
+import types
 
 import pytest
 import torch
@@ -13,6 +16,9 @@ from hypothesis import strategies as st
 
 from k3compile.backends import BackendUnavailableError
 from k3compile.ops.latent_moe_tail import latent_moe_tail
+from k3compile.ops.latent_moe_tail import op as tail_op
+from k3compile.ops.latent_moe_tail import streamk
+from k3compile.ops.latent_moe_tail import triton as tail_triton
 from k3compile.ops.latent_moe_tail.op import LATENT_MOE_TAIL
 from k3compile.ops.latent_moe_tail.reference import (
     kimi_rms_norm, latent_moe_tail_ref, latent_moe_tail_unfused,
@@ -20,15 +26,10 @@ from k3compile.ops.latent_moe_tail.reference import (
 from k3compile.ops.latent_moe_tail.split import kimi_rms_norm_triton, latent_moe_tail_split
 from k3compile.ops.latent_moe_tail.triton import TailConfig, latent_moe_tail_triton
 from k3compile.ops.skinny_gemm import SKINNY_GEMM
+from k3compile.testing import rel_err
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float64: 1e-12}
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not out.isnan().any(), "NaN in the output (unwritten element or bad math)"
-    ref = ref.double()
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def make_inputs(m, l, d, dtype, seed=0, scale=1.0):
@@ -45,20 +46,127 @@ def truth(latent, shared, norm_weight, up_weight, eps):
     return latent_moe_tail_ref(latent.float(), shared.float(), norm_weight.float(), up_weight.float(), eps)
 
 
+def counters_all_zero() -> bool:
+    return all(int(c.abs().sum()) == 0 for c in tail_triton._COUNTERS.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# the one-kernel tail
+
 @given(m=st.integers(1, 16), l=st.integers(1, 300), d=st.integers(1, 160),
        dtype=st.sampled_from(list(DTYPES)), eps=st.sampled_from([1e-6, 1e-5, 1e-2]),
-       prenorm=st.booleans(), block_n=st.sampled_from([16, 32, 64]), block_k=st.sampled_from([16, 64, 128]),
-       seed=st.integers(0, 2**16))
-@example(m=1, l=3584, d=64, dtype="bf16", eps=1e-5, prenorm=False, block_n=32, block_k=128, seed=0)
-@example(m=16, l=3584, d=64, dtype="bf16", eps=1e-5, prenorm=False, block_n=32, block_k=128, seed=1)
-@example(m=3, l=257, d=33, dtype="fp16", eps=1e-5, prenorm=True, block_n=16, block_k=64, seed=2)
-def test_triton_matches_reference(m, l, d, dtype, eps, prenorm, block_n, block_k, seed):
+       block_n=st.sampled_from([16, 32, 64]), block_k=st.sampled_from([16, 64, 128]),
+       split_k=st.sampled_from([1, 2, 3, 5]), reduce=st.sampled_from(["last", "kernel"]),
+       swap_ab=st.booleans(), prenorm=st.booleans(), seed=st.integers(0, 2**16))
+@example(m=1, l=3584, d=64, dtype="bf16", eps=1e-5, block_n=64, block_k=128, split_k=4, reduce="last",
+         swap_ab=False, prenorm=False, seed=0)
+@example(m=16, l=3584, d=64, dtype="bf16", eps=1e-5, block_n=64, block_k=128, split_k=4, reduce="kernel",
+         swap_ab=True, prenorm=False, seed=1)
+@example(m=3, l=257, d=33, dtype="fp16", eps=1e-5, block_n=16, block_k=64, split_k=3, reduce="last",
+         swap_ab=False, prenorm=True, seed=2)
+def test_triton_matches_reference(m, l, d, dtype, eps, block_n, block_k, split_k, reduce, swap_ab, prenorm, seed):
     dt = DTYPES[dtype]
     args = make_inputs(m, l, d, dt, seed)
+    cfg = TailConfig(block_n=block_n, block_k=block_k, split_k=split_k, reduce=reduce, swap_ab=swap_ab,
+                     prenorm=prenorm)
     out = torch.full((m, d), float("nan"), dtype=dt)
-    latent_moe_tail_triton(*args, eps, TailConfig(block_n=block_n, block_k=block_k, prenorm=prenorm), out=out)
-    assert rel_err(out, truth(*args, eps)) < TOL[dt], f"M{m}-L{l}-D{d}-{dtype}-eps{eps}-prenorm{prenorm}"
+    latent_moe_tail_triton(*args, eps, cfg, out=out)
+    assert rel_err(out, truth(*args, eps)) < TOL[dt], f"M{m}-L{l}-D{d}-{dtype}-eps{eps}-{cfg.tag()}"
+    assert counters_all_zero(), "an arrival counter was left non-zero"
 
+
+@given(m=st.integers(1, 16), l=st.integers(1, 300), d=st.integers(1, 160),
+       dtype=st.sampled_from(list(DTYPES)), eps=st.sampled_from([1e-6, 1e-5, 1e-2]),
+       block_n=st.sampled_from([16, 32, 64]), block_k=st.sampled_from([16, 64, 128]),
+       programs=st.integers(1, 9), prenorm=st.booleans(), tma=st.booleans(), seed=st.integers(0, 2**16))
+@example(m=4, l=3584, d=64, dtype="bf16", eps=1e-5, block_n=16, block_k=128, programs=13, prenorm=False,
+         tma=True, seed=0)
+@example(m=16, l=300, d=100, dtype="fp16", eps=1e-5, block_n=32, block_k=64, programs=7, prenorm=True,
+         tma=False, seed=1)
+@example(m=2, l=37, d=20, dtype="bf16", eps=1e-5, block_n=16, block_k=16, programs=3, prenorm=False,
+         tma=True, seed=2)   # rows of 74 bytes: no TMA descriptor possible, pointer loads instead
+def test_stream_k_matches_reference(m, l, d, dtype, eps, block_n, block_k, programs, prenorm, tma, seed):
+    """Persistent programs, each a run of (tile, K block) units crossing tile borders anywhere (on CPU
+    ``ctas_per_sm`` is the program count); the weight through pointers or a TMA descriptor."""
+    dt = DTYPES[dtype]
+    args = make_inputs(m, l, d, dt, seed)
+    cfg = TailConfig(block_n=block_n, block_k=block_k, stream_k=True, ctas_per_sm=programs, prenorm=prenorm,
+                     tma=tma)
+    out = torch.full((m, d), float("nan"), dtype=dt)
+    latent_moe_tail_triton(*args, eps, cfg, out=out)
+    assert rel_err(out, truth(*args, eps)) < TOL[dt], f"M{m}-L{l}-D{d}-{dtype}-eps{eps}-{cfg.tag()}"
+
+
+@given(n_tiles=st.integers(1, 120), k_blocks=st.integers(1, 60), programs=st.integers(1, 600))
+@example(n_tiles=56, k_blocks=28, programs=132)   # K3's tail at 128x128 tiles on an H200
+def test_stream_k_plan_covers_every_unit_once(n_tiles, k_blocks, programs):
+    units, p, max_seg = streamk.plan(n_tiles, k_blocks, programs)
+    owner = [((u + 1) * p - 1) // units for u in range(units)]
+    ranges = [(i * units // p, (i + 1) * units // p) for i in range(p)]
+    assert all(lo < hi for lo, hi in ranges) and ranges[-1][1] == units
+    assert all(ranges[owner[u]][0] <= u < ranges[owner[u]][1] for u in range(units))
+    for t in range(n_tiles):
+        first, last = owner[t * k_blocks], owner[t * k_blocks + k_blocks - 1]
+        assert last - first + 1 <= max_seg
+
+
+@pytest.mark.parametrize("reduce", ["last", "kernel"])
+def test_split_k_repeated_calls_identical_and_counters_reset(reduce):
+    """Every launch leaves its arrival counters at 0 (CUDA-graph replays depend on it), across more calls
+    than the counter ring has slots; the same inputs give the same bits every time."""
+    args = make_inputs(3, 64, 20, torch.bfloat16, seed=5)
+    cfg = TailConfig(block_n=16, block_k=16, split_k=4, reduce=reduce)
+    first = latent_moe_tail_triton(*args, 1e-5, cfg)
+    for _ in range(tail_triton.COUNTER_RING + 2 if reduce == "last" else 3):
+        out = torch.full_like(first, float("nan"))
+        latent_moe_tail_triton(*args, 1e-5, cfg, out=out)
+        assert torch.equal(out, first)
+        assert counters_all_zero()
+    assert rel_err(first, truth(*args, 1e-5)) < TOL[torch.bfloat16]
+
+
+def test_no_counters_during_capture_falls_back_to_reduce_kernel(monkeypatch):
+    """A first launch inside a CUDA-graph capture gets no counters (they would belong to the graph) and
+    reduces with the second kernel instead: same result."""
+    args = make_inputs(4, 200, 50, torch.float32, seed=3)
+    cfg = TailConfig(block_n=16, block_k=32, split_k=3, reduce="last")
+    monkeypatch.setattr(tail_triton, "_COUNTERS", {})
+    monkeypatch.setattr(tail_triton, "_capturing", lambda device: True)
+    assert tail_triton.arrival_counters(torch.device("cpu"), 8) is None
+    out = torch.full((4, 50), float("nan"))
+    latent_moe_tail_triton(*args, 1e-5, cfg, out=out)
+    assert rel_err(out, truth(*args, 1e-5)) < TOL[torch.float32]
+    assert tail_triton._COUNTERS == {}
+
+
+def test_counters_grow_outside_capture_only(monkeypatch):
+    monkeypatch.setattr(tail_triton, "_COUNTERS", {})
+    small = tail_triton.arrival_counters(torch.device("cpu"), 10)
+    assert small.numel() >= 10 and int(small.abs().sum()) == 0
+    big = tail_triton.arrival_counters(torch.device("cpu"), 5000)
+    assert big.numel() >= 5000
+    monkeypatch.setattr(tail_triton, "_capturing", lambda device: True)
+    assert tail_triton.arrival_counters(torch.device("cpu"), 4000) is not None   # fits: no allocation
+    assert tail_triton.arrival_counters(torch.device("cpu"), 9000) is None
+
+
+def test_fp16_large_latent_prenorm():
+    """Unnormalised x·g would overflow fp16 in the factored form; the fp16 default normalises first."""
+    args = make_inputs(2, 128, 32, torch.float16, scale=3000.0)
+    out = latent_moe_tail(*args, 1e-5)
+    assert rel_err(out, truth(*args, 1e-5)) < TOL[torch.float16]
+    assert tail_triton.default_config(2, 32, 128, torch.float16, 132).prenorm
+
+
+def test_bad_config_and_too_many_rows():
+    with pytest.raises(ValueError, match="reduce"):
+        TailConfig(reduce="atomic")
+    with pytest.raises(ValueError, match="M=17"):
+        latent_moe_tail_triton(*make_inputs(17, 32, 16, torch.float32), 1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# the split path: Triton norm + skinny GEMM
 
 # the interpreter truncates fp32 -> bf16 / fp16 (a GPU rounds): one unit in the last place of the dtype
 NORM_TOL = {torch.float32: 1e-6, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}
@@ -85,7 +193,6 @@ def test_triton_norm_matches_model_norm(m, l, dtype, eps, strided, seed):
 
 @given(m=st.integers(1, 16), l=st.integers(1, 300), d=st.integers(1, 160),
        dtype=st.sampled_from(list(DTYPES)), eps=st.sampled_from([1e-6, 1e-5]), seed=st.integers(0, 2**16))
-@example(m=1, l=3584, d=64, dtype="bf16", eps=1e-5, seed=0)
 @example(m=16, l=3584, d=64, dtype="bf16", eps=1e-5, seed=1)
 def test_split_norm_then_skinny_gemm_matches_reference(m, l, d, dtype, eps, seed):
     """Triton norm + k3::skinny_gemm (its Triton kernel, residual = shared) against the fp32 truth."""
@@ -95,21 +202,152 @@ def test_split_norm_then_skinny_gemm_matches_reference(m, l, d, dtype, eps, seed
     assert rel_err(out, truth(*args, eps)) < TOL[dt], f"M{m}-L{l}-D{d}-{dtype}-eps{eps}"
 
 
-def test_triton_impl_is_norm_plus_skinny_gemm_recorded():
-    """backend='triton': the tail records 'triton', and the GEMM it ran records its own choice."""
+# ---------------------------------------------------------------------------------------------
+# dispatch
+
+def _choices(backend="auto", impl=None):
+    return [c for c in LATENT_MOE_TAIL.choices() if c.backend == backend and (impl is None or c.impl == impl)]
+
+
+@pytest.fixture
+def clean_records():
     LATENT_MOE_TAIL.clear()
     SKINNY_GEMM.clear()
+    yield
+    LATENT_MOE_TAIL.clear()
+    SKINNY_GEMM.clear()
+
+
+def test_auto_on_cpu_runs_the_one_kernel_recorded(clean_records):
+    """CPU CI: CuTe cannot run (recorded why), Triton runs its one-kernel tail (recorded as triton-fused)."""
+    args = make_inputs(4, 64, 48, torch.bfloat16)
+    out = latent_moe_tail(*args, 1e-5)
+    assert rel_err(out, truth(*args, 1e-5)) < TOL[torch.bfloat16]
+    (main,) = _choices(impl="triton")
+    assert main.reason.startswith("cute: ") and main.key == "cpu bfloat16 M=4 L=64 D=48", main
+    assert [c.impl for c in _choices()] == ["triton", "triton-fused"]
+    assert SKINNY_GEMM.choices() == []
+
+
+def test_split_path_where_the_one_kernel_is_not_profitable(clean_records, monkeypatch):
+    monkeypatch.setattr(tail_op, "fused_profitable", lambda latent, up_weight: "measured slower (test)")
     args = make_inputs(4, 64, 48, torch.bfloat16)
     out = latent_moe_tail(*args, 1e-5, backend="triton")
     assert rel_err(out, truth(*args, 1e-5)) < TOL[torch.bfloat16]
-    (tail,) = _choice(torch.bfloat16, "triton")
+    (split,) = _choices("triton", "triton-split")
+    assert "measured slower (test)" in split.reason
     (gemm,) = [c for c in SKINNY_GEMM.choices() if c.backend == "triton"]
-    assert (tail.impl, gemm.impl) == ("triton", "triton"), (tail, gemm)
+    assert gemm.impl == "triton", gemm
+
+
+class _FakeTensor:
+    """What fused_profitable reads of a CUDA tensor (CI has none)."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype, self.device = torch.Size(shape), dtype, torch.device("cuda", 0)
+
+
+def test_fused_profitable_rule(monkeypatch):
+    lat, w = _FakeTensor((4, 3584), torch.bfloat16), _FakeTensor((7168, 3584), torch.bfloat16)
+    monkeypatch.setattr(tail_triton, "TUNED", {("bfloat16", 4, 7168, 3584): TailConfig(),
+                                               ("bfloat16", 16, 7168, 3584): None})
+    assert tail_triton.fused_profitable(lat, w) is None
+    assert "measured faster" in tail_triton.fused_profitable(_FakeTensor((9, 3584), torch.bfloat16), w)
+    assert tail_triton.fused_profitable(torch.zeros(4, 3584), torch.zeros(7168, 3584)) is None   # interpreter
+    cfg = tail_triton.default_config(3, 7168, 3584, torch.bfloat16, sm_count=132)
+    assert cfg == TailConfig()
+    assert tail_triton.default_config(3, 7168, 3584, torch.float16, sm_count=132).prenorm
+
+
+def test_fused_profitable_where_measured():
+    """The H200 figures: the one-kernel tail ahead of the split path at M=1 and M=4 (bf16), not at M=16
+    nor in fp16; M=2 and 8 unmeasured (split path)."""
+    w = _FakeTensor((7168, 3584), torch.bfloat16)
+    for m, wins in ((1, True), (3, True), (4, True), (2, False), (8, False), (16, False)):
+        why = tail_triton.fused_profitable(_FakeTensor((m, 3584), torch.bfloat16), w)
+        assert (why is None) == wins, (m, why)
+    assert tail_triton.fused_profitable(_FakeTensor((1, 3584), torch.float16), _FakeTensor((7168, 3584), torch.float16))
+    assert tail_triton.default_config(1, 7168, 3584, torch.bfloat16, 132).tma
+
+
+def test_cute_profitable_where_measured():
+    """The H200 figures: CuTe ahead at M = 1, 2, 4, 8 of K3's tail, not at M=16; other widths unmeasured."""
+    w = _FakeTensor((7168, 3584), torch.bfloat16)
+    for m, wins in ((1, True), (2, True), (3, True), (4, True), (7, True), (8, True), (9, False), (16, False)):
+        why = tail_op.cute_profitable(_FakeTensor((m, 3584), torch.bfloat16), w)
+        assert (why is None) == wins, (m, why)
+    assert tail_op.cute_profitable(_FakeTensor((1, 1024), torch.bfloat16), _FakeTensor((7168, 1024), torch.bfloat16))
+
+
+def _fake_cute(calls, supports_reason=None):
+    def run(latent, shared, norm_weight, up_weight, eps):
+        calls.append(latent.shape[0])
+        return latent_moe_tail_unfused(latent, shared, norm_weight, up_weight, eps)
+    return types.SimpleNamespace(
+        available=lambda *a: None, supports=lambda *a: supports_reason, latent_moe_tail_cute=run)
+
+
+@pytest.fixture
+def fake_cute(monkeypatch, clean_records):
+    """A CuTe tail that 'runs' on CPU tensors: the reference in a module with cute.py's interface."""
+    calls = []
+    monkeypatch.setattr(tail_op, "cute_can_run_on", lambda *tensors: None)
+    monkeypatch.setattr(tail_op, "_cute", lambda: _fake_cute(calls))
+    return calls
+
+
+def test_cute_not_taken_by_auto_until_measured_faster(fake_cute):
+    args = make_inputs(4, 64, 48, torch.bfloat16)
+    latent_moe_tail(*args, 1e-5)
+    assert fake_cute == []
+    (main,) = _choices(impl="triton")
+    assert "cute: not measured faster" in main.reason, main
+
+
+def test_cute_taken_by_auto_where_measured_faster(fake_cute, monkeypatch):
+    monkeypatch.setattr(tail_op, "CUTE_FASTER", frozenset({(4, 48, 64)}))
+    args = make_inputs(3, 64, 48, torch.bfloat16)
+    out = latent_moe_tail(*args, 1e-5)
+    assert fake_cute == [3] and rel_err(out, truth(*args, 1e-5)) < TOL[torch.bfloat16]
+    assert [(c.impl, c.reason) for c in _choices()] == [("cute", "preferred")]
+    latent_moe_tail(*make_inputs(5, 64, 48, torch.bfloat16), 1e-5)   # M bucket 8: not measured
+    assert fake_cute == [3]
+
+
+def test_forced_cute_runs_where_it_can(fake_cute):
+    args = make_inputs(2, 64, 48, torch.bfloat16)
+    out = latent_moe_tail(*args, 1e-5, backend="cute")
+    assert fake_cute == [2] and rel_err(out, truth(*args, 1e-5)) < TOL[torch.bfloat16]
+    # above the small-M limit even a forced cute falls to the reference, recorded
+    latent_moe_tail(*make_inputs(17, 64, 48, torch.bfloat16), 1e-5, backend="cute")
+    (ref,) = _choices("cute", "reference")
+    assert "small-M limit" in ref.reason and fake_cute == [2]
+
+
+def test_cute_declining_falls_back_recorded(clean_records, monkeypatch):
+    calls = []
+    monkeypatch.setattr(tail_op, "cute_can_run_on", lambda *tensors: None)
+    monkeypatch.setattr(tail_op, "_cute", lambda: _fake_cute(calls, "fp16 declined (test)"))
+    args = make_inputs(2, 64, 48, torch.float16)
+    out = latent_moe_tail(*args, 1e-5, backend="cute")
+    assert calls == [] and rel_err(out, truth(*args, 1e-5)) < TOL[torch.float16]
+    (main,) = _choices("cute", "triton")
+    assert "fp16 declined (test)" in main.reason
+
+
+def test_cute_without_cutlass(clean_records):
+    """CI: auto records why CuTe cannot run; a forced cute raises (the user asked for the impossible)."""
+    args = make_inputs(2, 64, 48, torch.bfloat16)
+    latent_moe_tail(*args, 1e-5)
+    (main,) = _choices(impl="triton")
+    assert main.reason.startswith("cute: ")
+    with pytest.raises(BackendUnavailableError, match="latent_moe_tail"):
+        latent_moe_tail(*args, 1e-5, backend="cute")
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 @pytest.mark.parametrize("layout", ["latent-T", "weight-T", "shared-strided"])
-def test_triton_non_contiguous(layout, dtype):
+def test_triton_non_contiguous(layout, dtype, clean_records):
     dt = DTYPES[dtype]
     latent, shared, norm_weight, up_weight = make_inputs(4, 96, 48, dt)
     if layout == "latent-T":
@@ -120,13 +358,7 @@ def test_triton_non_contiguous(layout, dtype):
         shared = torch.cat([shared, shared], dim=1)[:, ::2]
     out = latent_moe_tail(latent, shared, norm_weight, up_weight, 1e-5)
     assert rel_err(out, truth(latent, shared, norm_weight, up_weight, 1e-5)) < TOL[dt]
-
-
-def test_fp16_large_latent_prenorm():
-    """Unnormalised x·g would overflow fp16 in the factored form; the fp16 default normalises first."""
-    args = make_inputs(2, 128, 32, torch.float16, scale=3000.0)
-    out = latent_moe_tail(*args, 1e-5)
-    assert rel_err(out, truth(*args, 1e-5)) < TOL[torch.float16]
+    assert "strides" in _choices()[0].key   # the key tells a CuTe-incompatible layout apart
 
 
 @given(m=st.integers(17, 48), l=st.integers(1, 200), d=st.integers(1, 120),
@@ -147,43 +379,34 @@ def test_unfused_equals_model_sequence(dtype):
     assert rel_err(latent_moe_tail_unfused(latent, shared, norm_weight, up_weight, 1e-5), model) < TOL[dt]
 
 
-def _choice(key_dtype, backend="auto"):
-    name = str(key_dtype).removeprefix("torch.")
-    return [c for c in LATENT_MOE_TAIL.choices() if f" {name} " in c.key and c.backend == backend]
-
-
 @pytest.mark.parametrize("m,limit,impl", [(1, 16, "triton"), (16, 16, "triton"), (17, 16, "reference"),
                                           (8, 4, "reference"), (4, 4, "triton"), (8, 64, "triton")],
                          ids=["M1-lim16", "M16-lim16", "M17-lim16", "M8-lim4", "M4-lim4", "M8-lim64"])
-def test_dispatch_by_m(m, limit, impl):
-    LATENT_MOE_TAIL.clear()
+def test_dispatch_by_m(m, limit, impl, clean_records):
     args = make_inputs(m, 40, 24, torch.float32)
     out = latent_moe_tail(*args, 1e-5, small_m_limit=limit)
     assert rel_err(out, truth(*args, 1e-5)) < TOL[torch.float32]
-    (choice,) = _choice(torch.float32)
-    assert choice.impl == impl, choice
+    main = _choices()[0]
+    assert main.impl == impl, main
     if impl == "reference":
-        assert "small-M limit" in choice.reason
+        assert "small-M limit" in main.reason
 
 
-def test_dtype_the_kernel_lacks_falls_back_recorded():
-    LATENT_MOE_TAIL.clear()
+def test_dtype_the_kernel_lacks_falls_back_recorded(clean_records):
     args = make_inputs(3, 40, 24, torch.float64)
     out = latent_moe_tail(*args, 1e-5, backend="triton")
     assert rel_err(out, truth(*args, 1e-5)) < 1e-6
-    (choice,) = _choice(torch.float64, "triton")
+    (choice,) = _choices("triton")
     assert choice.impl == "reference" and "float64" in choice.reason, choice
 
 
-def test_forced_triton_without_interpreter_raises(monkeypatch):
+def test_forced_triton_without_interpreter_raises(monkeypatch, clean_records):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    LATENT_MOE_TAIL.clear()
     with pytest.raises(BackendUnavailableError, match="latent_moe_tail"):
         latent_moe_tail(*make_inputs(2, 40, 24, torch.float32), 1e-5, backend="triton")
     LATENT_MOE_TAIL.clear()
     out = latent_moe_tail(*make_inputs(2, 40, 24, torch.float32), 1e-5, backend="auto")
-    assert _choice(torch.float32)[0].impl == "reference" and not out.isnan().any()
-    LATENT_MOE_TAIL.clear()
+    assert _choices()[0].impl == "reference" and not out.isnan().any()
 
 
 def _bad(case):
@@ -236,26 +459,57 @@ def test_opcheck():
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 
 
+# ---------------------------------------------------------------------------------------------
+# GPU (the lent H200)
+
+GPU_TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 16, 17], ids=lambda m: f"M{m}-L3584-D7168")
-def test_cuda_real_widths(m, dtype):
-    """The single-kernel variant and the op's split path (norm + skinny GEMM) at K3's widths."""
+def test_cuda_real_widths(m, dtype, clean_records):
+    """The one-kernel tail (default config, both reductions) and the op at K3's widths."""
     dt = DTYPES[dtype]
     args = [t.cuda() for t in make_inputs(m, 3584, 7168, dt, seed=m)]
-    LATENT_MOE_TAIL.clear()
-    out = torch.full((m, 7168), float("nan"), dtype=dt, device="cuda")
-    if m <= 16:
-        latent_moe_tail_triton(*args, 1e-5, out=out)
-    else:
-        out = latent_moe_tail(*args, 1e-5)
     ref = truth(*(t.cpu() for t in args), 1e-5)
-    assert rel_err(out.cpu(), ref) < {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dt]
-    # through the op: Triton norm + skinny GEMM on the GPU (or the reference above the limit), recorded
-    SKINNY_GEMM.clear()
+    if m <= 16:
+        pre = dt == torch.float16
+        stages = 2 if dt == torch.float32 else 4   # fp32 tiles are twice the bytes
+        for cfg in (None, TailConfig(reduce="kernel", prenorm=pre), TailConfig(split_k=1, prenorm=pre),
+                    TailConfig(128, 128, num_warps=8, num_stages=stages, stream_k=True, prenorm=pre),
+                    TailConfig(64, 128, num_warps=4, num_stages=stages, stream_k=True, ctas_per_sm=2, tma=True,
+                               prenorm=pre)):
+            out = torch.full((m, 7168), float("nan"), dtype=dt, device="cuda")
+            latent_moe_tail_triton(*args, 1e-5, cfg, out=out)
+            assert rel_err(out.cpu(), ref) < GPU_TOL[dt], cfg
+            assert counters_all_zero()
     out = latent_moe_tail(*args, 1e-5)
-    assert rel_err(out.cpu(), ref) < {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dt]
-    (choice,) = LATENT_MOE_TAIL.choices()
-    assert choice.impl == ("triton" if m <= 16 else "reference"), choice
-    if m <= 16:   # the GEMM's own choice: CuTe or Triton where they run and win, else cuBLAS (aten)
-        assert [c.impl for c in SKINNY_GEMM.choices()] in (["cute"], ["triton"], ["aten"]), SKINNY_GEMM.choices()
+    assert rel_err(out.cpu(), ref) < GPU_TOL[dt]
+    main = _choices()[0]
+    assert main.impl == ("reference" if m > 16 else "cute" if main.impl == "cute" else "triton"), main
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["last", "kernel", "stream-k-tma"])
+def test_cuda_graph_replay(kind):
+    """Captured once, replayed on fresh inputs: every replay right (the counters reset themselves)."""
+    m, l, d, dt = 4, 3584, 7168, torch.bfloat16
+    lat, sh, g, w = (t.cuda() for t in make_inputs(m, l, d, dt, seed=11))
+    cfg = (TailConfig(128, 128, num_warps=8, stream_k=True, tma=True) if kind == "stream-k-tma"
+           else TailConfig(reduce=kind))
+    out = torch.empty(m, d, dtype=dt, device="cuda")
+    latent_moe_tail_triton(lat, sh, g, w, 1e-5, cfg, out=out)   # compiles, makes the counters
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        latent_moe_tail_triton(lat, sh, g, w, 1e-5, cfg, out=out)
+    for seed in range(3):
+        lat2, sh2, _, _ = make_inputs(m, l, d, dt, seed=20 + seed)
+        lat.copy_(lat2)
+        sh.copy_(sh2)
+        out.fill_(float("nan"))
+        graph.replay()
+        assert rel_err(out.cpu(), truth(lat.cpu(), sh.cpu(), g.cpu(), w.cpu(), 1e-5)) < GPU_TOL[dt]
+    torch.cuda.synchronize()
+    assert counters_all_zero()

@@ -11,9 +11,10 @@ __all__ = ["latent_moe_tail"]
 def latent_moe_tail(latent: torch.Tensor, shared: torch.Tensor, norm_weight: torch.Tensor,
                     up_weight: torch.Tensor, eps: float = 1e-5, *, backend: str = "auto",
                     small_m_limit: int = 16) -> torch.Tensor:
-    """The tail of a K3 latent-MoE layer; for small M a Triton RMSNorm then the skinny GEMM with the
-    shared add in its epilogue (``split.py``; the single-kernel variant in ``triton.py`` is kept for
-    GPUs where it measures faster, none yet).
+    """The tail of a K3 latent-MoE layer. Up to ``small_m_limit`` rows one kernel streams the
+    up-projection weight with the norm and the shared add fused (CuTe where measured faster, else
+    Triton: ``triton.py``), or a Triton RMSNorm then ``k3::skinny_gemm`` where that measured faster
+    (``split.py``); the choice and its reason are recorded (``op.py``).
 
     Args:
         latent: [M, L] combined routed-expert output in the latent (already all-reduced under TP).

@@ -2,48 +2,117 @@
 
     out = RMSNorm_eps(latent) · norm_weight @ up_weightᵀ + shared
 
-Up to ``small_m_limit`` rows (≤ 16) the ``triton`` implementation runs: a Triton RMSNorm kernel, then
-``k3::skinny_gemm`` with ``shared`` as its residual (``split.py``; the GEMM's own CuTe / Triton / cuBLAS
-choice is recorded under ``skinny_gemm``). The single-kernel Triton tail (``triton.py``) is used only
-where it is measured faster: nowhere yet (:data:`FUSED_KERNEL_FASTER_ON` is empty; on an H200 it took
-50 µs against 22 µs for unfused ``torch.compile``). CuTe: no tail of its own, recorded as a fallback.
-Above the limit, or for a dtype the kernels lack, the plain PyTorch ``reference`` (norm + ``addmm``)
-runs; each choice with its reason is recorded in ``LATENT_MOE_TAIL``.
+Up to ``small_m_limit`` rows (≤ 16), ``auto`` tries, recording each step down with its reason:
+
+- ``cute`` (``cute.py``, imported on first use: CPU CI has no cutlass): a CuTe skinny GEMM with the norm
+  fused. Under ``auto`` only where :func:`cute_profitable` says it was measured faster than the Triton
+  tail; ``backend="cute"`` runs it wherever it can.
+- ``triton``: the one-kernel Triton tail (``triton.py``, ``streamk.py``: norm and shared add fused)
+  where :func:`.triton.fused_profitable` allows, else a Triton RMSNorm then ``k3::skinny_gemm`` with
+  ``shared`` as its residual (``split.py``). Which of the two ran is recorded as ``triton-fused`` /
+  ``triton-split`` beside the ``triton`` choice (the split path's GEMM records its own choice under
+  ``skinny_gemm``).
+- ``reference``: norm + ``addmm``; also above the limit and for dtypes the kernels lack.
+
+Every choice is recorded in ``LATENT_MOE_TAIL`` (``k3compile.report`` prints it).
 """
 from __future__ import annotations
 
+import importlib
+
 import torch
 
-from k3compile.backends import Impl, OpImpls, register_op_impls
+from k3compile.backends import Impl, OpImpls, Reason, cute_can_run_on, register_op_impls
 
 from .reference import latent_moe_tail_unfused
 from .split import latent_moe_tail_split
-from .triton import MAX_BLOCK_M, latent_moe_tail_triton, triton_available, triton_supports
+from .triton import (
+    MAX_BLOCK_M, fused_profitable, latent_moe_tail_triton, m_bucket, triton_available, triton_supports,
+)
 
-# GPU names (``torch.cuda.get_device_name``) where benchmarks/moe_tail.py measured the single fused
-# kernel faster than norm + skinny GEMM. Empty: on the H200 the skinny GEMM streams the weight faster.
-FUSED_KERNEL_FASTER_ON: frozenset[str] = frozenset()
+_CUTE_MODULE = "k3compile.ops.latent_moe_tail.cute"
 
-
-def _fused_kernel_faster(latent: torch.Tensor) -> bool:
-    return (bool(FUSED_KERNEL_FASTER_ON) and latent.device.type == "cuda"
-            and torch.cuda.get_device_name(latent.device) in FUSED_KERNEL_FASTER_ON)
-
-
-def _tail_triton(latent, shared, norm_weight, up_weight, eps, backend, small_m_limit):
-    if _fused_kernel_faster(latent):
-        return latent_moe_tail_triton(latent, shared, norm_weight, up_weight, eps)
-    return latent_moe_tail_split(latent, shared, norm_weight, up_weight, eps, backend, small_m_limit)
+# (M bucket, D, L) where the CuTe tail (default configuration, bf16) measured faster on one H200 than the
+# op's Triton path there (norm + skinny_gemm): same run, CUDA graphs, rotated weights (the CuTe helper's
+# run of 2026-11-30 02:16): M=1 16.22 vs 18.58 µs, M=2 15.55 vs 21.54, M=4 15.86 vs 18.95, M=8 17.08 vs
+# 19.33 (unfused torch.compile 22.31 / 21.52 / 21.81 / 22.04); not at M=16 (20.50 vs 19.32), which keeps
+# Triton under ``auto``.
+CUTE_FASTER: frozenset[tuple[int, int, int]] = frozenset({(1, 7168, 3584), (2, 7168, 3584), (4, 7168, 3584),
+                                                          (8, 7168, 3584)})
 
 
-def _tail_reference(latent, shared, norm_weight, up_weight, eps, backend, small_m_limit):
+def _cute():
+    """The CuTe tail module, imported on first use; a reason string when it does not import."""
+    try:
+        return importlib.import_module(_CUTE_MODULE)
+    except Exception as e:
+        return f"{_CUTE_MODULE} does not import ({type(e).__name__}: {e})"
+
+
+def cute_profitable(latent: torch.Tensor, up_weight: torch.Tensor) -> Reason:
+    """None where the CuTe tail was measured faster than the Triton tail (:data:`CUTE_FASTER`)."""
+    m, l = latent.shape
+    if (m_bucket(m), up_weight.shape[0], l) in CUTE_FASTER:
+        return None
+    return (f"not measured faster than the Triton tail at M<={m_bucket(m)} D={up_weight.shape[0]} L={l} "
+            "(op.CUTE_FASTER)")
+
+
+# The predicates get (latent, shared, norm_weight, up_weight, eps, small_m_limit, backend).
+
+def _cute_available(latent, shared, norm_weight, up_weight, eps, small_m_limit, backend) -> Reason:
+    reason = cute_can_run_on(latent, shared, norm_weight, up_weight)
+    if reason is not None:
+        return reason
+    mod = _cute()
+    return mod if isinstance(mod, str) else mod.available(latent, shared, norm_weight, up_weight, eps)
+
+
+def _cute_supports(latent, shared, norm_weight, up_weight, eps, small_m_limit, backend) -> Reason:
+    reason = triton_supports(latent, shared, norm_weight, up_weight, eps, small_m_limit)  # M, dtype, empty
+    if reason is None:
+        reason = _cute().supports(latent, shared, norm_weight, up_weight, eps)
+    if reason is None and backend == "auto":
+        reason = cute_profitable(latent, up_weight)
+    return reason
+
+
+def _triton_available(latent, shared, norm_weight, up_weight, eps, small_m_limit, backend) -> Reason:
+    return triton_available(latent, shared, norm_weight, up_weight)
+
+
+def _triton_supports(latent, shared, norm_weight, up_weight, eps, small_m_limit, backend) -> Reason:
+    return triton_supports(latent, shared, norm_weight, up_weight, eps, small_m_limit)
+
+
+def _tail_cute(latent, shared, norm_weight, up_weight, eps, backend, small_m_limit, key):
+    return _cute().latent_moe_tail_cute(latent, shared, norm_weight, up_weight, eps)
+
+
+def _tail_triton(latent, shared, norm_weight, up_weight, eps, backend, small_m_limit, key):
+    why_not = fused_profitable(latent, up_weight)
+    if why_not is None:
+        fn = LATENT_MOE_TAIL.select_fixed(backend, key, "triton-fused", "one kernel: norm, up-projection, shared add",
+                                          _fused)
+    else:
+        fn = LATENT_MOE_TAIL.select_fixed(backend, key, "triton-split", f"norm + skinny_gemm: {why_not}",
+                                          latent_moe_tail_split)
+    return fn(latent, shared, norm_weight, up_weight, eps, backend, small_m_limit)
+
+
+def _fused(latent, shared, norm_weight, up_weight, eps, backend, small_m_limit):
+    return latent_moe_tail_triton(latent, shared, norm_weight, up_weight, eps)
+
+
+def _tail_reference(latent, shared, norm_weight, up_weight, eps, backend, small_m_limit, key):
     return latent_moe_tail_unfused(latent, shared, norm_weight, up_weight, eps)
 
 
 LATENT_MOE_TAIL = register_op_impls(OpImpls(
     "latent_moe_tail",
     reference=Impl(_tail_reference),
-    triton=Impl(_tail_triton, available=triton_available, supports=triton_supports),
+    triton=Impl(_tail_triton, available=_triton_available, supports=_triton_supports),
+    cute=Impl(_tail_cute, available=_cute_available, supports=_cute_supports),
 ))
 
 
@@ -75,17 +144,32 @@ def check_inputs(latent: torch.Tensor, shared: torch.Tensor, norm_weight: torch.
     torch._check_value(small_m_limit >= 1, lambda: f"small_m_limit must be >= 1, got {small_m_limit}")
 
 
+def _layout(t: torch.Tensor) -> str:
+    # what the CuTe predicates read: row-major rows, 16-byte aligned base and row stride
+    if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.dim() == 1 or t.stride(0) % 8 == 0):
+        return ""
+    return f"{tuple(t.stride())}{'' if t.data_ptr() % 16 == 0 else '+unaligned'}"
+
+
+def _key(latent, shared, norm_weight, up_weight, limit) -> str:
+    """Everything the predicates read, as the report prints it: "cuda:0 bfloat16 M=4 L=3584 D=7168"."""
+    m, l = latent.shape
+    if m > limit:
+        return f"{latent.device} {str(latent.dtype).removeprefix('torch.')} M>{limit}"
+    key = f"{latent.device} {str(latent.dtype).removeprefix('torch.')} M={m} L={l} D={up_weight.shape[0]}"
+    layouts = [_layout(t) for t in (latent, shared, norm_weight, up_weight)]
+    return key + (f" strides {layouts}" if any(layouts) else "")
+
+
 @torch.library.custom_op("k3::latent_moe_tail", mutates_args=())
 def latent_moe_tail_op(latent: torch.Tensor, shared: torch.Tensor, norm_weight: torch.Tensor,
                        up_weight: torch.Tensor, eps: float, backend: str = "auto",
                        small_m_limit: int = MAX_BLOCK_M) -> torch.Tensor:
     check_inputs(latent, shared, norm_weight, up_weight, small_m_limit)
-    m, limit = latent.shape[0], min(small_m_limit, MAX_BLOCK_M)
-    # everything the predicates read, as the report prints it: "cuda:0 bfloat16 M<=16"
-    rows = "M=0" if m == 0 else (f"M<={limit}" if m <= limit else f"M>{limit}")
-    key = f"{latent.device} {str(latent.dtype).removeprefix('torch.')} {rows}" + ("" if latent.shape[1] else " L=0")
-    fn = LATENT_MOE_TAIL.select(backend, key, latent, shared, norm_weight, up_weight, eps, small_m_limit)
-    return fn(latent, shared, norm_weight, up_weight, eps, backend, limit)
+    limit = min(small_m_limit, MAX_BLOCK_M)
+    key = _key(latent, shared, norm_weight, up_weight, limit)
+    fn = LATENT_MOE_TAIL.select(backend, key, latent, shared, norm_weight, up_weight, eps, small_m_limit, backend)
+    return fn(latent, shared, norm_weight, up_weight, eps, backend, limit, key)
 
 
 @latent_moe_tail_op.register_fake

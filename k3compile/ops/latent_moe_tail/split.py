@@ -3,10 +3,11 @@
     normed = KimiRMSNorm(latent)                       # [M, L], one small Triton kernel
     out    = skinny_gemm(normed, up_weight, residual=shared)   # CuTe -> Triton -> cuBLAS, recorded
 
-The up-projection weight (7168×3584 bf16, 51 MB) dominates: the skinny-GEMM op already streams it at
-73-81% of the copy ceiling on an H200, which the single fused kernel (``triton.py``) does not reach
-(measured 50 µs vs 22 µs for unfused ``torch.compile`` at M = 1…16). The norm writes M·L elements (a
-few KB), so splitting it off costs one launch (~3 µs), not bandwidth.
+The up-projection weight (7168×3584 bf16, 51 MB) dominates: the skinny-GEMM op streams it at 73-81% of
+the copy ceiling on an H200. The norm writes M·L elements (a few KB), so splitting it off costs one
+launch, not bandwidth: 19.1 / 19.6 / 19.8 µs at M = 1 / 4 / 16 on an H200, against 18.0 / 18.5 / 20.1 µs
+for the one-kernel Triton tail (``triton.py``, stream-K). The op runs this path wherever no one-kernel
+form was measured faster (``triton.TUNED``, ``op.CUTE_FASTER``).
 
 The norm rounds as the model does: normalise in fp32, cast to the activation dtype, multiply by the
 weight in that dtype (``reference.kimi_rms_norm``); the GEMM accumulates in fp32 and adds ``shared``

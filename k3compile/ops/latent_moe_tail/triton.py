@@ -1,25 +1,35 @@
-"""Triton kernel of the fused latent-MoE tail for small M: RMSNorm + skinny up-projection + shared add.
+"""One Triton kernel for the latent-MoE tail at small M: RMSNorm + skinny up-projection + shared add.
 
-The op does not pick it by default: on an H200 it streamed the 51 MB weight at 50 µs where norm +
-``k3::skinny_gemm`` (``split.py``) reaches ~18 µs; ``op.FUSED_KERNEL_FASTER_ON`` lists the GPUs where it
-measures faster (none yet). Kept for that, for ``benchmarks/moe_tail.py`` and as a tested kernel.
+The [D, L] up-projection weight (7168×3584 bf16, 51 MB) is the whole cost, so the kernel is a weight
+stream: program ``(i_n, i_k)`` owns ``BLOCK_N`` output columns for all M (≤ 16) rows and a
+``1/SPLIT_K`` slice of the latent width L, so the grid holds several programs per SM and each weight
+byte is read once. The per-row rstd factors out of the dot product, so no program needs the whole
+latent row:
 
-One program owns ``BLOCK_N`` output columns for all M (≤ 16) rows and walks the latent width L in
-``BLOCK_K`` steps, so the [D, L] up-projection weight is streamed from memory exactly once:
+    each program:   ss[m]    = Σ_{k in slice} x[m,k]²                         (fp32)
+                    acc[m,n] = Σ_{k in slice} (x[m,k]·g[k]) · W[n,k]           (tensor cores, fp32)
+    reduction:      out[m,n] = (Σ_slices acc) · rsqrt(Σ_slices ss / L + eps) + shared[m,n]
 
-    for each k-tile:  ss[m]  += Σ_k x[m,k]²                      (fp32)
-                      acc[m,n] += Σ_k (x[m,k]·g[k]) · W[n,k]      (tensor cores, fp32 accumulate)
-    out[m,n] = acc[m,n] · rsqrt(ss[m]/L + eps) + shared[m,n]
+With ``SPLIT_K > 1`` the partial ``acc`` and ``ss`` go to an fp32 workspace and the reduction is done
+either by the last program of each column tile to arrive (``reduce="last"``: an arrival counter per
+tile that the last program resets to 0, so a CUDA graph can replay the kernel) or by a second small
+kernel (``reduce="kernel"``). ``TailConfig(stream_k=True)`` runs the same math as persistent programs
+over a flat list of (tile, K block) units instead (``streamk.py``), the weight optionally through TMA.
 
-The per-row rstd factors out of the dot product, so no program needs a pass of its own over the
-latent (``PRENORM=False``). ``x·g`` is rounded to the input dtype before the dot; in fp16 that product
-of an *unnormalised* latent could overflow, so fp16 defaults to ``PRENORM=True``: a first loop over the
-latent row computes rstd (the latent is M·L elements, a few KB, served from L2) and the main loop
-feeds ``(x·rstd)·g`` to the dot as the model rounds it.
+Which form runs where is measured (:data:`TUNED`, ``benchmarks/moe_tail.py --sweep``); the op takes the
+split path (``split.py``) wherever neither form was measured faster.
+
+Rounding: ``x·g`` is rounded to the input dtype before the dot (the model rounds ``x·rstd`` then
+``·g``; the difference is within the dtype's tolerance). In fp16 that product of an *unnormalised*
+latent could overflow, so fp16 defaults to ``PRENORM=True``: each program first computes the full
+row's rstd (the latent is M·L elements, a few KB, served from L2) and feeds ``(x·rstd)·g`` to the dot
+rounded exactly as the model does.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -31,74 +41,131 @@ from k3compile.backends import Reason, triton_can_run_on, triton_interpret
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_BLOCK_M = 16   # one tensor-core tile of rows; the op's small-M limit may not exceed it
+REDUCES = ("last", "kernel")
 
 
 @dataclass(frozen=True)
 class TailConfig:
-    """Compile-time knobs of the kernel (swept by ``benchmarks/moe_tail.py --sweep``)."""
-    block_n: int = 32
+    """Compile-time knobs of the kernel (swept by ``benchmarks/moe_tail.py --sweep``).
+
+    split_k: slices of L (programs per column tile); 1 = no workspace, the epilogue in the same program.
+    reduce: with split_k > 1, "last" (last-arriving program, one launch) or "kernel" (a second launch).
+    swap_ab: compute outᵀ = W·hᵀ (the weight tile is the MMA's M side: wgmma-sized on Hopper).
+    prenorm: rstd of the whole row before the dot (fp16: keeps x·g from overflowing).
+    stream_k: persistent programs, ``ctas_per_sm`` per SM, each a contiguous run of (tile, K block)
+        units (``streamk.py``; split_k, reduce and swap_ab are then unused: it always swaps and
+        reduces with a second kernel). On CPU (interpreter) ``ctas_per_sm`` is the program count.
+        tma: stream-K loads the weight through a TMA descriptor where its layout allows (row-major,
+        16-byte aligned base and rows), else through pointers as without it.
+    """
+    block_n: int = 64
     block_k: int = 128
+    split_k: int = 4
     num_warps: int = 4
     num_stages: int = 4
+    reduce: str = "last"
+    swap_ab: bool = False
     prenorm: bool = False
+    stream_k: bool = False
+    ctas_per_sm: int = 1
+    tma: bool = False
+
+    def __post_init__(self):
+        if self.reduce not in REDUCES:
+            raise ValueError(f"reduce must be one of {REDUCES}, got {self.reduce!r}")
+        if self.split_k < 1 or self.block_n < 16 or self.block_k < 16 or self.ctas_per_sm < 1:
+            raise ValueError(f"bad config {self}")
+
+    def tag(self) -> str:
+        if self.stream_k:
+            return (f"sk{self.ctas_per_sm}-n{self.block_n}-k{self.block_k}-w{self.num_warps}-st{self.num_stages}"
+                    + ("-tma" if self.tma else "") + ("-pre" if self.prenorm else ""))
+        return (f"n{self.block_n}-k{self.block_k}-s{self.split_k}-w{self.num_warps}-st{self.num_stages}"
+                + (f"-{self.reduce}" if self.split_k > 1 else "") + ("-swap" if self.swap_ab else "")
+                + ("-pre" if self.prenorm else ""))
 
 
-def default_config(m: int, d: int, l: int, dtype: torch.dtype) -> TailConfig:
-    """Heuristic: enough column tiles to cover every SM of an H200 (D=7168 → 224 programs)."""
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def m_bucket(m: int) -> int:
+    """The M the measured tables are keyed by (the kernel itself serves every M ≤ 16)."""
+    for b in (1, 2, 4, 8, 16):
+        if m <= b:
+            return b
+    return m
+
+
+# Measured on one H200 (benchmarks/moe_tail.py --sweep --m 1 4 16, 2026-11-30 03:03, copy ceiling 4.22 TB/s,
+# CUDA graphs, 14 rotated weights): (dtype, M bucket, D, L) -> the configuration to run, or None where norm +
+# skinny_gemm (split.py) was as fast or faster (the op then takes the split path). Shapes not listed take the
+# split path on a GPU (`fused_profitable`). The split-K grid's best (n128-k128-s4-w8-st4-last-swap: 19.25 /
+# 19.58 / 20.44 µs) only tied the split path; stream-K with the weight through TMA is ahead at M <= 4.
+_STREAM_K_TMA = TailConfig(128, 128, num_warps=8, num_stages=4, stream_k=True, tma=True)
+TUNED: dict[tuple[str, int, int, int], Optional[TailConfig]] = {
+    ("bfloat16", 1, 7168, 3584): _STREAM_K_TMA,   # 17.97 µs vs split 19.05 (unfused torch.compile 22.02)
+    ("bfloat16", 4, 7168, 3584): _STREAM_K_TMA,   # 18.53 µs vs split 19.64 (21.75)
+    ("bfloat16", 16, 7168, 3584): None,           # 20.14 µs (best 20.07) vs split 19.79 (19.16)
+    ("float16", 1, 7168, 3584): None,             # PRENORM 22.02 µs vs split 19.25: the rstd pre-pass
+    ("float16", 4, 7168, 3584): None,             # 22.49 µs vs split 19.45
+    ("float16", 16, 7168, 3584): None,            # 24.59 µs vs split 19.80
+}
+
+
+def default_config(m: int, d: int, l: int, dtype: torch.dtype, sm_count: int = 0) -> TailConfig:
+    """The measured configuration, else: 16-bit on a GPU, the H200 sweep's best form (stream-K, 128×128
+    weight tiles through TMA, 8 warps, 4 stages); fp32 (tiles twice the bytes) a split-K grid of 64-column
+    tiles to ~2 programs per SM, 3 stages. ``sm_count`` 0 (interpreter): no split, fewer programs."""
+    tuned = TUNED.get((_dtype_name(dtype), m_bucket(m), d, l)) if sm_count else None
+    if tuned is not None:
+        return tuned if dtype != torch.float16 else TailConfig(**dict(tuned.__dict__, prenorm=True))
+    if sm_count and dtype != torch.float32:
+        return TailConfig(**dict(_STREAM_K_TMA.__dict__, prenorm=dtype == torch.float16))
     block_k = 128 if l >= 128 else max(16, triton.next_power_of_2(l))
-    return TailConfig(block_n=32, block_k=block_k, num_warps=4, num_stages=4,
-                      prenorm=dtype == torch.float16)
+    block_n = 64 if d >= 64 or not sm_count else max(16, triton.next_power_of_2(d))
+    split_k = 1
+    if sm_count:
+        want = max(1, (2 * sm_count) // triton.cdiv(d, block_n))
+        split_k = max(1, min(want, triton.cdiv(l, block_k) // 4, 16))
+    return TailConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4, num_stages=3,
+                      reduce="last", prenorm=dtype == torch.float16)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def fused_profitable(latent: torch.Tensor, up_weight: torch.Tensor) -> Reason:
+    """None where the one-kernel tail should run rather than norm + skinny_gemm, else why not.
+
+    CPU tensors (the interpreter) always take the one kernel. On a GPU only where :data:`TUNED` lists a
+    configuration (measured faster on the H200); elsewhere the split path, which is never slower there."""
+    if latent.device.type != "cuda":
+        return None
+    m, l = latent.shape
+    d = up_weight.shape[0]
+    key = (_dtype_name(latent.dtype), m_bucket(m), d, l)
+    if key in TUNED:
+        return None if TUNED[key] is not None else f"norm + skinny_gemm measured faster for {key}"
+    return f"the one-kernel tail is not measured for {key} (triton.TUNED)"
 
 
 @triton.jit
-def _latent_moe_tail_kernel(
-    p_x, p_s, p_g, p_w, p_o,
-    M, D, L, eps,
-    s_xm, s_xk, s_sm, s_sn, s_wn, s_wk, s_om, s_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRENORM: tl.constexpr, IEEE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr,
-):
-    i_n = tl.program_id(0)
-    o_m = tl.arange(0, BLOCK_M)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_m = o_m < M
-    m_n = o_n < D
-
-    if PRENORM:
-        b_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, L, BLOCK_K):
-            o_k = k0 + tl.arange(0, BLOCK_K)
-            m_x = m_m[:, None] & (o_k < L)[None, :]
-            b_x = tl.load(p_x + o_m[:, None] * s_xm + o_k[None, :] * s_xk, mask=m_x, other=0.).to(tl.float32)
-            b_ss += tl.sum(b_x * b_x, axis=1)
-        b_rstd = 1.0 / tl.sqrt(b_ss / L + eps)
-    else:
-        b_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-
-    b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+def _row_rstd(p_x, o_m, m_m, s_xm, s_xk, L, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    b_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k0 in range(0, L, BLOCK_K):
         o_k = k0 + tl.arange(0, BLOCK_K)
-        m_k = o_k < L
         b_x = tl.load(p_x + o_m[:, None] * s_xm + o_k[None, :] * s_xk,
-                      mask=m_m[:, None] & m_k[None, :], other=0.)
-        b_g = tl.load(p_g + o_k, mask=m_k, other=0.)
-        if PRENORM:
-            # The model's rounding: normalise in fp32, round, scale by the weight, round.
-            b_h = (b_x.to(tl.float32) * b_rstd[:, None]).to(b_x.dtype)
-            b_h = (b_h.to(tl.float32) * b_g.to(tl.float32)).to(b_x.dtype)
-        else:
-            b_xf = b_x.to(tl.float32)
-            b_ss += tl.sum(b_xf * b_xf, axis=1)
-            b_h = (b_xf * b_g.to(tl.float32)).to(b_x.dtype)
-        b_w = tl.load(p_w + o_n[:, None].to(tl.int64) * s_wn + o_k[None, :] * s_wk,   # D·L may pass 2**31
-                      mask=m_n[:, None] & m_k[None, :], other=0.)
-        if UPCAST_DOT:
-            b_acc += tl.dot(b_h.to(tl.float32), tl.trans(b_w.to(tl.float32)))
-        elif IEEE_DOT:
-            b_acc += tl.dot(b_h, tl.trans(b_w), input_precision="ieee")
-        else:
-            b_acc += tl.dot(b_h, tl.trans(b_w))
+                      mask=m_m[:, None] & (o_k < L)[None, :], other=0.).to(tl.float32)
+        b_ss += tl.sum(b_x * b_x, axis=1)
+    return 1.0 / tl.sqrt(b_ss / L + eps)
 
+
+@triton.jit
+def _tail_epilogue(b_acc, b_ss, p_s, p_o, o_m, o_n, m_m, m_n, L, eps, s_sm, s_sn, s_om, s_on,
+                   PRENORM: tl.constexpr):
     if not PRENORM:
         b_acc = b_acc * (1.0 / tl.sqrt(b_ss / L + eps))[:, None]
     m_o = m_m[:, None] & m_n[None, :]
@@ -106,6 +173,147 @@ def _latent_moe_tail_kernel(
     b_o = b_acc + b_s.to(tl.float32)
     tl.store(p_o + o_m[:, None] * s_om + o_n[None, :] * s_on, b_o.to(p_o.dtype.element_ty), mask=m_o)
 
+
+@triton.jit(do_not_specialize=["M"])   # one compiled kernel for every M <= 16
+def _latent_moe_tail_kernel(
+    p_x, p_s, p_g, p_w, p_o, p_ws, p_ss, p_cnt,
+    M, D, L, K_PER_SPLIT, eps,
+    s_xm, s_xk, s_sm, s_sn, s_wn, s_wk, s_om, s_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    LAST_REDUCES: tl.constexpr, SWAP_AB: tl.constexpr, PRENORM: tl.constexpr,
+    IEEE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    # the K slices of one column tile are neighbours in launch order: they finish close together,
+    # so the last-arrival reductions spread over the run instead of piling up at its end
+    pid = tl.program_id(0)
+    i_n = pid // SPLIT_K
+    i_k = pid % SPLIT_K
+    o_m = tl.arange(0, BLOCK_M)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_m = o_m < M
+    m_n = o_n < D
+    k_lo = i_k * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, L)
+
+    if PRENORM:
+        b_rstd = _row_rstd(p_x, o_m, m_m, s_xm, s_xk, L, eps, BLOCK_M, BLOCK_K)
+    b_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if SWAP_AB:
+        b_acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    p_w_rows = p_w + o_n[:, None].to(tl.int64) * s_wn   # D·L may pass 2**31
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        m_k = o_k < k_hi
+        b_x = tl.load(p_x + o_m[:, None] * s_xm + o_k[None, :] * s_xk,
+                      mask=m_m[:, None] & m_k[None, :], other=0.)
+        b_g = tl.load(p_g + o_k, mask=m_k, other=0.)
+        if PRENORM:
+            # the model's rounding: normalise in fp32, round, scale by the weight, round
+            b_h = (b_x.to(tl.float32) * b_rstd[:, None]).to(b_x.dtype)
+            b_h = (b_h.to(tl.float32) * b_g.to(tl.float32)).to(b_x.dtype)
+        else:
+            b_xf = b_x.to(tl.float32)
+            b_ss += tl.sum(b_xf * b_xf, axis=1)
+            b_h = (b_xf * b_g.to(tl.float32)).to(b_x.dtype)
+        # each weight byte is read once: keep it from pushing the latent and the partials out of L2
+        b_w = tl.load(p_w_rows + o_k[None, :] * s_wk, mask=m_n[:, None] & m_k[None, :], other=0.,
+                      eviction_policy="evict_first")
+        if UPCAST_DOT:
+            b_h = b_h.to(tl.float32)
+            b_w = b_w.to(tl.float32)
+        if SWAP_AB:
+            if IEEE_DOT:
+                b_acc_t += tl.dot(b_w, tl.trans(b_h), input_precision="ieee")
+            else:
+                b_acc_t += tl.dot(b_w, tl.trans(b_h))
+        else:
+            if IEEE_DOT:
+                b_acc += tl.dot(b_h, tl.trans(b_w), input_precision="ieee")
+            else:
+                b_acc += tl.dot(b_h, tl.trans(b_w))
+    if SWAP_AB:
+        b_acc = tl.trans(b_acc_t)
+
+    if SPLIT_K == 1:
+        _tail_epilogue(b_acc, b_ss, p_s, p_o, o_m, o_n, m_m, m_n, L, eps, s_sm, s_sn, s_om, s_on, PRENORM)
+    else:
+        # partials: acc to ws[i_k, m, n], ss to ss_ws[i_n, i_k, m] (each tile's own copy, so the
+        # tile's last program reads only what its own slices wrote)
+        m_o = m_m[:, None] & m_n[None, :]
+        tl.store(p_ws + (i_k * M + o_m[:, None]) * D + o_n[None, :], b_acc, mask=m_o)
+        tl.store(p_ss + (i_n * SPLIT_K + i_k) * BLOCK_M + o_m, b_ss)
+        if LAST_REDUCES:
+            # every thread's partials are written before the counter moves (release); the last
+            # arrival reads the others' through L2 (acquire, .cg) and puts the counter back to 0
+            tl.debug_barrier()
+            arrived = tl.atomic_add(p_cnt + i_n, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                _tail_reduce(p_ws, p_ss, p_s, p_o, i_n, o_m, o_n, m_m, m_n, M, D, L, eps,
+                             s_sm, s_sn, s_om, s_on, BLOCK_M, BLOCK_N, SPLIT_K, PRENORM)
+                tl.atomic_xchg(p_cnt + i_n, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _tail_reduce(p_ws, p_ss, p_s, p_o, i_n, o_m, o_n, m_m, m_n, M, D, L, eps, s_sm, s_sn, s_om, s_on,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, PRENORM: tl.constexpr):
+    m_o = m_m[:, None] & m_n[None, :]
+    b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    b_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for s in range(SPLIT_K):
+        b_acc += tl.load(p_ws + (s * M + o_m[:, None]) * D + o_n[None, :], mask=m_o, other=0.,
+                         cache_modifier=".cg")
+        b_ss += tl.load(p_ss + (i_n * SPLIT_K + s) * BLOCK_M + o_m, cache_modifier=".cg")
+    _tail_epilogue(b_acc, b_ss, p_s, p_o, o_m, o_n, m_m, m_n, L, eps, s_sm, s_sn, s_om, s_on, PRENORM)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _tail_reduce_kernel(
+    p_ws, p_ss, p_s, p_o, M, D, L, eps, s_sm, s_sn, s_om, s_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, PRENORM: tl.constexpr,
+):
+    i_n = tl.program_id(0)
+    o_m = tl.arange(0, BLOCK_M)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    _tail_reduce(p_ws, p_ss, p_s, p_o, i_n, o_m, o_n, o_m < M, o_n < D, M, D, L, eps,
+                 s_sm, s_sn, s_om, s_on, BLOCK_M, BLOCK_N, SPLIT_K, PRENORM)
+
+
+# ---------------------------------------------------------------------------------------------
+# arrival counters: one int32 per column tile, all zero between launches (the last program of a
+# tile resets its own). Each launch takes the next of RING slots of a per-device buffer, so launches
+# on two streams at once would need RING launches in flight to share counters. The buffer is made
+# outside CUDA-graph capture only (an allocation there would belong to the graph); a first call
+# inside a capture uses the reduce kernel instead (correct, one launch more).
+
+COUNTER_RING = 64
+_COUNTERS: dict[str, torch.Tensor] = {}
+_COUNTER_NEXT: dict[str, int] = {}
+_COUNTERS_LOCK = threading.Lock()
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def arrival_counters(device: torch.device, n: int) -> Optional[torch.Tensor]:
+    """``n`` zeroed int32 counters on ``device`` (the next slot of the ring); None while a CUDA graph
+    is being captured and no buffer of ``n`` per slot exists yet."""
+    key = str(device)
+    with _COUNTERS_LOCK:
+        buf = _COUNTERS.get(key)
+        if buf is None or buf.shape[1] < n:
+            if _capturing(device):
+                return None
+            buf = torch.zeros((COUNTER_RING, max(n, 256)), dtype=torch.int32, device=device)
+            _COUNTERS[key] = buf
+        slot = _COUNTER_NEXT.get(key, 0)
+        _COUNTER_NEXT[key] = (slot + 1) % COUNTER_RING
+    return buf[slot]
+
+
+# ---------------------------------------------------------------------------------------------
 
 def triton_available(latent, shared, norm_weight, up_weight, *rest) -> Reason:
     return triton_can_run_on(latent, shared, norm_weight, up_weight)
@@ -129,29 +337,98 @@ def latent_moe_tail_triton(latent: torch.Tensor, shared: torch.Tensor, norm_weig
                            up_weight: torch.Tensor, eps: float,
                            config: Optional[TailConfig] = None,
                            out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Launch the fused kernel: one program per ``block_n`` columns; ``out`` [M, D] is allocated
-    unless given (tests pass a NaN-poisoned one)."""
+    """The fused tail in one launch (two with ``reduce="kernel"`` or ``stream_k``); ``out`` [M, D] is
+    allocated unless given (tests pass a NaN-poisoned one). M ≤ 16, one dtype (bf16 / fp16 / fp32);
+    ``config`` None: :func:`default_config`."""
     m, l = latent.shape
     d = up_weight.shape[0]
-    cfg = config or default_config(m, d, l, latent.dtype)
+    if m > MAX_BLOCK_M:
+        raise ValueError(f"latent_moe_tail_triton: M={m} > {MAX_BLOCK_M}")
+    if config is None:
+        sms = _sm_count(latent.device.index or 0) if latent.device.type == "cuda" else 0
+        config = default_config(m, d, l, latent.dtype, sms)
     if out is None:
         out = torch.empty((m, d), dtype=latent.dtype, device=latent.device)
+    if m == 0 or d == 0:
+        return out
     if not norm_weight.is_contiguous():
         norm_weight = norm_weight.contiguous()
-    grid = (triton.cdiv(d, cfg.block_n),)
+    upcast = latent.dtype != torch.float32 and triton_interpret()
+    if config.stream_k:
+        return _launch_stream_k(latent, shared, norm_weight, up_weight, eps, config, out, upcast)
+    k_per_split = triton.cdiv(triton.cdiv(l, config.split_k), config.block_k) * config.block_k
+    split_k = max(1, triton.cdiv(l, k_per_split))
+    n_tiles = triton.cdiv(d, config.block_n)
+    counters = None
+    if split_k > 1:
+        ws = torch.empty((split_k, m, d), dtype=torch.float32, device=latent.device)
+        ss = torch.empty((n_tiles, split_k, MAX_BLOCK_M), dtype=torch.float32, device=latent.device)
+        if config.reduce == "last":
+            counters = arrival_counters(latent.device, n_tiles)
+    else:
+        ws = ss = out
+    last_reduces = split_k > 1 and counters is not None
+    strides = (shared.stride(0), shared.stride(1), out.stride(0), out.stride(1))
     # Triton launches on the current device: make it the tensors' (TP ranks, a model on cuda:1)
     on_device = torch.cuda.device(latent.device) if latent.device.type == "cuda" else contextlib.nullcontext()
     with on_device:
-        _latent_moe_tail_kernel[grid](
-            latent, shared, norm_weight, up_weight, out,
-            m, d, l, float(eps),
+        _latent_moe_tail_kernel[(n_tiles * split_k,)](
+            latent, shared, norm_weight, up_weight, out, ws, ss, counters if last_reduces else out,
+            m, d, l, k_per_split, float(eps),
             latent.stride(0), latent.stride(1), shared.stride(0), shared.stride(1),
             up_weight.stride(0), up_weight.stride(1), out.stride(0), out.stride(1),
-            BLOCK_M=MAX_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            PRENORM=cfg.prenorm, IEEE_DOT=latent.dtype == torch.float32,
-            # The interpreter (triton 3.7) multiplies bf16 dot operands as raw integers: give it
-            # fp32 (bf16 products are exact in fp32, so the rounding is the GPU kernel's).
-            UPCAST_DOT=latent.dtype == torch.bfloat16 and triton_interpret(),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            BLOCK_M=MAX_BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k,
+            LAST_REDUCES=last_reduces, SWAP_AB=config.swap_ab, PRENORM=config.prenorm,
+            # The interpreter (triton 3.7) multiplies 16-bit dot operands wrongly: give it fp32
+            # (16-bit products are exact in fp32, so the rounding is the GPU kernel's).
+            IEEE_DOT=latent.dtype == torch.float32 or upcast, UPCAST_DOT=upcast,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+        if split_k > 1 and not last_reduces:
+            _tail_reduce_kernel[(n_tiles,)](
+                ws, ss, shared, out, m, d, l, float(eps), *strides,
+                BLOCK_M=MAX_BLOCK_M, BLOCK_N=config.block_n, SPLIT_K=split_k, PRENORM=config.prenorm,
+                num_warps=4,
+            )
+    return out
+
+
+def _launch_stream_k(latent, shared, norm_weight, up_weight, eps, config, out, upcast):
+    from . import streamk  # noqa: PLC0415  (it imports this module's jit helpers)
+
+    m, l = latent.shape
+    d = up_weight.shape[0]
+    n_tiles = triton.cdiv(d, config.block_n)
+    k_blocks = triton.cdiv(l, config.block_k)
+    sms = _sm_count(latent.device.index or 0) if latent.device.type == "cuda" else 1
+    units, programs, max_seg = streamk.plan(n_tiles, k_blocks, sms * config.ctas_per_sm)
+    slots = n_tiles * max_seg * MAX_BLOCK_M   # per tile, max_seg partials of [16, block_n]
+    ws = torch.empty((slots * config.block_n,), dtype=torch.float32, device=latent.device)
+    ss = torch.empty((slots,), dtype=torch.float32, device=latent.device)
+    grid_args = (units, k_blocks, programs, max_seg, float(eps))
+    w_desc = up_weight
+    tma = config.tma and _tma_layout_ok(up_weight)
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415
+
+        w_desc = TensorDescriptor.from_tensor(up_weight, [config.block_n, config.block_k])
+    on_device = torch.cuda.device(latent.device) if latent.device.type == "cuda" else contextlib.nullcontext()
+    with on_device:
+        streamk._tail_streamk_kernel[(programs,)](
+            latent, norm_weight, up_weight, w_desc, ws, ss, m, d, l, *grid_args,
+            latent.stride(0), latent.stride(1), up_weight.stride(0), up_weight.stride(1),
+            BLOCK_M=MAX_BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, PRENORM=config.prenorm,
+            IEEE_DOT=latent.dtype == torch.float32 or upcast, UPCAST_DOT=upcast, TMA=tma,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+        streamk._tail_streamk_reduce_kernel[(n_tiles,)](
+            ws, ss, shared, out, m, d, l, *grid_args,
+            shared.stride(0), shared.stride(1), out.stride(0), out.stride(1),
+            BLOCK_M=MAX_BLOCK_M, BLOCK_N=config.block_n, PRENORM=config.prenorm, num_warps=4,
         )
     return out
+
+
+def _tma_layout_ok(w: torch.Tensor) -> bool:
+    return (w.stride(1) == 1 and w.data_ptr() % 16 == 0 and (w.stride(0) * w.element_size()) % 16 == 0
+            and w.shape[0] > 0 and w.shape[1] > 0)
