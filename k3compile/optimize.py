@@ -14,6 +14,7 @@ torch's own Inductor wrapper (mode, options and CUDA graphs behave exactly as wi
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -146,7 +147,7 @@ class K3Inductor(torch._TorchCompileInductorWrapper):
         COMPILE_RECORD.take()  # drop records left by an unrelated compile in this thread
         before = _counters()
         t0 = time.perf_counter()
-        compiled = super().__call__(model_, inputs_, **kwargs)
+        compiled = self._compile(model_, inputs_, **kwargs)
         seconds = time.perf_counter() - t0
         after = _counters()
         records = COMPILE_RECORD.take()
@@ -163,6 +164,32 @@ class K3Inductor(torch._TorchCompileInductorWrapper):
         if record is not None:
             _check_expected(state, record)
         return compiled
+
+    def _compile(self, model_, inputs_, **kwargs):
+        """torch's own Inductor call; where an enabled pattern module overrides entries of Inductor's
+        decomposition table for this compile's config (``decompositions(options)``, e.g. the skinny
+        GEMM under max-autotune), ``compile_fx`` gets the amended table -- for this compile only."""
+        from torch._inductor import config as inductor_config
+
+        patches = {**self.config, **(kwargs.get("config_patches") or {})}
+        overrides = {}
+        with inductor_config.patch(patches):
+            for name in self.k3_state.options.enabled:
+                hook = getattr(pattern_module(name), "decompositions", None)
+                if hook is not None:
+                    overrides.update(hook(self.k3_state.options))
+            if not overrides:
+                return super().__call__(model_, inputs_, **kwargs)
+            from torch._inductor.decomposition import select_decomp_table
+
+            table = {**select_decomp_table(), **overrides}
+        from torch._inductor.compile_fx import compile_fx
+
+        extra = {}
+        name = getattr(self, "name", None)
+        if name is not None and "compile_region_name" in inspect.signature(compile_fx).parameters:
+            extra["compile_region_name"] = name  # as torch's own wrapper passes it (newer torch)
+        return compile_fx(model_, inputs_, config_patches=patches, decompositions=table, **extra)
 
 
 _PASSES: dict = {}

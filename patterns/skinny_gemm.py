@@ -16,7 +16,13 @@ to the limit, ``torch.addmm`` above). No broadcasting bias or residual, one dtyp
 fp16 / bf16 / fp32 only.
 
 Not seen: products Inductor decomposes into pointwise ops before any post-grad pass -- K = 1; on
-CPU M = N = 1; on a GPU with coordinate-descent tuning (``mode="max-autotune*"``) M = 1 or N = 1.
+CPU M = N = 1. On a GPU with coordinate-descent tuning (``mode="max-autotune*"``), Inductor's ``aten.mm``
+decomposition (torch/_inductor/decomposition.py) turns an M = 1 (or N = 1) product into
+``(a.unsqueeze(2) * w.T.unsqueeze(0)).sum(1)`` while AOTAutograd traces, long before this pass; so
+``decompositions`` below hands ``optimize`` a per-compile override of that one entry which leaves the
+products this pass will rewrite as ``mm`` (Inductor's global table and config stay untouched), and the
+search functions are traced with ``mm`` kept whole (``_trace_literal_mm``: the matcher re-traces them
+per match under the same config).
 
 Order: last in ``PASS_ORDER``, so the latent-MoE tail and KDA passes claim their GEMMs first. Within
 this pass, the pattern matcher visits nodes from the graph's end, so an ``add`` with its residual is
@@ -25,6 +31,7 @@ seen before the ``mm`` it consumes: the fused forms win over the bare ``mm``.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -178,13 +185,24 @@ def _can_skinny_gemm(match: pm.Match, limit: int) -> bool:
 
 # --- registration -----------------------------------------------------------------------------
 
+def _trace_literal_mm(fn, args, **kwargs) -> torch.fx.GraphModule:
+    """``trace_fn`` with ``aten.mm`` left undecomposed. The matcher re-traces a search function on each
+    match's own fake values (device, shapes) under the compile's config; under max-autotune Inductor's
+    table would turn an M = 1 ``mm`` on a GPU into mul + sum there, and the match would be refused."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    base = kwargs.pop("get_decomp_fn", None) or select_decomp_table
+    kwargs["get_decomp_fn"] = lambda: {op: fn_ for op, fn_ in base().items() if op is not aten.mm.default}
+    return trace_fn(fn, args, **kwargs)
+
+
 def register(pm_pass: pm.PatternMatcherPass, options) -> None:
     replacements = _replacements(options.backend, options.small_m_limit)
     check = functools.partial(_can_skinny_gemm, limit=options.small_m_limit)
     for dtype in TRACE_DTYPES:
         for search, kind in _PATTERNS:
             pm.register_replacement(
-                search, replacements[kind], get_inputs(dtype, kind), trace_fn, pm_pass,
+                search, replacements[kind], get_inputs(dtype, kind), _trace_literal_mm, pm_pass,
                 extra_check=check, skip_duplicates=True,
             )
 
@@ -210,4 +228,41 @@ def _candidate(a_node, limit: int) -> bool:
     return a is not None and a.dim() == 2 and a.dtype in KERNEL_DTYPES and small_m(a.shape[0], limit)
 
 
-__all__ = ["NAME", "register", "expected", "facts", "get_inputs", "small_m"]
+# --- max-autotune: keep what this pass rewrites out of Inductor's mm -> mul + sum decomposition ----
+
+def _claimable_mm(a, b, limit: int) -> bool:
+    """``mm(a, b)`` of the kind the patterns above rewrite: 2-D, a kernel dtype, small M, and ``b`` the
+    transpose of an [N, K] weight (stride 1 along K) as ``linear`` makes it; on a GPU (where the
+    coordinate-descent decomposition applies), K != 1 (that one becomes an outer product, never ours)."""
+    return (a.dim() == 2 and b.dim() == 2 and a.device.type not in ("cpu", "mps")
+            and a.dtype in KERNEL_DTYPES and b.dtype == a.dtype
+            and statically_known_true(b.stride(0) == 1) and not statically_known_true(a.shape[1] == 1)
+            and small_m(a.shape[0], limit))
+
+
+@dataclass(frozen=True)
+class KeepSkinnyMM:
+    """Inductor's decomposition of ``op`` (aten.mm), except for the products this pass rewrites,
+    which stay ``mm``. A module-level dataclass: Inductor may pickle the decomposition table."""
+    op: torch._ops.OpOverload
+    limit: int
+
+    def __call__(self, a, b, *args, **kwargs):
+        if torch._inductor.config.coordinate_descent_tuning and _claimable_mm(a, b, self.limit):
+            return NotImplemented  # no decomposition: the op stays, the pattern above sees it
+        from torch._inductor.decomposition import decompositions
+
+        return decompositions[self.op](a, b, *args, **kwargs)
+
+
+def decompositions(options) -> dict:
+    """Per-compile overrides of Inductor's decomposition table (read under the compile's config).
+
+    Only under coordinate-descent tuning (``mode="max-autotune*"``), the one setting under which
+    Inductor decomposes a small-M ``mm`` into pointwise ops; otherwise nothing is overridden."""
+    if not torch._inductor.config.coordinate_descent_tuning:
+        return {}
+    return {aten.mm.default: KeepSkinnyMM(aten.mm.default, options.small_m_limit)}
+
+
+__all__ = ["NAME", "register", "expected", "facts", "get_inputs", "small_m", "decompositions"]

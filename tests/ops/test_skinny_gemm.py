@@ -49,20 +49,68 @@ def test_triton_matches_reference_fixed_shapes(m, n, k, dtype):
     assert rel_err(out, skinny_gemm_reference(a, w, b, r)) < TOL[DTYPES[dtype]]
 
 
+def config_for(m, k, block_n, split_k, mode, num_stages=None):
+    """A kernel config of the drawn kind: "dot" (tensor-core tile, M padded to 16) or "fma" (CUDA-core
+    products, M padded to a power of 2 only); "+1" sums split-K partials in the last-arriving program."""
+    fma = mode.startswith("fma")
+    block_m = 1 << (m - 1).bit_length()
+    return TritonConfig(block_m if fma else max(16, block_m), block_n, 32 if k > 16 else 16, split_k,
+                        num_stages=num_stages, one_launch=mode.endswith("+1"), fma=fma)
+
+
+MODES = ["dot", "dot+1", "fma", "fma+1"]
+
+
 @given(
     m=st.integers(1, 64), n=st.integers(1, 160), k=st.integers(1, 300),
     dtype=st.sampled_from(sorted(DTYPES)), bias=st.booleans(), residual=st.booleans(),
-    split_k=st.sampled_from([1, 2, 3]), block_n=st.sampled_from([16, 32, 64]), seed=st.integers(0, 2**16),
+    split_k=st.sampled_from([1, 2, 3]), block_n=st.sampled_from([16, 32, 64]), mode=st.sampled_from(MODES),
+    seed=st.integers(0, 2**16),
 )
-@example(m=1, n=2112, k=64, dtype="bf16", bias=False, residual=True, split_k=1, block_n=64, seed=0)
-@example(m=16, n=128, k=512, dtype="bf16", bias=True, residual=True, split_k=3, block_n=64, seed=1)
-def test_triton_matches_reference_random_shapes(m, n, k, dtype, bias, residual, split_k, block_n, seed):
+@example(m=1, n=2112, k=64, dtype="bf16", bias=False, residual=True, split_k=1, block_n=64, mode="dot", seed=0)
+@example(m=16, n=128, k=512, dtype="bf16", bias=True, residual=True, split_k=3, block_n=64, mode="dot", seed=1)
+@example(m=1, n=96, k=520, dtype="bf16", bias=False, residual=True, split_k=3, block_n=32, mode="fma+1", seed=2)
+@example(m=5, n=70, k=300, dtype="fp16", bias=True, residual=False, split_k=2, block_n=32, mode="dot+1", seed=3)
+def test_triton_matches_reference_random_shapes(m, n, k, dtype, bias, residual, split_k, block_n, mode, seed):
     dt = DTYPES[dtype]
     a, w, b, r = make_inputs(m, n, k, dt, bias, residual, seed)
-    block_m = max(16, 1 << (m - 1).bit_length())
-    config = TritonConfig(block_m, block_n, 32 if k > 16 else 16, split_k)
-    out = run_triton(a, w, b, r, config)
+    out = run_triton(a, w, b, r, config_for(m, k, block_n, split_k, mode))
     assert rel_err(out, skinny_gemm_reference(a, w, b, r)) < TOL[dt]
+
+
+@pytest.mark.parametrize("mode", ["dot+1", "fma+1"])
+def test_one_launch_split_k_rearms_its_counters(mode):
+    """The last program of each column tile zeroes its arrival counter: a second call (and one with
+    another tile count) on the same buffer must be exactly as right as the first."""
+    from k3compile.ops.skinny_gemm import triton as triton_impl
+
+    results = []
+    for n, seed in ((100, 0), (100, 1), (37, 2)):
+        a, w, b, r = make_inputs(4, n, 200, torch.bfloat16, seed=seed)
+        out = run_triton(a, w, b, r, config_for(4, 200, 32, 3, mode))
+        results.append(rel_err(out, skinny_gemm_reference(a, w, b, r)))
+        if DEVICE == "cpu":
+            assert not triton_impl._COUNTERS[torch.device("cpu")].any()
+    assert max(results) < TOL[torch.bfloat16], results
+
+
+def test_one_launch_split_k_equals_two_launch_bit_for_bit():
+    """Both paths sum the fp32 partials in split order, then apply the same epilogue."""
+    a, w, b, r = make_inputs(3, 90, 400, torch.float32, seed=5)
+    two = run_triton(a, w, b, r, config_for(3, 400, 32, 4, "dot"))
+    one = run_triton(a, w, b, r, config_for(3, 400, 32, 4, "dot+1"))
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("config,match", [
+    pytest.param(TritonConfig(2, 32, 32, 1, fma=True), "cannot hold M=3", id="block_m-below-M"),
+    pytest.param(TritonConfig(4, 32, 32, 1), "cannot hold M=3", id="dot-block_m-below-16"),
+    pytest.param(TritonConfig(6, 32, 32, 1, fma=True), "cannot hold M=3", id="block_m-not-pow2"),
+])
+def test_triton_rejects_configs_that_cannot_hold_m(config, match):
+    a, w, _, _ = make_inputs(3, 8, 16, torch.float32, bias=False, residual=False)
+    with pytest.raises(ValueError, match=match):
+        skinny_gemm_triton(a, w, config=config)
 
 
 @pytest.mark.gpu
@@ -76,6 +124,40 @@ def test_triton_on_gpu_decode_shapes(m, n, k, dtype):
     out = torch.full((m, n), float("nan"), dtype=dt, device="cuda")
     skinny_gemm_triton(a, w, b, r, out=out)                      # heuristic config, split-K on
     assert rel_err(out, skinny_gemm_reference(a, w, b, r)) < TOL[dt]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("config", [
+    pytest.param(dict(block_n=64, block_k=128, split_k=7, one_launch=True), id="dot-1launch"),
+    pytest.param(dict(block_n=64, block_k=128, split_k=7, one_launch=True, tma=True, num_stages=4),
+                 id="dot-1launch-tma"),
+    pytest.param(dict(block_n=64, block_k=128, split_k=7, one_launch=True, tma=True, pdl=True),
+                 id="dot-1launch-tma-pdl"),
+    pytest.param(dict(block_n=32, block_k=128, split_k=4, one_launch=True, fma=True, num_stages=4), id="fma-1launch"),
+    pytest.param(dict(block_n=32, block_k=128, split_k=4, one_launch=True, fma=True, tma=True, num_stages=4),
+                 id="fma-1launch-tma"),
+])
+def test_triton_kernel_variants_on_gpu_in_a_cuda_graph(m, config):
+    """Every kernel variant at a decode shape, eagerly and replayed twice from one CUDA graph (the
+    one-launch counters must rearm between products and between replays)."""
+    block_m = (1 << (m - 1).bit_length()) if config.get("fma") else 16
+    cfg = TritonConfig(block_m, **config)
+    a, w, b, r = make_inputs(m, 2112, 7168, torch.bfloat16)
+    ref = skinny_gemm_reference(a, w, b, r)
+    assert rel_err(run_triton(a, w, b, r, cfg), ref) < TOL[torch.bfloat16]
+    outs = [torch.full((m, 2112), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for out in outs:
+            skinny_gemm_triton(a, w, b, r, config=cfg, out=out)
+    for _ in range(2):
+        for out in outs:
+            out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for out in outs:
+            assert rel_err(out, ref) < TOL[torch.bfloat16]
 
 
 def test_triton_handles_strided_and_misaligned_operands():
@@ -100,8 +182,46 @@ def test_triton_rejects_what_it_cannot_do():
 def test_config_heuristic_splits_k_only_on_gpu():
     assert choose_config(4, 2112, 7168, 0).split_k == 1
     cfg = choose_config(4, 2112, 7168, 132)
-    assert cfg.split_k > 1 and cfg.block_m == 16
+    assert cfg.split_k > 1 and cfg.block_m == 16 and cfg.one_launch
     assert choose_config(40, 7168, 2048, 132).block_m == 64
+
+
+@pytest.mark.parametrize("n,k", [(896, 7168), (2112, 7168), (4608, 7168), (7168, 1536), (163840, 7168), (64, 7168)],
+                         ids=lambda v: str(v))
+def test_config_heuristic_fills_the_gpu_without_starving_splits(n, k):
+    """About four programs per SM where K allows, never fewer than 7 K blocks per split."""
+    for sms in (132, 114, 78):
+        cfg = choose_config(1, n, k, sms)
+        grid = -(-n // cfg.block_n) * cfg.split_k
+        assert cfg.split_k == 1 or -(-k // cfg.block_k) // cfg.split_k >= 7
+        assert grid >= min(2 * sms, -(-n // cfg.block_n) * (-(-k // cfg.block_k) // 7))
+
+
+def test_config_table_applies_only_to_the_measured_gpu():
+    from k3compile.ops.skinny_gemm.triton import TABLE, TABLE_SMS
+
+    (m, n, k), cfg = next(iter(TABLE.items()))
+    assert choose_config(m, n, k, TABLE_SMS) == cfg
+    assert choose_config(m, n, k, TABLE_SMS - 18) != cfg
+
+
+@pytest.mark.parametrize("m,n,k,wins", [
+    pytest.param(1, 4608, 7168, True, id="M1-4608x7168-triton"),
+    pytest.param(16, 20480, 7168, True, id="M16-20480x7168-triton"),
+    pytest.param(4, 7168, 3584, True, id="M4-7168x3584-triton"),
+    pytest.param(16, 7168, 3584, False, id="M16-7168x3584-cublas"),
+    pytest.param(1, 7168, 1536, False, id="M1-7168x1536-cublas"),
+    pytest.param(1, 896, 7168, False, id="M1-896x7168-cublas"),
+])
+def test_profitable_follows_the_h200_figures(m, n, k, wins):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from k3compile.ops.skinny_gemm.triton import profitable
+
+    with FakeTensorMode():  # CUDA tensors without a GPU: profitable() reads only device and shapes
+        a = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.empty(n, k, device="cuda", dtype=torch.bfloat16)
+    assert (profitable(a, w) is None) == wins
 
 
 @pytest.fixture

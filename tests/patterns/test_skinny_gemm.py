@@ -151,3 +151,118 @@ def test_symbolic_m_dispatches_at_run_time():
     assert rep.matches["skinny_gemm"] >= 1
     impls = {c.key[2][0]: c.impl for c in SKINNY_GEMM.choices()}
     assert impls[3] == "reference" and impls[40] == "aten"
+
+
+# --- max-autotune: Inductor's coordinate-descent mm decomposition must not hide our products ------
+
+def _traced_targets(table, m, dtype=torch.bfloat16, transposed=True):
+    """The ops ``mm(a, w.T)`` (or ``mm(a, b)``) becomes under ``table`` for CUDA tensors, traced on
+    fake tensors (no GPU needed) with coordinate-descent tuning on, as ``mode="max-autotune*"`` sets."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    aten = torch.ops.aten
+    with FakeTensorMode():
+        a = torch.empty(m, 32, device="cuda", dtype=dtype)
+        w = torch.empty(*((24, 32) if transposed else (32, 24)), device="cuda", dtype=dtype)
+    fn = (lambda a, w: aten.mm(a, w.t())) if transposed else (lambda a, b: aten.mm(a, b))
+    with torch._inductor.config.patch(coordinate_descent_tuning=True):
+        gm = make_fx(fn, decomposition_table=table, tracing_mode="fake")(a, w)
+    return {n.target for n in gm.graph.nodes if n.op == "call_function"}
+
+
+@pytest.mark.parametrize("m,dtype,transposed,kept", [
+    pytest.param(1, torch.bfloat16, True, True, id="M1-bf16-linear-kept"),
+    pytest.param(1, torch.float32, True, True, id="M1-fp32-linear-kept"),
+    pytest.param(1, torch.float64, True, False, id="M1-fp64-decomposed"),
+    pytest.param(1, torch.bfloat16, False, False, id="M1-bf16-plain-mm-decomposed"),
+])
+def test_max_autotune_decomposition_keeps_only_our_products(m, dtype, transposed, kept):
+    from torch._inductor.decomposition import select_decomp_table
+
+    from k3compile.passes import K3Options
+    from k3compile.patterns import skinny_gemm as pattern
+
+    aten = torch.ops.aten
+    default = select_decomp_table()
+    assert aten.mm.default not in _traced_targets(default, m, dtype, transposed)  # what Inductor does
+    with torch._inductor.config.patch(coordinate_descent_tuning=True):
+        overrides = pattern.decompositions(K3Options())
+    assert pattern.decompositions(K3Options()) == {}  # default modes: nothing overridden
+    targets = _traced_targets({**default, **overrides}, m, dtype, transposed)
+    assert (aten.mm.default in targets) == kept
+    assert (aten.sum.dim_IntList in targets) == (not kept)
+
+
+@pytest.mark.parametrize("mode", [None, "max-autotune-no-cudagraphs"], ids=["default", "max-autotune"])
+def test_pattern_fires_under_max_autotune(mode):
+    """optimize() hands compile_fx the amended table only under coordinate-descent tuning."""
+    from unittest import mock
+
+    import torch._inductor.compile_fx as cfx
+
+    from k3compile.patterns.skinny_gemm import KeepSkinnyMM
+
+    torch.manual_seed(0)
+    model = Projection(32, 24, bias=False, residual=True).to(torch.bfloat16)
+    x, r = torch.randn(1, 1, 32, dtype=torch.bfloat16), torch.randn(1, 1, 24, dtype=torch.bfloat16)
+    with mock.patch.object(cfx, "compile_fx", wraps=cfx.compile_fx) as spy:
+        out, ref, rep = compile_and_run(model, x, r, backend="reference", mode=mode)
+    table = spy.call_args_list[0].kwargs.get("decompositions")
+    if mode is None:
+        assert table is None
+    else:
+        assert isinstance(table[torch.ops.aten.mm.default], KeepSkinnyMM)
+    assert rep.matches["skinny_gemm"] == 1
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("m", [1, 4], ids=lambda m: f"M{m}")
+def test_pattern_fires_on_a_gpu_graph_traced_as_max_autotune_does(m):
+    """The GPU side of mode="max-autotune*" without a GPU: ``linear(x, w) + r`` on fake CUDA tensors,
+    traced with Inductor's table plus our override under coordinate-descent tuning (as AOTAutograd
+    does), then our pass under the same config -- where the matcher re-traces its search function on
+    the match's CUDA values (an M = 1 ``mm`` must not decompose there either)."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.fx_passes.post_grad import view_to_reshape
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from k3compile.passes import COMPILE_RECORD, K3Options, K3PostGradPass
+    from k3compile.patterns import skinny_gemm as pattern
+
+    options = K3Options(backend="reference", passes=("skinny_gemm",))
+    with FakeTensorMode():
+        x = torch.empty(m, 1, 64, device="cuda", dtype=torch.bfloat16)
+        w = torch.empty(48, 64, device="cuda", dtype=torch.bfloat16)
+        r = torch.empty(m, 1, 48, device="cuda", dtype=torch.bfloat16)
+    with torch._inductor.config.patch(coordinate_descent_tuning=True):
+        table = {**select_decomp_table(), **pattern.decompositions(options)}
+        gm = make_fx(lambda x, w, r: torch.nn.functional.linear(x, w) + r, decomposition_table=table,
+                     tracing_mode="fake")(x, w, r)
+        view_to_reshape(gm)
+        COMPILE_RECORD.take()
+        K3PostGradPass(options)(gm.graph)
+    (record,) = COMPILE_RECORD.take()
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert record.matches["skinny_gemm"] == 1
+    assert torch.ops.k3.skinny_gemm.default in targets and torch.ops.aten.add.Tensor not in targets
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune-no-cudagraphs"])
+def test_pattern_triton_on_gpu_decode_product(mode):
+    """M = 1 on the GPU: the rewrite fires under both modes (max-autotune: despite Inductor's M = 1 mm
+    decomposition), and replays stay right (reduce-overhead: the one-launch counters live outside the
+    CUDA-graph pool and rearm between replays)."""
+    torch.manual_seed(0)
+    model = Projection(7168, 2112, bias=False, residual=True).cuda().to(torch.bfloat16)
+    x = torch.randn(1, 1, 7168, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn(1, 1, 2112, device="cuda", dtype=torch.bfloat16)
+    out, ref, rep = compile_and_run(model, x, r, backend="triton", mode=mode)
+    assert rep.matches["skinny_gemm"] == 1
+    assert any(c.impl == "triton" for c in rep.choices)
+    with torch.no_grad():
+        for _ in range(3):
+            out = model(x, r).clone()
+            assert rel_err(out, ref) < TOL[torch.bfloat16]

@@ -3,8 +3,11 @@
 Decode GEMMs have a handful of rows and a large weight, so the kernel is a weight stream: each
 program owns a ``BLOCK_N`` slice of the output columns (all M rows at once) and, when there are too
 few column tiles to fill the GPU, a ``1/SPLIT_K`` slice of K. Split-K partial sums go to an fp32
-workspace that a second small kernel reduces, adding the epilogue. Accumulation is fp32 always;
-fp32 inputs use IEEE products (no TF32). Any M <= ``MAX_M``, N and K; tails are masked.
+workspace; either the last program of a column tile to arrive (an arrival counter per tile, rearmed
+by that program, so no memset and no second launch: CUDA-graph safe) or a second small kernel sums
+them in split order and adds the epilogue. Products run on tensor cores (``tl.dot``, M padded to 16)
+or, for a few rows, on CUDA cores (broadcast multiply, one K reduction at the end). Accumulation is
+fp32 always; fp32 inputs use IEEE products (no TF32). Any M <= ``MAX_M``, N and K; tails are masked.
 
 Runs on CUDA/ROCm tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (tests).
 """
@@ -12,12 +15,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+
+try:  # grid dependency control (PDL), Triton >= 3.4
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover
+    gdc_launch_dependents = gdc_wait = None
 
 from k3compile.backends import is_rocm, Reason, triton_can_run_on
 
@@ -27,11 +36,13 @@ MAX_M = 64  # beyond this the whole-M register tile spills; callers use cuBLAS t
 
 @triton.jit
 def _skinny_gemm_kernel(
-    a_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, ws_ptr,
-    M, N, K, K_PER_SPLIT,
+    a_ptr, w_ptr, w_desc, bias_ptr, res_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K, K_PER_SPLIT, SPLIT_K,
     stride_am, stride_ak, stride_wn, stride_wk, stride_rm, stride_rn, stride_om, stride_on,
-    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SPLIT_K: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SPLIT: tl.constexpr, ONE_LAUNCH: tl.constexpr,
+    FMA: tl.constexpr, LOOP_STAGES: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
 ):
     i_n = tl.program_id(0)
     i_k = tl.program_id(1)
@@ -41,26 +52,68 @@ def _skinny_gemm_kernel(
     m_n = o_n < N
     k_lo = i_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    if PDL:
+        # Programmatic dependent launch: this grid started before the previous kernel finished. The
+        # weight depends on no kernel, so its first lines are fetched into L2 meanwhile; everything a
+        # previous kernel may write (a, residual) or read (out, workspace, counters) waits for it.
+        # (The next kernel is let in only after the K loop: triggering here would let a chain of
+        # later products start, prefetch and hold SM slots at once -- measured 5-10 points slower.)
+        line = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128-byte line
+        o_pk = tl.minimum(k_lo + tl.arange(0, PREFETCH_LINES) * line, K - 1)
+        p_pf = w_ptr + tl.minimum(o_n, N - 1)[:, None].to(tl.int64) * stride_wn + o_pk[None, :] * stride_wk
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [p_pf], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+        gdc_wait()
 
     # int64 row offsets: a weight of N*K elements may exceed 2**31
     p_a = a_ptr + o_m[:, None].to(tl.int64) * stride_am
     p_w = w_ptr + o_n[:, None].to(tl.int64) * stride_wn
-    b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    if FMA:
+        # CUDA-core products for a few rows: a tensor-core tile would pad M to 16; K is summed once at the end
+        b_acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Triton software-pipelines the weight loads of a dot loop by itself; the fma loop only when told
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=LOOP_STAGES):
         o_k = k0 + tl.arange(0, BLOCK_K)
         m_k = o_k < k_hi
         b_a = tl.load(p_a + o_k[None, :] * stride_ak, mask=m_m[:, None] & m_k[None, :], other=0.0)
-        b_w = tl.load(p_w + o_k[None, :] * stride_wk, mask=m_n[:, None] & m_k[None, :], other=0.0)
-        if UPCAST:
-            b_a = b_a.to(tl.float32)
-            b_w = b_w.to(tl.float32)
-        b_acc += tl.dot(b_a, tl.trans(b_w), input_precision=PRECISION)
+        if TMA:  # a tensor-memory-accelerator copy: zero fill past N and K, no address math
+            b_w = w_desc.load([i_n * BLOCK_N, k0])
+        else:  # the weight is read once: keep it from evicting what later kernels reuse
+            b_w = tl.load(p_w + o_k[None, :] * stride_wk, mask=m_n[:, None] & m_k[None, :], other=0.0,
+                          eviction_policy="evict_first")
+        if FMA:
+            b_acc3 += b_a.to(tl.float32)[:, None, :] * b_w.to(tl.float32)[None, :, :]
+        else:
+            if UPCAST:
+                b_a = b_a.to(tl.float32)
+                b_w = b_w.to(tl.float32)
+            b_acc += tl.dot(b_a, tl.trans(b_w), input_precision=PRECISION)
+    if FMA:
+        b_acc = tl.sum(b_acc3, axis=2)
+    if PDL:
+        gdc_launch_dependents()  # the next kernel may launch; it waits for our stores itself
 
     m_out = m_m[:, None] & m_n[None, :]
-    if SPLIT_K > 1:
+    finish = not SPLIT
+    if SPLIT:
         p_ws = ws_ptr + (i_k * M + o_m[:, None]) * N + o_n[None, :]
         tl.store(p_ws, b_acc, mask=m_out)
-    else:
+        if ONE_LAUNCH:
+            # the last of this column tile's SPLIT_K programs to arrive sums the partials (in split
+            # order, so the result matches the two-launch path bit for bit) and rearms the counter
+            tl.debug_barrier()  # every thread's partial is written before the arrival is published
+            arrived = tl.atomic_add(cnt_ptr + i_n, 1, sem="acq_rel")
+            finish = arrived == SPLIT_K - 1
+            if finish:
+                b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in range(SPLIT_K):
+                    # .cg: read from L2, where the other programs' partials are, never a stale L1 line
+                    b_acc += tl.load(ws_ptr + (s * M + o_m[:, None]) * N + o_n[None, :], mask=m_out,
+                                     other=0.0, cache_modifier=".cg")
+                tl.atomic_xchg(cnt_ptr + i_n, 0)
+    if finish:
         if HAS_BIAS:
             b_acc += tl.load(bias_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
         if HAS_RES:
@@ -73,8 +126,8 @@ def _skinny_gemm_kernel(
 @triton.jit
 def _split_k_reduce_kernel(
     ws_ptr, bias_ptr, res_ptr, out_ptr,
-    M, N, stride_rm, stride_rn, stride_om, stride_on,
-    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SPLIT_K: tl.constexpr,
+    M, N, SPLIT_K, stride_rm, stride_rn, stride_om, stride_on,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     i_n = tl.program_id(0)
@@ -101,6 +154,51 @@ class TritonConfig:
     block_k: int
     split_k: int
     num_warps: int = 4
+    num_stages: Optional[int] = None  # None: Triton's default for the target
+    one_launch: bool = False  # split-K partials summed by the last program to arrive, not a second kernel
+    fma: bool = False         # CUDA-core products (block_m may then be < 16) instead of tl.dot
+    tma: bool = False         # weight tiles by TMA descriptor (sm_90+; else, or when unaligned, plain loads)
+    pdl: bool = False         # programmatic dependent launch (sm_90+): prefetch weight lines, then wait
+    prefetch_lines: int = 8   # 128-byte lines of each weight row prefetched into L2 before the wait (pdl)
+
+    def tag(self) -> str:
+        """A short name for tables and logs, e.g. ``dot-m16-n32-k128-s4x1-w4-std-tma``."""
+        return (f"{'fma' if self.fma else 'dot'}-m{self.block_m}-n{self.block_n}-k{self.block_k}-s{self.split_k}"
+                f"{'x1' if self.one_launch else ''}-w{self.num_warps}-st{self.num_stages or 'd'}"
+                f"{'-tma' if self.tma else ''}{f'-pdl{self.prefetch_lines}' if self.pdl else ''}")
+
+
+# One arrival counter per column tile, per device: zero at rest (the last program of a tile rearms
+# its counter), so one buffer serves every call and every CUDA-graph replay without a memset.
+# Calls on one device must not overlap on two streams (nothing in k3compile does that).
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_MAX_COUNTERS = 1 << 16
+
+
+def _counters(device: torch.device, n_tiles: int) -> Optional[torch.Tensor]:
+    """The device's counter buffer, or None (use the two-launch split-K) when there is none yet and
+    a CUDA graph is being captured (a buffer zeroed inside a capture is only zeroed on replay)."""
+    buf = _COUNTERS.get(device)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _COUNTERS[device] = _allocate_outside_graph_pools(_MAX_COUNTERS, device)
+    return buf if n_tiles <= buf.numel() else None
+
+
+def _allocate_outside_graph_pools(numel: int, device: torch.device) -> torch.Tensor:
+    """Zeroed int32s from the ordinary allocator. Inductor's CUDA-graph trees route every allocation of
+    the warming-up thread into their private pool and fail on a live block they do not own, so the
+    buffer this process keeps for good is made on a thread of its own."""
+    made = []
+    worker = threading.Thread(target=lambda: made.append(torch.zeros(numel, dtype=torch.int32, device=device)))
+    worker.start()
+    worker.join()
+    if not made:
+        raise RuntimeError(f"skinny_gemm_triton: could not allocate the split-K counters on {device}")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # zeroed on that thread's stream: done before any use here
+    return made[0]
 
 
 @functools.cache
@@ -108,22 +206,64 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-@functools.lru_cache(maxsize=4096)
-def choose_config(m: int, n: int, k: int, sm_count: int) -> TritonConfig:
-    """Heuristic: whole M in one tile (>= 16 for tensor-core dots), K blocks that keep the
-    two input tiles around 32 KiB of registers, and split-K until ~2 programs per SM.
-    ``sm_count`` 0 means no GPU (interpreter): no split, fewer, larger programs."""
+def _heuristic(m: int, n: int, k: int, sm_count: int) -> TritonConfig:
+    """Read off the H200 sweep (.scratch/mm, 2026-11-30): 32-column tiles, K split until the grid holds
+    about four programs per SM (the whole weight in flight, a short wave tail) but never below 7 K blocks
+    per split (shorter loops lost more than the wider grid gained), partials summed in one launch, and
+    TMA weight tiles for products of at least 2048 x 2048 (1-2 points up there, 1-3 down below)."""
     block_m = max(16, triton.next_power_of_2(m))
     block_k = 128 if block_m <= 16 else 64
-    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    block_n = 64 if n >= 64 or sm_count else max(16, triton.next_power_of_2(n))
-    n_tiles = triton.cdiv(n, block_n)
-    split_k = 1
-    if sm_count:
-        k_blocks = triton.cdiv(k, block_k)
-        want = max(1, (2 * sm_count) // n_tiles)
-        split_k = max(1, min(want, k_blocks // 4, 16))  # >= 4 K blocks per split
-    return TritonConfig(block_m, block_n, block_k, split_k)
+    block_n = 32
+    split_k = max(1, min(round(4 * sm_count / triton.cdiv(n, block_n)), triton.cdiv(k, block_k) // 7, 32))
+    return TritonConfig(block_m, block_n, block_k, split_k, one_launch=True, tma=n >= 2048 and k >= 2048)
+
+
+# Measured on one H200 (132 SMs; .scratch/mm/gpu.py sweep, bf16, graph-timed with the weight rotated out of
+# L2, copy ceiling 4.227 TB/s): (M bucket, N, K) -> the fastest configuration, listed only where it beat the
+# heuristic's by more than the run-to-run noise (1 point); at the other 20 points swept (896..20480 x
+# 1536..7168, M = 1, 4, 16) the heuristic's pick was the winner or within 0.6 points of it.
+TABLE_SMS = 132
+TABLE: dict[tuple[int, int, int], TritonConfig] = {
+    (16, 20480, 7168): TritonConfig(16, 64, 128, 1, one_launch=True),  # 70.53 us 98.8% (heuristic 96.9%)
+}
+
+
+def _m_bucket(m: int) -> Optional[int]:
+    return next((b for b in (1, 4, 16) if m <= b), None)
+
+
+@functools.lru_cache(maxsize=4096)
+def choose_config(m: int, n: int, k: int, sm_count: int) -> TritonConfig:
+    """The measured table on an H200 (for M up to 16), else the heuristic. ``sm_count`` 0 means no GPU
+    (the interpreter): whole M in one tensor-core tile, no split, fewer, larger programs."""
+    if not sm_count:
+        block_m = max(16, triton.next_power_of_2(m))
+        block_k = min(128 if block_m <= 16 else 64, max(16, triton.next_power_of_2(k)))
+        return TritonConfig(block_m, max(16, min(64, triton.next_power_of_2(n))), block_k, 1)
+    bucket = _m_bucket(m)
+    if sm_count == TABLE_SMS and bucket is not None and (bucket, n, k) in TABLE:
+        return TABLE[(bucket, n, k)]
+    return _heuristic(m, n, k, sm_count)
+
+
+@functools.cache
+def _sm90_cuda(device: torch.device) -> bool:
+    """An NVIDIA GPU of compute capability 9.0 or newer (TMA, programmatic dependent launch)."""
+    return device.type == "cuda" and not is_rocm() and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _weight_descriptor(w: torch.Tensor, config: TritonConfig):
+    """A TMA descriptor of ``w`` in [block_n, block_k] tiles, or None where TMA cannot read it (not an
+    sm_90+ CUDA device, K not unit-stride, a row stride or base not 16-byte aligned)."""
+    if not _sm90_cuda(w.device):
+        return None
+    if w.stride(1) != 1 or (w.stride(0) * w.element_size()) % 16 or w.data_ptr() % 16:
+        return None
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None
+    return TensorDescriptor.from_tensor(w, [config.block_n, config.block_k])
 
 
 def supports(a, w, bias=None, residual=None) -> Reason:
@@ -141,16 +281,19 @@ def supports(a, w, bias=None, residual=None) -> Reason:
 
 
 def profitable(a, w, bias=None, residual=None) -> Reason:
-    """None where the kernel beats cuBLAS, else the reason. Measured on the H200 (benchmarks/results/
-    skinny_gemm_h200_sweep.json, M = 1..16): ahead by 4-19% when N >= 2048 and K >= 4096 (e.g. 2112x7168,
-    4608x7168, 20480x7168), 3-15% behind on narrower products (896x7168, 7168x1536, 2304x1536). ROCm has no
+    """None where the kernel beats cuBLAS by more than the noise, else the reason. Measured on the H200
+    (.scratch/mm sweep with the configs ``choose_config`` picks, 2026-11-30, M = 1, 4, 16): ahead by 3-19%
+    for N >= 2048 and K >= 4096 (2112, 3584, 4608, 20480 x 7168) and for 7168 x 3584 at M <= 4 (+6-10%);
+    behind at 7168 x 3584 M = 16 (-10%) and 7168 x 1536 (-10%); on par at 896 x 7168 (+2-4%). ROCm has no
     measurement and no CuTe: Triton stays the path there, as it does for CPU tensors under the interpreter."""
     if a.device.type != "cuda" or is_rocm():
         return None
+    m = a.shape[0]
     n, k = w.shape
-    if n >= 2048 and k >= 4096:
+    if n >= 2048 and (k >= 4096 or (k >= 3072 and m <= 4)):
         return None
-    return f"cuBLAS measured faster for N={n} K={k} (Triton wins at N >= 2048 and K >= 4096 on the H200)"
+    return (f"cuBLAS measured as fast or faster for M={m} N={n} K={k} (Triton wins at N >= 2048 and "
+            "K >= 4096, or K >= 3072 with M <= 4, on the H200)")
 
 
 def available(a, w, bias=None, residual=None) -> Reason:
@@ -189,31 +332,46 @@ def skinny_gemm_triton(
     if config is None:
         sms = _sm_count(a.device.index or 0) if a.device.type == "cuda" else 0
         config = choose_config(m, n, k, sms)
+    elif config.block_m < m or config.block_m & (config.block_m - 1) or (not config.fma and config.block_m < 16):
+        raise ValueError(f"skinny_gemm_triton: {config} cannot hold M={m} "
+                         "(block_m: a power of 2 >= M, and >= 16 for tl.dot)")
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     split_k = max(1, triton.cdiv(k, k_per_split)) if k else 1
+    n_tiles = triton.cdiv(n, config.block_n)
     ws = (torch.empty((split_k, m, n), dtype=torch.float32, device=a.device) if split_k > 1 else out)
+    counters = _counters(a.device, n_tiles) if split_k > 1 and config.one_launch else None
+    one_launch = counters is not None
     res = residual if residual is not None else out
     r_strides = (res.stride(0), res.stride(1))
     # Triton 3.7's interpreter computes 16-bit tl.dot wrongly; fp32 products of 16-bit inputs
     # are exact, so upcasting there gives the same result the GPU's 16-bit MMA does.
     upcast = a.device.type == "cpu" and a.dtype != torch.float32
-    flags = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None, SPLIT_K=split_k)
+    flags = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None)
+    tuning = dict(num_warps=config.num_warps)
+    if config.num_stages is not None:
+        tuning["num_stages"] = config.num_stages
+    w_desc = _weight_descriptor(w, config) if config.tma else None
+    pdl = config.pdl and _sm90_cuda(a.device) and gdc_wait is not None
+    if pdl:
+        tuning["launch_pdl"] = True
     with torch.cuda.device(a.device) if a.device.type == "cuda" else contextlib.nullcontext():
-        _skinny_gemm_kernel[(triton.cdiv(n, config.block_n), split_k)](
-            a, w, bias if bias is not None else out, res, out, ws,
-            m, n, k, k_per_split,
+        _skinny_gemm_kernel[(n_tiles, split_k)](
+            a, w, w_desc if w_desc is not None else w, bias if bias is not None else out, res, out, ws,
+            counters if one_launch else ws,
+            m, n, k, k_per_split, split_k,
             a.stride(0), a.stride(1), w.stride(0), w.stride(1), *r_strides,
             out.stride(0), out.stride(1),
+            SPLIT=split_k > 1, ONE_LAUNCH=one_launch, FMA=config.fma,
+            LOOP_STAGES=(config.num_stages or 3) if config.fma and a.device.type == "cuda" else None,
             # fp32: IEEE products (no TF32); 16-bit: the target's default (ROCm rejects "tf32")
             PRECISION="ieee" if a.dtype == torch.float32 or upcast else None, UPCAST=upcast,
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            num_warps=config.num_warps, **flags,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TMA=w_desc is not None,
+            PDL=pdl, PREFETCH_LINES=config.prefetch_lines, **tuning, **flags,
         )
-        if split_k > 1:
-            _split_k_reduce_kernel[(triton.cdiv(n, config.block_n),)](
+        if split_k > 1 and not one_launch:
+            _split_k_reduce_kernel[(n_tiles,)](
                 ws, bias if bias is not None else out, res, out,
-                m, n, *r_strides, out.stride(0), out.stride(1),
+                m, n, split_k, *r_strides, out.stride(0), out.stride(1),
                 BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps, **flags,
             )
     return out
-
