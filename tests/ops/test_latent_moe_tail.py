@@ -14,6 +14,7 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from k3compile.ops import arrival_counters
 from k3compile.backends import BackendUnavailableError
 from k3compile.ops.latent_moe_tail import latent_moe_tail
 from k3compile.ops.latent_moe_tail import op as tail_op
@@ -47,7 +48,7 @@ def truth(latent, shared, norm_weight, up_weight, eps):
 
 
 def counters_all_zero() -> bool:
-    return all(int(c.abs().sum()) == 0 for c in tail_triton._COUNTERS.values())
+    return arrival_counters.all_zero()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,7 +118,7 @@ def test_split_k_repeated_calls_identical_and_counters_reset(reduce):
     args = make_inputs(3, 64, 20, torch.bfloat16, seed=5)
     cfg = TailConfig(block_n=16, block_k=16, split_k=4, reduce=reduce)
     first = latent_moe_tail_triton(*args, 1e-5, cfg)
-    for _ in range(tail_triton.COUNTER_RING + 2 if reduce == "last" else 3):
+    for _ in range(arrival_counters.RING + 2 if reduce == "last" else 3):
         out = torch.full_like(first, float("nan"))
         latent_moe_tail_triton(*args, 1e-5, cfg, out=out)
         assert torch.equal(out, first)
@@ -130,24 +131,13 @@ def test_no_counters_during_capture_falls_back_to_reduce_kernel(monkeypatch):
     reduces with the second kernel instead: same result."""
     args = make_inputs(4, 200, 50, torch.float32, seed=3)
     cfg = TailConfig(block_n=16, block_k=32, split_k=3, reduce="last")
-    monkeypatch.setattr(tail_triton, "_COUNTERS", {})
-    monkeypatch.setattr(tail_triton, "_capturing", lambda device: True)
-    assert tail_triton.arrival_counters(torch.device("cpu"), 8) is None
+    monkeypatch.setattr(arrival_counters, "_BUFFERS", {})
+    monkeypatch.setattr(arrival_counters, "_capturing", lambda device: True)
+    assert arrival_counters.arrival_counters(torch.device("cpu"), 8) is None
     out = torch.full((4, 50), float("nan"))
     latent_moe_tail_triton(*args, 1e-5, cfg, out=out)
     assert rel_err(out, truth(*args, 1e-5)) < TOL[torch.float32]
-    assert tail_triton._COUNTERS == {}
-
-
-def test_counters_grow_outside_capture_only(monkeypatch):
-    monkeypatch.setattr(tail_triton, "_COUNTERS", {})
-    small = tail_triton.arrival_counters(torch.device("cpu"), 10)
-    assert small.numel() >= 10 and int(small.abs().sum()) == 0
-    big = tail_triton.arrival_counters(torch.device("cpu"), 5000)
-    assert big.numel() >= 5000
-    monkeypatch.setattr(tail_triton, "_capturing", lambda device: True)
-    assert tail_triton.arrival_counters(torch.device("cpu"), 4000) is not None   # fits: no allocation
-    assert tail_triton.arrival_counters(torch.device("cpu"), 9000) is None
+    assert arrival_counters._BUFFERS == {}
 
 
 def test_fp16_large_latent_prenorm():

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -37,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from k3compile.ops.arrival_counters import arrival_counters
 from k3compile.backends import Reason, triton_can_run_on, triton_interpret
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -278,39 +278,6 @@ def _tail_reduce_kernel(
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     _tail_reduce(p_ws, p_ss, p_s, p_o, i_n, o_m, o_n, o_m < M, o_n < D, M, D, L, eps,
                  s_sm, s_sn, s_om, s_on, BLOCK_M, BLOCK_N, SPLIT_K, PRENORM)
-
-
-# ---------------------------------------------------------------------------------------------
-# arrival counters: one int32 per column tile, all zero between launches (the last program of a
-# tile resets its own). Each launch takes the next of RING slots of a per-device buffer, so launches
-# on two streams at once would need RING launches in flight to share counters. The buffer is made
-# outside CUDA-graph capture only (an allocation there would belong to the graph); a first call
-# inside a capture uses the reduce kernel instead (correct, one launch more).
-
-COUNTER_RING = 64
-_COUNTERS: dict[str, torch.Tensor] = {}
-_COUNTER_NEXT: dict[str, int] = {}
-_COUNTERS_LOCK = threading.Lock()
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def arrival_counters(device: torch.device, n: int) -> Optional[torch.Tensor]:
-    """``n`` zeroed int32 counters on ``device`` (the next slot of the ring); None while a CUDA graph
-    is being captured and no buffer of ``n`` per slot exists yet."""
-    key = str(device)
-    with _COUNTERS_LOCK:
-        buf = _COUNTERS.get(key)
-        if buf is None or buf.shape[1] < n:
-            if _capturing(device):
-                return None
-            buf = torch.zeros((COUNTER_RING, max(n, 256)), dtype=torch.int32, device=device)
-            _COUNTERS[key] = buf
-        slot = _COUNTER_NEXT.get(key, 0)
-        _COUNTER_NEXT[key] = (slot + 1) % COUNTER_RING
-    return buf[slot]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -28,6 +27,7 @@ try:  # grid dependency control (PDL), Triton >= 3.4
 except ImportError:  # pragma: no cover
     gdc_launch_dependents = gdc_wait = None
 
+from k3compile.ops.arrival_counters import arrival_counters
 from k3compile.backends import is_rocm, Reason, triton_can_run_on
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -168,39 +168,6 @@ class TritonConfig:
                 f"{'-tma' if self.tma else ''}{f'-pdl{self.prefetch_lines}' if self.pdl else ''}")
 
 
-# One arrival counter per column tile, per device: zero at rest (the last program of a tile rearms
-# its counter), so one buffer serves every call and every CUDA-graph replay without a memset.
-# Calls on one device must not overlap on two streams (nothing in k3compile does that).
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_MAX_COUNTERS = 1 << 16
-
-
-def _counters(device: torch.device, n_tiles: int) -> Optional[torch.Tensor]:
-    """The device's counter buffer, or None (use the two-launch split-K) when there is none yet and
-    a CUDA graph is being captured (a buffer zeroed inside a capture is only zeroed on replay)."""
-    buf = _COUNTERS.get(device)
-    if buf is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        buf = _COUNTERS[device] = _allocate_outside_graph_pools(_MAX_COUNTERS, device)
-    return buf if n_tiles <= buf.numel() else None
-
-
-def _allocate_outside_graph_pools(numel: int, device: torch.device) -> torch.Tensor:
-    """Zeroed int32s from the ordinary allocator. Inductor's CUDA-graph trees route every allocation of
-    the warming-up thread into their private pool and fail on a live block they do not own, so the
-    buffer this process keeps for good is made on a thread of its own."""
-    made = []
-    worker = threading.Thread(target=lambda: made.append(torch.zeros(numel, dtype=torch.int32, device=device)))
-    worker.start()
-    worker.join()
-    if not made:
-        raise RuntimeError(f"skinny_gemm_triton: could not allocate the split-K counters on {device}")
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # zeroed on that thread's stream: done before any use here
-    return made[0]
-
-
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -339,7 +306,7 @@ def skinny_gemm_triton(
     split_k = max(1, triton.cdiv(k, k_per_split)) if k else 1
     n_tiles = triton.cdiv(n, config.block_n)
     ws = (torch.empty((split_k, m, n), dtype=torch.float32, device=a.device) if split_k > 1 else out)
-    counters = _counters(a.device, n_tiles) if split_k > 1 and config.one_launch else None
+    counters = arrival_counters(a.device, n_tiles) if split_k > 1 and config.one_launch else None
     one_launch = counters is not None
     res = residual if residual is not None else out
     r_strides = (res.stride(0), res.stride(1))
