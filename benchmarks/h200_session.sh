@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || tail -5 "$OUT/install.log"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.device_count(), 'x', torch.cuda.get_device_name())"
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
-STEPS=${STEPS:-gpu_tests kda_decode moe_tail moe_tail_tp2 decode_tp1}
+STEPS=${STEPS:-gpu_tests gpu_model kda_decode kda_prefill moe_tail moe_tail_tp2 skinny decode_tp1}
 step() {  # step NAME SECONDS CMD...
     local name=$1 secs=$2; shift 2
     case " $STEPS " in *" $name "*) ;; *) return ;; esac
@@ -20,15 +20,14 @@ step() {  # step NAME SECONDS CMD...
     timeout --kill-after=10 "$secs" "$@" > "$OUT/$name.log" 2>&1
     echo "=== $name: rc=$? in $((SECONDS - t0))s"
 }
-step gpu_tests    ${T_TESTS:-130} python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops ${TESTS_K:+-k "$TESTS_K"}
-step gpu_model    ${T_MODEL:-240} python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/compiler/test_gpu_k3.py
+step gpu_tests    ${T_TESTS:-150} python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/ops tests/patterns ${TESTS_K:+-k "$TESTS_K"}
+step gpu_model    ${T_MODEL:-240} python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/compiler/test_gpu_k3.py ${MODEL_K:+-k "$MODEL_K"}
 step kda_decode   ${T_KDA:-130}   python3 benchmarks/kda_decode.py --rep-ms 50 --out "$OUT/kda_decode.json"
-step kda_warps    ${T_KDAW:-60}   python3 benchmarks/kda_decode.py --batch 64 256 --heads 12 96 --providers k3 \
-                                  --num-warps 4 8 16 --rep-ms 30 --out "$OUT/kda_warps.json"
-step moe_tail     ${T_MOE:-110}   python3 benchmarks/moe_tail.py --m 1 4 16 --json "$OUT/moe_tail_tp1.json"
+step kda_prefill  ${T_KDAP:-40}   python3 benchmarks/kda_prefill.py --tokens 512 4096 --heads 12 --rep-ms 40 \
+                                  --out "$OUT/kda_prefill.json"
+step moe_tail     ${T_MOE:-110}   python3 benchmarks/moe_tail.py --m 1 2 4 8 16 --json "$OUT/moe_tail_tp1.json"
 [ "$NGPU" -ge 2 ] && step moe_tail_tp2 ${T_MOE2:-100} python3 benchmarks/moe_tail.py --tp 2 --m 1 4 16 --json "$OUT/moe_tail_tp2.json"
-step skinny_dyn   ${T_SKINNY:-60} python3 benchmarks/skinny_gemm.py --dynamic-weight --ms 1,4,16 \
-                                  --shapes 896x7168,2112x7168,7168x3584,20480x7168 --json "$OUT/skinny_dynamic.json"
+step skinny       ${T_SKINNY:-240} python3 benchmarks/skinny_gemm.py --sweep --json "$OUT/skinny_sweep.json"
 step decode_tp1   ${T_DECODE:-120} python3 benchmarks/tp_decode.py --world-size 1 --backend nccl --config slice \
                                   --batch 1,16 --steps 3 --json "$OUT/decode_tp1.json"
 for f in $STEPS; do

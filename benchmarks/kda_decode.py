@@ -15,6 +15,8 @@ correctness check runs first and prints ‖out − ref‖/‖ref‖ per row agai
     python benchmarks/kda_decode.py                    # B 1 8 64 256 x H 12 96
     python benchmarks/kda_decode.py --quick            # B 1 64 x H 12, fewer repetitions
     python benchmarks/kda_decode.py --num-warps 4 8 16 # sweep the kernel's warps (k3 rows only)
+    python benchmarks/kda_decode.py --configs s1r128w8 s4r32w4 s1r16w4d2   # layouts: V splits, rows a tile,
+                                                                         # warps, tile loads in flight
 Writes JSON to benchmarks/results/kda_decode.json (``--out``).
 """
 from __future__ import annotations
@@ -67,11 +69,23 @@ def rel(out, ref) -> float:
 
 
 # -- providers: each returns a zero-argument step that reads and updates its own copy of the inputs ----------
-def k3_step(x, num_warps=None):
+def parse_config(name: str):
+    """``s4r32w4`` -> KernelConfig(splits=4, rows=32, num_warps=4); ``s1r16w4d2``: 2 tile loads in flight."""
+    import re
+
+    from k3compile.ops.kda_decode.triton import KernelConfig
+
+    m = re.fullmatch(r"s(\d+)r(\d+)w(\d+)(?:d(\d+))?", name)
+    if not m:
+        raise SystemExit(f"bad --configs entry {name!r} (want e.g. s4r32w4 or s1r16w4d2)")
+    return KernelConfig(*(int(g) for g in m.groups() if g is not None))
+
+
+def k3_step(x, num_warps=None, config=None):
     from k3compile.ops.kda_decode.triton import kda_decode_triton
 
     args = dict(x)
-    return lambda: kda_decode_triton(**args, num_warps=num_warps)
+    return lambda: kda_decode_triton(**args, num_warps=num_warps, config=config)
 
 
 def fla_step(x):
@@ -163,6 +177,8 @@ def check(B, H, providers) -> dict:
         out = make(x)()
         state = x["state"]
         errs[name] = {"out": rel(out, ref), "state": rel(state, ref_in["state"]) if name != "fla" else None}
+        if name != "fla":   # fla's conv caches live in its own layout
+            errs[name]["conv"] = max(rel(x[n], ref_in[n]) for n in ("conv_state_q", "conv_state_k", "conv_state_v"))
     return errs
 
 
@@ -172,6 +188,8 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, nargs="+", default=[12, 96], help="12 = 96 heads / TP 8")
     ap.add_argument("--providers", nargs="+", default=["k3", "fla", "compile"])
     ap.add_argument("--num-warps", type=int, nargs="*", default=[], help="k3 kernel warps to sweep")
+    ap.add_argument("--configs", nargs="*", default=[],
+                    help="k3 kernel layouts to sweep: sSPLITSrROWSwWARPS[dDEPTH], e.g. s1r128w8 s1r16w4d2")
     ap.add_argument("--quick", action="store_true", help="B 1 64, H 12, short repetitions")
     ap.add_argument("--rep-ms", type=int, default=200)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "kda_decode.json"))
@@ -186,7 +204,10 @@ def main(argv=None) -> int:
     makers = {"k3": k3_step, "fla": fla_step, "compile": compile_step}
     providers = {}
     for p in args.providers:
-        if p == "k3" and args.num_warps:
+        if p == "k3" and args.configs:
+            for c in args.configs:
+                providers[f"k3/{c}"] = (lambda cfg: lambda x: k3_step(x, config=cfg))(parse_config(c))
+        elif p == "k3" and args.num_warps:
             for nw in args.num_warps:
                 providers[f"k3/w{nw}"] = (lambda nw: lambda x: k3_step(x, nw))(nw)
         else:
@@ -199,16 +220,32 @@ def main(argv=None) -> int:
 
     bw = copy_bandwidth(args.rep_ms)
     print(f"copy ceiling: {bw / 1e12:.2f} TB/s (2 GiB copy_, read + write)")
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
+            "copy_bytes_per_s": bw, "K": K, "V": V, "W": W, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "argv": sys.argv[1:]}
+    try:
+        import triton
+        meta["triton"] = triton.__version__
+    except Exception:
+        pass
     rows = []
+
+    def save():  # after every shape: a run stopped by its time limit keeps what it measured
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
     print("\ncorrectness (rel. error vs reference.py, bf16 activations, fp32 state):")
     for H in args.heads:
         for B in args.batch:
             for name, e in check(B, H, providers).items():
                 s = "n/a" if e["state"] is None else f"{e['state']:.2e}"
-                print(f"  B={B:<4} H={H:<3} {name:<10} out {e['out']:.2e}  state {s}")
+                c = f"  conv states {e['conv']:.2e}" if "conv" in e else ""
+                print(f"  B={B:<4} H={H:<3} {name:<14} out {e['out']:.2e}  state {s}{c}")
                 rows.append({"kind": "check", "B": B, "H": H, "provider": name, **e})
+            torch.cuda.empty_cache()
+    save()
 
-    print(f"\n{'B':>4} {'H':>3} {'provider':<10} {'µs':>9} {'floor µs':>9} {'× floor':>8} {'% ceiling':>9} "
+    print(f"\n{'B':>4} {'H':>3} {'provider':<14} {'µs':>9} {'floor µs':>9} {'× floor':>8} {'% ceiling':>9} "
           f"{'vs fla':>7} {'vs compile':>10}")
     for H in args.heads:
         for B in args.batch:
@@ -225,20 +262,11 @@ def main(argv=None) -> int:
             for name, us in times.items():
                 vs_fla = times.get("fla", float("nan")) / us
                 vs_compile = times.get("compile", float("nan")) / us
-                print(f"{B:>4} {H:>3} {name:<10} {us:>9.2f} {floor_us:>9.2f} {us / floor_us:>8.2f} "
+                print(f"{B:>4} {H:>3} {name:<14} {us:>9.2f} {floor_us:>9.2f} {us / floor_us:>8.2f} "
                       f"{100 * floor_us / us:>8.1f}% {vs_fla:>7.2f} {vs_compile:>10.2f}")
                 rows.append({"kind": "time", "B": B, "H": H, "provider": name, "us": us, "floor_us": floor_us,
                              "x_floor": us / floor_us, "speedup_vs_fla": vs_fla, "speedup_vs_compile": vs_compile})
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
-            "copy_bytes_per_s": bw, "K": K, "V": V, "W": W, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "argv": sys.argv[1:]}
-    try:
-        import triton
-        meta["triton"] = triton.__version__
-    except Exception:
-        pass
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+            save()
     print(f"\nwrote {args.out}")
     return 0
 

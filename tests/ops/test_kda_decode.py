@@ -8,7 +8,8 @@ from hypothesis import example, given, strategies as st
 from k3compile.backends import BackendUnavailableError
 from k3compile.ops.kda_decode import KDA_DECODE, kda_decode
 from k3compile.ops.kda_decode.reference import kda_decode_ref, short_conv_decode_ref
-from k3compile.ops.kda_decode.triton import kda_decode_triton
+from k3compile.ops import arrival_counters
+from k3compile.ops.kda_decode.triton import KernelConfig, default_config, kda_decode_triton
 from k3compile.testing import rel_err as rel
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -96,15 +97,38 @@ CASES = [
 ]
 
 
+# kernel layouts (V splits, rows a tile, warps, tile loads in flight): the default, split programs with the
+# ticketed norm, one-program tile walks (two and three loads ahead), a split count that does not divide V
+LAYOUTS = {"default": None, "s4r32w4": KernelConfig(4, 32, 4), "s1r8w4d2": KernelConfig(1, 8, 4, 2),
+           "s3r8w2d3": KernelConfig(3, 8, 2, 3)}
+
+
+def tickets_all_zero() -> bool:
+    return arrival_counters.all_zero()
+
+
+def test_default_layout_follows_the_h200_measurements():
+    """Few heads in flight: V splits; many: one program walking small tiles; small heads: one tile."""
+    assert default_config(1, 12, 128, 128) == KernelConfig(8, 16, 4)
+    assert default_config(8, 12, 128, 128) == default_config(1, 96, 128, 128) == KernelConfig(4, 16, 4)
+    assert default_config(64, 12, 128, 128) == default_config(8, 96, 128, 128) == KernelConfig(1, 16, 4)
+    assert default_config(256, 96, 128, 128) == KernelConfig(1, 8, 4, 2)
+    assert default_config(2, 6, 32, 32) == KernelConfig(1, 32, 4)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("B,H,HV,K,V,dtype,lb", CASES, ids=[shape_id(*c) for c in CASES])
-def test_kda_decode_triton_matches_reference(B, H, HV, K, V, dtype, lb):
+def test_kda_decode_triton_matches_reference(B, H, HV, K, V, dtype, lb, layout):
+    if layout not in ("default", "s4r32w4") and K == 128:
+        pytest.skip("the K3 shape runs the default and the split layout (interpreter time)")
     dtype = DTYPES[dtype]
     ref_in = make_inputs(B, H, HV, K, V, dtype, lb)
     tri_in = clone(ref_in)
     ref = kda_decode_ref(**ref_in)
     out = torch.full((B, HV * V), float("nan"), dtype=dtype)
-    kda_decode_triton(**tri_in, out=out)
-    assert_close_to(out, ref, tri_in, ref_in, dtype, shape_id(B, H, HV, K, V, dtype, lb))
+    kda_decode_triton(**tri_in, out=out, config=LAYOUTS[layout])
+    assert_close_to(out, ref, tri_in, ref_in, dtype, f"{shape_id(B, H, HV, K, V, dtype, lb)} {layout}")
+    assert tickets_all_zero(), "a split launch must leave its tickets at zero for the next call"
 
 
 @given(
@@ -112,31 +136,41 @@ def test_kda_decode_triton_matches_reference(B, H, HV, K, V, dtype, lb):
     K=st.sampled_from([16, 32, 64, 128]), V=st.sampled_from([16, 32, 64, 128]),
     dtype=st.sampled_from(["bf16", "fp16", "fp32"]), lb=st.sampled_from([-5.0, -1.0, None]),
     state_scale=st.sampled_from([0.0, 1.0, 30.0]), seed=st.integers(0, 2**16),
+    splits=st.sampled_from([1, 2, 4]), rows=st.sampled_from([8, 32, 128]), warps=st.sampled_from([2, 4]),
+    depth=st.sampled_from([1, 2, 3]),
 )
-@example(B=1, H=12, group=1, K=128, V=128, dtype="bf16", lb=-5.0, state_scale=1.0, seed=0)
-@example(B=4, H=2, group=1, K=128, V=128, dtype="bf16", lb=None, state_scale=1.0, seed=1)
-def test_kda_decode_op_matches_reference_property(B, H, group, K, V, dtype, lb, state_scale, seed):
+@example(B=1, H=12, group=1, K=128, V=128, dtype="bf16", lb=-5.0, state_scale=1.0, seed=0, splits=1, rows=128,
+         warps=4, depth=1)
+@example(B=4, H=2, group=1, K=128, V=128, dtype="bf16", lb=None, state_scale=1.0, seed=1, splits=4, rows=32,
+         warps=4, depth=1)
+def test_kda_decode_op_matches_reference_property(B, H, group, K, V, dtype, lb, state_scale, seed, splits, rows,
+                                                  warps, depth):
     dtype = DTYPES[dtype]
     HV = H * group
     ref_in = make_inputs(B, H, HV, K, V, dtype, lb, state_scale=state_scale, seed=seed)
     tri_in = clone(ref_in)
     truth = fp32_truth(clone(ref_in))
     ref = kda_decode_ref(**ref_in)
-    out = kda_decode(**tri_in, backend="triton")
+    out = torch.full((B, HV * V), float("nan"), dtype=dtype)
+    kda_decode_triton(**tri_in, out=out, config=KernelConfig(splits, rows, warps, depth))
     assert_close_to(out, ref, tri_in, ref_in, dtype, shape_id(B, H, HV, K, V, dtype, lb), truth)
+    assert tickets_all_zero()
 
 
+@pytest.mark.parametrize("layout", ["default", "s4r32w4", "s3r8w2d3"])
 @pytest.mark.parametrize("lb", [-5.0, None], ids=["lb", "softplus"])
-def test_kda_decode_consecutive_steps_carry_state(lb):
-    B, H, HV, K, V, dtype = 2, 2, 2, 32, 64, torch.bfloat16
+def test_kda_decode_consecutive_steps_carry_state(lb, layout):
+    """Conv states shifted once per step (with V splits: by the last program of the head), states carried."""
+    B, H, HV, K, V, dtype = 2, 2, 4, 32, 64, torch.bfloat16
     ref_in = make_inputs(B, H, HV, K, V, dtype, lb)
     tri_in = clone(ref_in)
     for step in range(4):
         ref_in = fresh_step_inputs(ref_in, step)
         tri_in = fresh_step_inputs(tri_in, step)
         ref = kda_decode_ref(**ref_in)
-        out = kda_decode(**tri_in, backend="triton")
-        assert_close_to(out, ref, tri_in, ref_in, dtype, f"step {step}")
+        out = torch.full((B, HV * V), float("nan"), dtype=dtype)
+        kda_decode_triton(**tri_in, out=out, config=LAYOUTS[layout])
+        assert_close_to(out, ref, tri_in, ref_in, dtype, f"step {step} {layout}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -278,31 +312,43 @@ def test_kda_decode_in_compiled_graph_mutates_states():
 # ---------------------------------------------------------------------------------------------------
 # GPU: the compiled kernel (not the interpreter) at K3 decode shapes, and under CUDA-graph capture
 
+# the default (per shape), both split layouts it picks, and one-program walks two and three loads ahead
+GPU_LAYOUTS = {"default": None, "s4r16w4": KernelConfig(4, 16, 4), "s8r16w4": KernelConfig(8, 16, 4),
+               "s1r16w4d2": KernelConfig(1, 16, 4, 2), "s1r8w4d3": KernelConfig(1, 8, 4, 3)}
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", list(GPU_LAYOUTS))
 @pytest.mark.parametrize("B,H,dtype,lb", [(1, 12, "bf16", -5.0), (64, 12, "bf16", -5.0), (8, 96, "bf16", None),
                                           (3, 4, "fp16", -5.0), (5, 3, "fp32", None)],
                          ids=["B1-H12-K128-bf16-lb", "B64-H12-K128-bf16-lb", "B8-H96-K128-bf16-softplus",
                               "B3-H4-K128-fp16-lb", "B5-H3-K128-fp32-softplus"])
-def test_kda_decode_cuda_matches_reference(B, H, dtype, lb):
+def test_kda_decode_cuda_matches_reference(B, H, dtype, lb, layout):
     dtype = DTYPES[dtype]
     ref_in = make_inputs(B, H, H, 128, 128, dtype, lb, device="cuda")
     tri_in = clone(ref_in)
     truth = fp32_truth(clone(ref_in))
-    ref = kda_decode_ref(**ref_in)
-    out = torch.full((B, H * 128), float("nan"), dtype=dtype, device="cuda")
-    kda_decode_triton(**tri_in, out=out)
-    assert_close_to(out, ref, tri_in, ref_in, dtype, truth=truth)
+    for step in range(3):   # the split layouts' tickets and q/k conv shift must hold up across launches
+        ref_in, tri_in = fresh_step_inputs(ref_in, step), fresh_step_inputs(tri_in, step)
+        truth = fp32_truth(clone(ref_in)) if step else truth
+        ref = kda_decode_ref(**ref_in)
+        out = torch.full((B, H * 128), float("nan"), dtype=dtype, device="cuda")
+        kda_decode_triton(**tri_in, out=out, config=GPU_LAYOUTS[layout])
+        assert_close_to(out, ref, tri_in, ref_in, dtype, f"step {step} {layout}", truth=truth)
+    assert tickets_all_zero()
 
 
 @pytest.mark.gpu
-def test_kda_decode_cuda_graph_replay_steps_like_eager():
+@pytest.mark.parametrize("layout", ["default", "s4r16w4", "s1r16w4d2"])
+def test_kda_decode_cuda_graph_replay_steps_like_eager(layout):
     B, H, dtype = 4, 12, torch.bfloat16
     ref_in = make_inputs(B, H, H, 128, 128, dtype, -5.0, device="cuda")
     tri_in = clone(ref_in)
-    kda_decode(**clone(tri_in), backend="triton")                         # warm up (compile) outside capture
+    cfg = GPU_LAYOUTS[layout]
+    kda_decode_triton(**clone(tri_in), config=cfg)                        # warm up (compile) outside capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = kda_decode(**tri_in, backend="triton")
+        out = kda_decode_triton(**tri_in, config=cfg)
     for step in range(3):
         new = fresh_step_inputs(ref_in, step)
         for n in ("q", "k", "v", "f", "beta_logits", "out_gate"):
@@ -311,6 +357,7 @@ def test_kda_decode_cuda_graph_replay_steps_like_eager():
         ref = kda_decode_ref(**ref_in)
         graph.replay()
         assert_close_to(out, ref, tri_in, ref_in, dtype, f"replay {step}")
+    assert tickets_all_zero()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -326,22 +373,29 @@ from k3compile.ops.kda_decode.triton import kda_decode_kernel
 
 names = list(inspect.signature(kda_decode_kernel.fn).parameters)
 act = {"q", "k", "v", "conv_q", "conv_k", "conv_v", "f", "beta", "gate", "o"}
-fp32 = {"w_q", "w_k", "w_v", "A_log", "dt_bias", "norm_w", "state"}
-sig = {n: "*bf16" if n in act else "*fp32" if n in fp32 else "i64" if n.startswith("stride")
+fp32 = {"w_q", "w_k", "w_v", "A_log", "dt_bias", "norm_w", "state", "o_part", "ss_part"}
+sig = {n: "*bf16" if n in act else "*fp32" if n in fp32 else "*i32" if n == "tickets"
+       else "i64" if n.startswith("stride")
        else "fp32" if n in ("lower_bound", "scale", "eps") else "constexpr" for n in names}
 # what a launch specialises on: 16-byte aligned pointers, strides divisible by 16
-attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in act | fp32 or n.startswith("stride")}
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+         if n in act | fp32 | {"tickets"} or n.startswith("stride")}
 out = {}
+# (splits, rows a tile, tiles, warps, depth): the whole tile in one program, four programs of 32 rows, and
+# one program walking 8 tiles of 16 rows two loads ahead
+layouts = {"whole": (1, 128, 1, 8, 1), "split4": (4, 32, 1, 4, 1), "walk16": (1, 16, 8, 4, 2)}
 for target in (("cuda", 90, 32), ("hip", "gfx942", 64)):
     for lb in (True, False):
-        consts = dict(H=12, HV=12, K=128, V=128, W=4, BK=128, BV=128, BW=4, USE_LOWER_BOUND=lb)
-        try:
-            src = ASTSource(fn=kda_decode_kernel, signature=sig,
-                            constexprs={(names.index(n),): v for n, v in consts.items()}, attrs=attrs)
-        except TypeError as e:
-            print(json.dumps({"skip": str(e)})); sys.exit(0)
-        k = triton.compile(src, target=GPUTarget(*target), options={"num_warps": 4})
-        out[f"{target[0]}-{'lb' if lb else 'softplus'}"] = k.asm.get("ptx", "")
+        for layout, (ns, bv, nt, warps, depth) in layouts.items():
+            consts = dict(H=12, HV=12, K=128, V=128, W=4, BK=128, BV=bv, BVH=128, BW=4, NSPLIT=ns, NT=nt,
+                          BS=ns, DEPTH=depth, USE_LOWER_BOUND=lb)
+            try:
+                src = ASTSource(fn=kda_decode_kernel, signature=sig,
+                                constexprs={(names.index(n),): v for n, v in consts.items()}, attrs=attrs)
+            except TypeError as e:
+                print(json.dumps({"skip": str(e)})); sys.exit(0)
+            k = triton.compile(src, target=GPUTarget(*target), options={"num_warps": warps})
+            out[f"{target[0]}-{'lb' if lb else 'softplus'}-{layout}"] = k.asm.get("ptx", "")
 print(json.dumps({n: {"v4": "v4.b32" in p, "spill": "st.local" in p or "ld.local" in p} for n, p in out.items()}))
 """
 
@@ -358,7 +412,8 @@ def test_kda_decode_kernel_compiles_ahead_of_time_for_sm90_and_gfx942():
     report = json.loads(res.stdout.strip().splitlines()[-1])
     if "skip" in report:  # pragma: no cover - another Triton's AOT API
         pytest.skip(f"Triton AOT API differs here: {report['skip']}")
-    assert set(report) == {"cuda-lb", "cuda-softplus", "hip-lb", "hip-softplus"}
-    for name in ("cuda-lb", "cuda-softplus"):
+    assert set(report) == {f"{t}-{g}-{l}" for t in ("cuda", "hip") for g in ("lb", "softplus")
+                           for l in ("whole", "split4", "walk16")}
+    for name in [n for n in report if n.startswith("cuda")]:
         assert report[name]["v4"], "the state should stream in 16-byte vectors"
         assert not report[name]["spill"], "register spills"

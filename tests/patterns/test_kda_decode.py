@@ -1,5 +1,6 @@
 """The KDA decode rewrite: fires on every KDA layer of a decode graph (none on prefill), leaves no state
-copy in the compiled code, equals eager; near misses do not fire.
+copy in the compiled code, equals eager; near misses do not fire. The tiny K3 compiled here also runs the
+prefill pass (``kda_prefill``), whose tiny-model checks live here to share the one compile.
 
 Caches are off (a hit would skip the pass). The tiny K3 compiles once for the module (minutes on a
 shared 2-core CPU: marked slow); the other tests compile one small step function each.
@@ -62,9 +63,12 @@ def tiny_generate():
     eager = copy.deepcopy(model)
     ids = torch.randint(0, 512, (2, 5))
     torch._dynamo.reset()
+    from k3compile.ops.kda_prefill import KDA_PREFILL
+    KDA_PREFILL.clear()   # the report lists every recorded choice: only this model's prefill calls
     with torch._inductor.config.patch(fx_graph_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False), torch.no_grad():
-        k3compile.optimize(model, backend="triton", passes=["kda_decode"], fullgraph=True, dynamic=False)
+        k3compile.optimize(model, backend="triton", passes=["kda_decode", "kda_prefill"], fullgraph=True,
+                           dynamic=False)
         tokens, codes = run_and_get_code(model.generate, ids, max_new_tokens=4)
         ref = eager.generate(ids, max_new_tokens=4)
     return dict(tokens=tokens, ref=ref, report=k3compile.report(model), codes=codes)
@@ -78,6 +82,21 @@ def test_tiny_k3_fires_on_every_kda_layer_of_decode_and_not_on_prefill(tiny_gene
     # the prefill graph is not one where the pass is expected (no warning / strict error there)
     assert [g.record.facts["graph_kda_decode_convs"] for g in rep.graphs] == [0, 27]
     assert any(c.op == "kda_decode" and c.impl == "triton" for c in rep.choices)
+
+
+@pytest.mark.slow
+def test_tiny_k3_prefill_pass_fires_once_per_kda_layer(tiny_generate):
+    """Prompt [2, 5]: one chunk (padded from 5 to 16) per layer; the decode graph holds no chunk solve."""
+    rep = tiny_generate["report"]
+    assert [g.record.matches["kda_prefill"] for g in rep.graphs] == [9, 0]
+    assert [g.record.facts["graph_kda_prefill_solves"] for g in rep.graphs] == [18, 0]
+    # CPU: fla cannot run, so the forced Triton backend falls back to the reference, recorded with its reason
+    (choice,) = [c for c in rep.choices if c.op == "kda_prefill"]
+    assert choice.impl == "reference" and "fla" in choice.reason
+    assert choice.calls == 9
+    prefill_code = [c for c in tiny_generate["codes"] if "kda_prefill" in c]
+    assert len(prefill_code) == 1 and prefill_code[0].count("torch.ops.k3.kda_prefill.default(") == 9
+    assert "linalg_solve_triangular" not in prefill_code[0]
 
 
 @pytest.mark.slow

@@ -1,0 +1,155 @@
+"""The KDA prefill rewrite: ``kda_chunked``'s unrolled chunk recurrence becomes one ``k3::kda_prefill`` per call,
+for one or several chunks, padded or not, fp32 or 16-bit values; the compiled result equals eager; a graph that
+differs (another chunk size, a changed formula) is left alone. The tiny K3 checks (fires once per KDA layer of
+the prefill graph, tokens equal eager) live in ``test_kda_decode.py`` beside the decode pass, sharing its compile.
+
+Caches are off (a hit would skip the pass). Each test compiles one small function (seconds on CPU).
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._inductor.utils import run_and_get_code
+
+from k3compile.model import kda as model_kda
+from k3compile.model.kda import kda_chunked
+from k3compile.ops.kda_prefill import KDA_PREFILL
+from k3compile.passes import COMPILE_RECORD, K3Options, K3PostGradPass
+from k3compile.testing import rel_err as rel
+
+TOL_FLA = 1e-2   # fla (tf32 dots, its own chunking) and a bf16 output
+
+
+@pytest.fixture(autouse=True)
+def no_graph_caches():
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+
+
+def make_inputs(B, T, H, K, v_dtype, seed=0, device="cpu"):
+    """A prefill layer's recurrence inputs (q, k unit-norm, q scaled; bounded log-decay; post-sigmoid beta),
+    plus an output gate in v's dtype, and the fp32 state."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g)
+
+    q = F.normalize(r(B, T, H, K), dim=-1) * K ** -0.5
+    k = F.normalize(r(B, T, H, K), dim=-1)
+    x = [q, k, r(B, T, H, K).to(v_dtype), -5.0 * torch.sigmoid(r(B, T, H, K)), torch.sigmoid(r(B, T, H)),
+         r(B, H, K, K), r(B, T, H, K).to(v_dtype)]
+    return [t.to(device) for t in x]
+
+
+def layer(recurrence):
+    """The recurrence between its inputs and the gated output, as the model's prefill wraps it."""
+    def fn(q, k, v, g, beta, state, gate):
+        o = recurrence(q, k, v, g, beta, state)
+        return (o * torch.sigmoid(gate.float())).to(gate.dtype)
+    return fn
+
+
+def two_layers(first, second):
+    """Two layers' recurrences in one graph (on their own inputs and states), outputs flattened and joined."""
+    def fn(inputs_a, inputs_b):
+        return torch.cat([first(*inputs_a).flatten(), second(*inputs_b).flatten()])
+    return fn
+
+
+def compile_and_check(fn, inputs_a, inputs_b, backend="triton", tol=0.0):
+    """Compile ``fn`` with the kda_prefill pass only; states equal eager within ``tol`` (bitwise on the reference
+    path: the op runs ``kda_chunked`` itself), outputs within ``max(tol, 1e-6)`` (Inductor fuses the gate
+    multiply after it in its own order). Returns (matches, solves seen, code)."""
+    ref_a, ref_b = copy.deepcopy(inputs_a), copy.deepcopy(inputs_b)
+    ref = fn(ref_a, ref_b)
+    torch._dynamo.reset()
+    COMPILE_RECORD.take()
+    pass_ = K3PostGradPass(K3Options(backend=backend, passes=("kda_prefill",)))
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False, options={"post_grad_custom_post_pass": pass_})
+    out, (code,) = run_and_get_code(compiled, inputs_a, inputs_b)
+    (record,) = COMPILE_RECORD.take()
+    assert rel(out, ref) <= max(tol, 1e-6)
+    for got, want in zip(inputs_a + inputs_b, ref_a + ref_b):     # states updated in place, as eager
+        assert rel(got, want) <= tol
+    return record.matches["kda_prefill"], record.facts["graph_kda_prefill_solves"], code
+
+
+CASES = [  # (T, v dtype): chunks n = ceil(T / 16)
+    (5, torch.bfloat16),    # one chunk, padded
+    (32, torch.float32),    # two whole chunks, no padding
+    (40, torch.bfloat16),   # three chunks, the last padded
+]
+
+
+@pytest.mark.parametrize("T,v_dtype", CASES, ids=[f"T{T}-v{str(d)[6:]}" for T, d in CASES])
+def test_fires_once_per_recurrence_and_equals_eager(T, v_dtype):
+    """Two layers (different head counts) in one graph: two matches, two op calls, no triangular solve left."""
+    KDA_PREFILL.clear()
+    fn = two_layers(layer(kda_chunked), layer(kda_chunked))
+    n, solves, code = compile_and_check(fn, make_inputs(2, T, 2, 8, v_dtype, seed=0),
+                                        make_inputs(1, T, 3, 16, v_dtype, seed=1))
+    assert (n, solves) == (2, 4)
+    assert code.count("torch.ops.k3.kda_prefill.default(") == 2
+    assert "linalg_solve_triangular" not in code
+    # on CPU the forced Triton backend (fla) falls back to the reference, recorded with its reason
+    assert {c.impl for c in KDA_PREFILL.choices()} == {"reference"}
+    assert all("fla" in c.reason for c in KDA_PREFILL.choices())
+
+
+def test_another_chunk_size_does_not_fire():
+    """kda_chunked at chunk 8 is not the model's prefill (chunk 16): no candidate, no rewrite, still correct."""
+    fn = layer(lambda q, k, v, g, beta, state: kda_chunked(q, k, v, g, beta, state, chunk_size=8))
+    n, solves, _ = compile_and_check(two_layers(fn, fn), make_inputs(1, 20, 2, 8, torch.bfloat16, seed=0),
+                                     make_inputs(1, 20, 2, 8, torch.bfloat16, seed=1), tol=1e-5)
+    assert (n, solves) == (0, 0)
+
+
+def _changed_kda_chunked():
+    """kda_chunked with one formula changed (the end-of-chunk key decay), compiled from its own source."""
+    src = inspect.getsource(kda_chunked)
+    line = "k_to_end = torch.exp(gam[..., -1:, :] - gam) * k"
+    assert line in src
+    namespace = dict(vars(model_kda))
+    exec(compile(src.replace(line, line + " * 0.5"), "<changed kda_chunked>", "exec"), namespace)
+    return namespace["kda_chunked"]
+
+
+def test_changed_formula_does_not_fire_beside_one_that_does():
+    """Same shapes and chunk size, one formula different: the exact pattern rejects it (the true one beside it
+    still fuses), and the compiled graph stays equal to its own eager run."""
+    changed = _changed_kda_chunked()
+    fn = two_layers(layer(changed), layer(kda_chunked))
+    n, solves, code = compile_and_check(fn, make_inputs(1, 20, 2, 8, torch.float32, seed=0),
+                                        make_inputs(1, 20, 2, 8, torch.float32, seed=1), tol=1e-5)
+    assert (n, solves) == (1, 4)
+    assert code.count("torch.ops.k3.kda_prefill.default(") == 1
+
+
+def test_chunk_count_matches_kda_chunked_loop():
+    """The unrolled graph depends on T only through n = ceil(T / C): a 17-token prompt is two chunks."""
+    assert math.ceil(17 / inspect.signature(kda_chunked).parameters["chunk_size"].default) == 2
+    n, _, _ = compile_and_check(two_layers(layer(kda_chunked), layer(kda_chunked)),
+                                make_inputs(1, 17, 1, 8, torch.float32, seed=2),
+                                make_inputs(1, 17, 1, 8, torch.float32, seed=3))
+    assert n == 2
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU: the same graph on CUDA tensors runs fla's chunk_kda
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [37, 128], ids=["T37", "T128"])
+def test_cuda_graph_runs_fla_chunk_kda(T):
+    KDA_PREFILL.clear()
+    fn = two_layers(layer(kda_chunked), layer(kda_chunked))
+    n, solves, code = compile_and_check(fn, make_inputs(2, T, 4, 128, torch.bfloat16, seed=0, device="cuda"),
+                                        make_inputs(1, T, 2, 64, torch.bfloat16, seed=1, device="cuda"),
+                                        tol=TOL_FLA)
+    assert n == 2
+    assert {c.impl for c in KDA_PREFILL.choices()} == {"triton"}
