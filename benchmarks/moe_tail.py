@@ -38,7 +38,6 @@ from k3compile.ops.latent_moe_tail.reference import kimi_rms_norm, latent_moe_ta
 from k3compile.ops.latent_moe_tail.split import kimi_rms_norm_triton, latent_moe_tail_split  # noqa: E402
 from k3compile.ops.latent_moe_tail.triton import TailConfig, latent_moe_tail_triton  # noqa: E402
 from k3compile.ops.skinny_gemm import SKINNY_GEMM  # noqa: E402
-from k3compile.passes import COMPILE_RECORD  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 ROTATE_BYTES = 640 * 2**20
@@ -167,6 +166,26 @@ def copy_ceiling_tbps(rep):
 
 
 # ---------------------------------------------------------------------------------------------
+def compiled_pair(fn):
+    """``fn`` under plain ``torch.compile`` and under ``k3compile.optimize`` (the latent-MoE tail pass
+    only), static shapes. Both share ``fn``'s code object, so the recompile limit is raised for the M
+    sweep: past it Dynamo would quietly run the sweep's last sizes eagerly."""
+    import k3compile
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return (torch.compile(fn, dynamic=False),
+            k3compile.optimize(fn, passes=["latent_moe_tail"], dynamic=False))
+
+
+def pass_matches(providers) -> str:
+    """The latent-MoE tail matches of each graph compiled so far for ``compile+k3`` ("n/a" without it)."""
+    import k3compile
+
+    if "compile+k3" not in providers:
+        return "n/a"
+    return str([g.record.matches.get("latent_moe_tail") for g in k3compile.report(providers["compile+k3"]).graphs])
+
+
 # one GPU
 
 def bench_single(args):
@@ -181,13 +200,7 @@ def bench_single(args):
     if not SMOKE and cute_tail_runs(dtype):
         providers["cute"] = tail_cute
     if not args.no_compile:
-        from k3compile.passes import K3Options, K3PostGradPass
-
-        providers["compile"] = torch.compile(tail_eager, dynamic=False)
-        # what k3compile.optimize gives the model's own sequence
-        k3_pass = K3PostGradPass(K3Options(passes=("latent_moe_tail",)))
-        providers["compile+k3"] = torch.compile(tail_eager, dynamic=False,
-                                                options={"post_grad_custom_post_pass": k3_pass})
+        providers["compile"], providers["compile+k3"] = compiled_pair(tail_eager)
 
     rows = []
     for m in args.m:
@@ -198,7 +211,7 @@ def bench_single(args):
         providers_timed = dict(providers, **{"norm only": tail_norm_only})
         errs["norm only"] = rel_err(tail_norm_only(lat, sh, g, w), kimi_rms_norm(lat.float(), g.float(), EPS))
         print(f"M={m:<3} rel err vs fp32: " + "  ".join(f"{k}={v:.2e}" for k, v in errs.items())
-              + f"  k3 pass matches: {[g.matches for g in COMPILE_RECORD.take()]}")
+              + f"  k3 pass matches: {pass_matches(providers)}")
 
         lat, sh, g, ws = make_inputs(m, l, d, dtype, n_rot, seed=m)
         floor_us = tail_bytes(m, l, d, dtype) / (ceiling * 1e12) * 1e6
@@ -453,12 +466,7 @@ def tp_worker(rank, world, port, args, result_path):
         "1AR+fused": lambda lat, sh, g, w: tail_fused(*one_allreduce(lat, sh), g, w),
     }
     if not args.no_compile:
-        from k3compile.passes import K3Options, K3PostGradPass
-
-        variants["compile"] = torch.compile(model_tail, dynamic=False)
-        k3_pass = K3PostGradPass(K3Options(passes=("latent_moe_tail",)))
-        variants["compile+k3"] = torch.compile(model_tail, dynamic=False,
-                                               options={"post_grad_custom_post_pass": k3_pass})
+        variants["compile"], variants["compile+k3"] = compiled_pair(model_tail)
 
     rows = []
     for m in args.m:
@@ -479,7 +487,7 @@ def tp_worker(rank, world, port, args, result_path):
                     say(f"{name} failed: {type(e).__name__}: {str(e)[:300]}")
                     variants.pop(name)
         say(f"M={m:<3} rel err vs fp32 (rank 0): " + "  ".join(f"{k}={v:.2e}" for k, v in errs.items())
-            + f"  k3 pass matches: {[g.matches for g in COMPILE_RECORD.take()]}")
+            + f"  k3 pass matches: {pass_matches(variants)}")
 
         lat, sh, g, ws = make_inputs(m, l, d, dtype, n_rot, seed=m)
         times = {}

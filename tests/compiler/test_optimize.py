@@ -155,6 +155,15 @@ def test_mode_is_folded_into_options():
     assert config["max_autotune"] is True and isinstance(config["post_grad_custom_post_pass"], K3PostGradPass)
 
 
+def test_shape_padding_is_off_unless_the_caller_sets_it():
+    """Inductor's pad_mm (CUDA) would wrap small-M products in cat/slice that our patterns do not match."""
+    assert state_of(k3compile.optimize(Decoder())).compiler.config["shape_padding"] is False
+    kept = k3compile.optimize(Decoder(), options={"shape_padding": True})
+    assert state_of(kept).compiler.config["shape_padding"] is True
+    kda_only = k3compile.optimize(Decoder(), passes=["kda_decode"])
+    assert "shape_padding" not in state_of(kda_only).compiler.config
+
+
 def test_uuid_changes_with_every_option():
     uuids = {K3PostGradPass(o).uuid() for o in (
         K3Options(), K3Options(backend="triton"), K3Options(small_m_limit=8), K3Options(passes=("skinny_gemm",)))}
