@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton import _row_rstd, _tail_epilogue
+from .triton import _latent_tile, _row_rstd, _tail_epilogue
 
 
 def plan(n_tiles: int, k_blocks: int, programs: int) -> tuple[int, int, int]:
@@ -52,6 +52,8 @@ def _tail_streamk_kernel(
     o_nn = tl.arange(0, BLOCK_N)
     if PRENORM:
         b_rstd = _row_rstd(p_x, o_m, m_m, s_xm, s_xk, L, eps, BLOCK_M, BLOCK_K)
+    else:
+        b_rstd = tl.zeros([BLOCK_M], dtype=tl.float32)   # unused: rstd scales the accumulator instead
     b_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)   # outᵀ tile: the weight is the MMA's M side
     for u in range(u_lo, u_hi):
@@ -60,16 +62,8 @@ def _tail_streamk_kernel(
         o_n = i_t * BLOCK_N + o_nn
         o_k = i_kb * BLOCK_K + tl.arange(0, BLOCK_K)
         m_k = o_k < L
-        b_x = tl.load(p_x + o_m[:, None] * s_xm + o_k[None, :] * s_xk,
-                      mask=m_m[:, None] & m_k[None, :], other=0.)
-        b_g = tl.load(p_g + o_k, mask=m_k, other=0.)
-        if PRENORM:
-            b_h = (b_x.to(tl.float32) * b_rstd[:, None]).to(b_x.dtype)
-            b_h = (b_h.to(tl.float32) * b_g.to(tl.float32)).to(b_x.dtype)
-        else:
-            b_xf = b_x.to(tl.float32)
-            b_ss += tl.sum(b_xf * b_xf, axis=1)
-            b_h = (b_xf * b_g.to(tl.float32)).to(b_x.dtype)
+        b_h, b_ss_k = _latent_tile(p_x, p_g, o_m, m_m, o_k, m_k, s_xm, s_xk, b_rstd, PRENORM)
+        b_ss += b_ss_k
         if TMA:   # a tensor-memory-accelerator copy of the tile (zero-filled past D and L)
             b_w = w_desc.load([i_t * BLOCK_N, i_kb * BLOCK_K])
         else:

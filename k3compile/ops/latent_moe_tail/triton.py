@@ -164,6 +164,22 @@ def _row_rstd(p_x, o_m, m_m, s_xm, s_xk, L, eps, BLOCK_M: tl.constexpr, BLOCK_K:
 
 
 @triton.jit
+def _latent_tile(p_x, p_g, o_m, m_m, o_k, m_k, s_xm, s_xk, b_rstd, PRENORM: tl.constexpr):
+    """One K tile of the GEMM's A operand and the rows' sums of squares of its raw latent (fp32).
+
+    A = x·g in the input dtype, the per-row rstd left to the accumulator; with PRENORM the model's
+    rounding instead: normalise in fp32, round, scale by the weight, round."""
+    b_x = tl.load(p_x + o_m[:, None] * s_xm + o_k[None, :] * s_xk, mask=m_m[:, None] & m_k[None, :], other=0.)
+    b_g = tl.load(p_g + o_k, mask=m_k, other=0.).to(tl.float32)
+    b_xf = b_x.to(tl.float32)
+    if PRENORM:
+        b_h = ((b_xf * b_rstd[:, None]).to(b_x.dtype).to(tl.float32) * b_g).to(b_x.dtype)
+    else:
+        b_h = (b_xf * b_g).to(b_x.dtype)
+    return b_h, tl.sum(b_xf * b_xf, axis=1)
+
+
+@triton.jit
 def _tail_epilogue(b_acc, b_ss, p_s, p_o, o_m, o_n, m_m, m_n, L, eps, s_sm, s_sn, s_om, s_on,
                    PRENORM: tl.constexpr):
     if not PRENORM:
@@ -197,6 +213,8 @@ def _latent_moe_tail_kernel(
 
     if PRENORM:
         b_rstd = _row_rstd(p_x, o_m, m_m, s_xm, s_xk, L, eps, BLOCK_M, BLOCK_K)
+    else:
+        b_rstd = tl.zeros([BLOCK_M], dtype=tl.float32)   # unused: rstd scales the accumulator instead
     b_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
     if SWAP_AB:
         b_acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -206,17 +224,8 @@ def _latent_moe_tail_kernel(
     for k0 in range(k_lo, k_hi, BLOCK_K):
         o_k = k0 + tl.arange(0, BLOCK_K)
         m_k = o_k < k_hi
-        b_x = tl.load(p_x + o_m[:, None] * s_xm + o_k[None, :] * s_xk,
-                      mask=m_m[:, None] & m_k[None, :], other=0.)
-        b_g = tl.load(p_g + o_k, mask=m_k, other=0.)
-        if PRENORM:
-            # the model's rounding: normalise in fp32, round, scale by the weight, round
-            b_h = (b_x.to(tl.float32) * b_rstd[:, None]).to(b_x.dtype)
-            b_h = (b_h.to(tl.float32) * b_g.to(tl.float32)).to(b_x.dtype)
-        else:
-            b_xf = b_x.to(tl.float32)
-            b_ss += tl.sum(b_xf * b_xf, axis=1)
-            b_h = (b_xf * b_g.to(tl.float32)).to(b_x.dtype)
+        b_h, b_ss_k = _latent_tile(p_x, p_g, o_m, m_m, o_k, m_k, s_xm, s_xk, b_rstd, PRENORM)
+        b_ss += b_ss_k
         # each weight byte is read once: keep it from pushing the latent and the partials out of L2
         b_w = tl.load(p_w_rows + o_k[None, :] * s_wk, mask=m_n[:, None] & m_k[None, :], other=0.,
                       eviction_policy="evict_first")
