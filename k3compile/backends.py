@@ -123,9 +123,11 @@ def _always(*args, **kwargs) -> Reason:
 class Impl:
     """One implementation of an op: the function and its predicates (see module doc).
 
-    ``profitable(*args)``: None where this kernel is measured (or expected) to beat the op's vendor-library
-    path (``OpImpls.vendor``, e.g. cuBLAS through aten), else the reason. Checked under ``backend="auto"``
-    only; a forced backend runs the kernel it names wherever it can.
+    ``profitable(*args)``: None where this kernel is measured (or expected) to beat what would run instead:
+    the next kernel in order, or the op's vendor-library path (``OpImpls.aten``, e.g. cuBLAS), else the
+    reason. Under ``backend="auto"`` an unprofitable kernel is passed over; if nothing after it but the
+    reference can run, the vendor path runs, or without one the kernel after all. A forced backend runs
+    the kernel it names wherever it can.
     """
     fn: Callable[..., Any]
     available: Callable[..., Reason] = _always
@@ -166,10 +168,12 @@ class OpImpls:
         else:
             order = IMPL_ORDER[IMPL_ORDER.index(backend):]
         notes = []
-        unprofitable = False   # a kernel could run but the vendor library was measured faster
+        passed_over = None   # the first kernel that could run but was measured slower than another path
         for name in order:
-            if name == "reference" and unprofitable:
-                return "aten", "; ".join(notes) + " -> aten"
+            if name == "reference" and passed_over is not None:
+                # the vendor library where the op has one; else the kernel after all (it beats the reference)
+                pick = "aten" if self.aten is not None else passed_over
+                return pick, "; ".join(notes) + " -> " + pick
             impl = self.impl(name)
             if impl is None:
                 why = f"{self.name} has no {name} implementation"
@@ -187,11 +191,11 @@ class OpImpls:
             if why is not None:
                 notes.append(f"{name}: {why}")
                 continue
-            if backend == "auto" and self.aten is not None and name != "reference":
+            if backend == "auto" and name != "reference":
                 why = impl.profitable(*args)
-                if why is not None:  # the next kernel may still beat the vendor library
+                if why is not None:  # the next kernel, or the vendor library, was measured faster
                     notes.append(f"{name}: {why}")
-                    unprofitable = True
+                    passed_over = passed_over or name
                     continue
             return name, ("; ".join(notes) + " -> " + name) if notes else "preferred"
         raise AssertionError("the reference implementation must always run")  # pragma: no cover

@@ -49,8 +49,14 @@ def test_forced_backend_skips_the_profit_check():
     assert op.select("cute", "k", torch.zeros(1))() == "cute"
 
 
-def test_without_a_vendor_path_an_unprofitable_kernel_still_runs():
-    op = _op(cute_profitable="cuBLAS measured faster", with_aten=False)
+def test_without_a_vendor_path_an_unprofitable_kernel_yields_to_the_next_kernel():
+    op = _op(cute_profitable="the Triton kernel measured faster", with_aten=False)
+    assert op.select("auto", "k", torch.zeros(1))() == "triton"
+    assert "the Triton kernel measured faster" in op.choices()[0].reason
+
+
+def test_without_a_vendor_path_an_unprofitable_kernel_still_beats_the_reference():
+    op = _op(cute_profitable="the Triton kernel measured faster", triton_available="no triton", with_aten=False)
     assert op.select("auto", "k", torch.zeros(1))() == "cute"
 
 

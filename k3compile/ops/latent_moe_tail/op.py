@@ -58,9 +58,9 @@ def cute_profitable(latent: torch.Tensor, up_weight: torch.Tensor) -> Reason:
             "(op.CUTE_FASTER)")
 
 
-# The predicates get (latent, shared, norm_weight, up_weight, eps, small_m_limit, backend).
+# The predicates get (latent, shared, norm_weight, up_weight, eps, small_m_limit).
 
-def _cute_available(latent, shared, norm_weight, up_weight, eps, small_m_limit, backend) -> Reason:
+def _cute_available(latent, shared, norm_weight, up_weight, eps, small_m_limit) -> Reason:
     reason = cute_can_run_on(latent, shared, norm_weight, up_weight)
     if reason is not None:
         return reason
@@ -68,20 +68,22 @@ def _cute_available(latent, shared, norm_weight, up_weight, eps, small_m_limit, 
     return mod if isinstance(mod, str) else mod.available(latent, shared, norm_weight, up_weight, eps)
 
 
-def _cute_supports(latent, shared, norm_weight, up_weight, eps, small_m_limit, backend) -> Reason:
+def _cute_supports(latent, shared, norm_weight, up_weight, eps, small_m_limit) -> Reason:
     reason = triton_supports(latent, shared, norm_weight, up_weight, eps, small_m_limit)  # M, dtype, empty
     if reason is None:
         reason = _cute().supports(latent, shared, norm_weight, up_weight, eps)
-    if reason is None and backend == "auto":
-        reason = cute_profitable(latent, up_weight)
     return reason
 
 
-def _triton_available(latent, shared, norm_weight, up_weight, eps, small_m_limit, backend) -> Reason:
+def _cute_profitable(latent, shared, norm_weight, up_weight, eps, small_m_limit) -> Reason:
+    return cute_profitable(latent, up_weight)
+
+
+def _triton_available(latent, shared, norm_weight, up_weight, eps, small_m_limit) -> Reason:
     return triton_available(latent, shared, norm_weight, up_weight)
 
 
-def _triton_supports(latent, shared, norm_weight, up_weight, eps, small_m_limit, backend) -> Reason:
+def _triton_supports(latent, shared, norm_weight, up_weight, eps, small_m_limit) -> Reason:
     return triton_supports(latent, shared, norm_weight, up_weight, eps, small_m_limit)
 
 
@@ -112,7 +114,7 @@ LATENT_MOE_TAIL = register_op_impls(OpImpls(
     "latent_moe_tail",
     reference=Impl(_tail_reference),
     triton=Impl(_tail_triton, available=_triton_available, supports=_triton_supports),
-    cute=Impl(_tail_cute, available=_cute_available, supports=_cute_supports),
+    cute=Impl(_tail_cute, available=_cute_available, supports=_cute_supports, profitable=_cute_profitable),
 ))
 
 
@@ -168,7 +170,7 @@ def latent_moe_tail_op(latent: torch.Tensor, shared: torch.Tensor, norm_weight: 
     check_inputs(latent, shared, norm_weight, up_weight, small_m_limit)
     limit = min(small_m_limit, MAX_BLOCK_M)
     key = _key(latent, shared, norm_weight, up_weight, limit)
-    fn = LATENT_MOE_TAIL.select(backend, key, latent, shared, norm_weight, up_weight, eps, small_m_limit, backend)
+    fn = LATENT_MOE_TAIL.select(backend, key, latent, shared, norm_weight, up_weight, eps, small_m_limit)
     return fn(latent, shared, norm_weight, up_weight, eps, backend, limit, key)
 
 
