@@ -1,0 +1,253 @@
+"""Config sweep of the Triton skinny GEMM on one GPU: % of the same-run HBM copy ceiling per config.
+
+    python benchmarks/skinny_gemm_triton_configs.py [--json OUT.json] [--budget-s 100] [--ms 1,4,16] [--shapes 4608x7168,...]
+
+What ``choose_config`` in k3compile/ops/skinny_gemm/triton.py was read off (benchmarks/results/
+skinny_gemm_triton_sweep_h200.{json,log}). ``MM_SMOKE_DEVICE=cpu`` with ``TRITON_INTERPRET=1`` checks the logic.
+
+For every (N, K, M): the current heuristic, dot configs around "n programs per SM" (BLOCK_N 32/64/128,
+split-K one-launch or two-launch, num_stages, num_warps) and, for M <= 4, CUDA-core (fma) configs.
+Each config is first checked against a float64 torch reference (output poisoned with NaN, called twice so
+the one-launch counters must have rearmed), then timed: one CUDA graph of calls walking through > 640 MB of
+weight copies (none stays in L2), replayed 15 times, median per product. cuBLAS (F.linear) is timed the same way.
+Kernels are compiled first in parallel worker processes (Triton's disk cache), so the sweep itself is quick.
+"""
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+sys.path[:0] = [os.path.join(_ROOT, "benchmarks")] + ([] if "k3compile" in sys.modules else [_ROOT])
+
+SHAPES = [(20480, 7168), (4608, 7168), (3584, 7168), (7168, 3584), (2112, 7168), (896, 7168), (7168, 1536)]
+ROTATE_BYTES = int(os.environ.get("MM_ROTATE_MB", 640)) * 2**20
+T0 = time.time()
+DEV = os.environ.get("MM_SMOKE_DEVICE", "cuda")  # "cpu": a logic smoke test under TRITON_INTERPRET=1
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def pow2(x):
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def eff_split(k, bk, split):
+    """The split the kernel really runs: K slices are whole BLOCK_K multiples."""
+    return cdiv(k, cdiv(cdiv(k, split), bk) * bk)
+
+
+def candidates(m, n, k, sms):
+    from k3compile.ops.skinny_gemm.triton import TritonConfig, choose_config
+
+    out = [choose_config(m, n, k, sms)]
+
+    def add(c):
+        if c not in out and c.block_m >= m:
+            out.append(c)
+
+    def split_for(bn, bk, per_sm):
+        s = max(1, min(round(per_sm * sms / cdiv(n, bn)), k // (2 * bk), 32))
+        return eff_split(k, bk, s)
+
+    def exact_split(bn, bk):  # the smallest split whose grid is a whole number of waves, if any
+        tiles = cdiv(n, bn)
+        for s in range(1, min(k // (2 * bk), 32) + 1):
+            if eff_split(k, bk, s) == s and (tiles * s) % sms == 0:
+                return s
+        return None
+
+    bm = max(16, pow2(m))
+    for bn in (32, 64, 128):
+        for per_sm in (2, 4, 8):
+            add(TritonConfig(bm, bn, 128, split_for(bn, 128, per_sm), 4, None, True))
+        s = exact_split(bn, 128)
+        if s:
+            add(TritonConfig(bm, bn, 128, s, 4, None, True))
+    s4 = split_for(64, 128, 4)
+    add(TritonConfig(bm, 64, 128, s4, 4, None, False))          # what the second launch costs
+    for st in (2, 4, 5):
+        add(TritonConfig(bm, 64, 128, s4, 4, st, True))
+    add(TritonConfig(bm, 32, 128, split_for(32, 128, 4), 4, 4, True))
+    add(TritonConfig(bm, 32, 128, split_for(32, 128, 8), 4, 5, True))
+    add(TritonConfig(bm, 128, 128, split_for(128, 128, 4), 8, None, True))
+    add(TritonConfig(bm, 64, 256, split_for(64, 256, 4), 4, 3, True))
+    add(TritonConfig(bm, 64, 64, split_for(64, 64, 8), 4, 4, True))
+    for bn, per_sm, st in ((32, 4, None), (64, 4, None), (64, 8, None), (128, 4, None), (64, 4, 5), (32, 8, 5)):
+        add(TritonConfig(bm, bn, 128, split_for(bn, 128, per_sm), 4, st, True, tma=True))
+    # programmatic dependent launch: weight lines prefetched into L2 while the previous product finishes
+    # (the next kernel is let in after the K loop since the 03:02 run, where it was let in at the start)
+    for bn, per_sm, st, tma, lines in ((32, 4, None, True, 8), (32, 4, None, True, 32), (32, 4, None, False, 8),
+                                       (64, 4, None, True, 8), (32, 8, None, True, 8), (32, 2, None, True, 16)):
+        add(TritonConfig(bm, bn, 128, split_for(bn, 128, per_sm), 4, st, True, tma=tma, pdl=True,
+                         prefetch_lines=lines))
+    # (CUDA-core fma configs: never within 5 points of the best in the 03:02 run; no longer swept)
+    return out
+
+
+def spec(x):
+    return 1 if x == 1 else (16 if x % 16 == 0 else 0)
+
+
+def compile_key(m, k, cfg):
+    """What makes Triton compile a new binary: constexprs and how the ints specialise (== 1, % 16);
+    N, K, K_PER_SPLIT and the strides are multiples of 16 for every shape here."""
+    return (spec(m), spec(eff_split(k, cfg.block_k, cfg.split_k)), cfg.block_m, cfg.block_n, cfg.block_k,
+            cfg.one_launch, cfg.fma, cfg.num_warps, cfg.num_stages, cfg.tma, cfg.pdl, cfg.prefetch_lines)
+
+
+def _compile_one(job):
+    m, k, cfg = job
+    import torch
+    from k3compile.ops.skinny_gemm.triton import skinny_gemm_triton
+    try:
+        a = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        w = torch.randn(cfg.block_n * 4, k, device=DEV, dtype=torch.bfloat16)
+        skinny_gemm_triton(a, w, config=cfg)
+        if DEV == "cuda":
+            torch.cuda.synchronize()
+        return None
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def precompile(jobs, workers):
+    from concurrent.futures import ProcessPoolExecutor
+    import multiprocessing as mp
+    keys = {}
+    for m, k, cfg in jobs:
+        keys.setdefault(compile_key(m, k, cfg), (m, k, cfg))
+    t = time.time()
+    try:
+        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+            errs = list(ex.map(_compile_one, keys.values()))
+        bad = [(j, e) for j, e in zip(keys.values(), errs) if e]
+        for (m, k, cfg), e in bad[:10]:
+            print(f"# compile M{m} {cfg.tag()}: {e}", file=sys.stderr)
+        print(f"# precompiled {len(keys)} kernels in {time.time() - t:.1f}s with {workers} workers "
+              f"({len(bad)} failed)", flush=True)
+    except Exception as e:  # the sweep still works, compiling as it goes
+        print(f"# parallel precompile failed ({type(e).__name__}: {e}); compiling inline", file=sys.stderr)
+
+
+def graph_us(fn, calls, replays=15):
+    """Median µs per product of one CUDA graph holding ``calls`` products (fn makes them all)."""
+    if DEV == "cpu":
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e6 / calls
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    g.replay()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(replays):
+        s.record()
+        g.replay()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e) * 1e3 / calls)
+    del g
+    return sorted(ts)[len(ts) // 2]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ms", default="1,4,16")
+    ap.add_argument("--shapes", default=None)
+    ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "mm_sweep.json"))
+    ap.add_argument("--budget-s", type=float, default=100.0, help="stop sweeping (keep heuristic + cuBLAS) after this")
+    ap.add_argument("--workers", type=int, default=min(14, max(1, (os.cpu_count() or 4) - 2)))
+    args = ap.parse_args()
+    from _common import copy_ceiling_tbps
+    if DEV == "cpu":
+        copy_ceiling_tbps = lambda: 4.0  # noqa: E731
+        torch.cuda.get_device_properties = lambda i: type("P", (), dict(multi_processor_count=4))
+        torch.cuda.get_device_name = lambda *a: "cpu"
+        torch.cuda.synchronize = torch.cuda.empty_cache = lambda *a: None
+    from k3compile.ops.skinny_gemm.triton import skinny_gemm_triton
+
+    ms = [int(x) for x in args.ms.split(",")]
+    shapes = SHAPES if args.shapes is None else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    dtype = torch.bfloat16
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    plan = {(n, k, m): candidates(m, n, k, sms) for n, k in shapes for m in ms}
+    print(f"# {torch.cuda.get_device_name()} SMs={sms} torch {torch.__version__}; "
+          f"{sum(map(len, plan.values()))} (shape, config) points", flush=True)
+    precompile([(m, k, c) for (n, k, m), cs in plan.items() for c in cs], args.workers)
+    ceil = copy_ceiling_tbps()
+    print(f"# copy ceiling {ceil:.3f} TB/s; t={time.time() - T0:.0f}s", flush=True)
+    rows, best = [], {}
+    torch.manual_seed(0)
+    for n, k in shapes:
+        copies = max(2, math.ceil(ROTATE_BYTES / (n * k * 2)))
+        ws = [torch.randn(n, k, device=DEV, dtype=dtype) / k**0.5 for _ in range(copies)]
+        for m in ms:
+            a = torch.randn(m, k, device=DEV, dtype=dtype)
+            floor_us = (n * k + m * k + m * n) * 2 / (ceil * 1e12) * 1e6
+            ref = F.linear(a.double(), ws[0].double())
+            cub = graph_us(lambda: [F.linear(a, w) for w in ws], copies)
+            rows.append(dict(provider="cublas", m=m, n=n, k=k, us=cub, frac=floor_us / cub))
+            print(f"N{n:>6} K{k:>5} M{m:>2} floor {floor_us:6.2f}us  cuBLAS {cub:6.2f}us {floor_us / cub:6.1%}", flush=True)
+            res = []
+            for i, cfg in enumerate(plan[(n, k, m)]):
+                if i > 0 and time.time() - T0 > args.budget_s:
+                    print("#   (time budget spent: remaining configs skipped)")
+                    break
+                try:
+                    errs = []
+                    for _ in range(2):  # twice: the one-launch counters must be back at zero
+                        out = torch.full((m, n), float("nan"), device=DEV, dtype=dtype)
+                        skinny_gemm_triton(a, ws[0], config=cfg, out=out)
+                        errs.append(((out.double() - ref).norm() / ref.norm()).item())
+                    err = max(errs)
+                    if not err < 2e-2:
+                        print(f"#   {cfg.tag()}: WRONG rel={err:.2e}", flush=True)
+                        rows.append(dict(provider="triton", cfg=cfg.tag(), m=m, n=n, k=k, wrong=err))
+                        continue
+                    us = graph_us(lambda: [skinny_gemm_triton(a, w, config=cfg) for w in ws], copies)
+                except Exception as e:
+                    print(f"#   {cfg.tag()}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    continue
+                frac = floor_us / us
+                res.append((us, cfg))
+                rows.append(dict(provider="triton", cfg=cfg.tag(), config=cfg.__dict__, heuristic=i == 0,
+                                 grid=cdiv(n, cfg.block_n) * eff_split(k, cfg.block_k, cfg.split_k), m=m, n=n, k=k, us=us, frac=frac, rel=err))
+                print(f"    {'H ' if i == 0 else '  '}{cfg.tag():<34} grid {cdiv(n, cfg.block_n) * eff_split(k, cfg.block_k, cfg.split_k):>5} "
+                      f"{us:7.2f}us {frac:6.1%} x{cub / us:4.2f} rel {err:.1e}", flush=True)
+            if res:
+                us, cfg = min(res, key=lambda t: t[0])
+                h = res[0][0] if res[0][1] == plan[(n, k, m)][0] else float("nan")
+                best[(n, k, m)] = (us, cfg)
+                print(f"  BEST N{n} K{k} M{m}: {cfg.tag()} {us:.2f}us {floor_us / us:.1%} of ceiling "
+                      f"(heuristic {floor_us / h:.1%}, cuBLAS {floor_us / cub:.1%})", flush=True)
+        del ws
+        torch.cuda.empty_cache()
+        dump(args.json, ceil, sms, rows)
+    print("# summary: best config per point")
+    for (n, k, m), (us, cfg) in best.items():
+        print(f"#   ({m}, {n}, {k}): {cfg!r},  # {us:.2f} us")
+    dump(args.json, ceil, sms, rows)
+    print(f"# done in {time.time() - T0:.0f}s")
+
+
+def dump(path, ceil, sms, rows):
+    with open(path, "w") as fh:
+        json.dump(dict(copy_ceiling_tbs=ceil, sms=sms, device=torch.cuda.get_device_name(), torch=torch.__version__,
+                       command=" ".join(sys.argv), rows=rows), fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
