@@ -58,6 +58,16 @@ def is_rocm() -> bool:
     return torch.version.hip is not None
 
 
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA/ROCm device (what kernels size their grids by); 0 elsewhere."""
+    return _sm_count(device.index or 0) if device.type == "cuda" else 0
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 @functools.cache
 def triton_importable() -> Reason:
     try:

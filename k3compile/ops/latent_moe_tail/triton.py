@@ -28,7 +28,6 @@ rounded exactly as the model does.
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -37,7 +36,7 @@ import triton
 import triton.language as tl
 
 from k3compile.ops.arrival_counters import arrival_counters
-from k3compile.backends import Reason, triton_can_run_on, triton_interpret
+from k3compile.backends import Reason, sm_count, triton_can_run_on, triton_interpret
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_BLOCK_M = 16   # one tensor-core tile of rows; the op's small-M limit may not exceed it
@@ -83,11 +82,6 @@ class TailConfig:
         return (f"n{self.block_n}-k{self.block_k}-s{self.split_k}-w{self.num_warps}-st{self.num_stages}"
                 + (f"-{self.reduce}" if self.split_k > 1 else "") + ("-swap" if self.swap_ab else "")
                 + ("-pre" if self.prenorm else ""))
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def m_bucket(m: int) -> int:
@@ -321,8 +315,7 @@ def latent_moe_tail_triton(latent: torch.Tensor, shared: torch.Tensor, norm_weig
     if m > MAX_BLOCK_M:
         raise ValueError(f"latent_moe_tail_triton: M={m} > {MAX_BLOCK_M}")
     if config is None:
-        sms = _sm_count(latent.device.index or 0) if latent.device.type == "cuda" else 0
-        config = default_config(m, d, l, latent.dtype, sms)
+        config = default_config(m, d, l, latent.dtype, sm_count(latent.device))
     if out is None:
         out = torch.empty((m, d), dtype=latent.dtype, device=latent.device)
     if m == 0 or d == 0:
@@ -376,7 +369,7 @@ def _launch_stream_k(latent, shared, norm_weight, up_weight, eps, config, out, u
     d = up_weight.shape[0]
     n_tiles = triton.cdiv(d, config.block_n)
     k_blocks = triton.cdiv(l, config.block_k)
-    sms = _sm_count(latent.device.index or 0) if latent.device.type == "cuda" else 1
+    sms = max(1, sm_count(latent.device))   # the interpreter: one "SM"
     units, programs, max_seg = streamk.plan(n_tiles, k_blocks, sms * config.ctas_per_sm)
     slots = n_tiles * max_seg * MAX_BLOCK_M   # per tile, max_seg partials of [16, block_n]
     ws = torch.empty((slots * config.block_n,), dtype=torch.float32, device=latent.device)

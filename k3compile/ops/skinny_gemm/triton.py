@@ -28,7 +28,7 @@ except ImportError:  # pragma: no cover
     gdc_launch_dependents = gdc_wait = None
 
 from k3compile.ops.arrival_counters import arrival_counters
-from k3compile.backends import is_rocm, Reason, triton_can_run_on
+from k3compile.backends import is_rocm, Reason, sm_count, triton_can_run_on
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_M = 64  # beyond this the whole-M register tile spills; callers use cuBLAS there
@@ -168,11 +168,6 @@ class TritonConfig:
                 f"{'-tma' if self.tma else ''}{f'-pdl{self.prefetch_lines}' if self.pdl else ''}")
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _heuristic(m: int, n: int, k: int, sm_count: int) -> TritonConfig:
     """Read off the H200 sweep (.scratch/mm, 2026-11-30): 32-column tiles, K split until the grid holds
     about four programs per SM (the whole weight in flight, a short wave tail) but never below 7 K blocks
@@ -297,8 +292,7 @@ def skinny_gemm_triton(
     if m == 0 or n == 0:
         return out
     if config is None:
-        sms = _sm_count(a.device.index or 0) if a.device.type == "cuda" else 0
-        config = choose_config(m, n, k, sms)
+        config = choose_config(m, n, k, sm_count(a.device))
     elif config.block_m < m or config.block_m & (config.block_m - 1) or (not config.fma and config.block_m < 16):
         raise ValueError(f"skinny_gemm_triton: {config} cannot hold M={m} "
                          "(block_m: a power of 2 >= M, and >= 16 for tl.dot)")
