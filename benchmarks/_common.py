@@ -22,7 +22,7 @@ def copy_ceiling_tbps() -> float:
 
 def graph_replay_us(fn, *, iters: int, replays: int, warmup: int, reset=None) -> float:
     """Median µs of one ``fn()`` when ``iters`` calls are captured in one CUDA graph and replayed ``replays``
-    times, the slowest rank's median (all ranks of the default process group).
+    times; under a process group, the slowest rank's median (all ranks of the default group).
 
     Every rank replays the same fixed count (``do_bench_cudagraph`` picks its count per process, which would let
     the ranks' collectives fall out of step). ``reset()`` runs before each warm-up call, the capture and each
@@ -32,6 +32,8 @@ def graph_replay_us(fn, *, iters: int, replays: int, warmup: int, reset=None) ->
     import torch.distributed as dist
 
     reset = reset or (lambda: None)
+    ranks = dist.is_available() and dist.is_initialized()
+    barrier = dist.barrier if ranks else (lambda: None)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -40,7 +42,7 @@ def graph_replay_us(fn, *, iters: int, replays: int, warmup: int, reset=None) ->
             fn()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    dist.barrier()
+    barrier()
     graph = torch.cuda.CUDAGraph()
     reset()
     with torch.cuda.graph(graph):
@@ -51,13 +53,16 @@ def graph_replay_us(fn, *, iters: int, replays: int, warmup: int, reset=None) ->
     times = []
     for _ in range(replays):
         reset()
-        dist.barrier()
+        barrier()
         start.record()
         graph.replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / iters)
     del graph
-    median = torch.tensor([sorted(times)[len(times) // 2]], device="cuda")
+    median = sorted(times)[len(times) // 2]
+    if not ranks:
+        return median
+    median = torch.tensor([median], device="cuda")
     dist.all_reduce(median, op=dist.ReduceOp.MAX)
     return median.item()

@@ -143,24 +143,9 @@ def graph_us(fn, calls, replays=15):
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e6 / calls
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    g.replay()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(replays):
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) * 1e3 / calls)
-    del g
-    return sorted(ts)[len(ts) // 2]
+    from _common import graph_replay_us
+
+    return graph_replay_us(fn, iters=1, replays=replays, warmup=1) / calls
 
 
 def main():
