@@ -7,6 +7,11 @@
     # two GPUs, NCCL, whole tail: 2 all-reduces + unfused tail vs 1 all-reduce of the concatenation + fused tail
     python benchmarks/moe_tail.py --tp 2 [--quick]
 
+Single-GPU rows: ``fused`` is the op as the pass emits it with ``static_weight`` off (what ``compile+k3`` runs
+when the pass cannot prove the weight static, as here: the tail's input is a graph input), ``fused+static``
+the same op with ``static_weight=True`` (the weight streamed before the PDL wait: what the model's decode graph
+runs where the pass proves it); ``cute`` / ``cute+static`` force the CuTe tail both ways.
+
 Method (docs/anchors.md): CUDA graphs, median; the up-projection weight rotates through enough
 copies (> 640 MB) that every call streams it from HBM; a device-to-device copy measured in the same run
 is the 100% line. Each row first checks its output against an fp32 reference on fresh random inputs.
@@ -97,11 +102,27 @@ def tail_cute(latent, shared, norm_weight, up_weight):
     return latent_moe_tail(latent, shared, norm_weight, up_weight, EPS, backend="cute")
 
 
+def op_takes_static_weight() -> bool:
+    """Whether ``k3::latent_moe_tail`` has the ``static_weight`` argument (the static-weight pass's plumbing)."""
+    return any(a.name == "static_weight" for a in torch.ops.k3.latent_moe_tail.default._schema.arguments)
+
+
+def tail_fused_static(latent, shared, norm_weight, up_weight):
+    """The op with ``static_weight=True``: the caller promises no kernel writes the weight (a parameter)."""
+    return torch.ops.k3.latent_moe_tail(latent, shared, norm_weight, up_weight, EPS, static_weight=True)
+
+
+def tail_cute_static(latent, shared, norm_weight, up_weight):
+    """The CuTe tail forced, ``static_weight=True``."""
+    return torch.ops.k3.latent_moe_tail(latent, shared, norm_weight, up_weight, EPS, backend="cute",
+                                        static_weight=True)
+
+
 def cute_tail_runs(dtype) -> bool:
-    from k3compile.ops.latent_moe_tail.op import _cute_available, _cute_supports
+    from k3compile.ops.latent_moe_tail import cute as cute_tail
 
     lat, sh, g, (w,) = make_inputs(1, 64, 64, dtype, 1)
-    why = _cute_available(lat, sh, g, w, EPS, 16, "cute") or _cute_supports(lat, sh, g, w, EPS, 16, "cute")
+    why = cute_tail.available(lat, sh, g, w, EPS) or cute_tail.supports(lat, sh, g, w, EPS)
     print(f"CuTe tail: {why or 'runs'}")
     return why is None
 
@@ -197,8 +218,15 @@ def bench_single(args):
     print(f"device: {device_name()}  torch {torch.__version__}  copy ceiling {ceiling:.2f} TB/s  "
           f"weights rotated: {n_rot} x {d * l * dtype.itemsize / 2**20:.0f} MiB")
     providers = {"eager": tail_eager, "fused": tail_fused, "fused-1kernel": tail_one_kernel, "split": tail_split}
+    static = op_takes_static_weight()
+    if static:
+        providers["fused+static"] = tail_fused_static
+    else:
+        print("k3::latent_moe_tail has no static_weight argument: the fused+static rows are left out")
     if not SMOKE and cute_tail_runs(dtype):
         providers["cute"] = tail_cute
+        if static:
+            providers["cute+static"] = tail_cute_static
     if not args.no_compile:
         providers["compile"], providers["compile+k3"] = compiled_pair(tail_eager)
 
@@ -238,14 +266,18 @@ def bench_single(args):
 def sweep_configs(quick):
     """The fused kernel's configurations, likeliest first (the sweep stops at its time budget).
 
-    Stream-K (persistent, one wave) first; then the split-K grid's best from the first H200 sweep
-    (n128-k128-s4-w8-st4-last-swap: 19.3 / 19.6 / 20.4 µs at M = 1 / 4 / 16)."""
+    Stream-K (persistent, one wave): first one launch with PDL, then the two-launch forms of the second
+    H200 sweep, then the split-K grid's best from the first (n128-k128-s4-w8-st4-last-swap: 19.3 / 19.6 /
+    20.4 µs at M = 1 / 4 / 16)."""
     C = TailConfig
 
-    def sk(ctas, bn, bk, nw, ns, tma=False):
-        return C(bn, bk, num_warps=nw, num_stages=ns, stream_k=True, ctas_per_sm=ctas, tma=tma)
+    def sk(ctas, bn, bk, nw, ns, tma=False, reduce="kernel", pdl=False, pdl_tiles=1):
+        return C(bn, bk, num_warps=nw, num_stages=ns, stream_k=True, ctas_per_sm=ctas, tma=tma, reduce=reduce,
+                 pdl=pdl, pdl_tiles=pdl_tiles)
 
     cfgs = [
+        sk(1, 128, 128, 8, 4, True, "last", True), sk(1, 128, 128, 8, 4, True, "last", True, 3),
+        sk(1, 128, 128, 8, 4, True, "last"), sk(1, 128, 128, 8, 4, True, "kernel", True),
         sk(1, 128, 128, 8, 4), sk(1, 128, 128, 8, 4, True), sk(2, 128, 64, 4, 5), sk(2, 128, 64, 4, 5, True),
         sk(1, 128, 128, 8, 5, True), sk(2, 64, 128, 4, 4, True), sk(1, 128, 128, 8, 5), sk(2, 64, 128, 4, 4),
         sk(1, 128, 256, 8, 3, True), sk(1, 256, 64, 8, 4, True), C(128, 128, 4, 8, 4, swap_ab=True),

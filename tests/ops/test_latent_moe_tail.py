@@ -79,23 +79,31 @@ def test_triton_matches_reference(m, l, d, dtype, eps, block_n, block_k, split_k
 @given(m=st.integers(1, 16), l=st.integers(1, 300), d=st.integers(1, 160),
        dtype=st.sampled_from(list(DTYPES)), eps=st.sampled_from([1e-6, 1e-5, 1e-2]),
        block_n=st.sampled_from([16, 32, 64]), block_k=st.sampled_from([16, 64, 128]),
-       programs=st.integers(1, 9), prenorm=st.booleans(), tma=st.booleans(), seed=st.integers(0, 2**16))
+       programs=st.integers(1, 9), prenorm=st.booleans(), tma=st.booleans(), static=st.booleans(),
+       reduce=st.sampled_from(["last", "kernel"]), seed=st.integers(0, 2**16))
 @example(m=4, l=3584, d=64, dtype="bf16", eps=1e-5, block_n=16, block_k=128, programs=13, prenorm=False,
-         tma=True, seed=0)
+         tma=True, static=False, reduce="kernel", seed=0)
 @example(m=16, l=300, d=100, dtype="fp16", eps=1e-5, block_n=32, block_k=64, programs=7, prenorm=True,
-         tma=False, seed=1)
+         tma=False, static=True, reduce="last", seed=1)
 @example(m=2, l=37, d=20, dtype="bf16", eps=1e-5, block_n=16, block_k=16, programs=3, prenorm=False,
-         tma=True, seed=2)   # rows of 74 bytes: no TMA descriptor possible, pointer loads instead
-def test_stream_k_matches_reference(m, l, d, dtype, eps, block_n, block_k, programs, prenorm, tma, seed):
+         tma=True, static=False, reduce="last", seed=2)   # rows of 74 bytes: no TMA descriptor, pointer loads
+@example(m=8, l=256, d=48, dtype="bf16", eps=1e-5, block_n=16, block_k=64, programs=12, prenorm=False,
+         tma=True, static=True, reduce="last", seed=3)   # one unit per program: the unit before the wait is all
+def test_stream_k_matches_reference(m, l, d, dtype, eps, block_n, block_k, programs, prenorm, tma, static,
+                                    reduce, seed):
     """Persistent programs, each a run of (tile, K block) units crossing tile borders anywhere (on CPU
-    ``ctas_per_sm`` is the program count); the weight through pointers or a TMA descriptor."""
+    ``ctas_per_sm`` is the program count); the weight through pointers or a TMA descriptor; each tile
+    reduced by its last program (one launch, counters back at 0) or by a second kernel; with
+    ``static_weight`` each program's first weight tile is loaded ahead of the rest (before the PDL wait on
+    a GPU; the interpreter has no PDL, so ``pdl`` only changes the tag here)."""
     dt = DTYPES[dtype]
     args = make_inputs(m, l, d, dt, seed)
     cfg = TailConfig(block_n=block_n, block_k=block_k, stream_k=True, ctas_per_sm=programs, prenorm=prenorm,
-                     tma=tma)
+                     tma=tma, pdl=static, reduce=reduce)
     out = torch.full((m, d), float("nan"), dtype=dt)
-    latent_moe_tail_triton(*args, eps, cfg, out=out)
-    assert rel_err(out, truth(*args, eps)) < TOL[dt], f"M{m}-L{l}-D{d}-{dtype}-eps{eps}-{cfg.tag()}"
+    latent_moe_tail_triton(*args, eps, cfg, out=out, static_weight=static)
+    assert rel_err(out, truth(*args, eps)) < TOL[dt], f"M{m}-L{l}-D{d}-{dtype}-eps{eps}-{cfg.tag()}-static{static}"
+    assert counters_all_zero(), "an arrival counter was left non-zero"
 
 
 @given(n_tiles=st.integers(1, 120), k_blocks=st.integers(1, 60), programs=st.integers(1, 600))
@@ -182,14 +190,17 @@ def test_triton_norm_matches_model_norm(m, l, dtype, eps, strided, seed):
 
 
 @given(m=st.integers(1, 16), l=st.integers(1, 300), d=st.integers(1, 160),
-       dtype=st.sampled_from(list(DTYPES)), eps=st.sampled_from([1e-6, 1e-5]), seed=st.integers(0, 2**16))
-@example(m=16, l=3584, d=64, dtype="bf16", eps=1e-5, seed=1)
-def test_split_norm_then_skinny_gemm_matches_reference(m, l, d, dtype, eps, seed):
-    """Triton norm + k3::skinny_gemm (its Triton kernel, residual = shared) against the fp32 truth."""
+       dtype=st.sampled_from(list(DTYPES)), eps=st.sampled_from([1e-6, 1e-5]), static=st.booleans(),
+       seed=st.integers(0, 2**16))
+@example(m=16, l=3584, d=64, dtype="bf16", eps=1e-5, static=False, seed=1)
+@example(m=4, l=256, d=40, dtype="bf16", eps=1e-5, static=True, seed=2)
+def test_split_norm_then_skinny_gemm_matches_reference(m, l, d, dtype, eps, static, seed):
+    """Triton norm + k3::skinny_gemm (its Triton kernel, residual = shared) against the fp32 truth;
+    ``static_weight`` is passed on to the GEMM."""
     dt = DTYPES[dtype]
     args = make_inputs(m, l, d, dt, seed)
-    out = latent_moe_tail_split(*args, eps, backend="triton")
-    assert rel_err(out, truth(*args, eps)) < TOL[dt], f"M{m}-L{l}-D{d}-{dtype}-eps{eps}"
+    out = latent_moe_tail_split(*args, eps, backend="triton", static_weight=static)
+    assert rel_err(out, truth(*args, eps)) < TOL[dt], f"M{m}-L{l}-D{d}-{dtype}-eps{eps}-static{static}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,7 +231,8 @@ def test_auto_on_cpu_runs_the_one_kernel_recorded(clean_records):
 
 
 def test_split_path_where_the_one_kernel_is_not_profitable(clean_records, monkeypatch):
-    monkeypatch.setattr(tail_op, "fused_profitable", lambda latent, up_weight: "measured slower (test)")
+    monkeypatch.setattr(tail_op, "fused_profitable",
+                        lambda latent, up_weight, static_weight=False: "measured slower (test)")
     args = make_inputs(4, 64, 48, torch.bfloat16)
     out = latent_moe_tail(*args, 1e-5, backend="triton")
     assert rel_err(out, truth(*args, 1e-5)) < TOL[torch.bfloat16]
@@ -249,6 +261,29 @@ def test_fused_profitable_rule(monkeypatch):
     assert tail_triton.default_config(3, 7168, 3584, torch.float16, sm_count=132).prenorm
 
 
+def test_static_weight_table_first(monkeypatch):
+    """``static_weight=True`` looks in TUNED_STATIC first (configuration and profitability), else TUNED."""
+    lat, w = _FakeTensor((4, 3584), torch.bfloat16), _FakeTensor((7168, 3584), torch.bfloat16)
+    plain, static = TailConfig(), TailConfig(128, 128, stream_k=True, pdl=True)
+    monkeypatch.setattr(tail_triton, "TUNED", {("bfloat16", 4, 7168, 3584): plain,
+                                               ("bfloat16", 16, 7168, 3584): plain})
+    monkeypatch.setattr(tail_triton, "TUNED_STATIC", {("bfloat16", 4, 7168, 3584): static,
+                                                      ("bfloat16", 16, 7168, 3584): None})
+    assert tail_triton.default_config(4, 7168, 3584, torch.bfloat16, 132) == plain
+    assert tail_triton.default_config(4, 7168, 3584, torch.bfloat16, 132, static_weight=True) == static
+    assert tail_triton.default_config(16, 7168, 3584, torch.bfloat16, 132) == plain
+    assert tail_triton.default_config(16, 7168, 3584, torch.bfloat16, 132, static_weight=True) != plain
+    m16 = _FakeTensor((16, 3584), torch.bfloat16)
+    assert tail_triton.fused_profitable(m16, w) is None
+    assert "measured faster" in tail_triton.fused_profitable(m16, w, static_weight=True)
+    assert tail_triton.fused_profitable(lat, w, static_weight=True) is None
+    assert "not measured" in tail_triton.fused_profitable(_FakeTensor((2, 3584), torch.bfloat16), w, True)
+
+
+def test_pdl_only_on_sm90_cuda():
+    assert not tail_triton.pdl_capable(torch.device("cpu"))
+
+
 def test_fused_profitable_where_measured():
     """The H200 figures: the one-kernel tail ahead of the split path at M=1 and M=4 (bf16), not at M=16
     nor in fp16; M=2 and 8 unmeasured (split path)."""
@@ -270,7 +305,7 @@ def test_cute_profitable_where_measured():
 
 
 def _fake_cute(calls, supports_reason=None):
-    def run(latent, shared, norm_weight, up_weight, eps):
+    def run(latent, shared, norm_weight, up_weight, eps, static_weight=False):
         calls.append(latent.shape[0])
         return latent_moe_tail_unfused(latent, shared, norm_weight, up_weight, eps)
     return types.SimpleNamespace(
@@ -467,13 +502,18 @@ def test_cuda_real_widths(m, dtype, clean_records):
         pre = dt == torch.float16
         stages = 2 if dt == torch.float32 else 4   # fp32 tiles are twice the bytes
         for cfg in (None, TailConfig(reduce="kernel", prenorm=pre), TailConfig(split_k=1, prenorm=pre),
-                    TailConfig(128, 128, num_warps=8, num_stages=stages, stream_k=True, prenorm=pre),
+                    TailConfig(128, 128, num_warps=8, num_stages=stages, stream_k=True, reduce="kernel",
+                               prenorm=pre),
                     TailConfig(64, 128, num_warps=4, num_stages=stages, stream_k=True, ctas_per_sm=2, tma=True,
                                prenorm=pre)):
-            out = torch.full((m, 7168), float("nan"), dtype=dt, device="cuda")
-            latent_moe_tail_triton(*args, 1e-5, cfg, out=out)
-            assert rel_err(out.cpu(), ref) < GPU_TOL[dt], cfg
-            assert counters_all_zero()
+            # static: the first weight tile before the PDL wait (stream-K only: the grid form ignores it;
+            # bf16 only, the model's dtype: the other dtypes would only add compiles of the same code)
+            statics = (False, True) if cfg is not None and cfg.stream_k and dt == torch.bfloat16 else (False,)
+            for static in statics:
+                out = torch.full((m, 7168), float("nan"), dtype=dt, device="cuda")
+                latent_moe_tail_triton(*args, 1e-5, cfg, out=out, static_weight=static)
+                assert rel_err(out.cpu(), ref) < GPU_TOL[dt], (cfg, static)
+                assert counters_all_zero()
     out = latent_moe_tail(*args, 1e-5)
     assert rel_err(out.cpu(), ref) < GPU_TOL[dt]
     main = _choices()[0]
@@ -481,19 +521,24 @@ def test_cuda_real_widths(m, dtype, clean_records):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["last", "kernel", "stream-k-tma"])
+@pytest.mark.parametrize("kind", ["last", "kernel", "stream-k-tma", "stream-k-pdl", "stream-k-pdl-static",
+                                  "stream-k-2launch-pdl-static"])
 def test_cuda_graph_replay(kind):
-    """Captured once, replayed on fresh inputs: every replay right (the counters reset themselves)."""
+    """Captured once, replayed on fresh inputs: every replay right (the counters reset themselves; with PDL
+    two captured calls back to back, so the second's early start overlaps the first's reduction)."""
     m, l, d, dt = 4, 3584, 7168, torch.bfloat16
     lat, sh, g, w = (t.cuda() for t in make_inputs(m, l, d, dt, seed=11))
-    cfg = (TailConfig(128, 128, num_warps=8, stream_k=True, tma=True) if kind == "stream-k-tma"
+    cfg = (TailConfig(128, 128, num_warps=8, stream_k=True, tma=True, pdl="pdl" in kind,
+                      reduce="kernel" if "2launch" in kind else "last") if "stream-k" in kind
            else TailConfig(reduce=kind))
+    static = kind.endswith("static")
     out = torch.empty(m, d, dtype=dt, device="cuda")
-    latent_moe_tail_triton(lat, sh, g, w, 1e-5, cfg, out=out)   # compiles, makes the counters
+    latent_moe_tail_triton(lat, sh, g, w, 1e-5, cfg, out=out, static_weight=static)   # compiles, makes counters
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        latent_moe_tail_triton(lat, sh, g, w, 1e-5, cfg, out=out)
+        latent_moe_tail_triton(lat, sh, g, w, 1e-5, cfg, out=out, static_weight=static)
+        latent_moe_tail_triton(lat, sh, g, w, 1e-5, cfg, out=out, static_weight=static)
     for seed in range(3):
         lat2, sh2, _, _ = make_inputs(m, l, d, dt, seed=20 + seed)
         lat.copy_(lat2)

@@ -75,6 +75,17 @@ def test_supports_accepts_k3_shape():
     assert tc.supports(*_inputs(4, 3584, 7168), 1e-6) is None
 
 
+def test_tail_config_static_table_first(monkeypatch):
+    """``static_weight=True`` takes TAIL_TABLE_STATIC's entry where it has one, else TAIL_TABLE's."""
+    plain, static = cfgmod.SkinnyConfig(2, 1, 4, 2, stages=4), cfgmod.SkinnyConfig(4, 1, 4, 1, stages=6)
+    monkeypatch.setattr(tc, "TAIL_TABLE", {(8, 7168, 3584): plain, (16, 7168, 3584): plain})
+    monkeypatch.setattr(tc, "TAIL_TABLE_STATIC", {(8, 7168, 3584): static})
+    assert tc.tail_config(8, 7168, 3584) == plain
+    assert tc.tail_config(5, 7168, 3584, static_weight=True) == static   # M bucket 8
+    assert tc.tail_config(16, 7168, 3584, static_weight=True) == plain
+    assert tc.tail_config(16, 512, 256, static_weight=True) is not None   # the skinny GEMM's choice
+
+
 @needs_cutlass
 def test_compiles_for_sm90a_without_gpu(monkeypatch, tmp_path):
     monkeypatch.setenv("CUTE_DSL_ARCH", os.environ.get("CUTE_DSL_ARCH", "sm_90a"))

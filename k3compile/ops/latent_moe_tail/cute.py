@@ -48,32 +48,44 @@ def supports(latent, shared, norm_weight, up_weight, eps) -> Optional[str]:
     return _skinny.supports(latent, up_weight, None, shared)
 
 
-# Measured on one H200 (L 3584, D 7168, bf16, eps 1e-5; CUDA-graph medians, weights rotated out of L2).
-# First a sweep at M 1, 4, 16 (ceiling 4.248 TB/s): rg2-wn1-wk4-u2-s4 was best at M 1 and 4; split-K
-# clusters, 8 K-warps and the register path were slower at every M. Then this table, one run (ceiling
-# 4.222 TB/s), against unfused torch.compile and the split path (Triton norm + skinny GEMM):
-#   M  1: 16.22 µs (75% of the ceiling) vs compile 22.31, split 18.58: x1.38
-#   M  2: 15.55 µs (78%) vs compile 21.52, split 21.54: x1.38
-#   M  4: 15.86 µs (77%) vs compile 21.81, split 18.95: x1.38
-#   M  8: 17.08 µs (72%) vs compile 22.04, split 19.33: x1.29
-#   M 16: 20.50 µs (60%) vs compile 19.05, split 19.32: x0.93 (not profitable)
-# With static_weight=True: 15.23 / 14.50 / 15.09 / 16.30 / 19.47 µs. Other shapes use the skinny GEMM's choice.
+# Measured on one H200 (L 3584, D 7168, bf16, eps 1e-5; CUDA-graph medians, 14 weights rotated out of L2,
+# benchmarks/moe_tail.py's harness, copy ceiling 4.22 TB/s).
+# - First sweep (M 1, 4, 16): rg2-wn1-wk4-u2-s4 best at M 1 and 4; split-K clusters, 8 K-warps and the
+#   register path slower at every M.
+# - Sweep at M 8 and 16 (29 configurations, static weight off and on): at M 8 a 3-stage ring beat the 4-stage
+#   one (16.45 / 16.05 µs static off / on against 17.31 / 16.53); rg2-wn1-wk8-u1-s4 tied it with static weight
+#   only (16.04); register paths, rg4, wn2 and cluster splits were slower. At M 16 no configuration came within
+#   15% of the Triton / split paths (best 23.38 µs, static 22.83, against 20.0): the A side (norm scaling of
+#   two 8-row halves per step) costs more than the weight stream there.
+# - Then s3 against s4 at every M, both ways (static off / on, µs):
+#     M 1: 15.54 / 14.95 vs 16.22 / 15.18     M 2: 14.94 / 14.63 vs 15.65 / 14.85
+#     M 4: 15.37 / 15.04 vs 16.18 / 15.37     M 8: 16.25, 17.01 / 15.86 vs 17.13, 17.74 / 16.32
+#   so s3 both ways at M <= 8 (static weight does not change the winner: one table). Unfused torch.compile
+#   in earlier runs of the same harness: 21.5-22.9 µs at M <= 8, 18.9-19.2 at M 16.
+# Other shapes use the skinny GEMM's choice.
 TAIL_TABLE: dict[tuple[int, int, int], _config.SkinnyConfig] = {
-    (1, 7168, 3584): _config.SkinnyConfig(2, 1, 4, 2, stages=4),
-    (2, 7168, 3584): _config.SkinnyConfig(2, 1, 4, 2, stages=4),
-    (4, 7168, 3584): _config.SkinnyConfig(2, 1, 4, 2, stages=4),
-    (8, 7168, 3584): _config.SkinnyConfig(2, 1, 4, 2, stages=4),
-    (16, 7168, 3584): _config.SkinnyConfig(1, 1, 4, 2, stages=4),
+    (1, 7168, 3584): _config.SkinnyConfig(2, 1, 4, 2, stages=3),
+    (2, 7168, 3584): _config.SkinnyConfig(2, 1, 4, 2, stages=3),
+    (4, 7168, 3584): _config.SkinnyConfig(2, 1, 4, 2, stages=3),
+    (8, 7168, 3584): _config.SkinnyConfig(2, 1, 4, 2, stages=3),
+    (16, 7168, 3584): _config.SkinnyConfig(1, 1, 4, 2, stages=4),   # only where forced: Triton / split run M 16
 }
-# Above this many rows the fused kernel did not beat unfused torch.compile on the H200 (M = 16: x0.93).
+# With ``static_weight=True`` (the first weight stages copied before the PDL wait): entries where another
+# configuration measured faster than TAIL_TABLE's (none at K3's widths: see above); elsewhere TAIL_TABLE's.
+TAIL_TABLE_STATIC: dict[tuple[int, int, int], _config.SkinnyConfig] = {}
+# Above this many rows the fused kernel did not beat unfused torch.compile on the H200 (M = 16: 22.8-23.5 µs
+# against 19).
 PROFITABLE_MAX_M = 8
 
 
-def tail_config(m: int, d: int, l: int) -> _config.SkinnyConfig:
-    """The configuration for this tail: its own table, else the skinny GEMM's choice or heuristic.
+def tail_config(m: int, d: int, l: int, static_weight: bool = False) -> _config.SkinnyConfig:
+    """The configuration for this tail: its own table (with ``static_weight``: TAIL_TABLE_STATIC first),
+    else the skinny GEMM's choice or heuristic.
 
     The skinny table's "cuBLAS is faster" entries do not apply here: the fused norm saves a launch."""
     key = (_config.m_bucket(m), d, l)
+    if static_weight and key in TAIL_TABLE_STATIC:
+        return TAIL_TABLE_STATIC[key]
     if key in TAIL_TABLE:
         return TAIL_TABLE[key]
     return _config.choose(m, d, l) or _config.heuristic(m, d, l)
@@ -100,7 +112,7 @@ def latent_moe_tail_cute(latent: torch.Tensor, shared: torch.Tensor, norm_weight
     m, l = latent.shape
     d = up_weight.shape[0]
     if cfg is None:
-        cfg = tail_config(m, d, l)
+        cfg = tail_config(m, d, l, static_weight)
     fn = _skinny.compile_kernel(latent.dtype, m, cfg, False, True, static_weight, float(eps))
     if out is None:
         out = torch.empty((m, d), dtype=latent.dtype, device=latent.device)
@@ -110,4 +122,4 @@ def latent_moe_tail_cute(latent: torch.Tensor, shared: torch.Tensor, norm_weight
 
 def warmup(dtype: torch.dtype, m: int, d: int, l: int, eps: float, static_weight: bool = False) -> None:
     """Compile (or load from the disk cache) the variant a later call will use, before graph capture."""
-    _skinny.compile_kernel(dtype, m, tail_config(m, d, l), False, True, static_weight, float(eps))
+    _skinny.compile_kernel(dtype, m, tail_config(m, d, l, static_weight), False, True, static_weight, float(eps))

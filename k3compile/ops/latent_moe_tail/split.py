@@ -72,10 +72,15 @@ def kimi_rms_norm_triton(latent: torch.Tensor, norm_weight: torch.Tensor, eps: f
 
 def latent_moe_tail_split(latent: torch.Tensor, shared: torch.Tensor, norm_weight: torch.Tensor,
                           up_weight: torch.Tensor, eps: float, backend: str = "auto",
-                          m_limit: int = 16) -> torch.Tensor:
+                          m_limit: int = 16, static_weight: bool = False) -> torch.Tensor:
     """Triton norm, then ``k3::skinny_gemm(normed, up_weight, None, shared, backend, m_limit)``: the
-    skinny-GEMM op picks CuTe, Triton or cuBLAS and records its choice under ``skinny_gemm``."""
-    from k3compile.ops.skinny_gemm import skinny_gemm  # noqa: PLC0415  (an op package of its own)
+    skinny-GEMM op picks CuTe, Triton or cuBLAS and records its choice under ``skinny_gemm``.
+
+    ``static_weight`` (the caller proved no kernel writes ``up_weight``) goes on to the GEMM: its
+    activation is the norm kernel's output, a kernel of this same call, as the proof requires."""
+    from k3compile.ops.skinny_gemm import skinny_gemm_op  # noqa: PLC0415  (an op package of its own)
 
     normed = kimi_rms_norm_triton(latent, norm_weight, eps)
-    return skinny_gemm(normed, up_weight, None, shared, backend=backend, m_limit=m_limit)
+    if static_weight:
+        return skinny_gemm_op(normed, up_weight, None, shared, backend, m_limit, static_weight=True)
+    return skinny_gemm_op(normed, up_weight, None, shared, backend, m_limit)

@@ -35,8 +35,13 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # grid dependency control (PDL), Triton >= 3.4
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover
+    gdc_launch_dependents = gdc_wait = None
+
 from k3compile.ops.arrival_counters import arrival_counters
-from k3compile.backends import Reason, sm_count, triton_can_run_on, triton_interpret
+from k3compile.backends import Reason, is_rocm, sm_count, triton_can_run_on, triton_interpret
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_BLOCK_M = 16   # one tensor-core tile of rows; the op's small-M limit may not exceed it
@@ -52,10 +57,14 @@ class TailConfig:
     swap_ab: compute outᵀ = W·hᵀ (the weight tile is the MMA's M side: wgmma-sized on Hopper).
     prenorm: rstd of the whole row before the dot (fp16: keeps x·g from overflowing).
     stream_k: persistent programs, ``ctas_per_sm`` per SM, each a contiguous run of (tile, K block)
-        units (``streamk.py``; split_k, reduce and swap_ab are then unused: it always swaps and
-        reduces with a second kernel). On CPU (interpreter) ``ctas_per_sm`` is the program count.
+        units (``streamk.py``; split_k and swap_ab are then unused: it always swaps; ``reduce`` "last":
+        the last program to leave a tile reduces it, one launch; "kernel": a second kernel reduces).
+        On CPU (interpreter) ``ctas_per_sm`` is the program count.
         tma: stream-K loads the weight through a TMA descriptor where its layout allows (row-major,
         16-byte aligned base and rows), else through pointers as without it.
+        pdl: stream-K on sm_90+: both kernels launched with programmatic dependent launch; before its
+        wait the stream-K kernel prefetches its first ``pdl_tiles`` weight tiles into L2 (with
+        ``static_weight`` it loads the first one). ``static_weight=True`` turns PDL on whatever this says.
     """
     block_n: int = 64
     block_k: int = 128
@@ -68,17 +77,20 @@ class TailConfig:
     stream_k: bool = False
     ctas_per_sm: int = 1
     tma: bool = False
+    pdl: bool = False
+    pdl_tiles: int = 1
 
     def __post_init__(self):
         if self.reduce not in REDUCES:
             raise ValueError(f"reduce must be one of {REDUCES}, got {self.reduce!r}")
-        if self.split_k < 1 or self.block_n < 16 or self.block_k < 16 or self.ctas_per_sm < 1:
+        if self.split_k < 1 or self.block_n < 16 or self.block_k < 16 or self.ctas_per_sm < 1 or self.pdl_tiles < 1:
             raise ValueError(f"bad config {self}")
 
     def tag(self) -> str:
         if self.stream_k:
             return (f"sk{self.ctas_per_sm}-n{self.block_n}-k{self.block_k}-w{self.num_warps}-st{self.num_stages}"
-                    + ("-tma" if self.tma else "") + ("-pre" if self.prenorm else ""))
+                    + ("-1launch" if self.reduce == "last" else "") + ("-tma" if self.tma else "")
+                    + (f"-pdl{self.pdl_tiles}" if self.pdl else "") + ("-pre" if self.prenorm else ""))
         return (f"n{self.block_n}-k{self.block_k}-s{self.split_k}-w{self.num_warps}-st{self.num_stages}"
                 + (f"-{self.reduce}" if self.split_k > 1 else "") + ("-swap" if self.swap_ab else "")
                 + ("-pre" if self.prenorm else ""))
@@ -97,7 +109,12 @@ def m_bucket(m: int) -> int:
 # skinny_gemm (split.py) was as fast or faster (the op then takes the split path). Shapes not listed take the
 # split path on a GPU (`fused_profitable`). The split-K grid's best (n128-k128-s4-w8-st4-last-swap: 19.25 /
 # 19.58 / 20.44 µs) only tied the split path; stream-K with the weight through TMA is ahead at M <= 4.
-_STREAM_K_TMA = TailConfig(128, 128, num_warps=8, num_stages=4, stream_k=True, tma=True)
+# PDL and one launch (2026-11-30 04:47 and 05:03 runs, M 8 and 16): at M=16 the one-launch PDL form
+# (sk1-n128-k128-w8-st4-1launch-tma-pdl1) 20.01 / 19.82 / 19.98 µs against the split path 20.18 / 19.81 /
+# 19.97 and the two-launch form 20.12 / 20.33: a tie, so M=16 keeps the split path; with static_weight the
+# one-launch form got slower (21.98 / 21.89 µs: its first tile held in registers across the wait), the
+# two-launch form unchanged (20.01). At M=8 none came within 15% of the CuTe tail (>= 20.1 µs).
+_STREAM_K_TMA = TailConfig(128, 128, num_warps=8, num_stages=4, reduce="kernel", stream_k=True, tma=True)
 TUNED: dict[tuple[str, int, int, int], Optional[TailConfig]] = {
     ("bfloat16", 1, 7168, 3584): _STREAM_K_TMA,   # 17.97 µs vs split 19.05 (unfused torch.compile 22.02)
     ("bfloat16", 4, 7168, 3584): _STREAM_K_TMA,   # 18.53 µs vs split 19.64 (21.75)
@@ -106,13 +123,26 @@ TUNED: dict[tuple[str, int, int, int], Optional[TailConfig]] = {
     ("float16", 4, 7168, 3584): None,             # 22.49 µs vs split 19.45
     ("float16", 16, 7168, 3584): None,            # 24.59 µs vs split 19.80
 }
+# Where the caller promises a static weight (``static_weight=True``): entries that differ from TUNED.
+TUNED_STATIC: dict[tuple[str, int, int, int], Optional[TailConfig]] = {}
 
 
-def default_config(m: int, d: int, l: int, dtype: torch.dtype, sm_count: int = 0) -> TailConfig:
+def _tuned(key, static_weight: bool):
+    """The measured entry for ``key`` (KeyError where none): the static-weight table first if it applies."""
+    if static_weight and key in TUNED_STATIC:
+        return TUNED_STATIC[key]
+    return TUNED[key]
+
+
+def default_config(m: int, d: int, l: int, dtype: torch.dtype, sm_count: int = 0,
+                   static_weight: bool = False) -> TailConfig:
     """The measured configuration, else: 16-bit on a GPU, the H200 sweep's best form (stream-K, 128×128
     weight tiles through TMA, 8 warps, 4 stages); fp32 (tiles twice the bytes) a split-K grid of 64-column
     tiles to ~2 programs per SM, 3 stages. ``sm_count`` 0 (interpreter): no split, fewer programs."""
-    tuned = TUNED.get((_dtype_name(dtype), m_bucket(m), d, l)) if sm_count else None
+    try:
+        tuned = _tuned((_dtype_name(dtype), m_bucket(m), d, l), static_weight) if sm_count else None
+    except KeyError:
+        tuned = None
     if tuned is not None:
         return tuned if dtype != torch.float16 else TailConfig(**dict(tuned.__dict__, prenorm=True))
     if sm_count and dtype != torch.float32:
@@ -131,19 +161,22 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def fused_profitable(latent: torch.Tensor, up_weight: torch.Tensor) -> Reason:
+def fused_profitable(latent: torch.Tensor, up_weight: torch.Tensor, static_weight: bool = False) -> Reason:
     """None where the one-kernel tail should run rather than norm + skinny_gemm, else why not.
 
-    CPU tensors (the interpreter) always take the one kernel. On a GPU only where :data:`TUNED` lists a
-    configuration (measured faster on the H200); elsewhere the split path, which is never slower there."""
+    CPU tensors (the interpreter) always take the one kernel. On a GPU only where :data:`TUNED` (with
+    ``static_weight``: :data:`TUNED_STATIC` first) lists a configuration (measured faster on the H200);
+    elsewhere the split path, which is never slower there."""
     if latent.device.type != "cuda":
         return None
     m, l = latent.shape
     d = up_weight.shape[0]
     key = (_dtype_name(latent.dtype), m_bucket(m), d, l)
-    if key in TUNED:
-        return None if TUNED[key] is not None else f"norm + skinny_gemm measured faster for {key}"
-    return f"the one-kernel tail is not measured for {key} (triton.TUNED)"
+    try:
+        tuned = _tuned(key, static_weight)
+    except KeyError:
+        return f"the one-kernel tail is not measured for {key} (triton.TUNED)"
+    return None if tuned is not None else f"norm + skinny_gemm measured faster for {key}"
 
 
 @triton.jit
@@ -306,16 +339,21 @@ def triton_supports(latent, shared, norm_weight, up_weight, eps, small_m_limit=M
 def latent_moe_tail_triton(latent: torch.Tensor, shared: torch.Tensor, norm_weight: torch.Tensor,
                            up_weight: torch.Tensor, eps: float,
                            config: Optional[TailConfig] = None,
-                           out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The fused tail in one launch (two with ``reduce="kernel"`` or ``stream_k``); ``out`` [M, D] is
+                           out: Optional[torch.Tensor] = None, static_weight: bool = False) -> torch.Tensor:
+    """The fused tail in one launch (two with ``reduce="kernel"``); ``out`` [M, D] is
     allocated unless given (tests pass a NaN-poisoned one). M ≤ 16, one dtype (bf16 / fp16 / fp32);
-    ``config`` None: :func:`default_config`."""
+    ``config`` None: :func:`default_config` (with ``static_weight``, its static-weight entry).
+
+    ``static_weight=True`` promises that no kernel writes ``up_weight`` (a parameter; k3compile's
+    static-weight pass proves it in the graph): the stream-K form then loads each program's first weight
+    tile before its PDL wait, overlapping the previous kernel's tail (launched with PDL on sm_90+; in the
+    interpreter only the load order changes). The split-K grid form ignores it."""
     m, l = latent.shape
     d = up_weight.shape[0]
     if m > MAX_BLOCK_M:
         raise ValueError(f"latent_moe_tail_triton: M={m} > {MAX_BLOCK_M}")
     if config is None:
-        config = default_config(m, d, l, latent.dtype, sm_count(latent.device))
+        config = default_config(m, d, l, latent.dtype, sm_count(latent.device), static_weight)
     if out is None:
         out = torch.empty((m, d), dtype=latent.dtype, device=latent.device)
     if m == 0 or d == 0:
@@ -324,7 +362,7 @@ def latent_moe_tail_triton(latent: torch.Tensor, shared: torch.Tensor, norm_weig
         norm_weight = norm_weight.contiguous()
     upcast = latent.dtype != torch.float32 and triton_interpret()
     if config.stream_k:
-        return _launch_stream_k(latent, shared, norm_weight, up_weight, eps, config, out, upcast)
+        return _launch_stream_k(latent, shared, norm_weight, up_weight, eps, config, out, upcast, static_weight)
     k_per_split = triton.cdiv(triton.cdiv(l, config.split_k), config.block_k) * config.block_k
     split_k = max(1, triton.cdiv(l, k_per_split))
     n_tiles = triton.cdiv(d, config.block_n)
@@ -362,7 +400,7 @@ def latent_moe_tail_triton(latent: torch.Tensor, shared: torch.Tensor, norm_weig
     return out
 
 
-def _launch_stream_k(latent, shared, norm_weight, up_weight, eps, config, out, upcast):
+def _launch_stream_k(latent, shared, norm_weight, up_weight, eps, config, out, upcast, static_weight):
     from . import streamk  # noqa: PLC0415  (it imports this module's jit helpers)
 
     m, l = latent.shape
@@ -374,6 +412,8 @@ def _launch_stream_k(latent, shared, norm_weight, up_weight, eps, config, out, u
     slots = n_tiles * max_seg * MAX_BLOCK_M   # per tile, max_seg partials of [16, block_n]
     ws = torch.empty((slots * config.block_n,), dtype=torch.float32, device=latent.device)
     ss = torch.empty((slots,), dtype=torch.float32, device=latent.device)
+    # one launch: the last program to leave a tile reduces it (None inside a first capture: two launches)
+    counters = arrival_counters(latent.device, n_tiles) if config.reduce == "last" else None
     grid_args = (units, k_blocks, programs, max_seg, float(eps))
     w_desc = up_weight
     tma = config.tma and _tma_layout_ok(up_weight)
@@ -381,21 +421,34 @@ def _launch_stream_k(latent, shared, norm_weight, up_weight, eps, config, out, u
         from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415
 
         w_desc = TensorDescriptor.from_tensor(up_weight, [config.block_n, config.block_k])
+    pdl = (config.pdl or static_weight) and pdl_capable(latent.device)
+    launch = dict(launch_pdl=True) if pdl else {}
     on_device = torch.cuda.device(latent.device) if latent.device.type == "cuda" else contextlib.nullcontext()
     with on_device:
         streamk._tail_streamk_kernel[(programs,)](
-            latent, norm_weight, up_weight, w_desc, ws, ss, m, d, l, *grid_args,
+            latent, norm_weight, up_weight, w_desc, ws, ss, shared, out, counters if counters is not None else ss,
+            m, d, l, *grid_args,
             latent.stride(0), latent.stride(1), up_weight.stride(0), up_weight.stride(1),
+            shared.stride(0), shared.stride(1), out.stride(0), out.stride(1),
             BLOCK_M=MAX_BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, PRENORM=config.prenorm,
             IEEE_DOT=latent.dtype == torch.float32 or upcast, UPCAST_DOT=upcast, TMA=tma,
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            PDL=pdl, STATIC_W=static_weight, ONE_LAUNCH=counters is not None, PDL_TILES=config.pdl_tiles,
+            num_warps=config.num_warps, num_stages=config.num_stages, **launch,
         )
+        if counters is not None:
+            return out
         streamk._tail_streamk_reduce_kernel[(n_tiles,)](
             ws, ss, shared, out, m, d, l, *grid_args,
             shared.stride(0), shared.stride(1), out.stride(0), out.stride(1),
-            BLOCK_M=MAX_BLOCK_M, BLOCK_N=config.block_n, PRENORM=config.prenorm, num_warps=4,
+            BLOCK_M=MAX_BLOCK_M, BLOCK_N=config.block_n, PRENORM=config.prenorm, PDL=pdl, num_warps=4, **launch,
         )
     return out
+
+
+def pdl_capable(device: torch.device) -> bool:
+    """Programmatic dependent launch: an NVIDIA GPU of compute capability 9.0+ and a Triton that has it."""
+    return (device.type == "cuda" and gdc_wait is not None and not is_rocm()
+            and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 def _tma_layout_ok(w: torch.Tensor) -> bool:
