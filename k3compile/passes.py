@@ -6,10 +6,13 @@ compiles (only on an FX-graph-cache miss). It
 1. registers each enabled pattern module once per options value (lazily, under fake tensors),
 2. applies the passes in ``patterns.PASS_ORDER`` and records each pass's match count in
    :data:`COMPILE_RECORD` (per-thread, read by ``optimize``'s backend and by ``report``),
-3. runs the pass the user had installed before us (chained), if any.
+3. runs the pass the user had installed before us (chained), if any,
+4. finishes with ``static_weights.mark_static_weights``: ``static_weight=True`` on each k3 GEMM whose
+   weight the final graph proves static (recorded, proven or not and why, in ``facts["static_weight"]``;
+   not a pass: strict mode expects nothing of it).
 
 Its ``uuid()`` hashes our version, the torch version, the source of every pass and pattern file and
-op schema, the options, and the chained pass's uuid, so the FX graph and AOTAutograd caches stay
+op schema, the options, whether the static-weight proof is on, and the chained pass's uuid, so the FX graph and AOTAutograd caches stay
 valid -- and are invalidated by any edit that could change the rewritten graph.
 """
 from __future__ import annotations
@@ -29,6 +32,8 @@ from torch._inductor import pattern_matcher as pm
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from .backends import check_backend
+from .static_weights import enabled as static_weights_enabled
+from .static_weights import mark_static_weights
 
 log = logging.getLogger("k3compile")
 
@@ -65,7 +70,9 @@ class GraphRecord:
     matches: dict = field(default_factory=dict)   # pass name -> matches
     seconds: float = 0.0                          # time spent in our passes (registration included)
     registration_seconds: float = 0.0
-    facts: dict = field(default_factory=dict)     # what pattern modules' facts() saw before rewriting
+    # what pattern modules' facts() saw before rewriting, and under STATIC_WEIGHT_FACT what
+    # static_weights.mark_static_weights proved after it: {op: {"proven": n, "not proven": {reason: n}}}
+    facts: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -87,6 +94,8 @@ class _CompileRecord(threading.local):
 
 
 COMPILE_RECORD = _CompileRecord()
+
+STATIC_WEIGHT_FACT = "static_weight"
 
 _register_lock = threading.Lock()
 
@@ -113,9 +122,9 @@ _REGISTERED: dict[K3Options, dict[str, pm.PatternMatcherPass]] = {}
 
 
 def _source_files() -> tuple[str, ...]:
-    """Every file whose edit could change the rewritten graph: passes, patterns, op schemas."""
+    """Every file whose edit could change the rewritten graph: passes, the static-weight proof, patterns, op schemas."""
     root = Path(__file__).resolve().parent
-    files = [root / "passes.py", root / "backends.py"]
+    files = [root / "passes.py", root / "backends.py", root / "static_weights.py"]
     files += sorted((root / "ops").rglob("op.py"))
     import k3compile.patterns as patterns_pkg
     files += sorted(Path(patterns_pkg.__file__).resolve().parent.glob("*.py"))
@@ -179,10 +188,15 @@ class K3PostGradPass(CustomGraphPass):
             log.debug("k3compile %s: %d matches", name, n)
         graph.eliminate_dead_code()
         graph.lint()
-        record.seconds = time.perf_counter() - t0
-        COMPILE_RECORD.graphs.append(record)
+        ours = time.perf_counter() - t0
         if self.chained is not None:
             self.chained(graph)
+        t1 = time.perf_counter()
+        static = mark_static_weights(graph)   # last: it must see every write any pass added
+        if static:
+            record.facts[STATIC_WEIGHT_FACT] = static
+        record.seconds = ours + time.perf_counter() - t1   # the chained pass's time is not ours
+        COMPILE_RECORD.graphs.append(record)
 
     def uuid(self) -> Optional[str]:
         import k3compile
@@ -192,6 +206,7 @@ class K3PostGradPass(CustomGraphPass):
         h.update(torch.__version__.encode())
         h.update(get_hash_for_files(_source_files()))
         h.update(repr(dataclasses.astuple(self.options)).encode())
+        h.update(f"static_weight={static_weights_enabled()}".encode())
         if self.chained is not None:
             other = self.chained.uuid() if hasattr(self.chained, "uuid") else None
             if other is None:

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from .backends import Choice, all_choices
 from .optimize import CompiledGraph, state_of
+from .passes import STATIC_WEIGHT_FACT
 
 
 @dataclass
@@ -19,6 +20,8 @@ class Report:
     backend: str
     unknown_graphs: int = 0                        # cache hits without a stored record
     op_calls: dict = field(default_factory=dict)   # op -> calls seen by dispatch (what ran)
+    # op -> {"proven": n, "not proven": {reason: n}} over all graphs (static_weights.py)
+    static_weight: dict = field(default_factory=dict)
 
     @property
     def cache_hits(self) -> int:
@@ -42,6 +45,15 @@ class Report:
                          + (f", pass {g.record.seconds:.3f} s" if g.record and g.source == "pass ran" else ""))
         if self.unknown_graphs:
             lines.append(f"  ({self.unknown_graphs} cached graph(s) had no stored record: counts incomplete)")
+        if self.static_weight:
+            lines.append("  static weight (weight streamed before the PDL wait), per op node:")
+        for op, r in self.static_weight.items():
+            why_not = r["not proven"]
+            total = r["proven"] + sum(why_not.values())
+            line = f"    {op:<20} proven {r['proven']} of {total}"
+            if why_not:
+                line += "; not proven: " + "; ".join(f"{why} (x{n})" for why, n in why_not.items())
+            lines.append(line)
         lines.append("  kernels chosen:")
         if not self.choices:
             lines.append("    (no k3 op has run yet)")
@@ -85,6 +97,13 @@ def report(model) -> Report:
         if g.source == "pass ran":  # a cache hit added no pass time now
             pass_s += g.record.seconds
             reg_s += g.record.registration_seconds
+    static: dict = {}
+    for g in graphs:
+        for op, r in ((g.record.facts.get(STATIC_WEIGHT_FACT) or {}) if g.record else {}).items():
+            total = static.setdefault(op, {"proven": 0, "not proven": {}})
+            total["proven"] += r.get("proven", 0)
+            for why, n in r.get("not proven", {}).items():
+                total["not proven"][why] = total["not proven"].get(why, 0) + n
     choices = all_choices()
     op_calls: dict = {}
     for c in choices:
@@ -93,5 +112,5 @@ def report(model) -> Report:
         passes=state.options.enabled, matches=matches, graphs=graphs, choices=choices,
         pass_seconds=pass_s, registration_seconds=reg_s,
         compile_seconds=sum(g.compile_seconds for g in graphs), backend=state.options.backend,
-        unknown_graphs=sum(1 for g in graphs if g.record is None), op_calls=op_calls,
+        unknown_graphs=sum(1 for g in graphs if g.record is None), op_calls=op_calls, static_weight=static,
     )

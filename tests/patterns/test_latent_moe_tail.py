@@ -27,7 +27,7 @@ from torch._inductor.virtualized import V
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import k3compile.ops.latent_moe_tail  # noqa: F401  (registers k3::latent_moe_tail)
-from k3compile.passes import COMPILE_RECORD, K3Options, K3PostGradPass
+from k3compile.passes import COMPILE_RECORD, STATIC_WEIGHT_FACT, K3Options, K3PostGradPass
 
 NAME = "latent_moe_tail"
 c10d = torch.ops._c10d_functional
@@ -69,7 +69,8 @@ def rewrite(fn, args, small_m_limit=16):
     gm.recompile()
     (record,) = COMPILE_RECORD.take()
     LAST_FACTS.clear()
-    LAST_FACTS.update(record.facts)
+    # the pattern's own facts (the pass manager adds its static-weight proof's under STATIC_WEIGHT_FACT)
+    LAST_FACTS.update({k: v for k, v in record.facts.items() if k != STATIC_WEIGHT_FACT})
     return gm, record.matches[NAME]
 
 

@@ -15,6 +15,10 @@ Up to ``small_m_limit`` rows (≤ 16), ``auto`` tries, recording each step down 
 - ``reference``: norm + ``addmm``; also above the limit and for dtypes the kernels lack.
 
 Every choice is recorded in ``LATENT_MOE_TAIL`` (``k3compile.report`` prints it).
+
+``static_weight`` (set by ``k3compile.static_weights`` where the graph proves that no kernel which may
+still run writes ``up_weight``) lets the kernels stream ``up_weight`` before their PDL wait. A launch
+detail: the choice and its key are the same either way; the reference ignores it.
 """
 from __future__ import annotations
 
@@ -35,8 +39,10 @@ _CUTE_MODULE = "k3compile.ops.latent_moe_tail.cute"
 # (M bucket, D, L) where the CuTe tail (default configuration, bf16) measured faster on one H200 than the
 # op's Triton path there (norm + skinny_gemm): same run, CUDA graphs, rotated weights (the CuTe helper's
 # run of 2026-11-30 02:16): M=1 16.22 vs 18.58 µs, M=2 15.55 vs 21.54, M=4 15.86 vs 18.95, M=8 17.08 vs
-# 19.33 (unfused torch.compile 22.31 / 21.52 / 21.81 / 22.04); not at M=16 (20.50 vs 19.32), which keeps
-# Triton under ``auto``.
+# 19.33 (unfused torch.compile 22.31 / 21.52 / 21.81 / 22.04). With its 3-stage ring (04:47 and 05:03
+# runs, static weight off / on): 15.54 / 14.95, 14.94 / 14.63, 15.37 / 15.04, 16.25-17.01 / 15.86 µs. Not at
+# M=16, static weight or not: best CuTe 23.38 / 22.83 µs against 19.8-20.0 for the split path and the
+# Triton tail, so Triton runs there under ``auto``.
 CUTE_FASTER: frozenset[tuple[int, int, int]] = frozenset({(1, 7168, 3584), (2, 7168, 3584), (4, 7168, 3584),
                                                           (8, 7168, 3584)})
 
@@ -87,27 +93,32 @@ def _triton_supports(latent, shared, norm_weight, up_weight, eps, small_m_limit)
     return triton_supports(latent, shared, norm_weight, up_weight, eps, small_m_limit)
 
 
-def _tail_cute(latent, shared, norm_weight, up_weight, eps, backend, small_m_limit, key):
-    return _cute().latent_moe_tail_cute(latent, shared, norm_weight, up_weight, eps)
+def _tail_cute(latent, shared, norm_weight, up_weight, eps, backend, small_m_limit, key, static_weight=False):
+    return _cute().latent_moe_tail_cute(latent, shared, norm_weight, up_weight, eps, static_weight=static_weight)
 
 
-def _tail_triton(latent, shared, norm_weight, up_weight, eps, backend, small_m_limit, key):
-    why_not = fused_profitable(latent, up_weight)
+def _tail_triton(latent, shared, norm_weight, up_weight, eps, backend, small_m_limit, key, static_weight=False):
+    # one kernel or two: measured with and without static weight (triton.TUNED_STATIC); recorded per label
+    why_not = fused_profitable(latent, up_weight, static_weight=static_weight)
     if why_not is None:
         fn = LATENT_MOE_TAIL.select_fixed(backend, key, "triton-fused", "one kernel: norm, up-projection, shared add",
                                           _fused)
     else:
-        fn = LATENT_MOE_TAIL.select_fixed(backend, key, "triton-split", f"norm + skinny_gemm: {why_not}",
-                                          latent_moe_tail_split)
-    return fn(latent, shared, norm_weight, up_weight, eps, backend, small_m_limit)
+        fn = LATENT_MOE_TAIL.select_fixed(backend, key, "triton-split", f"norm + skinny_gemm: {why_not}", _split)
+    return fn(latent, shared, norm_weight, up_weight, eps, backend, small_m_limit, static_weight)
 
 
-def _fused(latent, shared, norm_weight, up_weight, eps, backend, small_m_limit):
-    return latent_moe_tail_triton(latent, shared, norm_weight, up_weight, eps)
+def _fused(latent, shared, norm_weight, up_weight, eps, backend, small_m_limit, static_weight):
+    return latent_moe_tail_triton(latent, shared, norm_weight, up_weight, eps, static_weight=static_weight)
 
 
-def _tail_reference(latent, shared, norm_weight, up_weight, eps, backend, small_m_limit, key):
-    return latent_moe_tail_unfused(latent, shared, norm_weight, up_weight, eps)
+def _split(latent, shared, norm_weight, up_weight, eps, backend, small_m_limit, static_weight):
+    return latent_moe_tail_split(latent, shared, norm_weight, up_weight, eps, backend, small_m_limit,
+                                 static_weight=static_weight)
+
+
+def _tail_reference(latent, shared, norm_weight, up_weight, eps, backend, small_m_limit, key, static_weight=False):
+    return latent_moe_tail_unfused(latent, shared, norm_weight, up_weight, eps)   # no PDL: nothing to stream early
 
 
 LATENT_MOE_TAIL = register_op_impls(OpImpls(
@@ -166,15 +177,18 @@ def _key(latent, shared, norm_weight, up_weight, limit) -> str:
 @torch.library.custom_op("k3::latent_moe_tail", mutates_args=())
 def latent_moe_tail_op(latent: torch.Tensor, shared: torch.Tensor, norm_weight: torch.Tensor,
                        up_weight: torch.Tensor, eps: float, backend: str = "auto",
-                       small_m_limit: int = MAX_BLOCK_M) -> torch.Tensor:
+                       small_m_limit: int = MAX_BLOCK_M, static_weight: bool = False) -> torch.Tensor:
     check_inputs(latent, shared, norm_weight, up_weight, small_m_limit)
     limit = min(small_m_limit, MAX_BLOCK_M)
-    key = _key(latent, shared, norm_weight, up_weight, limit)
+    key = _key(latent, shared, norm_weight, up_weight, limit)   # without static_weight: it never changes the choice
     fn = LATENT_MOE_TAIL.select(backend, key, latent, shared, norm_weight, up_weight, eps, small_m_limit)
+    # the proof leans on latent's producer having run in this graph: an empty latent may have launched nothing
+    if static_weight and latent.shape[0] > 0:
+        return fn(latent, shared, norm_weight, up_weight, eps, backend, limit, key, static_weight=True)
     return fn(latent, shared, norm_weight, up_weight, eps, backend, limit, key)
 
 
 @latent_moe_tail_op.register_fake
-def _(latent, shared, norm_weight, up_weight, eps, backend="auto", small_m_limit=MAX_BLOCK_M):
+def _(latent, shared, norm_weight, up_weight, eps, backend="auto", small_m_limit=MAX_BLOCK_M, static_weight=False):
     check_inputs(latent, shared, norm_weight, up_weight, small_m_limit)
     return latent.new_empty((latent.shape[0], up_weight.shape[0]))

@@ -4,6 +4,11 @@ The pattern pass bakes ``backend`` and ``m_limit`` into the graph. At run time r
 go to the implementation ``SKINNY_GEMM.select`` picks (cute / triton / reference, with recorded
 fallbacks); more rows (possible only when M is symbolic) go to ``torch.addmm`` (cuBLAS on a GPU),
 which is recorded too.
+
+``static_weight`` (set by ``k3compile.static_weights`` where the graph proves that no kernel which may
+still run writes ``w``) lets the CuTe and Triton kernels stream ``w`` before their PDL wait. It is a
+launch detail: the choice of kernel and its key are the same either way; the reference and cuBLAS
+paths ignore it.
 """
 from __future__ import annotations
 
@@ -44,11 +49,19 @@ def _cute_profitable(a, w, bias, residual) -> Reason:
     return _cute().profitable(a, w, bias, residual)
 
 
-def _cute_fn(a, w, bias, residual):
-    return _cute().skinny_gemm_cute(a, w, bias, residual)
+def _cute_fn(a, w, bias, residual, static_weight=False):
+    return _cute().skinny_gemm_cute(a, w, bias, residual, static_weight=static_weight)
 
 
-def _large_m(a, w, bias, residual):
+def _triton_fn(a, w, bias, residual, static_weight=False):
+    return triton_impl.skinny_gemm_triton(a, w, bias, residual, static_weight=static_weight)
+
+
+def _reference(a, w, bias, residual, static_weight=False):
+    return skinny_gemm_reference(a, w, bias, residual)   # no PDL: nothing to stream early
+
+
+def _large_m(a, w, bias, residual, static_weight=False):
     """Rows above the skinny limit, or shapes our kernels lose on: the vendor GEMM, rounded exactly as eager ``linear + add``."""
     out = torch.nn.functional.linear(a, w, bias)
     return out if residual is None else out.add_(residual)
@@ -56,9 +69,8 @@ def _large_m(a, w, bias, residual):
 
 SKINNY_GEMM = register_op_impls(OpImpls(
     "skinny_gemm",
-    reference=Impl(skinny_gemm_reference),
-    triton=Impl(triton_impl.skinny_gemm_triton, triton_impl.available, triton_impl.supports,
-                triton_impl.profitable),
+    reference=Impl(_reference),
+    triton=Impl(_triton_fn, triton_impl.available, triton_impl.supports, triton_impl.profitable),
     cute=Impl(_cute_fn, _cute_available, _cute_supports, _cute_profitable),
     aten=Impl(_large_m),   # cuBLAS where the table says no kernel of ours is faster
 ))
@@ -94,18 +106,22 @@ def _key(a, w, bias, residual):
 def skinny_gemm_op(
     a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
     residual: Optional[torch.Tensor] = None, backend: str = "auto", m_limit: int = 16,
+    static_weight: bool = False,
 ) -> torch.Tensor:
     _check(a, w, bias, residual)
-    key = _key(a, w, bias, residual)
+    key = _key(a, w, bias, residual)   # without static_weight: it never changes the choice
     if a.shape[0] > m_limit:
         fn = SKINNY_GEMM.select_fixed(
             backend, key, "aten", f"M={a.shape[0]} > m_limit={m_limit}: torch.addmm (cuBLAS on GPU)", _large_m)
     else:
         fn = SKINNY_GEMM.select(backend, key, a, w, bias, residual)
+    # the proof leans on a's producer having run in this graph: an empty a may have launched nothing
+    if static_weight and a.shape[0] > 0:
+        return fn(a, w, bias, residual, static_weight=True)
     return fn(a, w, bias, residual)
 
 
 @skinny_gemm_op.register_fake
-def _(a, w, bias=None, residual=None, backend="auto", m_limit=16):
+def _(a, w, bias=None, residual=None, backend="auto", m_limit=16, static_weight=False):
     _check(a, w, bias, residual)
     return a.new_empty((a.shape[0], w.shape[0]))
