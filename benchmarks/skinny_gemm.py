@@ -13,9 +13,9 @@ Bytes of one product: (N·K + M·K + M·N) · 2 (weight, activation and output o
 (the table in k3compile/ops/skinny_gemm/config.py is filled from it); "cute" is then the best
 configuration, or cuBLAS where none beat it (what the dispatch does).
 
-The CuTe kernel is timed on the path the dispatch runs (``static_weight=False``: only an L2 prefetch
-of the weight before the PDL wait); --static-weight times the variant that also starts copying the
-weight before the wait (safe only where no kernel writes the weight).
+Both kernels are timed with ``static_weight=False`` (the weight is touched only after the PDL wait,
+but for an L2 prefetch); --static-weight times them as the dispatch runs them where the compiler proved
+the weight static (first weight loads issued before the wait; safe only where no kernel writes it).
 """
 import argparse
 import json
@@ -43,7 +43,7 @@ def providers(with_triton=True, static=False):
     try:
         if with_triton:
             from k3compile.ops.skinny_gemm.triton import skinny_gemm_triton
-            out["triton"] = lambda a, w, cfg=None: skinny_gemm_triton(a, w)
+            out["triton"] = lambda a, w, cfg=None: skinny_gemm_triton(a, w, static_weight=static)
     except Exception as e:  # the Triton kernel is another part's; report and go on
         print(f"# triton kernel not benchmarked: {type(e).__name__}: {e}", file=sys.stderr)
     try:
@@ -79,7 +79,7 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--static-weight", action="store_true",
-                    help="time the CuTe kernel with static_weight=True (not what the dispatch runs)")
+                    help="time the kernels with static_weight=True (what the dispatch runs for proven-static weights)")
     ap.add_argument("--no-triton", action="store_true", help="leave the Triton kernel out")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)

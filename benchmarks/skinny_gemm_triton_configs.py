@@ -1,9 +1,15 @@
 """Config sweep of the Triton skinny GEMM on one GPU: % of the same-run HBM copy ceiling per config.
 
     python benchmarks/skinny_gemm_triton_configs.py [--json OUT.json] [--budget-s 100] [--ms 1,4,16] [--shapes 4608x7168,...]
+    python benchmarks/skinny_gemm_triton_configs.py --defaults [--json OUT.json]     # what choose_config picks only
 
 What ``choose_config`` in k3compile/ops/skinny_gemm/triton.py was read off (benchmarks/results/
-skinny_gemm_triton_sweep_h200.{json,log}). ``MM_SMOKE_DEVICE=cpu`` with ``TRITON_INTERPRET=1`` checks the logic.
+skinny_gemm_triton_sweep_h200.{json,log}; the PDL flavours: skinny_gemm_triton_pdl_h200.{json,log}).
+``MM_SMOKE_DEVICE=cpu`` with ``TRITON_INTERPRET=1`` checks the logic.
+
+``--defaults``: only ``choose_config``'s picks, with ``static_weight`` off and on (what the dispatch runs where
+the compiler proved the weight static; today the same kernel, so the two columns also show the run's noise), on
+the >= 32 MB decode shapes at M 1/2/4/8/16 -- the figures issue 3 asks for (% of the ceiling, ratio to cuBLAS).
 
 For every (N, K, M): the current heuristic, dot configs around "n programs per SM" (BLOCK_N 32/64/128,
 split-K one-launch or two-launch, num_stages, num_warps) and, for M <= 4, CUDA-core (fma) configs.
@@ -26,6 +32,7 @@ _ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path[:0] = [os.path.join(_ROOT, "benchmarks")] + ([] if "k3compile" in sys.modules else [_ROOT])
 
 SHAPES = [(20480, 7168), (4608, 7168), (3584, 7168), (7168, 3584), (2112, 7168), (896, 7168), (7168, 1536)]
+BIG_SHAPES = [(4608, 7168), (3584, 7168), (7168, 3584), (20480, 7168)]  # weights >= 32 MB (issue 3's goal)
 ROTATE_BYTES = int(os.environ.get("MM_ROTATE_MB", 640)) * 2**20
 T0 = time.time()
 DEV = os.environ.get("MM_SMOKE_DEVICE", "cuda")  # "cpu": a logic smoke test under TRITON_INTERPRET=1
@@ -44,9 +51,13 @@ def eff_split(k, bk, split):
     return cdiv(k, cdiv(cdiv(k, split), bk) * bk)
 
 
-def candidates(m, n, k, sms):
+def candidates(m, n, k, sms, defaults=False):
+    """(config, static_weight) pairs to time; the first is what ``choose_config`` picks for a weight not
+    proven static."""
     from k3compile.ops.skinny_gemm.triton import TritonConfig, choose_config
 
+    if defaults:
+        return [(choose_config(m, n, k, sms), False), (choose_config(m, n, k, sms, True), True)]
     out = [choose_config(m, n, k, sms)]
 
     def add(c):
@@ -88,29 +99,40 @@ def candidates(m, n, k, sms):
                                        (64, 4, None, True, 8), (32, 8, None, True, 8), (32, 2, None, True, 16)):
         add(TritonConfig(bm, bn, 128, split_for(bn, 128, per_sm), 4, st, True, tma=tma, pdl=True,
                          prefetch_lines=lines))
+    # the early trigger (the next product let in right after our wait): only while the grid fits one wave
+    for per_sm in (3.4, 2.5):
+        s = max(1, min(int(per_sm * sms) // cdiv(n, 32), k // (2 * 128), 32))
+        add(TritonConfig(bm, 32, 128, eff_split(k, 128, s), 4, None, True, tma=True, pdl=True, prefetch_lines=0,
+                         early_trigger=True))
     # (CUDA-core fma configs: never within 5 points of the best in the 03:02 run; no longer swept)
-    return out
+    picks = [(c, False) for c in out]
+    static_pick = choose_config(m, n, k, sms, True)
+    if static_pick.pdl and static_pick.preload:  # else static_weight changes nothing
+        picks.insert(1, (static_pick, True))
+    return picks
 
 
 def spec(x):
     return 1 if x == 1 else (16 if x % 16 == 0 else 0)
 
 
-def compile_key(m, k, cfg):
+def compile_key(m, k, cfg, static):
     """What makes Triton compile a new binary: constexprs and how the ints specialise (== 1, % 16);
-    N, K, K_PER_SPLIT and the strides are multiples of 16 for every shape here."""
-    return (spec(m), spec(eff_split(k, cfg.block_k, cfg.split_k)), cfg.block_m, cfg.block_n, cfg.block_k,
-            cfg.one_launch, cfg.fma, cfg.num_warps, cfg.num_stages, cfg.tma, cfg.pdl, cfg.prefetch_lines)
+    N, K, K_PER_SPLIT and the strides are multiples of 16 for every shape here. The split count itself
+    is a runtime int."""
+    import dataclasses
+    s = eff_split(k, cfg.block_k, cfg.split_k)
+    return (spec(m), spec(s), s > 1, dataclasses.replace(cfg, split_k=1), static and cfg.pdl)
 
 
 def _compile_one(job):
-    m, k, cfg = job
+    m, k, cfg, static = job
     import torch
     from k3compile.ops.skinny_gemm.triton import skinny_gemm_triton
     try:
         a = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
         w = torch.randn(cfg.block_n * 4, k, device=DEV, dtype=torch.bfloat16)
-        skinny_gemm_triton(a, w, config=cfg)
+        skinny_gemm_triton(a, w, config=cfg, static_weight=static)
         if DEV == "cuda":
             torch.cuda.synchronize()
         return None
@@ -122,14 +144,14 @@ def precompile(jobs, workers):
     from concurrent.futures import ProcessPoolExecutor
     import multiprocessing as mp
     keys = {}
-    for m, k, cfg in jobs:
-        keys.setdefault(compile_key(m, k, cfg), (m, k, cfg))
+    for job in jobs:
+        keys.setdefault(compile_key(*job), job)
     t = time.time()
     try:
         with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
             errs = list(ex.map(_compile_one, keys.values()))
         bad = [(j, e) for j, e in zip(keys.values(), errs) if e]
-        for (m, k, cfg), e in bad[:10]:
+        for (m, k, cfg, _), e in bad[:10]:
             print(f"# compile M{m} {cfg.tag()}: {e}", file=sys.stderr)
         print(f"# precompiled {len(keys)} kernels in {time.time() - t:.1f}s with {workers} workers "
               f"({len(bad)} failed)", flush=True)
@@ -150,7 +172,8 @@ def graph_us(fn, calls, replays=15):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ms", default="1,4,16")
+    ap.add_argument("--ms", default=None, help="default 1,4,16; 1,2,4,8,16 with --defaults")
+    ap.add_argument("--defaults", action="store_true", help="time only choose_config's picks (static off/on)")
     ap.add_argument("--shapes", default=None)
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "mm_sweep.json"))
     ap.add_argument("--budget-s", type=float, default=100.0, help="stop sweeping (keep heuristic + cuBLAS) after this")
@@ -164,14 +187,15 @@ def main():
         torch.cuda.synchronize = torch.cuda.empty_cache = lambda *a: None
     from k3compile.ops.skinny_gemm.triton import skinny_gemm_triton
 
-    ms = [int(x) for x in args.ms.split(",")]
-    shapes = SHAPES if args.shapes is None else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    ms = [int(x) for x in (args.ms or ("1,2,4,8,16" if args.defaults else "1,4,16")).split(",")]
+    shapes = ((BIG_SHAPES if args.defaults else SHAPES) if args.shapes is None
+              else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")])
     dtype = torch.bfloat16
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plan = {(n, k, m): candidates(m, n, k, sms) for n, k in shapes for m in ms}
+    plan = {(n, k, m): candidates(m, n, k, sms, args.defaults) for n, k in shapes for m in ms}
     print(f"# {torch.cuda.get_device_name()} SMs={sms} torch {torch.__version__}; "
           f"{sum(map(len, plan.values()))} (shape, config) points", flush=True)
-    precompile([(m, k, c) for (n, k, m), cs in plan.items() for c in cs], args.workers)
+    precompile([(m, k, c, st) for (n, k, m), cs in plan.items() for c, st in cs], args.workers)
     ceil = copy_ceiling_tbps()
     print(f"# copy ceiling {ceil:.3f} TB/s; t={time.time() - T0:.0f}s", flush=True)
     rows, best = [], {}
@@ -187,7 +211,7 @@ def main():
             rows.append(dict(provider="cublas", m=m, n=n, k=k, us=cub, frac=floor_us / cub))
             print(f"N{n:>6} K{k:>5} M{m:>2} floor {floor_us:6.2f}us  cuBLAS {cub:6.2f}us {floor_us / cub:6.1%}", flush=True)
             res = []
-            for i, cfg in enumerate(plan[(n, k, m)]):
+            for i, (cfg, static) in enumerate(plan[(n, k, m)]):
                 if i > 0 and time.time() - T0 > args.budget_s:
                     print("#   (time budget spent: remaining configs skipped)")
                     break
@@ -195,32 +219,49 @@ def main():
                     errs = []
                     for _ in range(2):  # twice: the one-launch counters must be back at zero
                         out = torch.full((m, n), float("nan"), device=DEV, dtype=dtype)
-                        skinny_gemm_triton(a, ws[0], config=cfg, out=out)
+                        skinny_gemm_triton(a, ws[0], config=cfg, out=out, static_weight=static)
                         errs.append(((out.double() - ref).norm() / ref.norm()).item())
                     err = max(errs)
                     if not err < 2e-2:
                         print(f"#   {cfg.tag()}: WRONG rel={err:.2e}", flush=True)
-                        rows.append(dict(provider="triton", cfg=cfg.tag(), m=m, n=n, k=k, wrong=err))
+                        rows.append(dict(provider="triton", cfg=cfg.tag(), static=static, m=m, n=n, k=k, wrong=err))
                         continue
-                    us = graph_us(lambda: [skinny_gemm_triton(a, w, config=cfg) for w in ws], copies)
+                    us = graph_us(lambda: [skinny_gemm_triton(a, w, config=cfg, static_weight=static) for w in ws],
+                                  copies)
                 except Exception as e:
                     print(f"#   {cfg.tag()}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                     continue
                 frac = floor_us / us
-                res.append((us, cfg))
-                rows.append(dict(provider="triton", cfg=cfg.tag(), config=cfg.__dict__, heuristic=i == 0,
+                res.append((us, cfg, static))
+                rows.append(dict(provider="triton", cfg=cfg.tag(), config=cfg.__dict__, heuristic=i == 0, static=static,
                                  grid=cdiv(n, cfg.block_n) * eff_split(k, cfg.block_k, cfg.split_k), m=m, n=n, k=k, us=us, frac=frac, rel=err))
-                print(f"    {'H ' if i == 0 else '  '}{cfg.tag():<34} grid {cdiv(n, cfg.block_n) * eff_split(k, cfg.block_k, cfg.split_k):>5} "
+                grid = cdiv(n, cfg.block_n) * eff_split(k, cfg.block_k, cfg.split_k)
+                print(f"    {'H ' if i == 0 else '  '}{cfg.tag() + (' S' if static else ''):<34} grid {grid:>5} "
                       f"{us:7.2f}us {frac:6.1%} x{cub / us:4.2f} rel {err:.1e}", flush=True)
             if res:
-                us, cfg = min(res, key=lambda t: t[0])
-                h = res[0][0] if res[0][1] == plan[(n, k, m)][0] else float("nan")
+                us, cfg, static = min(res, key=lambda t: t[0])
+                h = res[0][0] if (res[0][1], res[0][2]) == plan[(n, k, m)][0] else float("nan")
                 best[(n, k, m)] = (us, cfg)
-                print(f"  BEST N{n} K{k} M{m}: {cfg.tag()} {us:.2f}us {floor_us / us:.1%} of ceiling "
-                      f"(heuristic {floor_us / h:.1%}, cuBLAS {floor_us / cub:.1%})", flush=True)
+                print(f"  BEST N{n} K{k} M{m}: {cfg.tag()}{' static' if static else ''} {us:.2f}us "
+                      f"{floor_us / us:.1%} of ceiling (heuristic {floor_us / h:.1%}, cuBLAS {floor_us / cub:.1%})",
+                      flush=True)
         del ws
         torch.cuda.empty_cache()
         dump(args.json, ceil, sms, rows)
+    if args.defaults:  # the issue-3 table: choose_config's picks against the ceiling and cuBLAS
+        cubs = {(r["n"], r["k"], r["m"]): r["us"] for r in rows if r["provider"] == "cublas"}
+        print("# N x K      M | cuBLAS        | triton (weight not static) | triton (static weight)")
+        for r0 in rows:
+            if r0["provider"] != "cublas":
+                continue
+            key = (r0["n"], r0["k"], r0["m"])
+            line = f"# {r0['n']:>5}x{r0['k']:<5} {r0['m']:>2} | {r0['us']:6.2f}us {r0['frac']:5.1%} |"
+            for static in (False, True):
+                t = [r for r in rows if r["provider"] == "triton" and "us" in r and r["static"] == static
+                     and (r["n"], r["k"], r["m"]) == key]
+                line += (f" {t[0]['us']:6.2f}us {t[0]['frac']:5.1%} x{cubs[key] / t[0]['us']:4.2f} |" if t
+                         else " -- |")
+            print(line)
     print("# summary: best config per point")
     for (n, k, m), (us, cfg) in best.items():
         print(f"#   ({m}, {n}, {k}): {cfg!r},  # {us:.2f} us")

@@ -6,6 +6,8 @@ wrong, and it truncates fp32 -> bf16 where a GPU rounds: tolerances cover both.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import example, given
@@ -32,9 +34,9 @@ def make_inputs(m, n, k, dtype, bias=True, residual=True, seed=0, device=DEVICE)
     return a, w, b, r
 
 
-def run_triton(a, w, b, r, config=None):
+def run_triton(a, w, b, r, config=None, static_weight=False):
     out = torch.full((a.shape[0], w.shape[0]), float("nan"), dtype=a.dtype, device=a.device)
-    return skinny_gemm_triton(a, w, b, r, config=config, out=out)
+    return skinny_gemm_triton(a, w, b, r, config=config, out=out, static_weight=static_weight)
 
 
 @pytest.mark.parametrize("m,n,k,dtype", [
@@ -76,6 +78,44 @@ def test_triton_matches_reference_random_shapes(m, n, k, dtype, bias, residual, 
     a, w, b, r = make_inputs(m, n, k, dt, bias, residual, seed)
     out = run_triton(a, w, b, r, config_for(m, k, block_n, split_k, mode))
     assert rel_err(out, skinny_gemm_reference(a, w, b, r)) < TOL[dt]
+
+
+@given(
+    m=st.integers(1, 16), n=st.integers(1, 100), k=st.integers(1, 300), dtype=st.sampled_from(sorted(DTYPES)),
+    residual=st.booleans(), split_k=st.sampled_from([1, 2, 3]), mode=st.sampled_from(MODES),
+    preload=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2**16),
+)
+@example(m=1, n=64, k=40, dtype="bf16", residual=True, split_k=2, mode="dot+1", preload=4, seed=0)  # K < preload
+@example(m=4, n=33, k=300, dtype="fp32", residual=False, split_k=3, mode="fma+1", preload=2, seed=1)
+def test_static_weight_peels_first_tiles_and_stays_correct(m, n, k, dtype, residual, split_k, mode, preload, seed):
+    """static_weight=True under a pdl config loads the first ``preload`` weight tiles before the (GPU-only)
+    wait and adds their products after the loop; off the GPU only the wait is missing, so the peeled path
+    runs here: any K (shorter than the peel too), split or not, dot or fma."""
+    dt = DTYPES[dtype]
+    a, w, b, r = make_inputs(m, n, k, dt, True, residual, seed)
+    cfg = dataclasses.replace(config_for(m, k, 32, split_k, mode), pdl=True, preload=preload)
+    out = run_triton(a, w, b, r, cfg, static_weight=True)
+    assert rel_err(out, skinny_gemm_reference(a, w, b, r)) < TOL[dt]
+
+
+def test_static_weight_without_pdl_is_a_no_op():
+    """Without pdl the flag changes nothing: the same kernel runs, bit for bit."""
+    a, w, b, r = make_inputs(3, 70, 200, torch.float32, seed=4)
+    cfg = config_for(3, 200, 32, 2, "dot+1")
+    assert torch.equal(run_triton(a, w, b, r, cfg), run_triton(a, w, b, r, cfg, static_weight=True))
+
+
+@pytest.mark.parametrize("bad", [dict(preload=3), dict(preload=8), dict(prefetch_lines=3), dict(prefetch_lines=-1)],
+                         ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_triton_config_rejects_bad_preload_and_prefetch(bad):
+    with pytest.raises(ValueError, match="bad config"):
+        TritonConfig(16, 32, 128, 1, **bad)
+
+
+def test_triton_config_tag_spells_the_pdl_flavour():
+    assert TritonConfig(16, 32, 128, 4, one_launch=True, tma=True).tag() == "dot-m16-n32-k128-s4x1-w4-std-tma"
+    cfg = TritonConfig(16, 32, 128, 4, one_launch=True, pdl=True, prefetch_lines=0, preload=2, early_trigger=True)
+    assert cfg.tag() == "dot-m16-n32-k128-s4x1-w4-std-pdl0ep2"
 
 
 @pytest.mark.parametrize("mode", ["dot+1", "fma+1"])
@@ -134,6 +174,10 @@ def test_triton_on_gpu_decode_shapes(m, n, k, dtype):
                  id="dot-1launch-tma"),
     pytest.param(dict(block_n=64, block_k=128, split_k=7, one_launch=True, tma=True, pdl=True),
                  id="dot-1launch-tma-pdl"),
+    pytest.param(dict(block_n=32, block_k=128, split_k=4, one_launch=True, tma=True, pdl=True, prefetch_lines=0,
+                      preload=2, static=True), id="dot-1launch-tma-pdl-static"),
+    pytest.param(dict(block_n=32, block_k=128, split_k=4, one_launch=True, pdl=True, prefetch_lines=0,
+                      preload=4, early_trigger=True, static=True), id="dot-1launch-pdl-early-static"),
     pytest.param(dict(block_n=32, block_k=128, split_k=4, one_launch=True, fma=True, num_stages=4), id="fma-1launch"),
     pytest.param(dict(block_n=32, block_k=128, split_k=4, one_launch=True, fma=True, tma=True, num_stages=4),
                  id="fma-1launch-tma"),
@@ -141,16 +185,18 @@ def test_triton_on_gpu_decode_shapes(m, n, k, dtype):
 def test_triton_kernel_variants_on_gpu_in_a_cuda_graph(m, config):
     """Every kernel variant at a decode shape, eagerly and replayed twice from one CUDA graph (the
     one-launch counters must rearm between products and between replays)."""
+    config = dict(config)
+    static = config.pop("static", False)
     block_m = (1 << (m - 1).bit_length()) if config.get("fma") else 16
     cfg = TritonConfig(block_m, **config)
     a, w, b, r = make_inputs(m, 2112, 7168, torch.bfloat16)
     ref = skinny_gemm_reference(a, w, b, r)
-    assert rel_err(run_triton(a, w, b, r, cfg), ref) < TOL[torch.bfloat16]
+    assert rel_err(run_triton(a, w, b, r, cfg, static), ref) < TOL[torch.bfloat16]
     outs = [torch.full((m, 2112), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(2)]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for out in outs:
-            skinny_gemm_triton(a, w, b, r, config=cfg, out=out)
+            skinny_gemm_triton(a, w, b, r, config=cfg, out=out, static_weight=static)
     for _ in range(2):
         for out in outs:
             out.fill_(float("nan"))
@@ -158,6 +204,117 @@ def test_triton_kernel_variants_on_gpu_in_a_cuda_graph(m, config):
         torch.cuda.synchronize()
         for out in outs:
             assert rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 5], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("flavour", [
+    pytest.param(dict(), id="default"),
+    pytest.param(dict(static=True), id="default-static"),
+    pytest.param(dict(pdl=True, prefetch_lines=0, preload=2, early_trigger=False, static=True), id="pdl-static"),
+    pytest.param(dict(pdl=True, prefetch_lines=0, preload=4, early_trigger=True, static=True, tma=False),
+                 id="pdl-static-early-plain"),
+])
+def test_triton_dependent_chain_in_a_cuda_graph(m, flavour):
+    """Each product reads the previous one's output as a and the one before as residual, back to back in
+    one CUDA graph: a PDL launch that read a, residual or the counters before the previous kernel
+    finished would read NaN (every output is poisoned before each replay) or a stale value."""
+    from dataclasses import replace
+
+    from k3compile.backends import sm_count
+
+    flavour = dict(flavour)
+    static = flavour.pop("static", False)
+    dims = [3584, 7168, 3584, 7168, 3584]
+    g = torch.Generator().manual_seed(m)
+    ws = [(torch.randn(dims[i + 1], dims[i], generator=g) / dims[i] ** 0.5).to("cuda", torch.bfloat16)
+          for i in range(len(dims) - 1)]
+    x = torch.randn(m, dims[0], generator=g).to("cuda", torch.bfloat16)
+    outs = [torch.full((m, d), float("nan"), dtype=torch.bfloat16, device="cuda") for d in dims[1:]]
+
+    def chain():
+        ins = [x] + outs
+        for i, w in enumerate(ws):
+            cfg = replace(choose_config(m, *w.shape, sm_count(x.device)), **flavour)
+            skinny_gemm_triton(ins[i], w, None, ins[i - 1] if i else None, config=cfg, out=outs[i],
+                               static_weight=static)
+
+    chain()  # compiles, and makes the arrival counters outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    for _ in range(2):
+        for out in outs:
+            out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ins = [x] + outs
+        for i, w in enumerate(ws):
+            ref = skinny_gemm_reference(ins[i], w, None, ins[i - 1] if i else None)
+            assert rel_err(outs[i], ref) < TOL[torch.bfloat16], (i, rel_err(outs[i], ref))
+
+
+_PTX_SCRIPT = """
+import json, sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from k3compile.ops.skinny_gemm.triton import _skinny_gemm_kernel as kernel
+
+out = {}
+for name, flavour in json.loads(sys.argv[1]).items():
+    sig = dict(zip(kernel.arg_names, ["*bf16"] * 6 + ["*fp32", "*i32"] + ["i32"] * 13))
+    const = dict(HAS_BIAS=True, HAS_RES=True, SPLIT=True, ONE_LAUNCH=True, FMA=False, LOOP_STAGES=None,
+                 PRECISION=None, UPCAST=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, TMA=False, PDL=True,
+                 PREFETCH_LINES=0, PRE_K=0, EARLY_TRIGGER=False, stride_ak=1, stride_wk=1, stride_rn=1, stride_on=1)
+    const.update(flavour)
+    sig.update({k: "constexpr" for k in const})
+    aligned = ["a_ptr", "w_ptr", "bias_ptr", "res_ptr", "out_ptr", "ws_ptr", "cnt_ptr", "N", "K", "K_PER_SPLIT",
+               "stride_am", "stride_wn", "stride_rm", "stride_om"]
+    attrs = {(kernel.arg_names.index(k),): [["tt.divisibility", 16]] for k in aligned}
+    src = ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs)
+    out[name] = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
+print(json.dumps(out))
+"""
+PDL_FLAVOURS = {
+    "static-preload": dict(PRE_K=256),
+    "static-early-trigger": dict(PRE_K=128, EARLY_TRIGGER=True, PREFETCH_LINES=4),
+    "prefetch-only": dict(PREFETCH_LINES=8),
+}
+
+
+@pytest.fixture(scope="module")
+def sm90_ptx():
+    """PTX of the PDL kernel flavours compiled for sm_90 (Triton's NVIDIA backend needs no GPU), in a
+    process without TRITON_INTERPRET (under it the kernel is not compiled at all)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    run = subprocess.run([sys.executable, "-c", _PTX_SCRIPT, json.dumps(PDL_FLAVOURS)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("flavour", sorted(PDL_FLAVOURS))
+def test_pdl_kernel_reads_only_the_weight_before_its_wait_and_triggers_after_it(sm90_ptx, flavour):
+    """The static-weight proof (k3compile.static_weights) needs every PDL kernel to trigger only after its own
+    griddepcontrol.wait, and nothing but the weight may be read before it: checked in the sm_90 PTX."""
+    ptx = sm90_ptx[flavour].splitlines()
+    wait = [i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line]
+    trigger = [i for i, line in enumerate(ptx) if "griddepcontrol.launch_dependents" in line]
+    assert len(wait) == 1 and len(trigger) == 1 and trigger[0] > wait[0]
+    before = ptx[:wait[0]]
+    loads = [line for line in before if "ld.global" in line]
+    # the weight tile: [32, PRE_K] bf16 over 128 threads in 16-byte loads, all with the weight's evict-first hint
+    assert len(loads) == 32 * PDL_FLAVOURS[flavour].get("PRE_K", 0) * 2 // (128 * 16)
+    assert all("evict_first" in line for line in loads)
+    assert not any(op in line for line in before for op in ("st.global", "atom.", "red.", "cp.async", "ld.shared"))
 
 
 def test_triton_handles_strided_and_misaligned_operands():
@@ -197,6 +354,30 @@ def test_config_heuristic_fills_the_gpu_without_starving_splits(n, k):
         assert grid >= min(2 * sms, -(-n // cfg.block_n) * (-(-k // cfg.block_k) // 7))
 
 
+@pytest.mark.parametrize("n,k,split", [(4608, 7168, 3), (3584, 7168, 4), (7168, 3584, 2), (2112, 7168, 6)],
+                         ids=lambda v: str(v))
+def test_config_heuristic_lets_the_next_product_in_early_only_within_one_wave(n, k, split):
+    """The H200 winners at M 1..16: PDL without prefetch, the early trigger, the split rounded down so the
+    grid fits one wave (<= 3.4 programs per SM); past one wave (20480 x 7168: 640 column tiles) the trigger
+    stays after the K loop; no PDL where TMA is off or M > 16 (not measured)."""
+    from k3compile.ops.skinny_gemm.triton import ONE_WAVE_PER_SM
+
+    for m in (1, 8, 16):
+        cfg = choose_config(m, n, k, 132)
+        assert (cfg.pdl, cfg.early_trigger, cfg.prefetch_lines, cfg.preload, cfg.split_k) == (True, True, 0, 0, split)
+        for sms in (132, 114, 78):
+            cfg = choose_config(m, n, k, sms)
+            assert cfg.early_trigger == (-(-n // cfg.block_n) * cfg.split_k <= ONE_WAVE_PER_SM * sms)
+    big = choose_config(1, 20480, 7168, 132)
+    assert big.pdl and not big.early_trigger and big.split_k == 1
+    assert not choose_config(32, n, k, 132).pdl and not choose_config(1, 896, 7168, 132).pdl
+
+
+def test_config_is_the_same_with_a_static_weight():
+    for m, n, k in ((1, 4608, 7168), (16, 7168, 3584), (4, 20480, 7168)):
+        assert choose_config(m, n, k, 132, True) == choose_config(m, n, k, 132)
+
+
 def test_config_table_applies_only_to_the_measured_gpu():
     from k3compile.ops.skinny_gemm.triton import TABLE, TABLE_SMS
 
@@ -209,6 +390,8 @@ def test_config_table_applies_only_to_the_measured_gpu():
     pytest.param(1, 4608, 7168, True, id="M1-4608x7168-triton"),
     pytest.param(16, 20480, 7168, True, id="M16-20480x7168-triton"),
     pytest.param(4, 7168, 3584, True, id="M4-7168x3584-triton"),
+    pytest.param(8, 7168, 3584, True, id="M8-7168x3584-triton"),
+    pytest.param(16, 3584, 7168, True, id="M16-3584x7168-triton"),
     pytest.param(16, 7168, 3584, False, id="M16-7168x3584-cublas"),
     pytest.param(1, 7168, 1536, False, id="M1-7168x1536-cublas"),
     pytest.param(1, 896, 7168, False, id="M1-896x7168-cublas"),

@@ -9,11 +9,18 @@ them in split order and adds the epilogue. Products run on tensor cores (``tl.do
 or, for a few rows, on CUDA cores (broadcast multiply, one K reduction at the end). Accumulation is
 fp32 always; fp32 inputs use IEEE products (no TF32). Any M <= ``MAX_M``, N and K; tails are masked.
 
+With ``pdl`` (sm_90+) the kernel is launched with programmatic dependent launch: its programs may start
+while the previous kernel finishes, and touch nothing another kernel may write or read (a, residual, out,
+workspace, counters) before ``gdc_wait()``. Before it they may only prefetch weight lines into L2, or, when
+the caller promises ``static_weight`` (no kernel writes the weight), load the first weight tiles. Every
+program lets the next kernel in only after its own wait: the static-weight proof relies on that.
+
 Runs on CUDA/ROCm tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (tests).
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Optional
@@ -35,6 +42,19 @@ MAX_M = 64  # beyond this the whole-M register tile spills; callers use cuBLAS t
 
 
 @triton.jit
+def _products(b_a, b_w, FMA: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """``b_a[BLOCK_M, k] @ b_w[BLOCK_N, k]^T`` in fp32 (one peeled tile; the loop keeps its own forms)."""
+    if FMA:
+        b_p = tl.sum(b_a.to(tl.float32)[:, None, :] * b_w.to(tl.float32)[None, :, :], axis=2)
+    else:
+        if UPCAST:
+            b_a = b_a.to(tl.float32)
+            b_w = b_w.to(tl.float32)
+        b_p = tl.dot(b_a, tl.trans(b_w), input_precision=PRECISION)
+    return b_p
+
+
+@triton.jit
 def _skinny_gemm_kernel(
     a_ptr, w_ptr, w_desc, bias_ptr, res_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, K_PER_SPLIT, SPLIT_K,
@@ -42,7 +62,7 @@ def _skinny_gemm_kernel(
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SPLIT: tl.constexpr, ONE_LAUNCH: tl.constexpr,
     FMA: tl.constexpr, LOOP_STAGES: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, PRE_K: tl.constexpr, EARLY_TRIGGER: tl.constexpr,
 ):
     i_n = tl.program_id(0)
     i_k = tl.program_id(1)
@@ -52,29 +72,44 @@ def _skinny_gemm_kernel(
     m_n = o_n < N
     k_lo = i_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-    if PDL:
-        # Programmatic dependent launch: this grid started before the previous kernel finished. The
-        # weight depends on no kernel, so its first lines are fetched into L2 meanwhile; everything a
-        # previous kernel may write (a, residual) or read (out, workspace, counters) waits for it.
-        # (The next kernel is let in only after the K loop: triggering here would let a chain of
-        # later products start, prefetch and hold SM slots at once -- measured 5-10 points slower.)
-        line = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128-byte line
-        o_pk = tl.minimum(k_lo + tl.arange(0, PREFETCH_LINES) * line, K - 1)
-        p_pf = w_ptr + tl.minimum(o_n, N - 1)[:, None].to(tl.int64) * stride_wn + o_pk[None, :] * stride_wk
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [p_pf], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-        gdc_wait()
-
     # int64 row offsets: a weight of N*K elements may exceed 2**31
     p_a = a_ptr + o_m[:, None].to(tl.int64) * stride_am
     p_w = w_ptr + o_n[:, None].to(tl.int64) * stride_wn
+    k_loop = k_lo
+    if PRE_K > 0:
+        # The caller promised that no kernel writes the weight (static_weight): its first PRE_K columns
+        # are loaded now, before the wait below, while the previous kernel still runs (PDL).
+        o_k0 = k_lo + tl.arange(0, PRE_K)
+        b_w0 = tl.load(p_w + o_k0[None, :] * stride_wk, mask=m_n[:, None] & (o_k0 < k_hi)[None, :], other=0.0,
+                       eviction_policy="evict_first")
+        k_loop = k_lo + PRE_K
+    if PDL:
+        # Programmatic dependent launch: this grid started before the previous kernel finished. Everything
+        # a previous kernel may write (a, residual) or read (out, workspace, counters) waits for it.
+        if PREFETCH_LINES > 0:  # the weight depends on no kernel: its next lines are fetched into L2 meanwhile
+            line = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128-byte line
+            o_pk = tl.minimum(k_loop + tl.arange(0, PREFETCH_LINES) * line, K - 1)
+            p_pf = w_ptr + tl.minimum(o_n, N - 1)[:, None].to(tl.int64) * stride_wn + o_pk[None, :] * stride_wk
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [p_pf], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+        gdc_wait()
+        if EARLY_TRIGGER:
+            # Let the next kernel in now (only for a grid that runs as one wave: its waiting programs would
+            # otherwise hold the slots our later programs need). Safe for static weights only because every
+            # PDL kernel of ours triggers after its own gdc_wait(): the next one can start (and read its
+            # weight early) only once the kernel before us has completed, so at most one kernel -- us --
+            # still runs, and we never write a weight. Never move a trigger above a wait.
+            gdc_launch_dependents()
+
+    if PRE_K > 0:  # a's columns of the peeled tiles, read now that they may be (summed after the loop)
+        b_a0 = tl.load(p_a + o_k0[None, :] * stride_ak, mask=m_m[:, None] & (o_k0 < k_hi)[None, :], other=0.0)
     if FMA:
         # CUDA-core products for a few rows: a tensor-core tile would pad M to 16; K is summed once at the end
         b_acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
         b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # Triton software-pipelines the weight loads of a dot loop by itself; the fma loop only when told
-    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=LOOP_STAGES):
+    for k0 in tl.range(k_loop, k_hi, BLOCK_K, num_stages=LOOP_STAGES):
         o_k = k0 + tl.arange(0, BLOCK_K)
         m_k = o_k < k_hi
         b_a = tl.load(p_a + o_k[None, :] * stride_ak, mask=m_m[:, None] & m_k[None, :], other=0.0)
@@ -92,8 +127,13 @@ def _skinny_gemm_kernel(
             b_acc += tl.dot(b_a, tl.trans(b_w), input_precision=PRECISION)
     if FMA:
         b_acc = tl.sum(b_acc3, axis=2)
+    if PRE_K > 0:  # after the loop: the loop's first loads are not held up by these products
+        b_acc += _products(b_a0, b_w0, FMA, UPCAST, PRECISION)
     if PDL:
-        gdc_launch_dependents()  # the next kernel may launch; it waits for our stores itself
+        if not EARLY_TRIGGER:
+            # the next kernel may launch; it waits for our stores itself. (Static weights stay safe only
+            # while every PDL kernel triggers after its own gdc_wait(), as this one does.)
+            gdc_launch_dependents()
 
     m_out = m_m[:, None] & m_n[None, :]
     finish = not SPLIT
@@ -160,44 +200,83 @@ class TritonConfig:
     tma: bool = False         # weight tiles by TMA descriptor (sm_90+; else, or when unaligned, plain loads)
     pdl: bool = False         # programmatic dependent launch (sm_90+): prefetch weight lines, then wait
     prefetch_lines: int = 8   # 128-byte lines of each weight row prefetched into L2 before the wait (pdl)
+    preload: int = 0          # with pdl and static_weight=True: weight tiles (of block_k) loaded before the wait
+    early_trigger: bool = False  # pdl: let the next kernel launch right after our wait, not after the K loop
+
+    def __post_init__(self):
+        if self.preload not in (0, 1, 2, 4) or self.prefetch_lines < 0 or (
+                self.prefetch_lines & (self.prefetch_lines - 1)):
+            raise ValueError(f"bad config {self}: preload must be 0, 1, 2 or 4 and prefetch_lines 0 or a power of 2")
 
     def tag(self) -> str:
-        """A short name for tables and logs, e.g. ``dot-m16-n32-k128-s4x1-w4-std-tma``."""
+        """A short name for tables and logs, e.g. ``dot-m16-n32-k128-s4x1-w4-std-tma-pdl8``, ``...-pdl0ep2``
+        (no prefetch, early trigger, 2 tiles preloaded under static weights)."""
+        pdl = (f"-pdl{self.prefetch_lines}{'e' if self.early_trigger else ''}"
+               f"{f'p{self.preload}' if self.preload else ''}") if self.pdl else ""
         return (f"{'fma' if self.fma else 'dot'}-m{self.block_m}-n{self.block_n}-k{self.block_k}-s{self.split_k}"
                 f"{'x1' if self.one_launch else ''}-w{self.num_warps}-st{self.num_stages or 'd'}"
-                f"{'-tma' if self.tma else ''}{f'-pdl{self.prefetch_lines}' if self.pdl else ''}")
+                f"{'-tma' if self.tma else ''}{pdl}")
+
+
+# programs per SM that the early trigger measured well with on the H200 (M <= 16, 32 x 128 TMA tiles, 4 warps):
+# 3.4 per SM ran as one wave; 4.2 and 4.8 per SM did not (the trigger then cost 20-35%)
+ONE_WAVE_PER_SM = 3.4
 
 
 def _heuristic(m: int, n: int, k: int, sm_count: int) -> TritonConfig:
-    """Read off the H200 sweep (.scratch/mm, 2026-11-30): 32-column tiles, K split until the grid holds
-    about four programs per SM (the whole weight in flight, a short wave tail) but never below 7 K blocks
-    per split (shorter loops lost more than the wider grid gained), partials summed in one launch, and
-    TMA weight tiles for products of at least 2048 x 2048 (1-2 points up there, 1-3 down below)."""
+    """Read off the H200 sweeps (benchmarks/results/skinny_gemm_triton_{sweep,pdl}_h200.log): 32-column
+    tiles, K split until the grid holds a few programs per SM, never below 7 K blocks per split (shorter
+    loops lost more than the wider grid gained), partials summed in one launch, TMA weight tiles for
+    products of at least 2048 x 2048 (1-2 points up there, 1-3 down below).
+
+    Where TMA is on and M <= 16, programmatic dependent launch without an L2 prefetch: the next product
+    is let in right after our wait when the whole grid fits one wave (<= 3.4 programs per SM; 1.5-5
+    points over no PDL at 4608/3584 x 7168 and 7168 x 3584, M 1..16), else after the K loop. A grid
+    past one wave with the early trigger lost 20-35%: the next kernel's waiting programs took the slots
+    our last programs needed. So the split there is rounded down to fit one wave, not to the nearest."""
     block_m = max(16, triton.next_power_of_2(m))
     block_k = 128 if block_m <= 16 else 64
     block_n = 32
-    split_k = max(1, min(round(4 * sm_count / triton.cdiv(n, block_n)), triton.cdiv(k, block_k) // 7, 32))
-    return TritonConfig(block_m, block_n, block_k, split_k, one_launch=True, tma=n >= 2048 and k >= 2048)
+    n_tiles = triton.cdiv(n, block_n)
+    k_blocks = triton.cdiv(k, block_k)
+    tma = n >= 2048 and k >= 2048
+    if not (tma and block_m == 16):
+        split_k = max(1, min(round(4 * sm_count / n_tiles), k_blocks // 7, 32))
+        return TritonConfig(block_m, block_n, block_k, split_k, one_launch=True, tma=tma)
+    wave = int(ONE_WAVE_PER_SM * sm_count)
+    split_k = max(1, min(wave // n_tiles, k_blocks // 7, 32))
+    if n_tiles * split_k < 2.5 * sm_count and split_k < min(k_blocks // 7, 32):
+        # one wave would leave too few programs in flight (2.2 per SM lost 7%): fill the GPU, trigger late
+        split_k = max(1, min(round(4 * sm_count / n_tiles), k_blocks // 7, 32))
+    split_k = triton.cdiv(k_blocks, triton.cdiv(k_blocks, split_k))  # the split the kernel really runs
+    return TritonConfig(block_m, block_n, block_k, split_k, one_launch=True, tma=True, pdl=True, prefetch_lines=0,
+                        early_trigger=n_tiles * split_k <= wave)
 
 
-# Measured on one H200 (132 SMs; .scratch/mm/gpu.py sweep, bf16, graph-timed with the weight rotated out of
-# L2, copy ceiling 4.227 TB/s): (M bucket, N, K) -> the fastest configuration, listed only where it beat the
-# heuristic's by more than the run-to-run noise (1 point); at the other 20 points swept (896..20480 x
-# 1536..7168, M = 1, 4, 16) the heuristic's pick was the winner or within 0.6 points of it.
+# Measured on one H200 (132 SMs; benchmarks/results/skinny_gemm_triton_{sweep,pdl}_h200.log, bf16, graph-timed with
+# the weight rotated out of L2, copy ceiling 4.22 TB/s): (M bucket, N, K) -> the fastest configuration, listed
+# only where it beat the heuristic's by about the run-to-run noise (1 point) or more; elsewhere (896..20480 x
+# 1536..7168, M = 1..16) the heuristic's pick was the winner or within 0.6 points of it.
 TABLE_SMS = 132
 TABLE: dict[tuple[int, int, int], TritonConfig] = {
-    (16, 20480, 7168): TritonConfig(16, 64, 128, 1, one_launch=True),  # 70.53 us 98.8% (heuristic 96.9%)
+    (8, 20480, 7168): TritonConfig(16, 64, 128, 1, one_launch=True, tma=True),  # 69.07 us 100.9% (heur. 99.6%)
+    (16, 20480, 7168): TritonConfig(16, 64, 128, 1, one_launch=True),  # 70.13 us 99.5% (heuristic 98.8%)
 }
 
 
 def _m_bucket(m: int) -> Optional[int]:
-    return next((b for b in (1, 4, 16) if m <= b), None)
+    return next((b for b in (1, 2, 4, 8, 16) if m <= b), None)
 
 
 @functools.lru_cache(maxsize=4096)
-def choose_config(m: int, n: int, k: int, sm_count: int) -> TritonConfig:
+def choose_config(m: int, n: int, k: int, sm_count: int, static_weight: bool = False) -> TritonConfig:
     """The measured table on an H200 (for M up to 16), else the heuristic. ``sm_count`` 0 means no GPU
-    (the interpreter): whole M in one tensor-core tile, no split, fewer, larger programs."""
+    (the interpreter): whole M in one tensor-core tile, no split, fewer, larger programs.
+
+    ``static_weight`` picks the same configuration: loading weight tiles before the PDL wait (``preload``)
+    measured 0.5-2 us slower than PDL with the early trigger alone at every >= 32 MB shape and M (H200,
+    benchmarks/results/skinny_gemm_triton_pdl_h200.log: the held tiles cost registers, fewer programs stay
+    resident)."""
     if not sm_count:
         block_m = max(16, triton.next_power_of_2(m))
         block_k = min(128 if block_m <= 16 else 64, max(16, triton.next_power_of_2(k)))
@@ -244,18 +323,19 @@ def supports(a, w, bias=None, residual=None) -> Reason:
 
 def profitable(a, w, bias=None, residual=None) -> Reason:
     """None where the kernel beats cuBLAS by more than the noise, else the reason. Measured on the H200
-    (.scratch/mm sweep with the configs ``choose_config`` picks, 2026-11-30, M = 1, 4, 16): ahead by 3-19%
-    for N >= 2048 and K >= 4096 (2112, 3584, 4608, 20480 x 7168) and for 7168 x 3584 at M <= 4 (+6-10%);
-    behind at 7168 x 3584 M = 16 (-10%) and 7168 x 1536 (-10%); on par at 896 x 7168 (+2-4%). ROCm has no
+    (graph-timed, the configs ``choose_config`` picks; benchmarks/results/skinny_gemm_triton_sweep_h200.log
+    at M = 1, 4, 16 and skinny_gemm_triton_pdl_h200.log at M = 1..16): ahead by 3-24% for N >= 2048 and
+    K >= 4096 (2112, 3584, 4608, 20480 x 7168) and by 11-12% for 7168 x 3584 at M <= 8; behind at
+    7168 x 3584 M = 16 (-5%) and 7168 x 1536 (-10%); on par at 896 x 7168 (+2-4%). ROCm has no
     measurement and no CuTe: Triton stays the path there, as it does for CPU tensors under the interpreter."""
     if a.device.type != "cuda" or is_rocm():
         return None
     m = a.shape[0]
     n, k = w.shape
-    if n >= 2048 and (k >= 4096 or (k >= 3072 and m <= 4)):
+    if n >= 2048 and (k >= 4096 or (k >= 3072 and m <= 8)):
         return None
     return (f"cuBLAS measured as fast or faster for M={m} N={n} K={k} (Triton wins at N >= 2048 and "
-            "K >= 4096, or K >= 3072 with M <= 4, on the H200)")
+            "K >= 4096, or K >= 3072 with M <= 8, on the H200)")
 
 
 def available(a, w, bias=None, residual=None) -> Reason:
@@ -265,13 +345,16 @@ def available(a, w, bias=None, residual=None) -> Reason:
 def skinny_gemm_triton(
     a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
     residual: Optional[torch.Tensor] = None, *, config: Optional[TritonConfig] = None,
-    out: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None, static_weight: bool = False,
 ) -> torch.Tensor:
     """``a[M, K] @ w[N, K]^T + bias[N] + residual[M, N]`` -> new ``[M, N]`` tensor in ``a.dtype``.
 
     a, w, bias, residual: same dtype (fp16 / bf16 / fp32), same device, any strides; M <= 64.
     ``config`` overrides the heuristic (tests, benchmarks); ``out`` ([M, N], a.dtype) receives the
-    result instead of a new tensor (tests poison it with NaN first). Example::
+    result instead of a new tensor (tests poison it with NaN first). ``static_weight=True`` promises that
+    no kernel writes ``w`` (a parameter; the compiler proves it in the graph): a PDL launch then loads the
+    first weight tiles before waiting on the previous kernel. It changes nothing where the config has no
+    PDL. Example::
 
         out = skinny_gemm_triton(x, layer.weight, layer.bias, residual=h)
     """
@@ -292,7 +375,11 @@ def skinny_gemm_triton(
     if m == 0 or n == 0:
         return out
     if config is None:
-        config = choose_config(m, n, k, sm_count(a.device))
+        config = choose_config(m, n, k, sm_count(a.device), static_weight)
+        if config.early_trigger and a.element_size() > 2:
+            # measured with 16-bit tiles only; fp32 tiles take twice the shared memory, so fewer programs
+            # stay resident and the grid may no longer run as one wave
+            config = dataclasses.replace(config, early_trigger=False)
     elif config.block_m < m or config.block_m & (config.block_m - 1) or (not config.fma and config.block_m < 16):
         raise ValueError(f"skinny_gemm_triton: {config} cannot hold M={m} "
                          "(block_m: a power of 2 >= M, and >= 16 for tl.dot)")
@@ -327,7 +414,10 @@ def skinny_gemm_triton(
             # fp32: IEEE products (no TF32); 16-bit: the target's default (ROCm rejects "tf32")
             PRECISION="ieee" if a.dtype == torch.float32 or upcast else None, UPCAST=upcast,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TMA=w_desc is not None,
-            PDL=pdl, PREFETCH_LINES=config.prefetch_lines, **tuning, **flags,
+            PDL=pdl, PREFETCH_LINES=config.prefetch_lines, EARLY_TRIGGER=config.early_trigger,
+            # peeled first tiles (static weights under a pdl config; off the GPU too, where only the wait is gone)
+            PRE_K=config.preload * config.block_k if static_weight and config.pdl else 0,
+            **tuning, **flags,
         )
         if split_k > 1 and not one_launch:
             _split_k_reduce_kernel[(n_tiles,)](
