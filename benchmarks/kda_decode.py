@@ -16,7 +16,7 @@ correctness check runs first and prints ‖out − ref‖/‖ref‖ per row agai
     python benchmarks/kda_decode.py --quick            # B 1 64 x H 12, fewer repetitions
     python benchmarks/kda_decode.py --num-warps 4 8 16 # sweep the kernel's warps (k3 rows only)
     python benchmarks/kda_decode.py --configs s1r128w8 s4r32w4 s1r16w4d2   # layouts: V splits, rows a tile,
-                                                                         # warps, tile loads in flight
+                                                        # warps, tile loads in flight (see parse_config)
 Writes JSON to benchmarks/results/kda_decode.json (``--out``).
 """
 from __future__ import annotations
@@ -70,15 +70,19 @@ def rel(out, ref) -> float:
 
 # -- providers: each returns a zero-argument step that reads and updates its own copy of the inputs ----------
 def parse_config(name: str):
-    """``s4r32w4`` -> KernelConfig(splits=4, rows=32, num_warps=4); ``s1r16w4d2``: 2 tile loads in flight."""
+    """``s4r32w4`` -> KernelConfig(splits=4, rows=32, num_warps=4); ``s1r16w4d2``: 2 tile loads in flight;
+    ``p6``: persistent, at most 6 programs per SM; ``cs``: streaming state stores; ``cg``: state loads via L2
+    only; ``m80``: at most 80 registers per thread; ``a4``: the tile loop pipelined through shared memory in
+    4 stages (e.g. ``s1r16w4d1p6m80``, ``s1r16w4a4``)."""
     import re
 
     from k3compile.ops.kda_decode.triton import KernelConfig
 
-    m = re.fullmatch(r"s(\d+)r(\d+)w(\d+)(?:d(\d+))?", name)
+    m = re.fullmatch(r"s(\d+)r(\d+)w(\d+)(?:d(\d+))?(?:p(\d+))?(cs)?(cg)?(?:m(\d+))?(?:a(\d+))?", name)
     if not m:
-        raise SystemExit(f"bad --configs entry {name!r} (want e.g. s4r32w4 or s1r16w4d2)")
-    return KernelConfig(*(int(g) for g in m.groups() if g is not None))
+        raise SystemExit(f"bad --configs entry {name!r} (want e.g. s4r32w4, s1r16w4d2 or s1r16w4d1p6m80)")
+    s, r, w, d, p, cs, cg, mr, a = m.groups()
+    return KernelConfig(int(s), int(r), int(w), int(d or 1), int(p or 0), bool(cs), bool(cg), int(mr or 0), int(a or 0))
 
 
 def k3_step(x, num_warps=None, config=None):

@@ -97,10 +97,13 @@ CASES = [
 ]
 
 
-# kernel layouts (V splits, rows a tile, warps, tile loads in flight): the default, split programs with the
-# ticketed norm, one-program tile walks (two and three loads ahead), a split count that does not divide V
+# kernel layouts (V splits, rows a tile, warps, tile loads in flight, persistent programs per SM, cache hints):
+# the default, split programs with the ticketed norm, one-program tile walks (two and three loads ahead), a
+# split count that does not divide V, a persistent grid (2 "SMs" on CPU: each program walks several heads,
+# prefetching across them) with streaming stores, and the tile loop Triton pipelines (3 stages) with splits
 LAYOUTS = {"default": None, "s4r32w4": KernelConfig(4, 32, 4), "s1r8w4d2": KernelConfig(1, 8, 4, 2),
-           "s3r8w2d3": KernelConfig(3, 8, 2, 3)}
+           "s3r8w2d3": KernelConfig(3, 8, 2, 3), "s1r8w4d2p1cs": KernelConfig(1, 8, 4, 2, 1, True),
+           "s2r8w4a3": KernelConfig(2, 8, 4, stages=3)}
 
 
 def tickets_all_zero() -> bool:
@@ -108,11 +111,12 @@ def tickets_all_zero() -> bool:
 
 
 def test_default_layout_follows_the_h200_measurements():
-    """Few heads in flight: V splits; many: one program walking small tiles; small heads: one tile."""
+    """Few heads in flight: V splits; about a wave: one program per head, a register queue; many: the
+    pipelined tile loop; small heads: one tile."""
     assert default_config(1, 12, 128, 128) == KernelConfig(8, 16, 4)
     assert default_config(8, 12, 128, 128) == default_config(1, 96, 128, 128) == KernelConfig(4, 16, 4)
-    assert default_config(64, 12, 128, 128) == default_config(8, 96, 128, 128) == KernelConfig(1, 16, 4)
-    assert default_config(256, 96, 128, 128) == KernelConfig(1, 8, 4, 2)
+    assert default_config(64, 12, 128, 128) == default_config(8, 96, 128, 128) == KernelConfig(1, 8, 4, 3)
+    assert default_config(256, 12, 128, 128) == default_config(256, 96, 128, 128) == KernelConfig(1, 8, 4, stages=4)
     assert default_config(2, 6, 32, 32) == KernelConfig(1, 32, 4)
 
 
@@ -137,14 +141,17 @@ def test_kda_decode_triton_matches_reference(B, H, HV, K, V, dtype, lb, layout):
     dtype=st.sampled_from(["bf16", "fp16", "fp32"]), lb=st.sampled_from([-5.0, -1.0, None]),
     state_scale=st.sampled_from([0.0, 1.0, 30.0]), seed=st.integers(0, 2**16),
     splits=st.sampled_from([1, 2, 4]), rows=st.sampled_from([8, 32, 128]), warps=st.sampled_from([2, 4]),
-    depth=st.sampled_from([1, 2, 3]),
+    depth=st.sampled_from([1, 2, 3]), per_sm=st.sampled_from([0, 1, 3]), hints=st.booleans(),
+    stages=st.sampled_from([0, 0, 3]),
 )
 @example(B=1, H=12, group=1, K=128, V=128, dtype="bf16", lb=-5.0, state_scale=1.0, seed=0, splits=1, rows=128,
-         warps=4, depth=1)
+         warps=4, depth=1, per_sm=0, hints=False, stages=0)
 @example(B=4, H=2, group=1, K=128, V=128, dtype="bf16", lb=None, state_scale=1.0, seed=1, splits=4, rows=32,
-         warps=4, depth=1)
+         warps=4, depth=1, per_sm=0, hints=False, stages=4)
+@example(B=3, H=3, group=1, K=128, V=128, dtype="bf16", lb=-5.0, state_scale=1.0, seed=2, splits=1, rows=16,
+         warps=4, depth=1, per_sm=1, hints=True, stages=0)
 def test_kda_decode_op_matches_reference_property(B, H, group, K, V, dtype, lb, state_scale, seed, splits, rows,
-                                                  warps, depth):
+                                                  warps, depth, per_sm, hints, stages):
     dtype = DTYPES[dtype]
     HV = H * group
     ref_in = make_inputs(B, H, HV, K, V, dtype, lb, state_scale=state_scale, seed=seed)
@@ -152,15 +159,17 @@ def test_kda_decode_op_matches_reference_property(B, H, group, K, V, dtype, lb, 
     truth = fp32_truth(clone(ref_in))
     ref = kda_decode_ref(**ref_in)
     out = torch.full((B, HV * V), float("nan"), dtype=dtype)
-    kda_decode_triton(**tri_in, out=out, config=KernelConfig(splits, rows, warps, depth))
+    cfg = KernelConfig(splits, rows, warps, depth, per_sm, hints, hints, 0, stages)
+    kda_decode_triton(**tri_in, out=out, config=cfg)
     assert_close_to(out, ref, tri_in, ref_in, dtype, shape_id(B, H, HV, K, V, dtype, lb), truth)
     assert tickets_all_zero()
 
 
-@pytest.mark.parametrize("layout", ["default", "s4r32w4", "s3r8w2d3"])
+@pytest.mark.parametrize("layout", ["default", "s4r32w4", "s3r8w2d3", "s1r8w4d2p1cs", "s2r8w4a3"])
 @pytest.mark.parametrize("lb", [-5.0, None], ids=["lb", "softplus"])
 def test_kda_decode_consecutive_steps_carry_state(lb, layout):
-    """Conv states shifted once per step (with V splits: by the last program of the head), states carried."""
+    """Conv states shifted once per step (with V splits: by the last program of the head; persistent: once per
+    head of the walk), states carried."""
     B, H, HV, K, V, dtype = 2, 2, 4, 32, 64, torch.bfloat16
     ref_in = make_inputs(B, H, HV, K, V, dtype, lb)
     tri_in = clone(ref_in)
@@ -312,9 +321,13 @@ def test_kda_decode_in_compiled_graph_mutates_states():
 # ---------------------------------------------------------------------------------------------------
 # GPU: the compiled kernel (not the interpreter) at K3 decode shapes, and under CUDA-graph capture
 
-# the default (per shape), both split layouts it picks, and one-program walks two and three loads ahead
+# the default (per shape), the layouts it picks at other shapes (V splits; a register queue two loads ahead;
+# the tile loop pipelined through shared memory), a persistent grid with cache hints (B64 x H12: 768 heads over
+# 384 programs), and splits with the pipelined loop
 GPU_LAYOUTS = {"default": None, "s4r16w4": KernelConfig(4, 16, 4), "s8r16w4": KernelConfig(8, 16, 4),
-               "s1r16w4d2": KernelConfig(1, 16, 4, 2), "s1r8w4d3": KernelConfig(1, 8, 4, 3)}
+               "s1r8w4d2": KernelConfig(1, 8, 4, 2), "s1r8w4a4": KernelConfig(1, 8, 4, stages=4),
+               "s1r8w4d2p4cscg": KernelConfig(1, 8, 4, 2, 4, True, True),
+               "s2r16w4csa3": KernelConfig(2, 16, 4, 1, 0, True, stages=3)}
 
 
 @pytest.mark.gpu
@@ -339,12 +352,12 @@ def test_kda_decode_cuda_matches_reference(B, H, dtype, lb, layout):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["default", "s4r16w4", "s1r16w4d2"])
+@pytest.mark.parametrize("layout", ["default", "s4r16w4", "s1r8w4d2", "s1r16w4p1", "s1r8w4a4"])
 def test_kda_decode_cuda_graph_replay_steps_like_eager(layout):
-    B, H, dtype = 4, 12, torch.bfloat16
+    B, H, dtype = 16, 12, torch.bfloat16   # 192 heads: one persistent program per SM walks 1-2 of them
     ref_in = make_inputs(B, H, H, 128, 128, dtype, -5.0, device="cuda")
     tri_in = clone(ref_in)
-    cfg = GPU_LAYOUTS[layout]
+    cfg = KernelConfig(1, 16, 4, 1, 1) if layout == "s1r16w4p1" else GPU_LAYOUTS[layout]
     kda_decode_triton(**clone(tri_in), config=cfg)                        # warm up (compile) outside capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -375,26 +388,31 @@ names = list(inspect.signature(kda_decode_kernel.fn).parameters)
 act = {"q", "k", "v", "conv_q", "conv_k", "conv_v", "f", "beta", "gate", "o"}
 fp32 = {"w_q", "w_k", "w_v", "A_log", "dt_bias", "norm_w", "state", "o_part", "ss_part"}
 sig = {n: "*bf16" if n in act else "*fp32" if n in fp32 else "*i32" if n == "tickets"
-       else "i64" if n.startswith("stride")
+       else "i64" if n.startswith("stride") else "i32" if n in ("H", "n_heads")
        else "fp32" if n in ("lower_bound", "scale", "eps") else "constexpr" for n in names}
 # what a launch specialises on: 16-byte aligned pointers, strides divisible by 16
 attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
          if n in act | fp32 | {"tickets"} or n.startswith("stride")}
 out = {}
-# (splits, rows a tile, tiles, warps, depth): the whole tile in one program, four programs of 32 rows, and
-# one program walking 8 tiles of 16 rows two loads ahead
-layouts = {"whole": (1, 128, 1, 8, 1), "split4": (4, 32, 1, 4, 1), "walk16": (1, 16, 8, 4, 2)}
+# (splits, rows a tile, tiles, warps, depth, persistent, stages): the whole tile in one program, four programs
+# of 32 rows, one program walking 8 tiles of 16 rows two loads ahead, a persistent program walking many heads,
+# and the tile loop pipelined in 4 stages
+layouts = {"whole": (1, 128, 1, 8, 1, False, 0), "split4": (4, 32, 1, 4, 1, False, 0),
+           "walk16": (1, 16, 8, 4, 2, False, 0), "persistent": (1, 16, 8, 4, 1, True, 0),
+           "pipelined": (1, 16, 8, 4, 1, False, 4)}
 for target in (("cuda", 90, 32), ("hip", "gfx942", 64)):
     for lb in (True, False):
-        for layout, (ns, bv, nt, warps, depth) in layouts.items():
-            consts = dict(H=12, HV=12, K=128, V=128, W=4, BK=128, BV=bv, BVH=128, BW=4, NSPLIT=ns, NT=nt,
-                          BS=ns, DEPTH=depth, USE_LOWER_BOUND=lb)
+        for layout, (ns, bv, nt, warps, depth, persistent, stages) in layouts.items():
+            consts = dict(G=1, K=128, V=128, W=4, BK=128, BV=bv, BVH=128, BW=4, NSPLIT=ns, NT=nt, BNT=nt,
+                          BS=ns, DEPTH=depth, USE_LOWER_BOUND=lb, PERSISTENT=persistent, LOAD_CG=False,
+                          STORE_CS=False, STAGES=stages)
             try:
                 src = ASTSource(fn=kda_decode_kernel, signature=sig,
                                 constexprs={(names.index(n),): v for n, v in consts.items()}, attrs=attrs)
             except TypeError as e:
                 print(json.dumps({"skip": str(e)})); sys.exit(0)
-            k = triton.compile(src, target=GPUTarget(*target), options={"num_warps": warps})
+            options = {"num_warps": warps, "num_stages": max(1, stages)}
+            k = triton.compile(src, target=GPUTarget(*target), options=options)
             out[f"{target[0]}-{'lb' if lb else 'softplus'}-{layout}"] = k.asm.get("ptx", "")
 print(json.dumps({n: {"v4": "v4.b32" in p, "spill": "st.local" in p or "ld.local" in p} for n, p in out.items()}))
 """
@@ -413,7 +431,7 @@ def test_kda_decode_kernel_compiles_ahead_of_time_for_sm90_and_gfx942():
     if "skip" in report:  # pragma: no cover - another Triton's AOT API
         pytest.skip(f"Triton AOT API differs here: {report['skip']}")
     assert set(report) == {f"{t}-{g}-{l}" for t in ("cuda", "hip") for g in ("lb", "softplus")
-                           for l in ("whole", "split4", "walk16")}
+                           for l in ("whole", "split4", "walk16", "persistent", "pipelined")}
     for name in [n for n in report if n.startswith("cuda")]:
         assert report[name]["v4"], "the state should stream in 16-byte vectors"
         assert not report[name]["spill"], "register spills"

@@ -1,26 +1,35 @@
-"""Triton KDA decode step: programs over (batch row, q/k head, V split) stream the fp32 states once.
+"""Triton KDA decode step: programs over (batch row, q/k head) pairs and V splits stream the fp32 states once.
 
-Each program does, for its head: the three short-conv updates (+ SiLU), the gate, β, the q/k L2 norms,
-the delta-rule update of its rows of the ``[V, K]`` state, the output ``o = S q`` and the sigmoid-gated
-RMSNorm of ``o``. The delta rule is independent per V row (``u[v]``, ``S[v, :]`` and ``o[v]`` read only
-row v of S), so the V rows of a head can be split over ``NSPLIT`` programs, each walking its rows in
-tiles of ``BV`` rows with ``DEPTH`` tile loads in flight. The whole 128 x 128 fp32 tile in one program
-leaves one 8-warp program per SM, which serialises load, math and store (2x the state-traffic floor on
-the H200). Small tiles walked in order keep the next load overlapping the current math at any batch;
-splits add programs where there are fewer heads than SMs (``default_config`` holds the measured choice).
+For its head a program does: the three short-conv updates (+ SiLU), the gate, β, the q/k L2 norms, the
+delta-rule update of its rows of the ``[V, K]`` state, the output ``o = S q`` and the sigmoid-gated RMSNorm
+of ``o``. The delta rule is independent per V row (``u[v]``, ``S[v, :]`` and ``o[v]`` read only row v of S),
+so a head's V rows are walked in tiles of ``BV`` rows with ``DEPTH`` tile loads in flight, and can be split
+over ``NSPLIT`` programs. The whole 128 x 128 fp32 tile in one program leaves one 8-warp program per SM,
+which serialises load, math and store (2x the state-traffic floor on the H200).
 
-What a split costs, and how it is paid:
+Keeping the state stream busy (what the layout choices are about):
+- a head's small inputs (q/k/v and their conv windows, the gate, β, the output gate, the norm weight) are
+  loaded in one batch before any store, so a head costs one round trip besides its state tiles; the v conv
+  of all the program's rows is computed at once and each tile picks its rows out of registers;
+- the outputs of all tiles stay in registers ([NT, BV]) until the head is complete, then are normalised;
+- bytes in flight: a register queue of DEPTH tiles (the next loads issued before the current tile's math),
+  or (``stages``) a tile loop that Triton pipelines through shared memory (cp.async): stages - 1 tiles in
+  flight without holding them in registers, so more programs fit an SM (the winner with many heads);
+- registers decide how many programs an SM holds (``max_registers`` caps them); ``programs_per_sm`` makes
+  the grid persistent: each program walks an equal share of the heads and loads the next head's first
+  tiles while it computes the current head's last ones (measured slower: kept as an option).
+
+What a split costs, and how it is paid (few heads in flight: more programs than heads):
 - the RMSNorm spans all V rows: each program writes its unnormalised ``o`` rows (fp32) and its partial
   sum of squares to scratch, then takes a ticket from a per-(row, head) counter; the last program to
   arrive normalises the whole head and resets the counter to 0 for the next call;
 - every split reads the q/k conv states, so the shifted states are written only by that last program,
   after all the readers have taken their tickets (a single writer, no reader left behind);
 - the v conv channels are split with the V rows: each program shifts only its own.
-With one split and one tile (``NSPLIT == 1``, ``BV >= V``) the norm runs in registers, no scratch.
 
-States are updated in place. With grouped value heads a program loops over the HV/H value heads of its
-q/k head. Runs on CUDA/ROCm, and on CPU tensors under ``TRITON_INTERPRET=1`` (CI; programs run in
-order there, so the ticket logic is exercised too).
+States are updated in place. With grouped value heads a program walks the HV/H value heads of its q/k
+head as one stream. Runs on CUDA/ROCm, and on CPU tensors under ``TRITON_INTERPRET=1`` (CI; programs run
+in order there, so the ticket logic and the persistent loop are exercised too).
 """
 from __future__ import annotations
 
@@ -31,7 +40,7 @@ import triton
 import triton.language as tl
 
 from k3compile.ops.arrival_counters import arrival_counters
-from k3compile.backends import Reason, triton_can_run_on
+from k3compile.backends import Reason, sm_count, triton_can_run_on
 
 # One program's tile must fit in registers; a K row beyond 128 fp32 would spill.
 MAX_HEAD_DIM = 128
@@ -85,136 +94,222 @@ def _short_conv_shift(p_state, b_win, o_c, m_c, W: tl.constexpr, BW: tl.constexp
 
 
 @triton.jit
-def _load_state_tile(p_s0, row0, o_t, m_k, j: tl.constexpr, NT: tl.constexpr, BV: tl.constexpr,
-                     V: tl.constexpr, K: tl.constexpr):
-    """Tile j of a program's walk: value head j // NT of its group, rows (j % NT)·BV.. of its split."""
-    m = (row0 + (j % NT) * BV + o_t < V)[:, None] & m_k[None, :]
-    return tl.load(p_s0 + ((j // NT) * V * K + (j % NT) * BV * K), mask=m, other=0, eviction_policy="evict_first")
+def _head_state_base(state, hw, H, stride_state, row0, G: tl.constexpr, V: tl.constexpr, K: tl.constexpr):
+    """Where tile 0 of head ``hw`` = (batch row hw // H, q/k head hw % H) starts: its first value head's row
+    row0 (a scalar pointer: a tile's pointer tensor is rebuilt at each use, not held across the walk)."""
+    i_b = (hw // H).to(tl.int64)
+    i_h = hw % H
+    return state + i_b * stride_state + (i_h * G) * V * K + row0 * K
 
 
 @triton.jit
-def kda_decode_kernel(
+def _load_state_tile(p_s0, row0, o_t, m_k, valid, j: tl.constexpr, NT: tl.constexpr, BV: tl.constexpr,
+                     V: tl.constexpr, K: tl.constexpr, CHECK_VALID: tl.constexpr, LOAD_CG: tl.constexpr):
+    """Tile j of a head's walk: value head j // NT of its group, rows (j % NT)·BV.. of its split. ``valid``
+    (a scalar, read when CHECK_VALID) masks the whole tile: a prefetch past the last head loads nothing."""
+    m = (row0 + (j % NT) * BV + o_t < V)[:, None] & m_k[None, :]
+    if CHECK_VALID:
+        m = m & valid
+    p = p_s0 + ((j // NT) * V * K + (j % NT) * BV * K) + (o_t[:, None] * K + tl.arange(0, m_k.shape[0])[None, :])
+    if LOAD_CG:   # straight from L2 (L1 would only be polluted); ptxas takes no eviction hint with .cg
+        return tl.load(p, mask=m, other=0, cache_modifier=".cg")
+    else:
+        return tl.load(p, mask=m, other=0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _value_head_inputs(v, conv_v, w_v, f, A_log, dt_bias, beta, gate, i_b, i_hv, row0, o_k, m_k,
+                       stride_v, stride_cv, stride_f, stride_beta, stride_gate, lower_bound,
+                       NT: tl.constexpr, BNT: tl.constexpr, BV: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
+                       W: tl.constexpr, BW: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):
+    """Everything a value head needs besides its state, loaded at once (one memory round trip, not one per
+    tile): the v conv of this split's NT·BV rows as [BNT, BV] (BNT = next_pow2(NT); tile n in row n) and its
+    window (shifted in later), the decay exp(g) [BK], β, and the sigmoid of the output gate as [BNT, BV]."""
+    rows = row0 + tl.arange(0, BNT * BV)
+    m_rows = (rows < V) & (rows < row0 + NT * BV)   # padded to BNT tiles: never another split's rows
+    p_cv = conv_v + i_b * stride_cv + i_hv * V * (W - 1)
+    b_v, b_win_v = _short_conv_read(v + i_b * stride_v + i_hv * V, p_cv, w_v + i_hv * V * W, rows, m_rows, W, BW)
+    b_f = tl.load(f + i_b * stride_f + i_hv * K + o_k, mask=m_k, other=0).to(tl.float32)
+    b_f += tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0).to(tl.float32)
+    b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    if USE_LOWER_BOUND:
+        b_g = lower_bound * tl.sigmoid(b_a * b_f)
+    else:
+        # softplus with torch's threshold (x > 20 -> x), written stably
+        b_sp = tl.maximum(b_f, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(b_f)))
+        b_g = -b_a * tl.where(b_f > 20.0, b_f, b_sp)
+    b_beta = tl.sigmoid(tl.load(beta + i_b * stride_beta + i_hv).to(tl.float32))
+    b_gate = tl.load(gate + i_b * stride_gate + i_hv * V + rows, mask=m_rows, other=0).to(tl.float32)
+    return (tl.reshape(b_v, (BNT, BV)), b_win_v, p_cv, rows, m_rows, tl.exp(b_g), b_beta,
+            tl.sigmoid(tl.reshape(b_gate, (BNT, BV))))
+
+
+@triton.jit
+def _next_value_head(v, conv_v, w_v, f, A_log, dt_bias, beta, gate, i_b, i_hv, row0, o_k, m_k,
+                     stride_v, stride_cv, stride_f, stride_beta, stride_gate, lower_bound,
+                     NT: tl.constexpr, BNT: tl.constexpr, BV: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
+                     W: tl.constexpr, BW: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):
+    """A later value head of a group (grouped value heads): its inputs, with its v conv window shifted in
+    at once (the first head's shift waits until the first state loads are issued)."""
+    b_v2, b_win_v, p_cv, rows_v, m_rows_v, b_decay, b_beta, b_sgate2 = _value_head_inputs(
+        v, conv_v, w_v, f, A_log, dt_bias, beta, gate, i_b, i_hv, row0, o_k, m_k,
+        stride_v, stride_cv, stride_f, stride_beta, stride_gate, lower_bound, NT, BNT, BV, V, K, W, BW,
+        USE_LOWER_BOUND)
+    _short_conv_shift(p_cv, b_win_v, rows_v, m_rows_v, W, BW)
+    return b_v2, rows_v, m_rows_v, b_decay, b_beta, b_sgate2
+
+
+@triton.jit
+def _finish_value_head(o, o_part, ss_part, b_o2, b_nw2, b_sgate2, rows_v, m_rows_v, i_b, i_hv, i_s, HV, stride_o, eps,
+                       NSPLIT: tl.constexpr, BNT: tl.constexpr, BV: tl.constexpr, V: tl.constexpr):
+    """A value head's outputs [BNT, BV] are complete (for this split): the gated RMSNorm when they are all
+    here, else the unnormalised rows and their sum of squares to scratch for the head's last program."""
+    o_v2 = tl.reshape(rows_v, (BNT, BV))
+    m_v2 = tl.reshape(m_rows_v, (BNT, BV))
+    if NSPLIT == 1:
+        b_rstd = tl.rsqrt(tl.sum(b_o2 * b_o2) / V + eps)
+        b_out = b_o2 * b_rstd * b_nw2 * b_sgate2
+        tl.store(o + i_b * stride_o + i_hv * V + o_v2, _round_to(b_out, o.dtype.element_ty), mask=m_v2)
+    else:
+        tl.store(o_part + (i_b * HV + i_hv) * V + o_v2, b_o2, mask=m_v2)
+        tl.store(ss_part + (i_b * HV + i_hv) * NSPLIT + i_s, tl.sum(b_o2 * b_o2))
+
+
+@triton.jit
+def _decode_head(
     q, k, v, conv_q, conv_k, conv_v, w_q, w_k, w_v,
     f, A_log, dt_bias, beta, gate, norm_w, state, o, o_part, ss_part, tickets,
     stride_q, stride_k, stride_v, stride_cq, stride_ck, stride_cv,
     stride_f, stride_beta, stride_gate, stride_state, stride_o,
-    lower_bound, scale, eps,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
+    lower_bound, scale, eps, H, hw, hw_next, has_next, i_s, b_s1, b_s2, b_s3,
+    G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BVH: tl.constexpr, BW: tl.constexpr,
-    NSPLIT: tl.constexpr, NT: tl.constexpr, BS: tl.constexpr, DEPTH: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+    NSPLIT: tl.constexpr, NT: tl.constexpr, BNT: tl.constexpr, BS: tl.constexpr, DEPTH: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr,
+    CROSS_HEAD: tl.constexpr, LOAD_CG: tl.constexpr, STORE_CS: tl.constexpr, STAGES: tl.constexpr,
 ):
-    """Grid (B, H, NSPLIT). Split i_s owns V rows [i_s·NT·BV, (i_s+1)·NT·BV), walked in NT tiles of BV
-    rows, DEPTH (1-3) tile loads ahead. BVH = next_pow2(V) (the whole head, for the norm), BS = next_pow2(NSPLIT).
-    o_part [B, HV, V] fp32 and ss_part [B, HV, NSPLIT] fp32 are scratch; tickets [B, H] int32 is all
-    zero on entry and left all zero (unused when NSPLIT == NT == 1)."""
-    i_b = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1)
-    i_s = tl.program_id(2)
-    G: tl.constexpr = HV // H
-    IN_REGISTERS: tl.constexpr = NSPLIT == 1 and NT == 1
-
+    """One (batch row, q/k head) split: its G value heads' tiles, the first DEPTH already in flight
+    (b_s1..b_s3). Returns the queue for head ``hw_next`` (CROSS_HEAD: its first tiles are loaded while
+    this head's last ones are computed, so a persistent program's stream never drains between heads)."""
+    i_b = (hw // H).to(tl.int64)
+    i_h = hw % H
+    HV = H * G
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     o_t = tl.arange(0, BV)
+    o_nt = tl.arange(0, BNT)
     row0 = i_s * (NT * BV)
-    p_s0 = state + i_b * stride_state + (i_h * G) * V * K + (row0 + o_t)[:, None] * K + o_k[None, :]
-    # The program walks G * NT tiles (value head j // NT, rows j % NT) with DEPTH tile loads in flight.
-    # The first loads are issued before any conv-state store: the compiler cannot prove the pointers
-    # disjoint, so a load placed after a store would wait for it (and for the conv math).
-    b_s1 = _load_state_tile(p_s0, row0, o_t, m_k, 0, NT, BV, V, K)
-    if DEPTH >= 2 and G * NT >= 2:
-        b_s2 = _load_state_tile(p_s0, row0, o_t, m_k, 1, NT, BV, V, K)
-    if DEPTH >= 3 and G * NT >= 3:
-        b_s3 = _load_state_tile(p_s0, row0, o_t, m_k, 2, NT, BV, V, K)
+    p_s0 = _head_state_base(state, hw, H, stride_state, row0, G, V, K)
+    if CROSS_HEAD:
+        p_n0 = _head_state_base(state, hw_next, H, stride_state, row0, G, V, K)
 
+    # Loads first, stores after: the compiler cannot prove the conv-state pointers disjoint from the other
+    # inputs, so a load placed after a store would wait for it.
     p_cq = conv_q + i_b * stride_cq + i_h * K * (W - 1)
     p_ck = conv_k + i_b * stride_ck + i_h * K * (W - 1)
     b_q, b_win_q = _short_conv_read(q + i_b * stride_q + i_h * K, p_cq, w_q + i_h * K * W, o_k, m_k, W, BW)
     b_k, b_win_k = _short_conv_read(k + i_b * stride_k + i_h * K, p_ck, w_k + i_h * K * W, o_k, m_k, W, BW)
+    b_v2, b_win_v, p_cv, rows_v, m_rows_v, b_decay, b_beta, b_sgate2 = _value_head_inputs(
+        v, conv_v, w_v, f, A_log, dt_bias, beta, gate, i_b, i_h * G, row0, o_k, m_k,
+        stride_v, stride_cv, stride_f, stride_beta, stride_gate, lower_bound, NT, BNT, BV, V, K, W, BW, USE_LOWER_BOUND)
+    b_nw2 = tl.reshape(tl.load(norm_w + rows_v, mask=m_rows_v, other=0).to(tl.float32), (BNT, BV))
     if NSPLIT == 1:   # this program is the q/k conv states' only reader
         _short_conv_shift(p_cq, b_win_q, o_k, m_k, W, BW)
         _short_conv_shift(p_ck, b_win_k, o_k, m_k, W, BW)
+    # the v conv channels of this split's rows belong to this program alone
+    _short_conv_shift(p_cv, b_win_v, rows_v, m_rows_v, W, BW)
     b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6) * scale
     b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
 
-    # set per value head at its first tile (declared here: a name first bound inside an `if` does not outlive it)
-    b_decay = tl.zeros([BK], dtype=tl.float32)
-    b_beta = tl.sum(b_decay)
-    b_ss = tl.zeros([BV], dtype=tl.float32)
-    for j in tl.static_range(G * NT):
-        i_g = j // NT
-        i_t = j % NT
-        i_hv = i_h * G + i_g
-        if i_t == 0:   # a new value head: its gate, beta, and the sum of squares of its outputs
-            b_f = tl.load(f + i_b * stride_f + i_hv * K + o_k, mask=m_k, other=0).to(tl.float32)
-            b_f += tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0).to(tl.float32)
-            b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-            if USE_LOWER_BOUND:
-                b_g = lower_bound * tl.sigmoid(b_a * b_f)
+    if STAGES > 0:
+        # a loop over the tiles: Triton's pipeliner streams them into shared memory (cp.async), STAGES - 1
+        # tiles in flight without holding them in registers
+        for i_g in tl.static_range(G):
+            i_hv = i_h * G + i_g
+            if i_g > 0:   # the next value head of the group
+                b_v2, rows_v, m_rows_v, b_decay, b_beta, b_sgate2 = _next_value_head(
+                    v, conv_v, w_v, f, A_log, dt_bias, beta, gate, i_b, i_hv, row0, o_k, m_k,
+                    stride_v, stride_cv, stride_f, stride_beta, stride_gate, lower_bound, NT, BNT, BV, V, K, W, BW,
+                    USE_LOWER_BOUND)
+            b_o2 = tl.zeros([BNT, BV], dtype=tl.float32)
+            for i_t in tl.range(0, NT, num_stages=STAGES):
+                m_v = row0 + i_t * BV + o_t < V
+                p_t = p_s0 + (i_g * V * K + i_t * BV * K) + (o_t[:, None] * K + o_k[None, :])
+                b_s = tl.load(p_t, mask=m_v[:, None] & m_k[None, :], other=0)
+                b_v = tl.sum(tl.where(o_nt[:, None] == i_t, b_v2, 0.0), 0)
+                b_s *= b_decay[None, :]
+                b_u = b_beta * (b_v - tl.sum(b_s * b_k[None, :], 1))
+                b_s += b_u[:, None] * b_k[None, :]
+                b_o = tl.sum(b_s * b_q[None, :], 1)
+                if STORE_CS:
+                    tl.store(p_t, b_s, mask=m_v[:, None] & m_k[None, :], cache_modifier=".cs")
+                else:
+                    tl.store(p_t, b_s, mask=m_v[:, None] & m_k[None, :])
+                b_o2 = tl.where(o_nt[:, None] == i_t, b_o[None, :], b_o2)
+            _finish_value_head(o, o_part, ss_part, b_o2, b_nw2, b_sgate2, rows_v, m_rows_v, i_b, i_hv, i_s, HV,
+                               stride_o, eps, NSPLIT, BNT, BV, V)
+    else:
+        b_o2 = tl.zeros([BNT, BV], dtype=tl.float32)   # the value head's outputs, tile i_t in row i_t
+        for j in tl.static_range(G * NT):
+            i_g = j // NT
+            i_t = j % NT
+            i_hv = i_h * G + i_g
+            if i_t == 0 and i_g > 0:   # the next value head of the group
+                b_v2, rows_v, m_rows_v, b_decay, b_beta, b_sgate2 = _next_value_head(
+                    v, conv_v, w_v, f, A_log, dt_bias, beta, gate, i_b, i_hv, row0, o_k, m_k,
+                    stride_v, stride_cv, stride_f, stride_beta, stride_gate, lower_bound, NT, BNT, BV, V, K, W, BW,
+                    USE_LOWER_BOUND)
+                b_o2 = tl.zeros([BNT, BV], dtype=tl.float32)
+            b_v = tl.sum(tl.where(o_nt[:, None] == i_t, b_v2, 0.0), 0)
+
+            # take this tile, move the queue up, and issue the load DEPTH tiles ahead (into the next head's
+            # tiles when CROSS_HEAD; a tail without a next head leaves stale slots that are never read)
+            b_s = b_s1
+            if DEPTH >= 2:
+                b_s1 = b_s2
+            if DEPTH >= 3:
+                b_s2 = b_s3
+            if j + DEPTH < G * NT:
+                b_next = _load_state_tile(p_s0, row0, o_t, m_k, has_next, j + DEPTH, NT, BV, V, K, False, LOAD_CG)
+            elif CROSS_HEAD:
+                b_next = _load_state_tile(p_n0, row0, o_t, m_k, has_next, j + DEPTH - G * NT, NT, BV, V, K, True,
+                                          LOAD_CG)
+            if j + DEPTH < G * NT or CROSS_HEAD:
+                if DEPTH == 1:
+                    b_s1 = b_next
+                elif DEPTH == 2:
+                    b_s2 = b_next
+                else:
+                    b_s3 = b_next
+
+            # delta rule on the tile S [BV, K]
+            b_s *= b_decay[None, :]
+            b_u = b_beta * (b_v - tl.sum(b_s * b_k[None, :], 1))
+            b_s += b_u[:, None] * b_k[None, :]
+            b_o = tl.sum(b_s * b_q[None, :], 1)
+            m_v = row0 + i_t * BV + o_t < V
+            p_st = p_s0 + (i_g * V * K + i_t * BV * K) + (o_t[:, None] * K + o_k[None, :])
+            if STORE_CS:   # streaming store: the line is not read again this step
+                tl.store(p_st, b_s, mask=m_v[:, None] & m_k[None, :], cache_modifier=".cs")
             else:
-                # softplus with torch's threshold (x > 20 -> x), written stably
-                b_sp = tl.maximum(b_f, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(b_f)))
-                b_g = -b_a * tl.where(b_f > 20.0, b_f, b_sp)
-            b_decay = tl.exp(b_g)
-            b_beta = tl.sigmoid(tl.load(beta + i_b * stride_beta + i_hv).to(tl.float32))
-            b_ss = tl.zeros([BV], dtype=tl.float32)
+                tl.store(p_st, b_s, mask=m_v[:, None] & m_k[None, :])
+            b_o2 = tl.where(o_nt[:, None] == i_t, b_o[None, :], b_o2)
 
-        rows = row0 + i_t * BV + o_t
-        m_v = rows < V
-        # the v conv channels of these rows belong to this program alone
-        p_cv = conv_v + i_b * stride_cv + i_hv * V * (W - 1)
-        b_v, b_win_v = _short_conv_read(v + i_b * stride_v + i_hv * V, p_cv, w_v + i_hv * V * W, rows, m_v, W, BW)
-        _short_conv_shift(p_cv, b_win_v, rows, m_v, W, BW)
+            if i_t == NT - 1:   # the value head's outputs are complete (for this split)
+                _finish_value_head(o, o_part, ss_part, b_o2, b_nw2, b_sgate2, rows_v, m_rows_v, i_b, i_hv, i_s, HV,
+                                   stride_o, eps, NSPLIT, BNT, BV, V)
 
-        # take this tile, move the queue up, and issue the load DEPTH tiles ahead
-        b_s = b_s1
-        if DEPTH >= 2 and j + 1 < G * NT:
-            b_s1 = b_s2
-        if DEPTH >= 3 and j + 2 < G * NT:
-            b_s2 = b_s3
-        if j + DEPTH < G * NT:
-            b_next = _load_state_tile(p_s0, row0, o_t, m_k, j + DEPTH, NT, BV, V, K)
-            if DEPTH == 1:
-                b_s1 = b_next
-            elif DEPTH == 2:
-                b_s2 = b_next
-            else:
-                b_s3 = b_next
-
-        # delta rule on the tile S [BV, K]
-        b_s *= b_decay[None, :]
-        b_u = b_beta * (b_v - tl.sum(b_s * b_k[None, :], 1))
-        b_s += b_u[:, None] * b_k[None, :]
-        b_o = tl.sum(b_s * b_q[None, :], 1)
-        tl.store(p_s0 + (i_g * V * K + i_t * BV * K), b_s, mask=m_v[:, None] & m_k[None, :])
-
-        if IN_REGISTERS:   # sigmoid-gated RMSNorm over the head's V outputs, all held here
-            b_rstd = tl.rsqrt(tl.sum(b_o * b_o) / V + eps)
-            b_gate = tl.load(gate + i_b * stride_gate + i_hv * V + rows, mask=m_v, other=0).to(tl.float32)
-            b_nw = tl.load(norm_w + rows, mask=m_v, other=0).to(tl.float32)
-            b_out = b_o * b_rstd * b_nw * tl.sigmoid(b_gate)
-            tl.store(o + i_b * stride_o + i_hv * V + rows, _round_to(b_out, o.dtype.element_ty), mask=m_v)
-        else:
-            b_ss += b_o * b_o
-            tl.store(o_part + (i_b * HV + i_hv) * V + rows, b_o, mask=m_v)
-            if i_t == NT - 1:
-                tl.store(ss_part + (i_b * HV + i_hv) * NSPLIT + i_s, tl.sum(b_ss))
-
-    if not IN_REGISTERS:
+    if NSPLIT > 1:
         # every thread's scratch stores happen before the ticket (release); the last arrival sees them all
         tl.debug_barrier()
-        if NSPLIT > 1:
-            p_ticket = tickets + i_b * H + i_h
-            is_last = tl.atomic_add(p_ticket, 1, sem="acq_rel") == NSPLIT - 1
-        else:
-            is_last = True
+        p_ticket = tickets + i_b * H + i_h
+        is_last = tl.atomic_add(p_ticket, 1, sem="acq_rel") == NSPLIT - 1
         tl.debug_barrier()
         if is_last:
-            if NSPLIT > 1:
-                tl.store(p_ticket, 0)   # ready for the next call
-                # every split has read the q/k conv states by now: shift them, once
-                _short_conv_shift(p_cq, b_win_q, o_k, m_k, W, BW)
-                _short_conv_shift(p_ck, b_win_k, o_k, m_k, W, BW)
+            tl.store(p_ticket, 0)   # ready for the next call
+            # every split has read the q/k conv states by now: shift them, once
+            _short_conv_shift(p_cq, b_win_q, o_k, m_k, W, BW)
+            _short_conv_shift(p_ck, b_win_k, o_k, m_k, W, BW)
             o_vh = tl.arange(0, BVH)
             m_vh = o_vh < V
             o_sp = tl.arange(0, BS)
@@ -229,33 +324,99 @@ def kda_decode_kernel(
                 b_gate_h = tl.load(gate + i_b * stride_gate + i_hv_h * V + o_vh, mask=m_vh, other=0).to(tl.float32)
                 b_out_h = b_o_h * b_rstd_h * b_nw_h * tl.sigmoid(b_gate_h)
                 tl.store(o + i_b * stride_o + i_hv_h * V + o_vh, _round_to(b_out_h, o.dtype.element_ty), mask=m_vh)
+    return b_s1, b_s2, b_s3
+
+
+@triton.jit(do_not_specialize=["H", "n_heads", "stride_beta"])   # one binary for every batch and head count
+def kda_decode_kernel(
+    q, k, v, conv_q, conv_k, conv_v, w_q, w_k, w_v,
+    f, A_log, dt_bias, beta, gate, norm_w, state, o, o_part, ss_part, tickets,
+    stride_q, stride_k, stride_v, stride_cq, stride_ck, stride_cv,
+    stride_f, stride_beta, stride_gate, stride_state, stride_o,
+    lower_bound, scale, eps, H, n_heads,
+    G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BVH: tl.constexpr, BW: tl.constexpr,
+    NSPLIT: tl.constexpr, NT: tl.constexpr, BNT: tl.constexpr, BS: tl.constexpr, DEPTH: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr,
+    PERSISTENT: tl.constexpr, LOAD_CG: tl.constexpr, STORE_CS: tl.constexpr, STAGES: tl.constexpr,
+):
+    """Grid (P, NSPLIT) over the n_heads = B·H (batch row, q/k head) pairs, G = HV / H value heads each.
+    P == n_heads: one head per program. PERSISTENT: program p walks heads p, p + P, ... as one tile stream.
+    Split i_s owns V rows [i_s·NT·BV, (i_s+1)·NT·BV), walked in NT tiles of BV rows, DEPTH (1-3, at most
+    G·NT) tile loads ahead in registers, or (STAGES > 0, not PERSISTENT) in a loop pipelined through shared
+    memory. BVH = next_pow2(V) (the whole head, for the norm), BS = next_pow2(NSPLIT).
+    o_part [B, HV, V] fp32 and ss_part [B, HV, NSPLIT] fp32 are scratch; tickets [B, H] int32 is all
+    zero on entry and left all zero (used when NSPLIT > 1)."""
+    pid = tl.program_id(0)
+    i_s = tl.program_id(1)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_t = tl.arange(0, BV)
+    row0 = i_s * (NT * BV)
+    # The first head's first tiles, issued before anything else (every later load is issued a tile ahead)
+    p_s0 = _head_state_base(state, pid, H, stride_state, row0, G, V, K)
+    if STAGES > 0:   # the tile loop prefetches for itself
+        b_s1 = tl.zeros([BV, BK], dtype=tl.float32)
+    else:
+        b_s1 = _load_state_tile(p_s0, row0, o_t, m_k, True, 0, NT, BV, V, K, False, LOAD_CG)
+    b_s2 = b_s1
+    b_s3 = b_s1
+    if DEPTH >= 2 and STAGES == 0:
+        b_s2 = _load_state_tile(p_s0, row0, o_t, m_k, True, 1, NT, BV, V, K, False, LOAD_CG)
+    if DEPTH >= 3 and STAGES == 0:
+        b_s3 = _load_state_tile(p_s0, row0, o_t, m_k, True, 2, NT, BV, V, K, False, LOAD_CG)
+    if PERSISTENT:
+        P = tl.num_programs(0)
+        for hw in range(pid, n_heads, P):
+            b_s1, b_s2, b_s3 = _decode_head(
+                q, k, v, conv_q, conv_k, conv_v, w_q, w_k, w_v, f, A_log, dt_bias, beta, gate, norm_w, state, o,
+                o_part, ss_part, tickets, stride_q, stride_k, stride_v, stride_cq, stride_ck, stride_cv,
+                stride_f, stride_beta, stride_gate, stride_state, stride_o, lower_bound, scale, eps, H,
+                hw, hw + P, hw + P < n_heads, i_s, b_s1, b_s2, b_s3,
+                G, K, V, W, BK, BV, BVH, BW, NSPLIT, NT, BNT, BS, DEPTH, USE_LOWER_BOUND, True, LOAD_CG, STORE_CS, 0)
+    else:
+        _decode_head(
+            q, k, v, conv_q, conv_k, conv_v, w_q, w_k, w_v, f, A_log, dt_bias, beta, gate, norm_w, state, o,
+            o_part, ss_part, tickets, stride_q, stride_k, stride_v, stride_cq, stride_ck, stride_cv,
+            stride_f, stride_beta, stride_gate, stride_state, stride_o, lower_bound, scale, eps, H,
+            pid, pid, False, i_s, b_s1, b_s2, b_s3,
+            G, K, V, W, BK, BV, BVH, BW, NSPLIT, NT, BNT, BS, DEPTH, USE_LOWER_BOUND, False, LOAD_CG, STORE_CS, STAGES)
 
 
 class KernelConfig(NamedTuple):
-    """How the kernel is laid out: V splits (programs per head), rows per tile, warps, tile loads in flight."""
+    """How the kernel is laid out: V splits (programs per head), rows per tile, warps, tile loads in flight;
+    ``programs_per_sm`` > 0 makes the grid persistent (at most that many programs per SM, each walking an equal
+    share of the heads as one stream); ``stream_stores`` stores the state with ``.cs``, ``cg_loads`` loads it
+    with ``.cg``; ``max_registers`` caps registers per thread (0: the compiler's choice); ``stages`` > 0 walks
+    the tiles in a loop that Triton pipelines through shared memory (stages - 1 tiles in flight; not persistent)."""
     splits: int
     rows: int
     num_warps: int
     depth: int = 1
+    programs_per_sm: int = 0
+    stream_stores: bool = False
+    cg_loads: bool = False
+    max_registers: int = 0
+    stages: int = 0
 
 
 def default_config(B: int, H: int, K: int, V: int) -> KernelConfig:
-    """The layout measured fastest for the decode shapes (H200, K = V = 128; benchmarks/results/
-    kda_decode_split_h200.json and kda_decode_split2_h200.json): few heads in flight want V splits (more
-    programs than SMs), many want one program per head walking small tiles, the next tile's load
-    overlapping the current tile's math. More loads in flight (depth 2-3) did not help, except 8-row
-    tiles two ahead at the largest batches (1-5%)."""
+    """The layout measured fastest for the decode shapes (H200, K = V = 128, CUDA-graph medians; benchmarks/results/
+    kda_decode_layouts_h200.* and kda_decode_layouts2_h200.*): few heads in flight want V
+    splits (more programs than SMs); up to about one wave of programs, one program per head walking 8-row
+    tiles three loads ahead in registers; more heads, the tile loop pipelined through shared memory (3 tiles
+    in flight, no registers held: 9 programs an SM). A persistent grid was slower at every shape."""
     if K * V < 64 * 128:   # small heads (tests, tiny models): the whole tile in one program
         return KernelConfig(1, triton.next_power_of_2(V), 4)
     heads = B * H
-    if heads <= 24:        # B1 x H12: 4.5 us, x2.7 over fla (the whole tile in one program: 6.7 us)
+    if heads <= 24:        # B1 x H12: 4.0 us, x2.6 over fla
         return KernelConfig(8, 16, 4)
-    if heads <= 192:       # B1 x H96, B8 x H12: 6.6-7.0 us, x1.9-2.2 over fla
+    if heads <= 192:       # B8 x H12, B1 x H96: 6.0 us, x2.1 over fla
         return KernelConfig(4, 16, 4)
-    if heads < 6144:       # B8 x H96, B64/256 x H12: 1.30-1.45x the state-traffic floor, x1.23-1.45 over fla
-        return KernelConfig(1, 16, 4)
-    # B64/256 x H96: 1.20-1.22x the floor, x1.16-1.25 over fla
-    return KernelConfig(1, 8, 4, 2)
+    if heads < 2048:       # B64 x H12, B8 x H96 (768 heads): 1.16-1.17x the state-traffic floor, x1.6 over fla
+        return KernelConfig(1, 8, 4, 3)
+    # B256 x H12: 1.12x the floor; B64 / B256 x H96: 1.08 / 1.05x (x1.3-1.5 over fla)
+    return KernelConfig(1, 8, 4, stages=4)
 
 
 def triton_available(*args) -> Reason:
@@ -315,7 +476,15 @@ def kda_decode_triton(
     BV = min(triton.next_power_of_2(per_split), triton.next_power_of_2(cfg.rows))
     NT = triton.cdiv(per_split, BV)
     splits = triton.cdiv(V, NT * BV)   # no split left without rows
-    if splits == 1 and NT == 1:
+    G = HV // H
+    n_heads = B * H
+    programs = n_heads
+    if cfg.programs_per_sm > 0 and splits == 1 and not cfg.stages:
+        # equal shares: every program walks the same number of heads (no half-empty last wave); the
+        # interpreter counts 2 "SMs", so the head loop still loops on CPU
+        per_program = triton.cdiv(n_heads, (sm_count(v.device) or 2) * cfg.programs_per_sm)
+        programs = triton.cdiv(n_heads, per_program)
+    if splits == 1:
         o_part = ss_part = tickets = o   # unused
     else:
         o_part = torch.empty(B, HV, V, dtype=torch.float32, device=v.device)
@@ -323,17 +492,20 @@ def kda_decode_triton(
         tickets = arrival_counters(v.device, B * H)   # all zero; every launch leaves them zero
         if tickets is None:  # first launch inside a CUDA-graph capture: the graph zeroes its own
             tickets = torch.zeros(B * H, dtype=torch.int32, device=v.device)
-    kda_decode_kernel[(B, H, splits)](
+    options = {"maxnreg": cfg.max_registers} if cfg.max_registers and v.device.type == "cuda" else {}
+    kda_decode_kernel[(programs, splits)](
         q, k, v, conv_state_q, conv_state_k, conv_state_v, conv_weight_q, conv_weight_k, conv_weight_v,
         f, A_log, dt_bias, beta_logits, out_gate, o_norm_weight, state, o, o_part, ss_part, tickets,
         q.stride(0), k.stride(0), v.stride(0),
         conv_state_q.stride(0), conv_state_k.stride(0), conv_state_v.stride(0),
         f.stride(0), beta_logits.stride(0), out_gate.stride(0), state.stride(0), o.stride(0),
-        0.0 if lower_bound is None else float(lower_bound), K ** -0.5, float(eps),
-        H=H, HV=HV, K=K, V=V, W=W,
+        0.0 if lower_bound is None else float(lower_bound), K ** -0.5, float(eps), H, n_heads,
+        G=G, K=K, V=V, W=W,
         BK=triton.next_power_of_2(K), BV=BV, BVH=triton.next_power_of_2(V), BW=triton.next_power_of_2(W),
-        NSPLIT=splits, NT=NT, BS=triton.next_power_of_2(splits), DEPTH=max(1, min(cfg.depth, 3)),
-        USE_LOWER_BOUND=lower_bound is not None,
-        num_warps=cfg.num_warps,
+        NSPLIT=splits, NT=NT, BNT=triton.next_power_of_2(NT), BS=triton.next_power_of_2(splits),
+        DEPTH=max(1, min(cfg.depth, 3, G * NT)),
+        USE_LOWER_BOUND=lower_bound is not None, PERSISTENT=programs < n_heads,
+        LOAD_CG=bool(cfg.cg_loads), STORE_CS=bool(cfg.stream_stores), STAGES=cfg.stages,
+        num_warps=cfg.num_warps, num_stages=max(1, cfg.stages), **options,
     )
     return o
