@@ -11,7 +11,8 @@ Matches (post-grad ATen; L latent width, D hidden, M tokens)::
 
 Rewrites to::
 
-    buf            = wait_tensor(all_reduce(cat([y_lat, y_sh], 1), "sum", g))   # [M, L + D], TP only
+    buf            = cat([y_lat, y_sh], 1)                 # [M, L + D], TP only:
+    k3::all_reduce_(buf, "sum", g)                         #   in place, NCCL on the current stream
     latent, shared = buf[:, :L], buf[:, L:]
     out = k3::latent_moe_tail(latent, shared, norm_weight, up_weight, eps, backend, small_m_limit)
 
@@ -29,7 +30,11 @@ The pass fires only where the math is the tail's: a 1-D norm weight of the laten
 weight [D, L], an addend [M, D], one dtype, and M not statically above the small-M limit (a static
 prefill M is left to Inductor). The collectives merge only when both are a ``sum`` all-reduce over the
 same group, of 2-D tensors with the same rows, each read only through its ``wait_tensor``; other readers
-of the reduced tensors then read the slices.
+of the reduced tensors then read the slices. The merged all-reduce is ``k3::all_reduce_``
+(``k3compile/ops/all_reduce``), not the functional collective: its result is needed at once, and NCCL on
+the current stream spares the side-stream fork and join. The tail reads the merged buffer through two
+views: the strides Inductor holds a custom op's inputs to are moved to the slices', so no copy kernel sits
+between the all-reduce and the tail.
 """
 from __future__ import annotations
 
@@ -352,6 +357,7 @@ def _static_int(x):
 
 
 def _merge_collectives(graph: torch.fx.Graph, tail: torch.fx.Node) -> bool:
+    import k3compile.ops.all_reduce  # noqa: F401  (registers k3::all_reduce_)
     lat_wait, sh_wait = tail.args[0], tail.args[1]
     lat, sh = _reduced_input(lat_wait), _reduced_input(sh_wait)
     if lat is None or sh is None or lat_wait is sh_wait:
@@ -377,20 +383,47 @@ def _merge_collectives(graph: torch.fx.Graph, tail: torch.fx.Node) -> bool:
     # the merged result exists only from ``later`` on: every reader must come after it
     if any(order[u] < order[later] for w in (lat_wait, sh_wait) for u in w.users):
         return False
+    # One in-place all-reduce of the fresh concatenation, on the current stream (k3::all_reduce_: the
+    # functional collective's side-stream fork and join cost 2-3.5 us per layer in a CUDA graph on two
+    # H200s); the readers read the slices after it.
     with graph.inserting_before(later):
         cat = graph.call_function(aten.cat.default, ([lat_in, sh_in], 1))
-        ar = graph.call_function(c10d.all_reduce.default, (cat, lat_op, lat_group))
-        wait = graph.call_function(c10d.wait_tensor.default, (ar,))
-        new_lat = graph.call_function(aten.slice.Tensor, (wait, 1, 0, l))
-        new_sh = graph.call_function(aten.slice.Tensor, (wait, 1, l, l + d))
+        reduce = graph.call_function(torch.ops.k3.all_reduce_.default, (cat, lat_op, lat_group))
+        new_lat = graph.call_function(aten.slice.Tensor, (cat, 1, 0, l))
+        new_sh = graph.call_function(aten.slice.Tensor, (cat, 1, l, l + d))
     v_cat = torch.cat([v_lat, v_sh], 1)
-    for node, v in ((cat, v_cat), (ar, v_cat), (wait, v_cat), (new_lat, v_cat[:, :l]), (new_sh, v_cat[:, l:])):
+    reduce.meta["val"] = None
+    for node, v in ((cat, v_cat), (new_lat, v_cat[:, :l]), (new_sh, v_cat[:, l:])):
         node.meta["val"] = v
     lat_wait.replace_all_uses_with(new_lat)
     sh_wait.replace_all_uses_with(new_sh)
+    for user in {*new_lat.users, *new_sh.users}:
+        _refresh_eager_input_vals(user, (new_lat, new_sh))
     for node in (lat_wait, sh_wait, lat_ar, sh_ar):
         graph.erase_node(node)
     return True
+
+
+def _refresh_eager_input_vals(user: torch.fx.Node, slices) -> None:
+    """Record, for a reader of the merged buffer, the strides of the slices it now reads.
+
+    A custom op traced by make_fx (our pattern's replacement) keeps in ``meta["eager_input_vals"]``
+    the fake inputs it was traced with, and Inductor copies each input to exactly those strides
+    (custom ops default to ``needs_exact_strides``). Those were the contiguous all-reduce results;
+    the slices have row stride L + D, so Inductor would add a copy kernel per slice between the
+    all-reduce and the tail. With the slices' own strides it passes two views of the reduced buffer.
+    """
+    eager = user.meta.get("eager_input_vals")
+    if eager is None:
+        return
+
+    def fresh(arg, eager_arg):
+        return val(arg) if any(arg is s for s in slices) else eager_arg
+
+    args, kwargs = eager
+    args = tuple(fresh(a, e) for a, e in zip(user.args, args)) + tuple(args[len(user.args):])
+    kwargs = {k: fresh(user.kwargs.get(k), e) for k, e in kwargs.items()}
+    user.meta["eager_input_vals"] = (args, kwargs)
 
 
 def postprocess(graph: torch.fx.Graph, options) -> int:
