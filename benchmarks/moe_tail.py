@@ -11,6 +11,13 @@ Single-GPU rows: ``fused`` is the op as the pass emits it with ``static_weight``
 when the pass cannot prove the weight static, as here: the tail's input is a graph input), ``fused+static``
 the same op with ``static_weight=True`` (the weight streamed before the PDL wait: what the model's decode graph
 runs where the pass proves it); ``cute`` / ``cute+static`` force the CuTe tail both ways.
+``compile(combine)`` / ``compile+k3(combine)``: a second compiled pair (left out with ``--no-combine``) whose
+latent is made inside the compiled function by the routed experts' combine,
+``latent = (expert_out[M, 16, L].float() * routing_w[M, 16, None]).sum(1).to(bf16)`` (``model/moe.py``'s
+``experts_gathered``; K3 routes each token to 16 experts, fp32 weights), as in the model's decode graph: there the
+static-weight proof fires (the latent's producer is a kernel of the same graph), so ``compile+k3(combine)``
+runs the op with ``static_weight=True``. Both columns of the pair run the same combine; their ratio is printed
+against ``compile(combine)``. The headline ``compile`` / ``compile+k3`` columns are unchanged.
 
 Method (docs/anchors.md): CUDA graphs, median; the up-projection weight rotates through enough
 copies (> 640 MB) that every call streams it from HBM; a device-to-device copy measured in the same run
@@ -63,6 +70,8 @@ def parse_args(argv=None):
     p.add_argument("--sweep", action="store_true", help="time the Triton kernel's configurations")
     p.add_argument("--quick", action="store_true", help="M = 1, 16; fewer repetitions; a smaller sweep")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    p.add_argument("--no-combine", action="store_true",
+                   help="skip the compiled pair whose latent is made by the experts' combine in the graph")
     p.add_argument("--budget", type=float, default=75.0, help="--sweep: seconds before it stops adding configs")
     p.add_argument("--json", type=str, default=None, help="write the rows here")
     p.add_argument("--smoke", action="store_true", help="run every code path on CPU at tiny widths (no GPU)")
@@ -100,6 +109,38 @@ def tail_split(latent, shared, norm_weight, up_weight):
 def tail_cute(latent, shared, norm_weight, up_weight):
     """The CuTe tail (skinny GEMM with the norm fused), forced: the op's auto takes it only where measured faster."""
     return latent_moe_tail(latent, shared, norm_weight, up_weight, EPS, backend="cute")
+
+
+TOPK = 16   # routed experts per token in K3 (num_experts_per_token): the combine's width
+
+
+def tail_eager_combine(expert_out, routing_w, shared, norm_weight, up_weight):
+    """The decode graph's form: the routed experts' weighted combine (as ``model/moe.py`` writes it: fp32
+    product and sum, cast back) makes the latent, then the tail."""
+    latent = (expert_out.float() * routing_w[..., None]).sum(1).to(expert_out.dtype)
+    return tail_eager(latent, shared, norm_weight, up_weight)
+
+
+def make_expert_inputs(m, l, dtype, seed):
+    """expert_out [M, TOPK, L] in ``dtype``, softmax routing weights [M, TOPK] in fp32, and the fp32 latent
+    they make."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    expert_out = torch.randn(m, TOPK, l, generator=g, device=DEVICE).to(dtype)
+    routing_w = torch.softmax(torch.randn(m, TOPK, generator=g, device=DEVICE), -1)
+    return expert_out, routing_w, (expert_out.float() * routing_w[..., None]).sum(1)
+
+
+def with_combine(compiled, expert_out, routing_w):
+    """A provider of the usual signature that feeds ``compiled`` the experts' outputs instead of ``latent``."""
+    return lambda latent, shared, norm_weight, up_weight: compiled(expert_out, routing_w, shared, norm_weight,
+                                                                   up_weight)
+
+
+def static_proofs(compiled) -> str:
+    """What the static-weight proof found in the graphs compiled so far for ``compiled`` (k3compile.report)."""
+    import k3compile
+
+    return str(k3compile.report(compiled).static_weight.get("latent_moe_tail", "none"))
 
 
 def op_takes_static_weight() -> bool:
@@ -229,6 +270,8 @@ def bench_single(args):
             providers["cute+static"] = tail_cute_static
     if not args.no_compile:
         providers["compile"], providers["compile+k3"] = compiled_pair(tail_eager)
+    combine = {} if args.no_compile or args.no_combine else dict(
+        zip(("compile(combine)", "compile+k3(combine)"), compiled_pair(tail_eager_combine)))
 
     rows = []
     for m in args.m:
@@ -238,10 +281,20 @@ def bench_single(args):
         errs = {name: rel_err(fn(lat, sh, g, w), ref) for name, fn in providers.items()}
         providers_timed = dict(providers, **{"norm only": tail_norm_only})
         errs["norm only"] = rel_err(tail_norm_only(lat, sh, g, w), kimi_rms_norm(lat.float(), g.float(), EPS))
+        if combine:
+            e_out, r_w, lat32 = make_expert_inputs(m, l, dtype, seed=2000 + m)
+            ref = latent_moe_tail_ref(lat32, sh.float(), g.float(), w.float(), EPS)
+            errs.update({name: rel_err(with_combine(fn, e_out, r_w)(lat, sh, g, w), ref)
+                         for name, fn in combine.items()})
         print(f"M={m:<3} rel err vs fp32: " + "  ".join(f"{k}={v:.2e}" for k, v in errs.items())
               + f"  k3 pass matches: {pass_matches(providers)}")
+        if combine:
+            print(f"      compile+k3(combine): static-weight proof {static_proofs(combine['compile+k3(combine)'])}")
 
         lat, sh, g, ws = make_inputs(m, l, d, dtype, n_rot, seed=m)
+        if combine:
+            e_out, r_w, _ = make_expert_inputs(m, l, dtype, seed=m)
+            providers_timed.update({name: with_combine(fn, e_out, r_w) for name, fn in combine.items()})
         floor_us = tail_bytes(m, l, d, dtype) / (ceiling * 1e12) * 1e6
         times = {}
         for name, fn in providers_timed.items():
@@ -252,11 +305,16 @@ def bench_single(args):
             synchronize()
             times[name] = bench(run, rep) * 1e3 / n_rot
         for name, us in times.items():
+            # the combine pair against its own compile column (its floor leaves out the experts' outputs)
+            base = "compile(combine)" if name in combine else "compile"
             rows.append(dict(mode="tp1", m=m, l=l, d=d, dtype=args.dtype, provider=name, us=us,
                              pct_ceiling=100 * floor_us / us, rel_err=errs[name],
                              speedup_vs_eager=times["eager"] / us,
-                             speedup_vs_compile=times["compile"] / us if "compile" in times else None))
+                             speedup_vs_compile=times[base] / us if base in times else None))
     print_table(rows)
+    if combine:
+        print("(combine) rows: latent made by the experts' combine inside the compiled graph; their x compile is "
+              "against compile(combine)")
     print("choices:", [(c.impl, c.reason) for c in LATENT_MOE_TAIL.choices()])
     print("skinny_gemm choices:", [(c.key[2] if isinstance(c.key, tuple) else c.key, c.impl, c.reason)
                                    for c in SKINNY_GEMM.choices()])
@@ -266,7 +324,9 @@ def bench_single(args):
 def sweep_configs(quick):
     """The fused kernel's configurations, likeliest first (the sweep stops at its time budget).
 
-    Stream-K (persistent, one wave): first one launch with PDL, then the two-launch forms of the second
+    First the split-K grid with all tiles by TMA and PDL (early trigger; H200, M=16: n32-k128-s1-w2-st5
+    15.7 µs, w2-st4 16.2, k256-w4-st3 16.4, n64-w4-st4 16.8, w4-st4 17.3, s2-w2-st4 23.2),
+    then stream-K (persistent, one wave): one launch with PDL, then the two-launch forms of the second
     H200 sweep, then the split-K grid's best from the first (n128-k128-s4-w8-st4-last-swap: 19.3 / 19.6 /
     20.4 µs at M = 1 / 4 / 16)."""
     C = TailConfig
@@ -275,7 +335,12 @@ def sweep_configs(quick):
         return C(bn, bk, num_warps=nw, num_stages=ns, stream_k=True, ctas_per_sm=ctas, tma=tma, reduce=reduce,
                  pdl=pdl, pdl_tiles=pdl_tiles)
 
+    def grid(bn, bk, split, nw=2, ns=5, early=True):   # split-K grid, all tiles by TMA, PDL
+        return C(bn, bk, split, num_warps=nw, num_stages=ns, tma=True, pdl=True, early_trigger=early)
+
     cfgs = [
+        grid(32, 128, 1), grid(32, 128, 1, ns=4), grid(32, 256, 1, 4, 3), grid(64, 128, 1, 4, 4),
+        grid(32, 128, 1, 4, 4), grid(32, 128, 2, ns=4),
         sk(1, 128, 128, 8, 4, True, "last", True), sk(1, 128, 128, 8, 4, True, "last", True, 3),
         sk(1, 128, 128, 8, 4, True, "last"), sk(1, 128, 128, 8, 4, True, "kernel", True),
         sk(1, 128, 128, 8, 4), sk(1, 128, 128, 8, 4, True), sk(2, 128, 64, 4, 5), sk(2, 128, 64, 4, 5, True),
@@ -423,11 +488,11 @@ def bench_sweep(args):
 
 
 def print_table(rows):
-    print(f"{'mode':<5} {'M':>3} {'provider':<16} {'us':>8} {'% ceil':>7} {'x eager':>8} {'x compile':>9} {'rel err':>9}")
+    print(f"{'mode':<5} {'M':>3} {'provider':<19} {'us':>8} {'% ceil':>7} {'x eager':>8} {'x compile':>9} {'rel err':>9}")
     for r in rows:
         xc = r.get("speedup_vs_compile")
         xe = r.get("speedup_vs_eager")
-        print(f"{r['mode']:<5} {r['m']:>3} {r['provider']:<16} {r['us']:>8.1f} "
+        print(f"{r['mode']:<5} {r['m']:>3} {r['provider']:<19} {r['us']:>8.1f} "
               f"{r['pct_ceiling'] if r.get('pct_ceiling') is not None else float('nan'):>7.1f} "
               f"{xe if xe is not None else float('nan'):>8.2f} {xc if xc is not None else float('nan'):>9.2f} "
               f"{r['rel_err']:>9.1e}")

@@ -24,7 +24,6 @@ from k3compile.ops.latent_moe_tail.op import LATENT_MOE_TAIL
 from k3compile.ops.latent_moe_tail.reference import (
     kimi_rms_norm, latent_moe_tail_ref, latent_moe_tail_unfused,
 )
-from k3compile.ops.latent_moe_tail.split import kimi_rms_norm_triton, latent_moe_tail_split
 from k3compile.ops.latent_moe_tail.triton import TailConfig, latent_moe_tail_triton
 from k3compile.ops.skinny_gemm import SKINNY_GEMM
 from k3compile.testing import rel_err
@@ -58,21 +57,34 @@ def counters_all_zero() -> bool:
        dtype=st.sampled_from(list(DTYPES)), eps=st.sampled_from([1e-6, 1e-5, 1e-2]),
        block_n=st.sampled_from([16, 32, 64]), block_k=st.sampled_from([16, 64, 128]),
        split_k=st.sampled_from([1, 2, 3, 5]), reduce=st.sampled_from(["last", "kernel"]),
-       swap_ab=st.booleans(), prenorm=st.booleans(), seed=st.integers(0, 2**16))
+       swap_ab=st.booleans(), prenorm=st.booleans(), tma=st.booleans(), pdl=st.booleans(),
+       early=st.booleans(), static=st.booleans(), seed=st.integers(0, 2**16))
 @example(m=1, l=3584, d=64, dtype="bf16", eps=1e-5, block_n=64, block_k=128, split_k=4, reduce="last",
-         swap_ab=False, prenorm=False, seed=0)
+         swap_ab=False, prenorm=False, tma=False, pdl=False, early=False, static=False, seed=0)
 @example(m=16, l=3584, d=64, dtype="bf16", eps=1e-5, block_n=64, block_k=128, split_k=4, reduce="kernel",
-         swap_ab=True, prenorm=False, seed=1)
+         swap_ab=True, prenorm=False, tma=False, pdl=False, early=False, static=False, seed=1)
 @example(m=3, l=257, d=33, dtype="fp16", eps=1e-5, block_n=16, block_k=64, split_k=3, reduce="last",
-         swap_ab=False, prenorm=True, seed=2)
-def test_triton_matches_reference(m, l, d, dtype, eps, block_n, block_k, split_k, reduce, swap_ab, prenorm, seed):
+         swap_ab=False, prenorm=True, tma=False, pdl=False, early=False, static=False, seed=2)
+@example(m=16, l=3584, d=64, dtype="bf16", eps=1e-5, block_n=32, block_k=128, split_k=2, reduce="last",
+         swap_ab=False, prenorm=False, tma=True, pdl=True, early=True, static=True, seed=3)   # M=16's TMA + PDL form
+@example(m=5, l=200, d=40, dtype="fp32", eps=1e-5, block_n=32, block_k=64, split_k=5, reduce="last",
+         swap_ab=True, prenorm=False, tma=True, pdl=True, early=False, static=True, seed=4)   # one K tile per split
+@example(m=3, l=264, d=40, dtype="bf16", eps=1e-5, block_n=32, block_k=128, split_k=1, reduce="last",
+         swap_ab=False, prenorm=False, tma=True, pdl=True, early=True, static=False, seed=5)   # TMA past M, L, D
+@example(m=7, l=256, d=48, dtype="fp16", eps=1e-5, block_n=16, block_k=64, split_k=2, reduce="kernel",
+         swap_ab=False, prenorm=True, tma=True, pdl=False, early=False, static=False, seed=6)   # TMA latent, prenorm
+def test_triton_matches_reference(m, l, d, dtype, eps, block_n, block_k, split_k, reduce, swap_ab, prenorm, tma, pdl,
+                                  early, static, seed):
+    """The split-K grid form; ``tma`` (the interpreter reads the descriptor too), ``pdl`` + ``static`` (the
+    first weight tile peeled off and loaded before the wait: the interpreter has no PDL, only the order
+    changes) and ``early`` (the trigger's place: a no-op off the GPU)."""
     dt = DTYPES[dtype]
     args = make_inputs(m, l, d, dt, seed)
     cfg = TailConfig(block_n=block_n, block_k=block_k, split_k=split_k, reduce=reduce, swap_ab=swap_ab,
-                     prenorm=prenorm)
+                     prenorm=prenorm, tma=tma, pdl=pdl, early_trigger=early, preload=static)
     out = torch.full((m, d), float("nan"), dtype=dt)
-    latent_moe_tail_triton(*args, eps, cfg, out=out)
-    assert rel_err(out, truth(*args, eps)) < TOL[dt], f"M{m}-L{l}-D{d}-{dtype}-eps{eps}-{cfg.tag()}"
+    latent_moe_tail_triton(*args, eps, cfg, out=out, static_weight=static)
+    assert rel_err(out, truth(*args, eps)) < TOL[dt], f"M{m}-L{l}-D{d}-{dtype}-eps{eps}-{cfg.tag()}-static{static}"
     assert counters_all_zero(), "an arrival counter was left non-zero"
 
 
@@ -164,46 +176,6 @@ def test_bad_config_and_too_many_rows():
 
 
 # ---------------------------------------------------------------------------------------------
-# the split path: Triton norm + skinny GEMM
-
-# the interpreter truncates fp32 -> bf16 / fp16 (a GPU rounds): one unit in the last place of the dtype
-NORM_TOL = {torch.float32: 1e-6, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}
-
-
-@given(m=st.integers(1, 16), l=st.integers(1, 300), dtype=st.sampled_from(list(DTYPES)),
-       eps=st.sampled_from([1e-6, 1e-5, 1e-2]), strided=st.booleans(), seed=st.integers(0, 2**16))
-@example(m=1, l=3584, dtype="bf16", eps=1e-5, strided=False, seed=0)
-@example(m=16, l=3584, dtype="bf16", eps=1e-5, strided=True, seed=1)
-def test_triton_norm_matches_model_norm(m, l, dtype, eps, strided, seed):
-    """The split path's first kernel rounds as the model's KimiRMSNorm (normalised value, then weight)."""
-    dt = DTYPES[dtype]
-    latent, _, norm_weight, _ = make_inputs(m, l, 1, dt, seed)
-    if strided:
-        latent = torch.cat([latent, latent], 1)[:, ::2]
-    out = torch.full((m, l), float("nan"), dtype=dt)
-    kimi_rms_norm_triton(latent, norm_weight, eps, out=out)
-    ref = kimi_rms_norm(latent, norm_weight, eps)
-    # elementwise: each value within a few units in the last place of the model's value
-    assert not out.isnan().any()
-    worst = ((out.double() - ref.double()).abs() / ref.double().abs().clamp_min(1e-3)).max().item()
-    assert worst <= 4 * NORM_TOL[dt], f"M{m}-L{l}-{dtype}-eps{eps}-strided{strided}: {worst}"
-
-
-@given(m=st.integers(1, 16), l=st.integers(1, 300), d=st.integers(1, 160),
-       dtype=st.sampled_from(list(DTYPES)), eps=st.sampled_from([1e-6, 1e-5]), static=st.booleans(),
-       seed=st.integers(0, 2**16))
-@example(m=16, l=3584, d=64, dtype="bf16", eps=1e-5, static=False, seed=1)
-@example(m=4, l=256, d=40, dtype="bf16", eps=1e-5, static=True, seed=2)
-def test_split_norm_then_skinny_gemm_matches_reference(m, l, d, dtype, eps, static, seed):
-    """Triton norm + k3::skinny_gemm (its Triton kernel, residual = shared) against the fp32 truth;
-    ``static_weight`` is passed on to the GEMM."""
-    dt = DTYPES[dtype]
-    args = make_inputs(m, l, d, dt, seed)
-    out = latent_moe_tail_split(*args, eps, backend="triton", static_weight=static)
-    assert rel_err(out, truth(*args, eps)) < TOL[dt], f"M{m}-L{l}-D{d}-{dtype}-eps{eps}-static{static}"
-
-
-# ---------------------------------------------------------------------------------------------
 # dispatch
 
 def _choices(backend="auto", impl=None):
@@ -284,21 +256,26 @@ def test_pdl_only_on_sm90_cuda():
     assert not tail_triton.pdl_capable(torch.device("cpu"))
 
 
-def test_fused_profitable_where_measured():
-    """The H200 figures: the one-kernel tail ahead of the split path at M=1 and M=4 (bf16), not at M=16
-    nor in fp16; M=2 and 8 unmeasured (split path)."""
+def test_fused_profitable_where_measured(monkeypatch):
+    """The H200 figures: the one-kernel tail ahead of the split path at M = 1, 4, 8 and 16 (bf16), not in
+    fp16; M=2 unmeasured (split path). The grid form of M 5-16 was measured with TMA: not on older GPUs."""
+    monkeypatch.setattr(tail_triton, "pdl_capable", lambda device: True)   # an H200
     w = _FakeTensor((7168, 3584), torch.bfloat16)
-    for m, wins in ((1, True), (3, True), (4, True), (2, False), (8, False), (16, False)):
+    for m, wins in ((1, True), (3, True), (4, True), (2, False), (5, True), (8, True), (9, True), (16, True)):
         why = tail_triton.fused_profitable(_FakeTensor((m, 3584), torch.bfloat16), w)
         assert (why is None) == wins, (m, why)
+    monkeypatch.setattr(tail_triton, "pdl_capable", lambda device: False)   # before sm_90
+    assert tail_triton.fused_profitable(_FakeTensor((1, 3584), torch.bfloat16), w) is None   # stream-K
+    assert "needs TMA" in tail_triton.fused_profitable(_FakeTensor((16, 3584), torch.bfloat16), w)
     assert tail_triton.fused_profitable(_FakeTensor((1, 3584), torch.float16), _FakeTensor((7168, 3584), torch.float16))
     assert tail_triton.default_config(1, 7168, 3584, torch.bfloat16, 132).tma
 
 
 def test_cute_profitable_where_measured():
-    """The H200 figures: CuTe ahead at M = 1, 2, 4, 8 of K3's tail, not at M=16; other widths unmeasured."""
+    """The H200 figures: CuTe ahead at M = 1, 2, 4 of K3's tail, not at M = 8 or 16 (the Triton grid form
+    is); other widths unmeasured."""
     w = _FakeTensor((7168, 3584), torch.bfloat16)
-    for m, wins in ((1, True), (2, True), (3, True), (4, True), (7, True), (8, True), (9, False), (16, False)):
+    for m, wins in ((1, True), (2, True), (3, True), (4, True), (5, False), (8, False), (9, False), (16, False)):
         why = tail_op.cute_profitable(_FakeTensor((m, 3584), torch.bfloat16), w)
         assert (why is None) == wins, (m, why)
     assert tail_op.cute_profitable(_FakeTensor((1, 1024), torch.bfloat16), _FakeTensor((7168, 1024), torch.bfloat16))
@@ -368,6 +345,25 @@ def test_cute_without_cutlass(clean_records):
     assert main.reason.startswith("cute: ")
     with pytest.raises(BackendUnavailableError, match="latent_moe_tail"):
         latent_moe_tail(*args, 1e-5, backend="cute")
+
+
+@pytest.mark.parametrize("layout", ["latent-of-concat", "latent-T", "weight-T"])
+def test_grid_tma_layouts(layout):
+    """The grid form with every tile by TMA (M=16's default on the H200) on the layouts the op sees: the
+    latent as the left part of the TP concatenation buffer (rows of L + D; TMA reads it in place), and
+    layouts TMA cannot read (pointer loads instead)."""
+    m, l, d = 16, 256, 96
+    latent, shared, norm_weight, up_weight = make_inputs(m, l, d, torch.bfloat16, seed=9)
+    if layout == "latent-of-concat":
+        latent = torch.cat([latent, shared], dim=1).split([l, d], dim=1)[0]
+    elif layout == "latent-T":
+        latent = latent.t().contiguous().t()
+    else:
+        up_weight = up_weight.t().contiguous().t()
+    cfg = TailConfig(32, 128, 1, num_warps=2, num_stages=5, tma=True, pdl=True, early_trigger=True)
+    out = torch.full((m, d), float("nan"), dtype=torch.bfloat16)
+    latent_moe_tail_triton(latent, shared, norm_weight, up_weight, 1e-5, cfg, out=out)
+    assert rel_err(out, truth(latent, shared, norm_weight, up_weight, 1e-5)) < TOL[torch.bfloat16], layout
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
@@ -522,15 +518,23 @@ def test_cuda_real_widths(m, dtype, clean_records):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["last", "kernel", "stream-k-tma", "stream-k-pdl", "stream-k-pdl-static",
-                                  "stream-k-2launch-pdl-static"])
+                                  "stream-k-2launch-pdl-static", "grid-tma-pdl-early", "grid-tma-pdl-static",
+                                  "grid-tma-pdl-ring-static"])
 def test_cuda_graph_replay(kind):
     """Captured once, replayed on fresh inputs: every replay right (the counters reset themselves; with PDL
     two captured calls back to back, so the second's early start overlaps the first's reduction)."""
     m, l, d, dt = 4, 3584, 7168, torch.bfloat16
     lat, sh, g, w = (t.cuda() for t in make_inputs(m, l, d, dt, seed=11))
-    cfg = (TailConfig(128, 128, num_warps=8, stream_k=True, tma=True, pdl="pdl" in kind,
-                      reduce="kernel" if "2launch" in kind else "last") if "stream-k" in kind
-           else TailConfig(reduce=kind))
+    if "stream-k" in kind:
+        cfg = TailConfig(128, 128, num_warps=8, stream_k=True, tma=True, pdl="pdl" in kind,
+                         reduce="kernel" if "2launch" in kind else "last")
+    elif kind.startswith("grid"):   # the split-K grid with TMA and PDL: early trigger, the peeled first tile, or
+        # the wait inside the K loop (the weight ring's first tiles before it)
+        ring = "ring" in kind
+        cfg = TailConfig(32, 128, 2, tma=True, pdl=True, early_trigger="early" in kind or ring,
+                         preload="static" in kind and not ring, ring=ring)
+    else:
+        cfg = TailConfig(reduce=kind)
     static = kind.endswith("static")
     out = torch.empty(m, d, dtype=dt, device="cuda")
     latent_moe_tail_triton(lat, sh, g, w, 1e-5, cfg, out=out, static_weight=static)   # compiles, makes counters
@@ -548,3 +552,4 @@ def test_cuda_graph_replay(kind):
         assert rel_err(out.cpu(), truth(lat.cpu(), sh.cpu(), g.cpu(), w.cpu(), 1e-5)) < GPU_TOL[dt]
     torch.cuda.synchronize()
     assert counters_all_zero()
+

@@ -8,10 +8,11 @@ Up to ``small_m_limit`` rows (≤ 16), ``auto`` tries, recording each step down 
   fused. Under ``auto`` only where :func:`cute_profitable` says it was measured faster than the Triton
   tail; ``backend="cute"`` runs it wherever it can.
 - ``triton``: the one-kernel Triton tail (``triton.py``, ``streamk.py``: norm and shared add fused)
-  where :func:`.triton.fused_profitable` allows, else a Triton RMSNorm then ``k3::skinny_gemm`` with
-  ``shared`` as its residual (``split.py``). Which of the two ran is recorded as ``triton-fused`` /
-  ``triton-split`` beside the ``triton`` choice (the split path's GEMM records its own choice under
-  ``skinny_gemm``).
+  where :func:`.triton.fused_profitable` allows, else a Triton RMSNorm then the up-projection with
+  ``shared`` added (``split.py``: ``k3::skinny_gemm``, the Triton skinny kernel started under the norm, or
+  cuBLAS ``addmm``, as ``split.SPLIT_TUNED`` measured). Which of the two ran is recorded as
+  ``triton-fused`` / ``triton-split`` beside the ``triton`` choice (a ``k3::skinny_gemm`` call records
+  its own choice under ``skinny_gemm``).
 - ``reference``: norm + ``addmm``; also above the limit and for dtypes the kernels lack.
 
 Every choice is recorded in ``LATENT_MOE_TAIL`` (``k3compile.report`` prints it).
@@ -29,7 +30,7 @@ import torch
 from k3compile.backends import Impl, OpImpls, Reason, cute_can_run_on, register_op_impls
 
 from .reference import latent_moe_tail_unfused
-from .split import latent_moe_tail_split
+from .split import latent_moe_tail_split, split_config
 from .triton import (
     MAX_BLOCK_M, fused_profitable, latent_moe_tail_triton, m_bucket, triton_available, triton_supports,
 )
@@ -42,9 +43,10 @@ _CUTE_MODULE = "k3compile.ops.latent_moe_tail.cute"
 # 19.33 (unfused torch.compile 22.31 / 21.52 / 21.81 / 22.04). With its 3-stage ring (04:47 and 05:03
 # runs, static weight off / on): 15.54 / 14.95, 14.94 / 14.63, 15.37 / 15.04, 16.25-17.01 / 15.86 µs. Not at
 # M=16, static weight or not: best CuTe 23.38 / 22.83 µs against 19.8-20.0 for the split path and the
-# Triton tail, so Triton runs there under ``auto``.
-CUTE_FASTER: frozenset[tuple[int, int, int]] = frozenset({(1, 7168, 3584), (2, 7168, 3584), (4, 7168, 3584),
-                                                          (8, 7168, 3584)})
+# Triton tail, so Triton runs there under ``auto``. Against the Triton grid form with all tiles by TMA
+# (triton.TUNED, 2026-11-30 07:46 run, medians of 2): M=1 15.65 vs 16.89, M=2 15.11 vs 16.71, M=4 15.54 vs
+# 16.56, but M=8 16.52 vs 15.70: Triton runs M 5-16.
+CUTE_FASTER: frozenset[tuple[int, int, int]] = frozenset({(1, 7168, 3584), (2, 7168, 3584), (4, 7168, 3584)})
 
 
 def _cute():
@@ -104,7 +106,9 @@ def _tail_triton(latent, shared, norm_weight, up_weight, eps, backend, small_m_l
         fn = LATENT_MOE_TAIL.select_fixed(backend, key, "triton-fused", "one kernel: norm, up-projection, shared add",
                                           _fused)
     else:
-        fn = LATENT_MOE_TAIL.select_fixed(backend, key, "triton-split", f"norm + skinny_gemm: {why_not}", _split)
+        how = split_config(latent.shape[0], up_weight.shape[0], latent.shape[1], latent.dtype,
+                           latent.device.type == "cuda").tag()
+        fn = LATENT_MOE_TAIL.select_fixed(backend, key, "triton-split", f"norm + GEMM ({how}): {why_not}", _split)
     return fn(latent, shared, norm_weight, up_weight, eps, backend, small_m_limit, static_weight)
 
 

@@ -15,6 +15,9 @@ either by the last program of each column tile to arrive (``reduce="last"``: an 
 tile that the last program resets to 0, so a CUDA graph can replay the kernel) or by a second small
 kernel (``reduce="kernel"``). ``TailConfig(stream_k=True)`` runs the same math as persistent programs
 over a flat list of (tile, K block) units instead (``streamk.py``), the weight optionally through TMA.
+On sm_90+ the split-K grid can take its weight, latent and norm-weight tiles through TMA (the pipeliner
+then loads all three ahead: pointer loads of the latent, which feed the dot only through the scaling by g,
+were waited for in every iteration) and run under PDL (``TailConfig``: early trigger, peeled first tile).
 
 Which form runs where is measured (:data:`TUNED`, ``benchmarks/moe_tail.py --sweep``); the op takes the
 split path (``split.py``) wherever neither form was measured faster.
@@ -65,6 +68,13 @@ class TailConfig:
         pdl: stream-K on sm_90+: both kernels launched with programmatic dependent launch; before its
         wait the stream-K kernel prefetches its first ``pdl_tiles`` weight tiles into L2 (with
         ``static_weight`` it loads the first one). ``static_weight=True`` turns PDL on whatever this says.
+    Split-K grid (``stream_k=False``), sm_90+: ``tma`` loads the weight tiles through a TMA descriptor, and
+    the latent and norm-weight tiles too where their layout allows (so the pipeliner loads all three ahead);
+    ``pdl`` launches it with PDL (the wait before the first latent load); ``early_trigger`` lets the next
+    kernel launch right after that wait (for a grid that runs as one wave), else after the K loop;
+    ``preload`` with ``static_weight``: each program's first weight tile is loaded before the wait;
+    ``ring`` with ``static_weight`` (and not ``prenorm``): the wait moves into the K loop, so the weight tiles
+    the software pipeliner loads ahead (its prologue) are issued before it.
     """
     block_n: int = 64
     block_k: int = 128
@@ -79,6 +89,9 @@ class TailConfig:
     tma: bool = False
     pdl: bool = False
     pdl_tiles: int = 1
+    early_trigger: bool = False
+    preload: bool = False
+    ring: bool = False
 
     def __post_init__(self):
         if self.reduce not in REDUCES:
@@ -93,6 +106,9 @@ class TailConfig:
                     + (f"-pdl{self.pdl_tiles}" if self.pdl else "") + ("-pre" if self.prenorm else ""))
         return (f"n{self.block_n}-k{self.block_k}-s{self.split_k}-w{self.num_warps}-st{self.num_stages}"
                 + (f"-{self.reduce}" if self.split_k > 1 else "") + ("-swap" if self.swap_ab else "")
+                + ("-tma" if self.tma else "")
+                + (f"-pdl{'e' if self.early_trigger else ''}{'p' if self.preload else ''}{'r' if self.ring else ''}"
+                   if self.pdl else "")
                 + ("-pre" if self.prenorm else ""))
 
 
@@ -115,10 +131,22 @@ def m_bucket(m: int) -> int:
 # one-launch form got slower (21.98 / 21.89 µs: its first tile held in registers across the wait), the
 # two-launch form unchanged (20.01). At M=8 none came within 15% of the CuTe tail (>= 20.1 µs).
 _STREAM_K_TMA = TailConfig(128, 128, num_warps=8, num_stages=4, reduce="kernel", stream_k=True, tma=True)
+# the grid form, no K split (224 programs at D 7168: one wave), all tiles by TMA, PDL with the early trigger
+_GRID_TMA_PDL = TailConfig(32, 128, 1, num_warps=2, num_stages=5, tma=True, pdl=True, early_trigger=True)
 TUNED: dict[tuple[str, int, int, int], Optional[TailConfig]] = {
     ("bfloat16", 1, 7168, 3584): _STREAM_K_TMA,   # 17.97 µs vs split 19.05 (unfused torch.compile 22.02)
     ("bfloat16", 4, 7168, 3584): _STREAM_K_TMA,   # 18.53 µs vs split 19.64 (21.75)
-    ("bfloat16", 16, 7168, 3584): None,           # 20.14 µs (best 20.07) vs split 19.79 (19.16)
+    # M 9-16: the grid form, no K split (224 programs), all tiles by TMA, PDL with the early trigger.
+    # TAIL4 runs of 2026-11-30 (medians of 2): 07:14 n32-k128-s1-w4-st4 17.35 µs against the op's then split
+    # path (norm + cuBLAS + add) 19.99, the two-kernel PDL form (norm + Triton skinny under it) 17.20,
+    # unfused torch.compile 19.27; 07:28 w2-st5 15.72, w2-st4 16.18, k256-w4-st3 16.40, n64-w4-st4 16.76,
+    # w4-st4 17.33, w4-st3 19.44, s2-w2-st4 23.20, w8-st4 25.52 (benchmarks/moe_tail.py, same run:
+    # torch.compile 19.1)
+    # 07:46 (median of 2, same process): w2-st5 15.81, n64-w2-st5 16.01, k256-w2-st3 16.28, the two-kernel PDL
+    # form 17.26, w1-st5 17.83, w2-st6 18.95. At M 8 it beat the CuTe tail, 15.70 vs 16.52 (so op.CUTE_FASTER
+    # stops at M 4); at M 4 / 2 / 1 it lost, 16.56 / 16.71 / 16.89 vs 15.54 / 15.11 / 15.65.
+    ("bfloat16", 8, 7168, 3584): _GRID_TMA_PDL,
+    ("bfloat16", 16, 7168, 3584): _GRID_TMA_PDL,
     ("float16", 1, 7168, 3584): None,             # PRENORM 22.02 µs vs split 19.25: the rstd pre-pass
     ("float16", 4, 7168, 3584): None,             # 22.49 µs vs split 19.45
     ("float16", 16, 7168, 3584): None,            # 24.59 µs vs split 19.80
@@ -176,7 +204,12 @@ def fused_profitable(latent: torch.Tensor, up_weight: torch.Tensor, static_weigh
         tuned = _tuned(key, static_weight)
     except KeyError:
         return f"the one-kernel tail is not measured for {key} (triton.TUNED)"
-    return None if tuned is not None else f"norm + skinny_gemm measured faster for {key}"
+    if tuned is None:
+        return f"the two-kernel path measured faster for {key}"
+    if tuned.tma and not tuned.stream_k and not pdl_capable(latent.device):
+        # the grid form was measured with its tiles by TMA; pointer loads of the latent stall every iteration
+        return f"the measured one-kernel form for {key} needs TMA (an NVIDIA GPU of compute capability 9.0+)"
+    return None
 
 
 @triton.jit
@@ -191,8 +224,8 @@ def _row_rstd(p_x, o_m, m_m, s_xm, s_xk, L, eps, BLOCK_M: tl.constexpr, BLOCK_K:
 
 
 @triton.jit
-def _latent_tile(p_x, p_g, o_m, m_m, o_k, m_k, s_xm, s_xk, b_rstd, PRENORM: tl.constexpr):
-    """One K tile of the GEMM's A operand and the rows' sums of squares of its raw latent (fp32).
+def _scaled_latent(p_x, p_g, o_m, m_m, o_k, m_k, s_xm, s_xk, b_rstd, PRENORM: tl.constexpr):
+    """One K tile of the GEMM's A operand and the squares of its raw latent (fp32, elementwise).
 
     A = x·g in the input dtype, the per-row rstd left to the accumulator; with PRENORM the model's
     rounding instead: normalise in fp32, round, scale by the weight, round."""
@@ -203,7 +236,28 @@ def _latent_tile(p_x, p_g, o_m, m_m, o_k, m_k, s_xm, s_xk, b_rstd, PRENORM: tl.c
         b_h = ((b_xf * b_rstd[:, None]).to(b_x.dtype).to(tl.float32) * b_g).to(b_x.dtype)
     else:
         b_h = (b_xf * b_g).to(b_x.dtype)
-    return b_h, tl.sum(b_xf * b_xf, axis=1)
+    return b_h, b_xf * b_xf
+
+
+@triton.jit
+def _scaled_latent_tma(x_desc, g_desc, k0, b_rstd, PRENORM: tl.constexpr):
+    """:func:`_scaled_latent` from TMA descriptors: latent [BLOCK_M, BLOCK_K] tiles (zeros past M and L)
+    and the norm weight as a [1, L] tensor."""
+    b_x = x_desc.load([0, k0])
+    b_g = g_desc.load([0, k0]).to(tl.float32)
+    b_xf = b_x.to(tl.float32)
+    if PRENORM:
+        b_h = ((b_xf * b_rstd[:, None]).to(b_x.dtype).to(tl.float32) * b_g).to(b_x.dtype)
+    else:
+        b_h = (b_xf * b_g).to(b_x.dtype)
+    return b_h, b_xf * b_xf
+
+
+@triton.jit
+def _latent_tile(p_x, p_g, o_m, m_m, o_k, m_k, s_xm, s_xk, b_rstd, PRENORM: tl.constexpr):
+    """:func:`_scaled_latent` with the squares summed per row (stream-K's units end at varying K)."""
+    b_h, b_sq = _scaled_latent(p_x, p_g, o_m, m_m, o_k, m_k, s_xm, s_xk, b_rstd, PRENORM)
+    return b_h, tl.sum(b_sq, axis=1)
 
 
 @triton.jit
@@ -219,12 +273,14 @@ def _tail_epilogue(b_acc, b_ss, p_s, p_o, o_m, o_n, m_m, m_n, L, eps, s_sm, s_sn
 
 @triton.jit(do_not_specialize=["M"])   # one compiled kernel for every M <= 16
 def _latent_moe_tail_kernel(
-    p_x, p_s, p_g, p_w, p_o, p_ws, p_ss, p_cnt,
+    p_x, p_s, p_g, p_w, w_desc, x_desc, g_desc, p_o, p_ws, p_ss, p_cnt,
     M, D, L, K_PER_SPLIT, eps,
     s_xm, s_xk, s_sm, s_sn, s_wn, s_wk, s_om, s_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     LAST_REDUCES: tl.constexpr, SWAP_AB: tl.constexpr, PRENORM: tl.constexpr,
-    IEEE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    IEEE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr, TMA: tl.constexpr,
+    PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr, PRELOAD: tl.constexpr, RING: tl.constexpr,
+    LATENT_TMA: tl.constexpr,
 ):
     # the K slices of one column tile are neighbours in launch order: they finish close together,
     # so the last-arrival reductions spread over the run instead of piling up at its end
@@ -237,25 +293,51 @@ def _latent_moe_tail_kernel(
     m_n = o_n < D
     k_lo = i_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, L)
+    p_w_rows = p_w + o_n[:, None].to(tl.int64) * s_wn   # D·L may pass 2**31
+
+    k_loop = k_lo
+    if PRELOAD:
+        # the caller promised a static weight: the first tile is read before the wait (PDL)
+        b_w0 = _split_weight_tile(p_w_rows, w_desc, i_n, k_lo, k_hi, m_n, s_wk, BLOCK_N, BLOCK_K, TMA)
+        k_loop = k_lo + BLOCK_K
+    if PDL and not RING:
+        gdc_wait()   # everything but the weight: latent, shared, workspace, counters, out
+        if EARLY_TRIGGER:
+            # the next kernel may launch now (a one-wave grid: its waiting programs take no slot ours need).
+            # After our own wait, never before: the static-weight proof needs that of every PDL kernel.
+            gdc_launch_dependents()
 
     if PRENORM:
         b_rstd = _row_rstd(p_x, o_m, m_m, s_xm, s_xk, L, eps, BLOCK_M, BLOCK_K)
     else:
         b_rstd = tl.zeros([BLOCK_M], dtype=tl.float32)   # unused: rstd scales the accumulator instead
-    b_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # squares summed elementwise, rows reduced once after the loop: a reduction across the warps in every
+    # iteration (shared memory, barriers) held the weight pipeline up
+    b_sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     if SWAP_AB:
         b_acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    p_w_rows = p_w + o_n[:, None].to(tl.int64) * s_wn   # D·L may pass 2**31
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    for k0 in range(k_loop, k_hi, BLOCK_K):
         o_k = k0 + tl.arange(0, BLOCK_K)
         m_k = o_k < k_hi
-        b_h, b_ss_k = _latent_tile(p_x, p_g, o_m, m_m, o_k, m_k, s_xm, s_xk, b_rstd, PRENORM)
-        b_ss += b_ss_k
-        # each weight byte is read once: keep it from pushing the latent and the partials out of L2
-        b_w = tl.load(p_w_rows + o_k[None, :] * s_wk, mask=m_n[:, None] & m_k[None, :], other=0.,
-                      eviction_policy="evict_first")
+        b_w = _split_weight_tile(p_w_rows, w_desc, i_n, k0, k_hi, m_n, s_wk, BLOCK_N, BLOCK_K, TMA)
+        if RING:
+            # The wait sits in the loop, and the latent's and norm weight's addresses depend on it: the
+            # pipeliner may then issue only the weight tiles of its prologue before the wait (a load whose
+            # address does not depend on the wait may be hoisted above one placed before the loop, too).
+            # Waiting and triggering again are no-ops.
+            tok = _wait_token()
+            if EARLY_TRIGGER:
+                gdc_launch_dependents()
+            b_h, b_sq_k = _scaled_latent(p_x + tok, p_g + tok, o_m, m_m, o_k, m_k, s_xm, s_xk, b_rstd, PRENORM)
+        elif LATENT_TMA:
+            # the latent and norm weight tiles by TMA too: the pipeliner loads them ahead with the weight's
+            # (pointer loads that do not feed the dot directly were waited for in every iteration)
+            b_h, b_sq_k = _scaled_latent_tma(x_desc, g_desc, k0, b_rstd, PRENORM)
+        else:
+            b_h, b_sq_k = _scaled_latent(p_x, p_g, o_m, m_m, o_k, m_k, s_xm, s_xk, b_rstd, PRENORM)
+        b_sq += b_sq_k
         if UPCAST_DOT:
             b_h = b_h.to(tl.float32)
             b_w = b_w.to(tl.float32)
@@ -271,6 +353,23 @@ def _latent_moe_tail_kernel(
                 b_acc += tl.dot(b_h, tl.trans(b_w))
     if SWAP_AB:
         b_acc = tl.trans(b_acc_t)
+    if PRELOAD:   # the peeled first tile, after the loop: the loop's first loads are not held up by it
+        o_k = k_lo + tl.arange(0, BLOCK_K)
+        b_h, b_sq_k = _scaled_latent(p_x, p_g, o_m, m_m, o_k, o_k < k_hi, s_xm, s_xk, b_rstd, PRENORM)
+        b_sq += b_sq_k
+        if UPCAST_DOT:
+            b_h = b_h.to(tl.float32)
+            b_w0 = b_w0.to(tl.float32)
+        if IEEE_DOT:
+            b_acc += tl.dot(b_h, tl.trans(b_w0), input_precision="ieee")
+        else:
+            b_acc += tl.dot(b_h, tl.trans(b_w0))
+    b_ss = tl.sum(b_sq, axis=1)
+    if PDL:
+        if RING:
+            gdc_wait()   # (a no-op: the loop ran at least once) before any store
+        if not EARLY_TRIGGER or RING:
+            gdc_launch_dependents()   # after our own wait (see above)
 
     if SPLIT_K == 1:
         _tail_epilogue(b_acc, b_ss, p_s, p_o, o_m, o_n, m_m, m_n, L, eps, s_sm, s_sn, s_om, s_on, PRENORM)
@@ -289,6 +388,28 @@ def _latent_moe_tail_kernel(
                 _tail_reduce(p_ws, p_ss, p_s, p_o, i_n, o_m, o_n, m_m, m_n, M, D, L, eps,
                              s_sm, s_sn, s_om, s_on, BLOCK_M, BLOCK_N, SPLIT_K, PRENORM)
                 tl.atomic_xchg(p_cnt + i_n, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _wait_token():
+    """``griddepcontrol.wait`` returning 0, to be added to the addresses that must not be read before it."""
+    return tl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _split_weight_tile(p_w_rows, w_desc, i_n, k0, k_hi, m_n, s_wk, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       TMA: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight tile at column ``k0`` of column tile ``i_n`` (zeros past D and k_hi;
+    through TMA: zeros past D and L, and the latent tile's zeros past k_hi cancel the rest)."""
+    if TMA:
+        b_w = w_desc.load([i_n * BLOCK_N, k0])
+    else:
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        # each weight byte is read once: keep it from pushing the latent and the partials out of L2
+        b_w = tl.load(p_w_rows + o_k[None, :] * s_wk, mask=m_n[:, None] & (o_k < k_hi)[None, :], other=0.,
+                      eviction_policy="evict_first")
+    return b_w
 
 
 @triton.jit
@@ -347,7 +468,8 @@ def latent_moe_tail_triton(latent: torch.Tensor, shared: torch.Tensor, norm_weig
     ``static_weight=True`` promises that no kernel writes ``up_weight`` (a parameter; k3compile's
     static-weight pass proves it in the graph): the stream-K form then loads each program's first weight
     tile before its PDL wait, overlapping the previous kernel's tail (launched with PDL on sm_90+; in the
-    interpreter only the load order changes). The split-K grid form ignores it."""
+    interpreter only the load order changes). The split-K grid form loads its first tile before the wait
+    where the configuration asks for it (``preload`` with ``pdl``)."""
     m, l = latent.shape
     d = up_weight.shape[0]
     if m > MAX_BLOCK_M:
@@ -376,11 +498,31 @@ def latent_moe_tail_triton(latent: torch.Tensor, shared: torch.Tensor, norm_weig
         ws = ss = out
     last_reduces = split_k > 1 and counters is not None
     strides = (shared.stride(0), shared.stride(1), out.stride(0), out.stride(1))
+    on_gpu = pdl_capable(latent.device)   # sm_90+ NVIDIA: TMA and PDL
+    w_desc = x_desc = g_desc = up_weight
+    # TMA on sm_90+, and in the interpreter (tests); pointer loads on other GPUs and where the layout forbids it
+    tma = config.tma and (on_gpu or latent.device.type == "cpu") and _tma_layout_ok(up_weight)
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415
+
+        w_desc = TensorDescriptor.from_tensor(up_weight, [config.block_n, config.block_k])
+    pdl = config.pdl and on_gpu
+    # the peeled tile: wherever the caller promised a static weight (off the GPU only the order changes)
+    preload = config.preload and config.pdl and static_weight
+    # the weight ring before the wait: a static weight, on the GPU (the interpreter has no PDL), prenorm's
+    # row pass reads the latent before the loop
+    ring = config.ring and pdl and static_weight and not config.prenorm and not preload
+    # the latent and norm weight by TMA as well (not with the ring: their loads must wait in the loop)
+    latent_tma = tma and not ring and _tma_layout_ok(latent) and _tma_layout_ok(norm_weight.view(1, l))
+    if latent_tma:
+        x_desc = TensorDescriptor.from_tensor(latent, [MAX_BLOCK_M, config.block_k])
+        g_desc = TensorDescriptor.from_tensor(norm_weight.view(1, l), [1, config.block_k])
     # Triton launches on the current device: make it the tensors' (TP ranks, a model on cuda:1)
     on_device = torch.cuda.device(latent.device) if latent.device.type == "cuda" else contextlib.nullcontext()
     with on_device:
         _latent_moe_tail_kernel[(n_tiles * split_k,)](
-            latent, shared, norm_weight, up_weight, out, ws, ss, counters if last_reduces else out,
+            latent, shared, norm_weight, up_weight, w_desc, x_desc, g_desc, out, ws, ss,
+            counters if last_reduces else out,
             m, d, l, k_per_split, float(eps),
             latent.stride(0), latent.stride(1), shared.stride(0), shared.stride(1),
             up_weight.stride(0), up_weight.stride(1), out.stride(0), out.stride(1),
@@ -388,8 +530,9 @@ def latent_moe_tail_triton(latent: torch.Tensor, shared: torch.Tensor, norm_weig
             LAST_REDUCES=last_reduces, SWAP_AB=config.swap_ab, PRENORM=config.prenorm,
             # The interpreter (triton 3.7) multiplies 16-bit dot operands wrongly: give it fp32
             # (16-bit products are exact in fp32, so the rounding is the GPU kernel's).
-            IEEE_DOT=latent.dtype == torch.float32 or upcast, UPCAST_DOT=upcast,
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            IEEE_DOT=latent.dtype == torch.float32 or upcast, UPCAST_DOT=upcast, TMA=tma,
+            PDL=pdl, EARLY_TRIGGER=config.early_trigger, PRELOAD=preload, RING=ring, LATENT_TMA=latent_tma,
+            num_warps=config.num_warps, num_stages=config.num_stages, **(dict(launch_pdl=True) if pdl else {}),
         )
         if split_k > 1 and not last_reduces:
             _tail_reduce_kernel[(n_tiles,)](
