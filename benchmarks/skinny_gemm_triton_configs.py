@@ -19,6 +19,7 @@ weight copies (none stays in L2), replayed 15 times, median per product. cuBLAS 
 Kernels are compiled first in parallel worker processes (Triton's disk cache), so the sweep itself is quick.
 """
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -105,9 +106,15 @@ def candidates(m, n, k, sms, defaults=False):
         add(TritonConfig(bm, 32, 128, eff_split(k, 128, s), 4, None, True, tma=True, pdl=True, prefetch_lines=0,
                          early_trigger=True))
     # (CUDA-core fma configs: never within 5 points of the best in the 03:02 run; no longer swept)
+    # the co-resident grids (two consecutive products fit on the SMs) around the pick: depth and warps
+    base = out[0]
+    if base.pdl and base.early_trigger:
+        for st in (3, 4, 5):
+            for w in (2, 4):
+                add(dataclasses.replace(base, num_stages=st, num_warps=w))
     picks = [(c, False) for c in out]
     static_pick = choose_config(m, n, k, sms, True)
-    if static_pick.pdl and static_pick.preload:  # else static_weight changes nothing
+    if static_pick != out[0]:  # else static_weight changes nothing
         picks.insert(1, (static_pick, True))
     return picks
 
@@ -120,7 +127,6 @@ def compile_key(m, k, cfg, static):
     """What makes Triton compile a new binary: constexprs and how the ints specialise (== 1, % 16);
     N, K, K_PER_SPLIT and the strides are multiples of 16 for every shape here. The split count itself
     is a runtime int."""
-    import dataclasses
     s = eff_split(k, cfg.block_k, cfg.split_k)
     return (spec(m), spec(s), s > 1, dataclasses.replace(cfg, split_k=1), static and cfg.pdl)
 

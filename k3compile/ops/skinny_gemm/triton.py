@@ -55,6 +55,37 @@ def _products(b_a, b_w, FMA: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.c
 
 
 @triton.jit
+def _sum_partials(ws_ptr, o_m, o_n, m_out, M, N, SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  CACHE: tl.constexpr):
+    """One tile's ``SPLIT_K`` fp32 partials, added in split order (both reductions, so they agree bit for
+    bit). Loaded four at a time, so their L2 round trips overlap at the end of the kernel, where nothing
+    hides them; a slot past ``SPLIT_K`` adds -0.0, which changes no value."""
+    b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    p_ws = ws_ptr + o_m[:, None] * N + o_n[None, :]
+    for s0 in range(0, SPLIT_K, 4):
+        b_p0 = tl.load(p_ws + s0 * M * N, mask=m_out, other=-0.0, cache_modifier=CACHE)
+        b_p1 = tl.load(p_ws + (s0 + 1) * M * N, mask=m_out & (s0 + 1 < SPLIT_K), other=-0.0, cache_modifier=CACHE)
+        b_p2 = tl.load(p_ws + (s0 + 2) * M * N, mask=m_out & (s0 + 2 < SPLIT_K), other=-0.0, cache_modifier=CACHE)
+        b_p3 = tl.load(p_ws + (s0 + 3) * M * N, mask=m_out & (s0 + 3 < SPLIT_K), other=-0.0, cache_modifier=CACHE)
+        b_acc = (((b_acc + b_p0) + b_p1) + b_p2) + b_p3
+    return b_acc
+
+
+@triton.jit
+def _epilogue_operands(bias_ptr, res_ptr, o_m, o_n, m_m, m_n, stride_rm, stride_rn,
+                       HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+    """bias[1, BLOCK_N] and residual[BLOCK_M, BLOCK_N] of this tile in fp32 (0 where absent)."""
+    b_bias = tl.zeros((1, o_n.shape[0]), dtype=tl.float32)
+    b_res = tl.zeros((o_m.shape[0], o_n.shape[0]), dtype=tl.float32)
+    if HAS_BIAS:
+        b_bias = tl.load(bias_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
+    if HAS_RES:
+        b_res = tl.load(res_ptr + o_m[:, None] * stride_rm + o_n[None, :] * stride_rn,
+                        mask=m_m[:, None] & m_n[None, :], other=0.0).to(tl.float32)
+    return b_bias, b_res
+
+
+@triton.jit
 def _skinny_gemm_kernel(
     a_ptr, w_ptr, w_desc, bias_ptr, res_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, K_PER_SPLIT, SPLIT_K,
@@ -101,6 +132,9 @@ def _skinny_gemm_kernel(
             # still runs, and we never write a weight. Never move a trigger above a wait.
             gdc_launch_dependents()
 
+    if not SPLIT:  # this program writes its tile: the epilogue's operands now, their latency hidden by the loop
+        b_bias, b_res = _epilogue_operands(bias_ptr, res_ptr, o_m, o_n, m_m, m_n, stride_rm, stride_rn,
+                                           HAS_BIAS, HAS_RES)
     if PRE_K > 0:  # a's columns of the peeled tiles, read now that they may be (summed after the loop)
         b_a0 = tl.load(p_a + o_k0[None, :] * stride_ak, mask=m_m[:, None] & (o_k0 < k_hi)[None, :], other=0.0)
     if FMA:
@@ -146,19 +180,18 @@ def _skinny_gemm_kernel(
             tl.debug_barrier()  # every thread's partial is written before the arrival is published
             arrived = tl.atomic_add(cnt_ptr + i_n, 1, sem="acq_rel")
             finish = arrived == SPLIT_K - 1
-            if finish:
-                b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for s in range(SPLIT_K):
-                    # .cg: read from L2, where the other programs' partials are, never a stale L1 line
-                    b_acc += tl.load(ws_ptr + (s * M + o_m[:, None]) * N + o_n[None, :], mask=m_out,
-                                     other=0.0, cache_modifier=".cg")
-                tl.atomic_xchg(cnt_ptr + i_n, 0)
     if finish:
+        if SPLIT:
+            # the epilogue's operands are requested first, so their round trips overlap the partials'
+            b_bias, b_res = _epilogue_operands(bias_ptr, res_ptr, o_m, o_n, m_m, m_n, stride_rm, stride_rn,
+                                               HAS_BIAS, HAS_RES)
+            # .cg: read from L2, where the other programs' partials are, never a stale L1 line
+            b_acc = _sum_partials(ws_ptr, o_m, o_n, m_out, M, N, SPLIT_K, BLOCK_M, BLOCK_N, ".cg")
+            tl.atomic_xchg(cnt_ptr + i_n, 0)
         if HAS_BIAS:
-            b_acc += tl.load(bias_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
+            b_acc += b_bias
         if HAS_RES:
-            p_r = res_ptr + o_m[:, None] * stride_rm + o_n[None, :] * stride_rn
-            b_acc += tl.load(p_r, mask=m_out, other=0.0).to(tl.float32)
+            b_acc += b_res
         p_o = out_ptr + o_m[:, None] * stride_om + o_n[None, :] * stride_on
         tl.store(p_o, b_acc.to(out_ptr.dtype.element_ty), mask=m_out)
 
@@ -175,9 +208,7 @@ def _split_k_reduce_kernel(
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     m_out = (o_m < M)[:, None] & m_n[None, :]
-    b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for s in range(SPLIT_K):
-        b_acc += tl.load(ws_ptr + (s * M + o_m[:, None]) * N + o_n[None, :], mask=m_out, other=0.0)
+    b_acc = _sum_partials(ws_ptr, o_m, o_n, m_out, M, N, SPLIT_K, BLOCK_M, BLOCK_N, "")
     if HAS_BIAS:
         b_acc += tl.load(bias_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
     if HAS_RES:
@@ -218,39 +249,68 @@ class TritonConfig:
                 f"{'-tma' if self.tma else ''}{pdl}")
 
 
-# programs per SM that the early trigger measured well with on the H200 (M <= 16, 32 x 128 TMA tiles, 4 warps):
-# 3.4 per SM ran as one wave; 4.2 and 4.8 per SM did not (the trigger then cost 20-35%)
-ONE_WAVE_PER_SM = 3.4
+# Residency on sm_90 (H100/H200): 228 KB of shared memory per SM, 1 KB of it reserved per resident program.
+# Shared memory is what bounds these programs (40-72 registers at 2 or 4 warps leave room for 14+).
+SMEM_PER_SM = 228 * 1024
+SMEM_RESERVED_PER_PROGRAM = 1024
+# bytes of weight tiles each SM should have in flight to keep HBM streaming (H200: 1.7 programs/SM x 4 tiles of
+# 8 KB ran at 82-84% of the copy ceiling at 7168 x 3584, 3.4/SM x 2 tiles at 73-76%, split-K being the difference)
+IN_FLIGHT_PER_SM = 48 * 1024
+MAX_STAGES = 8
+# programs per SM below which a grid streamed worse (H200, M 1..16): unsplit 1.5 (7168 x 3584 at 1.7 per SM:
+# 82-84%; 4608 / 3584 x 7168 at 1.1 / 0.85: 59-77%), split 2.5 (4608 x 7168 split 2 at 2.2 per SM and
+# 3584 x 7168 split 2 at 1.7: ~1% behind split 3 at 3.3 / 2.5)
+MIN_PER_SM = (1.5, 2.5)
+
+
+def resident_per_sm(config: TritonConfig, element_size: int = 2) -> int:
+    """Programs of ``config`` that one sm_90 SM holds at once: Triton's pipeline keeps ``num_stages - 1``
+    [BLOCK_M + BLOCK_N, BLOCK_K] tiles (a's and w's) in shared memory (H200: 9 / 6 / 4 programs at 3 / 4 / 5
+    stages of 16+32 x 128 bf16, as the driver's occupancy calculator says)."""
+    ring = ((config.num_stages or 3) - 1) * (config.block_m + config.block_n) * config.block_k * element_size
+    return SMEM_PER_SM // (ring + 16 + SMEM_RESERVED_PER_PROGRAM)
 
 
 def _heuristic(m: int, n: int, k: int, sm_count: int) -> TritonConfig:
-    """Read off the H200 sweeps (benchmarks/results/skinny_gemm_triton_{sweep,pdl}_h200.log): 32-column
-    tiles, K split until the grid holds a few programs per SM, never below 7 K blocks per split (shorter
-    loops lost more than the wider grid gained), partials summed in one launch, TMA weight tiles for
-    products of at least 2048 x 2048 (1-2 points up there, 1-3 down below).
+    """Read off the H200 sweeps (benchmarks/results/skinny_gemm_triton_{sweep,pdl,variants,coresident,settled}_h200
+    .log): 32-column tiles, partials summed in one launch, TMA weight tiles for products of at least
+    2048 x 2048; without TMA or past 16 rows, K split until the grid holds ~4 programs per SM, never below
+    7 K blocks per split (shorter loops lost more than the wider grid gained).
 
-    Where TMA is on and M <= 16, programmatic dependent launch without an L2 prefetch: the next product
-    is let in right after our wait when the whole grid fits one wave (<= 3.4 programs per SM; 1.5-5
-    points over no PDL at 4608/3584 x 7168 and 7168 x 3584, M 1..16), else after the K loop. A grid
-    past one wave with the early trigger lost 20-35%: the next kernel's waiting programs took the slots
-    our last programs needed. So the split there is rounded down to fit one wave, not to the nearest."""
+    With TMA and M <= 16 (the decode products): programmatic dependent launch with the next product let in
+    right after our wait (early trigger), in the grid that costs least: the fewest K splits (each split
+    costs the partial sums and a less even finish: 7168 x 3584 ran 82-84% of the copy ceiling unsplit
+    with 4 tiles in flight per program, 73-76% split in two with 2) such that
+    - there are ``MIN_PER_SM`` programs per SM (unsplit / split),
+    - our programs and the next product's all fit on the SMs together (2 x per-SM count <= residency: the
+      early trigger then overlaps; past that it lost 20-35%, the waiting programs holding slots we need),
+    - the pipeline depth (num_stages) puts ``IN_FLIGHT_PER_SM`` of weight tiles in flight per SM.
+    Where no split fits, the plain 4-per-SM split at the default depth, the trigger after the K loop unless
+    both grids fit (20480 x 7168, 640 column tiles: after). Two warps per program: 1-3% faster than four
+    at every such point measured."""
     block_m = max(16, triton.next_power_of_2(m))
     block_k = 128 if block_m <= 16 else 64
     block_n = 32
     n_tiles = triton.cdiv(n, block_n)
     k_blocks = triton.cdiv(k, block_k)
     tma = n >= 2048 and k >= 2048
+    split_4 = max(1, min(round(4 * sm_count / n_tiles), k_blocks // 7, 32))
     if not (tma and block_m == 16):
-        split_k = max(1, min(round(4 * sm_count / n_tiles), k_blocks // 7, 32))
-        return TritonConfig(block_m, block_n, block_k, split_k, one_launch=True, tma=tma)
-    wave = int(ONE_WAVE_PER_SM * sm_count)
-    split_k = max(1, min(wave // n_tiles, k_blocks // 7, 32))
-    if n_tiles * split_k < 2.5 * sm_count and split_k < min(k_blocks // 7, 32):
-        # one wave would leave too few programs in flight (2.2 per SM lost 7%): fill the GPU, trigger late
-        split_k = max(1, min(round(4 * sm_count / n_tiles), k_blocks // 7, 32))
-    split_k = triton.cdiv(k_blocks, triton.cdiv(k_blocks, split_k))  # the split the kernel really runs
-    return TritonConfig(block_m, block_n, block_k, split_k, one_launch=True, tma=True, pdl=True, prefetch_lines=0,
-                        early_trigger=n_tiles * split_k <= wave)
+        return TritonConfig(block_m, block_n, block_k, split_4, one_launch=True, tma=tma)
+    tile_bytes = block_n * block_k * 2
+    for split_k in range(1, min(k_blocks // 7, 32) + 1):
+        per_sm = n_tiles * split_k / sm_count
+        if triton.cdiv(k_blocks, triton.cdiv(k_blocks, split_k)) != split_k or per_sm < MIN_PER_SM[split_k > 1]:
+            continue  # not a split the kernel runs (K slices are whole blocks), or too few programs
+        stages = max(3, min(MAX_STAGES, triton.cdiv(IN_FLIGHT_PER_SM, int(per_sm * tile_bytes)) + 1))
+        stages = min(stages, k_blocks // split_k)
+        cfg = TritonConfig(block_m, block_n, block_k, split_k, num_warps=2, num_stages=stages, one_launch=True,
+                           tma=True, pdl=True, prefetch_lines=0, early_trigger=True)
+        if 2 * triton.cdiv(n_tiles * split_k, sm_count) <= resident_per_sm(cfg):
+            return cfg
+    split_k = triton.cdiv(k_blocks, triton.cdiv(k_blocks, split_4))
+    cfg = TritonConfig(block_m, block_n, block_k, split_k, one_launch=True, tma=True, pdl=True, prefetch_lines=0)
+    return dataclasses.replace(cfg, early_trigger=2 * triton.cdiv(n_tiles * split_k, sm_count) <= resident_per_sm(cfg))
 
 
 # Measured on one H200 (132 SMs; benchmarks/results/skinny_gemm_triton_{sweep,pdl}_h200.log, bf16, graph-timed with
@@ -258,9 +318,14 @@ def _heuristic(m: int, n: int, k: int, sm_count: int) -> TritonConfig:
 # only where it beat the heuristic's by about the run-to-run noise (1 point) or more; elsewhere (896..20480 x
 # 1536..7168, M = 1..16) the heuristic's pick was the winner or within 0.6 points of it.
 TABLE_SMS = 132
+_N2112_S4 = TritonConfig(16, 32, 128, 4, num_warps=2, num_stages=4, one_launch=True, tma=True, pdl=True,
+                         prefetch_lines=0, early_trigger=True)
 TABLE: dict[tuple[int, int, int], TritonConfig] = {
     (8, 20480, 7168): TritonConfig(16, 64, 128, 1, one_launch=True, tma=True),  # 69.07 us 100.9% (heur. 99.6%)
     (16, 20480, 7168): TritonConfig(16, 64, 128, 1, one_launch=True),  # 70.13 us 99.5% (heuristic 98.8%)
+    # 2112 x 7168 (skinny_gemm_triton_{coresident,settled}_h200.log, M 1 / 16): split 4 at 2 per SM, 66.4 / 64.3%
+    # of the ceiling; the heuristic's split 5 at 2.5 per SM 65.8 / 62.5%
+    **{(b, 2112, 7168): _N2112_S4 for b in (1, 2, 4, 8, 16)},
 }
 
 
@@ -276,7 +341,8 @@ def choose_config(m: int, n: int, k: int, sm_count: int, static_weight: bool = F
     ``static_weight`` picks the same configuration: loading weight tiles before the PDL wait (``preload``)
     measured 0.5-2 us slower than PDL with the early trigger alone at every >= 32 MB shape and M (H200,
     benchmarks/results/skinny_gemm_triton_pdl_h200.log: the held tiles cost registers, fewer programs stay
-    resident)."""
+    resident); so did requesting the pipeline's first tiles before the wait (the wait moved into the K loop,
+    a then loaded outside the pipeline: 4-70% slower, skinny_gemm_triton_variants_h200.log, "S-ring")."""
     if not sm_count:
         block_m = max(16, triton.next_power_of_2(m))
         block_k = min(128 if block_m <= 16 else 64, max(16, triton.next_power_of_2(k)))
@@ -324,18 +390,19 @@ def supports(a, w, bias=None, residual=None) -> Reason:
 def profitable(a, w, bias=None, residual=None) -> Reason:
     """None where the kernel beats cuBLAS by more than the noise, else the reason. Measured on the H200
     (graph-timed, the configs ``choose_config`` picks; benchmarks/results/skinny_gemm_triton_sweep_h200.log
-    at M = 1, 4, 16 and skinny_gemm_triton_pdl_h200.log at M = 1..16): ahead by 3-24% for N >= 2048 and
-    K >= 4096 (2112, 3584, 4608, 20480 x 7168) and by 11-12% for 7168 x 3584 at M <= 8; behind at
-    7168 x 3584 M = 16 (-5%) and 7168 x 1536 (-10%); on par at 896 x 7168 (+2-4%). ROCm has no
-    measurement and no CuTe: Triton stays the path there, as it does for CPU tensors under the interpreter."""
+    at M = 1, 4, 16, skinny_gemm_triton_pdl_h200.log and skinny_gemm_triton_{coresident,settled}_h200.log
+    at M = 1..16): ahead by 3-25% for N >= 2048 and K >= 4096 (2112, 3584, 4608, 20480 x 7168), by 20-25%
+    for 7168 x 3584 at M <= 8 and 7% at M = 16, by 10% for 7168 x 2048 (M 1, 16); behind at 7168 x 1536
+    (-10%); on par at 896 x 7168 (+2-4%). ROCm has no measurement and no CuTe: Triton stays the path
+    there, as it does for CPU tensors under the interpreter."""
     if a.device.type != "cuda" or is_rocm():
         return None
     m = a.shape[0]
     n, k = w.shape
-    if n >= 2048 and (k >= 4096 or (k >= 3072 and m <= 8)):
+    if n >= 2048 and (k >= 4096 or (k >= 3072 and m <= 8) or (n >= 7168 and k >= 2048 and m <= 16)):
         return None
     return (f"cuBLAS measured as fast or faster for M={m} N={n} K={k} (Triton wins at N >= 2048 and "
-            "K >= 4096, or K >= 3072 with M <= 8, on the H200)")
+            "K >= 4096, K >= 3072 with M <= 8, or N >= 7168 and K >= 2048 with M <= 16, on the H200)")
 
 
 def available(a, w, bias=None, residual=None) -> Reason:
@@ -377,9 +444,9 @@ def skinny_gemm_triton(
     if config is None:
         config = choose_config(m, n, k, sm_count(a.device), static_weight)
         if config.early_trigger and a.element_size() > 2:
-            # measured with 16-bit tiles only; fp32 tiles take twice the shared memory, so fewer programs
-            # stay resident and the grid may no longer run as one wave
-            config = dataclasses.replace(config, early_trigger=False)
+            # sized for 16-bit tiles; fp32 tiles take twice the shared memory, so fewer programs stay
+            # resident: the default depth, and the next product let in only after the K loop
+            config = dataclasses.replace(config, early_trigger=False, num_stages=None)
     elif config.block_m < m or config.block_m & (config.block_m - 1) or (not config.fma and config.block_m < 16):
         raise ValueError(f"skinny_gemm_triton: {config} cannot hold M={m} "
                          "(block_m: a power of 2 >= M, and >= 16 for tl.dot)")
