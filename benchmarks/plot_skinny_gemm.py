@@ -4,7 +4,7 @@
 
 One panel per weight shape (N × K); x = M; y = achieved TB/s of each provider, counting
 (N·K + M·K + M·N)·2 bytes per product; the dashed line is the same run's copy ceiling.
-For a --sweep run, "cute" is the best configuration per (shape, M).
+For a --sweep run, "cute" is the best configuration per (shape, M). "+static": with static_weight=True.
 """
 import json
 import sys
@@ -15,8 +15,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-STYLE = {"cublas": ("tab:gray", "o"), "triton": ("tab:blue", "s"), "cute": ("tab:green", "^"),
-         "dispatched": ("black", "x")}
+STYLE = {"cublas": ("tab:gray", "o"), "triton": ("tab:blue", "s"), "triton+static": ("tab:cyan", "s"),
+         "cute": ("tab:green", "^"), "cute+static": ("tab:olive", "v"),
+         "dispatched": ("black", "x"), "dispatched+static": ("tab:purple", "+")}
 
 
 def main(src, dst):
@@ -35,7 +36,8 @@ def main(src, dst):
             ms = sorted(by_m)
             tbs = [(n * k + m * k + m * n) * 2 / (by_m[m] * 1e-6) / 1e12 for m in ms]
             color, marker = STYLE.get(prov, ("tab:red", "."))
-            ax.plot(ms, tbs, marker=marker, color=color, label=prov, linestyle=":" if prov == "dispatched" else "-")
+            ax.plot(ms, tbs, marker=marker, color=color, label=prov,
+                    linestyle=":" if prov.startswith("dispatched") else "-")
         ax.axhline(ceil, color="tab:red", linestyle="--", linewidth=1, label="copy ceiling")
         ax.set_title(f"N={n} K={k} ({n * k * 2 / 1e6:.0f} MB)", fontsize=9)
         ax.set_xscale("log", base=2)

@@ -1,74 +1,129 @@
-"""Skinny GEMM on the GPU: cuBLAS vs the Triton and CuTe kernels, against the copy ceiling.
+"""Skinny GEMM on the GPU: cuBLAS vs the Triton and CuTe kernels, against the copy ceiling (issues 3 and 4).
 
-    python benchmarks/skinny_gemm.py [--sweep] [--json out.json] [--ms 1,2,4,8,16] [--no-triton]
-                                     [--static-weight]
+    python benchmarks/skinny_gemm.py [--json out.json] [--png out.png] [--ms 1,2,4,8,16] [--shapes 896x7168,...]
+                                     [--no-triton] [--sweep] [--replays 15]
 
-Method (docs/anchors.md): the ceiling is a 2 GiB device-to-device copy measured in the same run;
-each product streams its weight from HBM because the timed function walks through enough weight
-copies (> 600 MB) that none stays in L2; times are medians of CUDA-graph replays
-(triton.testing.do_bench_cudagraph) divided by the number of products per replay.
-Bytes of one product: (N·K + M·K + M·N) · 2 (weight, activation and output once each).
+Method (docs/anchors.md): the ceiling is a 2 GiB device-to-device copy measured in the same run; each
+product streams its weight from HBM because the timed function walks through enough weight copies
+(> 600 MB) that none stays in L2, back to back as a decode layer stack runs them; times are medians of
+CUDA-graph replays divided by the number of products per replay. Bytes of one product:
+(N·K + M·K + M·N) · 2 (weight, activation and output once each). Every kernel is checked against a
+float64 reference (NaN-poisoned output) before it is timed.
 
---sweep also times every candidate configuration of the CuTe kernel and prints the per-shape best
-(the table in k3compile/ops/skinny_gemm/config.py is filled from it); "cute" is then the best
-configuration, or cuBLAS where none beat it (what the dispatch does).
+Each kernel runs twice: with ``static_weight=False`` (the weight is read only after the PDL wait, but for
+L2 prefetches) and with ``static_weight=True`` ("+static": what compiled graphs run where the compiler
+proved the weight static). "dispatched" is the CuTe kernel with the table's configuration, or cuBLAS where
+the table says cuBLAS is faster (issue 4's CuTe-or-cuBLAS dispatch, composed from the two timings); "op" is
+``k3::skinny_gemm`` itself, timed as a unit: its dispatch between CuTe, Triton and cuBLAS, the path compiled
+graphs take. The summary prints the issue's four figures for each: median % of the ceiling on weights >= 32 MB
+and on 8-32 MB, geomean speedup over cuBLAS, and the router (896×7168) ratio per M.
 
-Both kernels are timed with ``static_weight=False`` (the weight is touched only after the PDL wait,
-but for an L2 prefetch); --static-weight times them as the dispatch runs them where the compiler proved
-the weight static (first weight loads issued before the wait; safe only where no kernel writes it).
+--sweep times the candidate configurations of ``sweep_candidates`` instead of the table's and reports, per
+shape, the best (what a table built from the run would dispatch).
 """
 import argparse
 import json
 import math
+import statistics
+import os
 import sys
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import copy_ceiling_tbps, graph_replay_us  # noqa: E402
+
 K3_SHAPES = [(4608, 7168), (1536, 7168), (2112, 7168), (2304, 1536), (896, 7168), (3584, 7168),
              (7168, 3584), (7168, 1536), (7168, 768), (20480, 7168)]
 ROTATE_BYTES = 640 * 2**20
+ROUTER = (896, 7168)
 
 
-def bench(fn, reps_per_call):
-    from triton.testing import do_bench_cudagraph
-    return do_bench_cudagraph(fn, rep=10, return_mode="median") * 1e3 / reps_per_call  # µs
+def sweep_candidates(n, k):
+    """Configurations worth timing for a shape: the table's, the heuristic's, and divisions that won on the
+    H200 (cp.async rings for long K, registers for short K; early trigger and L2 prefetch of the block's
+    whole weight share, or of a part of it when the weight outgrows L2; split-K clusters for few rows)."""
+    from k3compile.ops.skinny_gemm import config as cc
+    C = cc.SkinnyConfig
+    row_kb = k * 2 * 8 // 1024  # one 8-row group's whole K, in KB
+    out = [c for st in (False, True) for m in (1, 16)
+           for c in (cc.choose(m, n, k, st), cc.heuristic(m, n, k, st)) if c is not None]
+    out += [C(1, 1, 8, 2, stages=3, early=True, l2_kb=row_kb), C(1, 1, 8, 2, stages=3, early=True, l2_kb=16),
+            C(1, 1, 8, 2, stages=3, split_k=2, early=True, l2_kb=row_kb // 2),
+            C(2, 1, 4, 2, stages=4, early=True, l2_kb=2 * row_kb), C(1, 1, 4, 4, early=True, l2_kb=row_kb)]
+    seen = []
+    for c in out:
+        if c not in seen and n >= 8 * c.row_groups * c.split_k and k // (cc.K_STEP * c.unroll * c.split_k) >= c.warps_k:
+            seen.append(c)
+    return seen
 
 
-from _common import copy_ceiling_tbps  # noqa: E402
-
-
-def providers(with_triton=True, static=False):
+def providers(with_triton=True):
+    """name -> fn(a, w, cfg, out) for every kernel that can run here."""
     out = {"cublas": lambda a, w, cfg=None: F.linear(a, w)}
-    try:
-        if with_triton:
+    if with_triton:
+        try:
             from k3compile.ops.skinny_gemm.triton import skinny_gemm_triton
-            out["triton"] = lambda a, w, cfg=None: skinny_gemm_triton(a, w, static_weight=static)
-    except Exception as e:  # the Triton kernel is another part's; report and go on
-        print(f"# triton kernel not benchmarked: {type(e).__name__}: {e}", file=sys.stderr)
+            out["triton"] = lambda a, w, cfg=None: skinny_gemm_triton(a, w, static_weight=False)
+            out["triton+static"] = lambda a, w, cfg=None: skinny_gemm_triton(a, w, static_weight=True)
+        except Exception as e:  # the Triton kernel is another part's; report and go on
+            print(f"# triton kernel not benchmarked: {type(e).__name__}: {e}", file=sys.stderr)
+    try:  # the op as compiled graphs call it: its own dispatch between CuTe, Triton and cuBLAS
+        import k3compile.ops.skinny_gemm  # noqa: F401  (registers k3::skinny_gemm)
+        op = torch.ops.k3.skinny_gemm.default
+        out["op"] = lambda a, w, cfg=None: op(a, w, None, None, "auto", 16, False)
+        out["op+static"] = lambda a, w, cfg=None: op(a, w, None, None, "auto", 16, True)
+    except Exception as e:
+        print(f"# k3::skinny_gemm not benchmarked: {type(e).__name__}: {e}", file=sys.stderr)
     try:
         from k3compile.ops.skinny_gemm import cute as kc
         if kc.available(torch.empty(1, 8, device="cuda", dtype=torch.bfloat16),
                         torch.empty(8, 8, device="cuda", dtype=torch.bfloat16)) is None:
-            out["cute"] = lambda a, w, cfg=None: kc.skinny_gemm_cute(a, w, cfg=cfg, static_weight=static)
+            out["cute"] = lambda a, w, cfg=None: kc.skinny_gemm_cute(a, w, cfg=cfg, static_weight=False)
+            out["cute+static"] = lambda a, w, cfg=None: kc.skinny_gemm_cute(a, w, cfg=cfg, static_weight=True)
     except Exception as e:
         print(f"# cute kernel not benchmarked: {type(e).__name__}: {e}", file=sys.stderr)
     return out
 
 
-def candidates(m, n, k):
-    """The table's and the heuristic's picks, then the configurations that won somewhere on the H200
-    (cp.async rings of several depths, split-K clusters of 2 for few row blocks)."""
-    from k3compile.ops.skinny_gemm import config as cc
-    seen = [c for c in (cc.TABLE.get((cc.m_bucket(m), n, k)), cc.heuristic(m, n, k)) if c is not None]
-    for rg, wn, wk, u, st, ks in [(1, 1, 8, 2, 3, 1), (1, 1, 4, 2, 4, 1), (2, 1, 4, 2, 4, 1), (1, 1, 16, 1, 4, 1),
-                                  (1, 1, 8, 1, 8, 1), (1, 1, 4, 4, 1, 1), (1, 1, 8, 4, 1, 1),
-                                  (1, 1, 8, 2, 3, 2), (1, 1, 16, 1, 4, 2), (1, 1, 8, 2, 4, 2)]:
-        c = cc.SkinnyConfig(rg, wn, wk, u, stages=st, split_k=ks)
-        if (c not in seen and n >= 8 * rg * ks and c.smem_bytes() <= 48 * 1024
-                and k // (cc.K_STEP * u * ks) >= wk):
-            seen.append(c)
-    return seen
+def rel_to(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def time_one(name, f, a, ws, ref, cfg, replays):
+    """µs per product, or None (wrong results or an error, reported)."""
+    m, n = a.shape[0], ws[0].shape[0]
+    try:
+        out = f(a, ws[0], cfg)
+        err = rel_to(out, ref)
+        if not err < 2e-2:  # NaN fails too
+            print(f"# {name} {cfg} M{m} N{n}: WRONG rel={err:.2e}", file=sys.stderr)
+            return None, err
+        us = graph_replay_us(lambda: [f(a, w, cfg) for w in ws], iters=1, replays=replays, warmup=1) / len(ws)
+        return us, err
+    except Exception as e:
+        print(f"# {name} {cfg} M{m} N{n}: {type(e).__name__}: {e}", file=sys.stderr)
+        return None, None
+
+
+def summarise(rows, ceil):
+    """The issue's four figures for the dispatched path, static weight off and on."""
+    lines = []
+    cub = {(r["m"], r["n"], r["k"]): r["us"] for r in rows if r["provider"] == "cublas"}
+    for prov in ("dispatched", "dispatched+static", "op", "op+static", "triton", "triton+static"):
+        rs = [r for r in rows if r["provider"] == prov and (r["m"], r["n"], r["k"]) in cub]
+        if not rs:
+            continue
+        big = [r["frac"] for r in rs if r["n"] * r["k"] * 2 >= 32e6]
+        mid = [r["frac"] for r in rs if 8e6 <= r["n"] * r["k"] * 2 < 32e6]
+        sp = [cub[(r["m"], r["n"], r["k"])] / r["us"] for r in rs]
+        router = {r["m"]: cub[(r["m"], r["n"], r["k"])] / r["us"] for r in rs if (r["n"], r["k"]) == ROUTER}
+        med = lambda v: statistics.median(v) if v else float("nan")  # noqa: E731
+        lines.append(f"# {prov:>17}: median {med(big):5.1%} of ceiling on >= 32 MB (n={len(big)}), "
+                     f"{med(mid):5.1%} on 8-32 MB (n={len(mid)}); geomean x{math.exp(sum(map(math.log, sp)) / len(sp)):.3f}"
+                     f" over cuBLAS (min x{min(sp):.3f}); router " + " ".join(f"M{m}:x{v:.2f}" for m, v in sorted(router.items())))
+    return lines
 
 
 def main():
@@ -78,100 +133,76 @@ def main():
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--static-weight", action="store_true",
-                    help="time the kernels with static_weight=True (what the dispatch runs for proven-static weights)")
+    ap.add_argument("--png", default=None, help="plot of achieved bandwidth (benchmarks/plot_skinny_gemm.py)")
+    ap.add_argument("--replays", type=int, default=15, help="CUDA-graph replays per timing (median)")
     ap.add_argument("--no-triton", action="store_true", help="leave the Triton kernel out")
     args = ap.parse_args()
+    from k3compile.ops.skinny_gemm import config as cc
     dtype = getattr(torch, args.dtype)
     ms = [int(x) for x in args.ms.split(",")]
     shapes = K3_SHAPES if args.shapes is None else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     torch.manual_seed(0)
     ceil = copy_ceiling_tbps()
-    print(f"# copy ceiling: {ceil:.3f} TB/s (2 GiB device-to-device copy, read + write)")
-    provs = providers(with_triton=not args.no_triton, static=args.static_weight)
-    rows, table = [], {}
+    print(f"# copy ceiling: {ceil:.3f} TB/s (2 GiB device-to-device copy, read + write)", flush=True)
+    provs = providers(with_triton=not args.no_triton)
+    rows = []
     for n, k in shapes:
         copies = max(2, math.ceil(ROTATE_BYTES / (n * k * 2)))
         ws = [torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5 for _ in range(copies)]
         for m in ms:
             a = torch.randn(m, k, device="cuda", dtype=dtype)
-            nbytes = (n * k + m * k + m * n) * 2
-            floor_us = nbytes / (ceil * 1e12) * 1e6
+            floor_us = (n * k + m * k + m * n) * 2 / (ceil * 1e12) * 1e6
             ref = F.linear(a.double(), ws[0].double())
             res = {}
             for name, f in provs.items():
+                static = name.endswith("+static")
                 cfgs = [None]
-                if name == "cute" and args.sweep:
-                    cfgs = candidates(m, n, k)
-                best = None
+                if name.startswith("cute"):
+                    cfgs = sweep_candidates(n, k) if args.sweep else [cc.choose(m, n, k, static) or cc.heuristic(m, n, k, static)]
                 for cfg in cfgs:
-                    try:
-                        out = f(a, ws[0], cfg)
-                        err = ((out.double() - ref).norm() / ref.norm()).item()
-                        if not err < 2e-2:
-                            print(f"# {name} {cfg} M{m} N{n} K{k}: WRONG rel={err:.2e}", file=sys.stderr)
-                            continue
-                        us = bench(lambda: [f(a, w, cfg) for w in ws], copies)
-                    except Exception as e:
-                        print(f"# {name} {cfg} M{m} N{n} K{k}: {type(e).__name__}: {e}", file=sys.stderr)
+                    us, err = time_one(name, f, a, ws, ref, cfg, args.replays)
+                    if us is None:
                         continue
                     rows.append(dict(provider=name, cfg=None if cfg is None else cfg.tag(), m=m, n=n, k=k,
-                                     us=us, frac=floor_us / us, rel=err, sweep=args.sweep and name == "cute"))
-                    if best is None or us < best[0]:
-                        best = (us, cfg)
-                if best is not None:
-                    res[name] = best
-            cub = res.get("cublas", (float("nan"),))[0]
+                                     us=us, frac=floor_us / us, rel=err, sweep=args.sweep and cfg is not None))
+                    if name not in res or us < res[name][0]:
+                        res[name] = (us, cfg)
+            cub = res.get("cublas", (float("nan"), None))[0]
             line = f"N{n:>6} K{k:>5} M{m:>2} | floor {floor_us:6.2f} µs | cuBLAS {cub:6.2f} µs {floor_us / cub:5.1%}"
-            for name in ("triton", "cute"):
+            for name in ("triton", "triton+static", "op", "op+static"):
                 if name in res:
-                    us = res[name][0]
-                    line += f" | {name} {us:6.2f} µs {floor_us / us:5.1%} x{cub / us:4.2f}"
-            if "cute" in res:
-                best_us, best_cfg = res["cute"]
-                if args.sweep:  # what a table built from this sweep would pick
-                    picked = min(best_us, cub)
-                else:  # what the dispatch picks: the table's config, or cuBLAS where it says None
-                    from k3compile.ops.skinny_gemm import config as cc
-                    picked = best_us if cc.choose(m, n, k) is not None else cub
-                line += f" | dispatched {picked:6.2f} µs {floor_us / picked:5.1%} x{cub / picked:4.2f}"
-                line += "" if picked != cub or args.sweep else " [cuBLAS]"
-                if args.sweep:
-                    table[(m, n, k)] = best_cfg if best_us < cub else None
-                    line += f" [{best_cfg.tag() if best_us < cub else 'cuBLAS'}]"
-                rows.append(dict(provider="dispatched", m=m, n=n, k=k, us=picked, frac=floor_us / picked,
-                                 cfg="cublas" if picked == cub else (best_cfg.tag() if best_cfg else "table")))
+                    line += f" | {name} {floor_us / res[name][0]:5.1%} x{cub / res[name][0]:4.2f}"
+            for name, disp in (("cute", "dispatched"), ("cute+static", "dispatched+static")):
+                if name not in res:
+                    continue
+                us, cfg = res[name]
+                use_cute = us < cub if args.sweep else cc.choose(m, n, k) is not None
+                picked = us if use_cute else cub
+                tag = cfg.tag() if use_cute else "cuBLAS"
+                rows.append(dict(provider=disp, m=m, n=n, k=k, us=picked, frac=floor_us / picked, cfg=tag))
+                line += f" | {disp} {picked:6.2f} µs {floor_us / picked:5.1%} x{cub / picked:4.2f} [{tag}]"
             print(line, flush=True)
         del ws
         torch.cuda.empty_cache()
         if args.json:  # after every shape, so a run cut short still leaves its figures
             dump(args, ceil, rows)
-    # summary: geometric mean speedup after dispatch, and the ceiling fractions the issue asks for
-    disp = [r for r in rows if r["provider"] == "dispatched"]
-    cub = {(r["m"], r["n"], r["k"]): r["us"] for r in rows if r["provider"] == "cublas"}
-    if disp:
-        sp = [cub[(r["m"], r["n"], r["k"])] / r["us"] for r in disp]
-        print(f"# dispatched vs cuBLAS: geomean x{math.exp(sum(map(math.log, sp)) / len(sp)):.3f}, "
-              f"min x{min(sp):.3f}, max x{max(sp):.3f}")
-    for name in ("triton",):
-        rs = [r for r in rows if r["provider"] == name]
-        if rs:
-            sp = [cub[(r["m"], r["n"], r["k"])] / r["us"] for r in rs]
-            print(f"# {name} vs cuBLAS: geomean x{math.exp(sum(map(math.log, sp)) / len(sp)):.3f}; "
-                  f"median ceiling fraction {sorted(r['frac'] for r in rs)[len(rs) // 2]:.1%}")
-    if args.sweep:
-        print("# TABLE = {")
-        for (m, n, k), c in table.items():
-            print(f"#     ({m}, {n}, {k}): {'None' if c is None else 'SkinnyConfig(%d, %d, %d, %d, stages=%d, split_k=%d)' % (c.row_groups, c.warps_n, c.warps_k, c.unroll, c.stages, c.split_k)},")
-        print("# }")
+    for line in summarise(rows, ceil):
+        print(line)
     if args.json:
         dump(args, ceil, rows)
+        if args.png:
+            try:
+                from plot_skinny_gemm import main as plot
+                plot(args.json, args.png)
+            except ImportError as e:  # no matplotlib here: plot the JSON elsewhere
+                print(f"# no plot: {e}; run benchmarks/plot_skinny_gemm.py {args.json} {args.png}")
 
 
 def dump(args, ceil, rows):
     with open(args.json, "w") as fh:
         json.dump(dict(copy_ceiling_tbs=ceil, dtype=args.dtype, device=torch.cuda.get_device_name(),
-                       torch=torch.__version__, command=" ".join(sys.argv), rows=rows), fh, indent=1)
+                       torch=torch.__version__, command=" ".join(sys.argv), rows=rows,
+                       summary=summarise(rows, ceil)), fh, indent=1)
 
 
 if __name__ == "__main__":

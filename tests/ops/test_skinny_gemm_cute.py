@@ -30,6 +30,9 @@ def test_module_imports_without_cutlass_at_import_time():
     src = open(kc.__file__).read()
     head = src.split("def _kernel_class")[0]
     assert "import cutlass" not in head.replace("`import cutlass`", "")
+    from k3compile.ops.skinny_gemm import cute_compile
+    top_level = [ln for ln in open(cute_compile.__file__).read().splitlines() if ln.startswith(("import", "from"))]
+    assert not [ln for ln in top_level if "cutlass" in ln]
 
 
 def test_available_says_why_on_cpu_tensors():
@@ -68,6 +71,8 @@ def test_heuristic_config_is_launchable(m, n, k):
     assert c is not None
     assert 32 <= c.threads <= cfgmod.MAX_THREADS
     assert c.smem_bytes() <= 48 * 1024
+    for static in (False, True):  # the cuBLAS-or-CuTe decision must not depend on static_weight
+        assert (cfgmod.choose(m, n, k, static) is None) == (cfgmod.choose(m, n, k) is None)
 
 
 @needs_cutlass
@@ -90,6 +95,21 @@ def test_config_rejects_unlaunchable(kwargs):
 
 def test_config_tag_names_split_k():
     assert cfgmod.SkinnyConfig(1, 1, 8, 2, stages=3, split_k=2).tag() == "rg1-wn1-wk8-u2-s3-c2"
+
+
+def test_config_tag_names_pdl_options():
+    assert cfgmod.SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=112).tag() == "rg1-wn1-wk8-u2-s3-e-l112"
+    assert cfgmod.SkinnyConfig(1, 1, 4, 2, stages=8, a_ring=True).tag() == "rg1-wn1-wk4-u2-s8-a"
+    with pytest.raises(ValueError):
+        cfgmod.SkinnyConfig(1, 1, 4, 4, a_ring=True)  # A rides the cp.async ring: needs one
+
+
+@pytest.mark.parametrize("static_weight", [False, True], ids=["dynamic_w", "static_w"])
+@pytest.mark.parametrize("m,n,k", [(1, 896, 7168), (16, 4608, 7168), (4, 7168, 768), (3, 777, 1000)],
+                         ids=["M1-N896-K7168", "M16-N4608-K7168", "M4-N7168-K768", "M3-N777-K1000"])
+def test_choose_static_keeps_the_cublas_decision(m, n, k, static_weight):
+    """The op's dispatch decides cuBLAS vs CuTe without knowing static_weight: the tables must agree."""
+    assert (cfgmod.choose(m, n, k, static_weight) is None) == (cfgmod.choose(m, n, k) is None)
 
 
 # ---------------------------------------------------------------------------------------- GPU tests
@@ -126,7 +146,11 @@ def test_matches_reference_random_shapes(m, n, k, dtype, bias, residual):
                                  cfgmod.SkinnyConfig(1, 1, 8, 2, stages=4), cfgmod.SkinnyConfig(2, 2, 2, 1, stages=3),
                                  cfgmod.SkinnyConfig(1, 1, 8, 2, stages=3, split_k=2),
                                  cfgmod.SkinnyConfig(1, 1, 4, 4, split_k=4),
-                                 cfgmod.SkinnyConfig(2, 1, 2, 2, stages=4, split_k=8)],
+                                 cfgmod.SkinnyConfig(2, 1, 2, 2, stages=4, split_k=8),
+                                 cfgmod.SkinnyConfig(1, 1, 4, 4, early=True, l2_kb=4),
+                                 cfgmod.SkinnyConfig(1, 1, 4, 2, stages=3, split_k=2, early=True, l2_kb=1000),
+                                 cfgmod.SkinnyConfig(2, 1, 4, 2, stages=4, early=True, a_ring=True),
+                                 cfgmod.SkinnyConfig(1, 1, 2, 2, stages=8, split_k=8, a_ring=True)],
                          ids=lambda c: c.tag())
 @pytest.mark.parametrize("m", [1, 8, 9, 16], ids=lambda m: f"M{m}")
 @pytest.mark.parametrize("static_weight", [False, True], ids=["dynamic_w", "static_w"])
@@ -164,7 +188,62 @@ def test_cuda_graph_capture_and_replay(m, n, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [cfgmod.SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=32),
+                                 cfgmod.SkinnyConfig(1, 1, 4, 4, early=True, l2_kb=16),
+                                 cfgmod.SkinnyConfig(1, 1, 4, 2, stages=4, split_k=2, early=True, l2_kb=16),
+                                 cfgmod.SkinnyConfig(1, 1, 4, 2, stages=8, split_k=4, early=True, a_ring=True)],
+                         ids=lambda c: c.tag())
+@pytest.mark.parametrize("static_weight", [False, True], ids=["dynamic_w", "static_w"])
+def test_chained_products_under_graph_replay(cfg, static_weight):
+    """Each product reads the one before (PDL with the early trigger must still wait for its input)."""
+    dtype, m, d = torch.bfloat16, 4, 2048
+    ws = [torch.randn(d, d, device="cuda", dtype=dtype) / d ** 0.5 for _ in range(4)]
+    x = torch.randn(m, d, device="cuda", dtype=dtype)
+
+    def chain():
+        h = x
+        for w in ws:
+            h = kc.skinny_gemm_cute(h, w, cfg=cfg, static_weight=static_weight)
+        return h
+
+    chain()  # compile outside capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = chain()
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ref = x.double()
+        for w in ws:  # the kernel rounds each product to bf16: so does the reference
+            ref = (ref @ w.double().T).to(dtype).double()
+        assert not out.isnan().any()
+        assert rel_err(out, ref) < 2e-2
+
+
+@pytest.mark.gpu
 def test_unsupported_k_reports_fallback():
     a = torch.randn(2, 1001, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(64, 1001, device="cuda", dtype=torch.bfloat16)
     assert "multiple of 8" in kc.supports(a, w)
+
+
+@pytest.mark.parametrize("m,n,k", sorted(cfgmod.TRITON_AHEAD), ids=lambda v: str(v))
+def test_triton_ahead_shapes_go_to_triton_not_cublas(m, n, k):
+    """Where the Triton kernel measured faster, the CuTe kernel declines with that reason, and the Triton
+    kernel takes the product (were it to decline too, the dispatch would land on cuBLAS, slower than both)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from k3compile.ops.skinny_gemm import triton as kt
+
+    with FakeTensorMode():  # CUDA tensors without a GPU: profitable() reads only device, dtype and shapes
+        a = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.empty(n, k, device="cuda", dtype=torch.bfloat16)
+    assert cfgmod.choose(m, n, k) is not None   # CuTe is ahead of cuBLAS there...
+    assert "Triton kernel measured faster" in (kc.profitable(a, w) or "")   # ...but behind Triton
+    assert kt.profitable(a, w) is None
+    with FakeTensorMode():
+        a16 = torch.empty(m, k, device="cuda", dtype=torch.float16)
+        w16 = torch.empty(n, k, device="cuda", dtype=torch.float16)
+    assert kc.profitable(a16, w16) is None   # measured in bf16 only: fp16 keeps the table's choice

@@ -6,12 +6,17 @@ tile of 16 (M, padded) × 8 (weight rows) × 32 (K, two m16n8k16 steps) per step
 the block (their partial sums meet in shared memory), so no global workspace and no second kernel
 are needed. ``split_k > 1`` also splits K across a thread-block cluster of that many blocks (more
 blocks and bytes in flight when N gives few row blocks); their partial sums meet through distributed
-shared memory, again with no workspace, counter or second kernel (CUDA-graph safe by construction). Each warp owns ``row_groups`` groups of 8 weight rows and handles ``unroll`` K-steps per
-chunk. With ``stages == 1`` the weight goes straight to registers (128-bit loads); with ``stages > 1``
-it is streamed by cp.async through a per-warp shared-memory ring, which keeps more bytes in flight
-(ptxas interleaves register loads with the MMAs to save registers). On the dispatch's path (no weight
-copy before the PDL wait) the H200 sweep picked the ring for K = 7168 and registers (4 K-warps × 4
-steps) for K ≤ 3584 at N = 7168.
+shared memory, again with no workspace, counter or second kernel (CUDA-graph safe by construction).
+Each warp owns ``row_groups`` groups of 8 weight rows and handles ``unroll`` K-steps per chunk. With
+``stages == 1`` the weight goes straight to registers (128-bit loads); with ``stages > 1`` it is
+streamed by cp.async through a per-warp shared-memory ring, which keeps more bytes in flight
+(``a_ring``: A's rows ride the same ring).
+
+Hiding a launch under the previous product (programmatic dependent launch): ``l2_kb`` bulk-prefetches
+the first KB of each block's weight into L2 before the wait, ``early`` lets the next kernel launch right
+after our own wait. On the H200 both pay where the weight is small (≤ ~12 MB: the whole of it is
+prefetched while the previous product runs); for big weights a 2 KB-per-row prefetch is a small gain and
+the early trigger mostly a loss (the next kernel's waiting blocks crowd the SMs).
 
 Nothing here imports cutlass: the dispatch reads this table on any machine.
 """
@@ -33,11 +38,16 @@ class SkinnyConfig:
     prefetch: bool = True  # L2-prefetch the first weight chunk before waiting on the previous kernel (PDL)
     stages: int = 1       # >1: weight streamed by cp.async through this many shared-memory stages per warp
     split_k: int = 1      # >1: a cluster of this many blocks splits K; partial sums meet through DSMEM
+    early: bool = False   # PDL: let the next kernel launch right after our own wait, not after the K loop
+    l2_kb: int = 0        # >0: before the wait, bulk-prefetch up to this many KB of the block's weight into L2
+    a_ring: bool = False  # (stages > 1) A rides the cp.async ring with the weight, not plain loads
 
     def __post_init__(self):
         if self.row_groups < 1 or self.warps_n < 1 or self.warps_k < 1 or self.unroll < 1:
             raise ValueError(f"bad config {self}")
         if self.stages < 1 or self.split_k not in (1, 2, 4, 8):  # a portable cluster holds ≤ 8 blocks
+            raise ValueError(f"bad config {self}")
+        if self.l2_kb < 0 or (self.a_ring and self.stages == 1):
             raise ValueError(f"bad config {self}")
         if self.threads > MAX_THREADS:
             raise ValueError(f"{self} needs {self.threads} threads > {MAX_THREADS}")
@@ -51,75 +61,116 @@ class SkinnyConfig:
     def threads(self) -> int:
         return 32 * self.warps_n * self.warps_k
 
-    def smem_bytes(self) -> int:
-        """fp32 partial sums of every K-warp [warps_k, block_n, 16], plus the cp.async ring."""
-        ring = 0 if self.stages == 1 else self.stages * self.row_groups * self.unroll * 512 * self.warps_n * self.warps_k
+    def smem_bytes(self, m: int = 16) -> int:
+        """fp32 partial sums of every K-warp [warps_k, block_n, 16], plus the cp.async ring (weight, and A's
+        rows: one 16-byte vector per lane and step, two above M = 8)."""
+        slots = 0 if self.stages == 1 else self.row_groups * self.unroll
+        if self.stages > 1 and self.a_ring:
+            slots += self.unroll * (2 if m > 8 else 1)
+        ring = self.stages * slots * 512 * self.warps_n * self.warps_k
         return 4 * self.warps_k * self.block_n * 16 + ring + 128  # + alignment slack
 
     def tag(self) -> str:
         return (f"rg{self.row_groups}-wn{self.warps_n}-wk{self.warps_k}-u{self.unroll}"
                 + ("" if self.prefetch else "-nopf") + (f"-s{self.stages}" if self.stages > 1 else "")
-                + (f"-c{self.split_k}" if self.split_k > 1 else ""))
+                + (f"-c{self.split_k}" if self.split_k > 1 else "") + ("-e" if self.early else "")
+                + (f"-l{self.l2_kb}" if self.l2_kb else "") + ("-a" if self.a_ring else ""))
 
 
-# Measured on one H200 (bf16, 2026-11-30, copy ceiling 4.222 TB/s): ``benchmarks/skinny_gemm.py --sweep
-# --no-triton`` (results: benchmarks/results/skinny_gemm_h200_sweep2.json), timing the path the dispatch
-# runs (``static_weight=False``: only an L2 prefetch of the weight before the PDL wait).
-# (M bucket, N, K) -> the fastest configuration, or None where cuBLAS was faster or within 3% (the
-# dispatch then leaves the product to cuBLAS). Shapes not listed use `heuristic`.
+# Measured on one H200 (bf16, 2026-11-30, fourth session, copy ceilings 4.218-4.244 TB/s): sweeps of
+# .scratch/cute3/variants{,2,4}.py (results: benchmarks/results/skinny_gemm_h200_cute3_sweep{1,2,4}.json),
+# back-to-back products in CUDA graphs with rotated weights; each configuration's time is the mean of sweeps 1
+# and 2 that timed it, and entries marked "(sweep 4)" replaced the pick where A through the ring (a_ring) beat
+# it by > 3% in sweep 4. (M bucket, N, K) -> the fastest configuration with static weight off, or None where
+# cuBLAS was faster or within 3% with static weight off or on (the dispatch then leaves the product to cuBLAS).
+# Shapes not listed use `heuristic`.
 TABLE: dict[tuple[int, int, int], Optional[SkinnyConfig]] = {
-    (1, 4608, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 18.80 µs vs cuBLAS 21.44
-    (2, 4608, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 18.02 µs vs cuBLAS 21.37
-    (4, 4608, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 18.24 µs vs cuBLAS 21.62
-    (8, 4608, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 19.08 µs vs cuBLAS 21.74
-    (16, 4608, 7168): None,  # cuBLAS 21.53 µs <= CuTe 25.90 µs
-    (1, 1536, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 7.90 µs vs cuBLAS 10.84
-    (2, 1536, 7168): SkinnyConfig(1, 1, 16, 1, stages=4),  # 8.09 µs vs cuBLAS 11.02
-    (4, 1536, 7168): SkinnyConfig(1, 1, 16, 1, stages=4, split_k=2),  # 9.58 µs vs cuBLAS 10.92
-    (8, 1536, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 10.31 µs vs cuBLAS 10.91
-    (16, 1536, 7168): None,  # CuTe 10.97 µs is within 3% of cuBLAS 11.12 µs
-    (1, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 9.35 µs vs cuBLAS 13.24
-    (2, 2112, 7168): SkinnyConfig(1, 1, 16, 1, stages=4),  # 10.06 µs vs cuBLAS 13.31
-    (4, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 10.64 µs vs cuBLAS 13.55
-    (8, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 11.44 µs vs cuBLAS 13.36
-    (16, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, split_k=2),  # 12.06 µs vs cuBLAS 13.75
-    (1, 2304, 1536): SkinnyConfig(1, 1, 8, 4),  # 4.20 µs vs cuBLAS 5.39
-    (2, 2304, 1536): SkinnyConfig(1, 1, 8, 2, stages=3),  # 4.19 µs vs cuBLAS 5.39
-    (4, 2304, 1536): SkinnyConfig(1, 1, 8, 2, stages=3),  # 4.25 µs vs cuBLAS 5.40
-    (8, 2304, 1536): SkinnyConfig(1, 1, 8, 2, stages=3),  # 4.55 µs vs cuBLAS 5.43
-    (16, 2304, 1536): SkinnyConfig(1, 1, 8, 4),  # 4.50 µs vs cuBLAS 5.47
-    (1, 896, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 6.73 µs vs cuBLAS 8.98
-    (2, 896, 7168): SkinnyConfig(1, 1, 16, 1, stages=4),  # 6.66 µs vs cuBLAS 8.89
-    (4, 896, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, split_k=2),  # 6.81 µs vs cuBLAS 9.03
-    (8, 896, 7168): SkinnyConfig(1, 1, 8, 2, stages=4, split_k=2),  # 7.59 µs vs cuBLAS 8.91
-    (16, 896, 7168): SkinnyConfig(1, 1, 16, 1, stages=4, split_k=2),  # 7.76 µs vs cuBLAS 9.15
-    (1, 3584, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 14.36 µs vs cuBLAS 17.35
-    (2, 3584, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 14.35 µs vs cuBLAS 17.39
-    (4, 3584, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 14.78 µs vs cuBLAS 17.51
-    (8, 3584, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 15.43 µs vs cuBLAS 17.59
-    (16, 3584, 7168): None,  # cuBLAS 17.82 µs <= CuTe 18.28 µs
-    (1, 7168, 3584): SkinnyConfig(1, 1, 4, 4),  # 14.83 µs vs cuBLAS 17.77
-    (2, 7168, 3584): SkinnyConfig(1, 1, 4, 4),  # 14.97 µs vs cuBLAS 17.55
-    (4, 7168, 3584): SkinnyConfig(1, 1, 4, 4),  # 15.26 µs vs cuBLAS 18.41
-    (8, 7168, 3584): SkinnyConfig(1, 1, 4, 4),  # 15.54 µs vs cuBLAS 17.79
-    (16, 7168, 3584): None,  # cuBLAS 15.07 µs <= CuTe 16.80 µs
-    (1, 7168, 1536): SkinnyConfig(1, 1, 4, 4),  # 7.63 µs vs cuBLAS 8.25
-    (2, 7168, 1536): SkinnyConfig(1, 1, 4, 4),  # 7.71 µs vs cuBLAS 8.15
-    (4, 7168, 1536): SkinnyConfig(1, 1, 4, 4),  # 7.79 µs vs cuBLAS 8.20
-    (8, 7168, 1536): SkinnyConfig(1, 1, 4, 4),  # 7.95 µs vs cuBLAS 8.25
-    (16, 7168, 1536): None,  # cuBLAS 8.38 µs <= CuTe 8.83 µs
-    (1, 7168, 768): SkinnyConfig(1, 1, 4, 4),  # 5.09 µs vs cuBLAS 5.47
-    (2, 7168, 768): SkinnyConfig(1, 1, 4, 4),  # 5.13 µs vs cuBLAS 5.46
-    (4, 7168, 768): SkinnyConfig(1, 1, 4, 4),  # 5.19 µs vs cuBLAS 5.48
-    (8, 7168, 768): SkinnyConfig(1, 1, 4, 4),  # 5.02 µs vs cuBLAS 5.56
-    (16, 7168, 768): SkinnyConfig(1, 1, 4, 4),  # 5.34 µs vs cuBLAS 5.58
-    (1, 20480, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 69.48 µs vs cuBLAS 78.81
-    (2, 20480, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 71.01 µs vs cuBLAS 77.03
-    (4, 20480, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 71.93 µs vs cuBLAS 76.64
-    (8, 20480, 7168): SkinnyConfig(1, 1, 8, 2, stages=3),  # 74.26 µs vs cuBLAS 79.14
-    (16, 20480, 7168): None,  # cuBLAS 75.24 µs <= CuTe 84.77 µs
+    (1, 20480, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=16),  # 70.86 µs vs cuBLAS 81.98
+    (2, 20480, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=16),  # 71.51 µs vs cuBLAS 79.44
+    (4, 20480, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=16),  # 71.99 µs vs cuBLAS 78.45
+    (8, 20480, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=16),  # 75.69 µs vs cuBLAS 82.37
+    (16, 20480, 7168): None,  # cuBLAS 79.02 µs vs CuTe 87.62 (static 84.26)
+    (1, 4608, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=16),  # 18.34 µs vs cuBLAS 21.63
+    (2, 4608, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 18.18 µs vs cuBLAS 21.77
+    (4, 4608, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 18.48 µs vs cuBLAS 21.80
+    (8, 4608, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 19.28 µs vs cuBLAS 22.07
+    (16, 4608, 7168): None,  # cuBLAS 21.90 µs vs CuTe 30.56 (static 21.35)
+    (1, 3584, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 14.47 µs vs cuBLAS 18.01
+    (2, 3584, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 14.62 µs vs cuBLAS 17.89
+    (4, 3584, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 15.07 µs vs cuBLAS 17.64
+    (8, 3584, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 15.97 µs vs cuBLAS 17.80
+    (16, 3584, 7168): None,  # cuBLAS 17.98 µs vs CuTe 18.01 (static 17.33)
+    (1, 7168, 3584): SkinnyConfig(1, 1, 4, 4),  # 15.42 µs vs cuBLAS 17.95
+    (2, 7168, 3584): SkinnyConfig(1, 1, 4, 4),  # 15.53 µs vs cuBLAS 17.98
+    (4, 7168, 3584): SkinnyConfig(1, 1, 4, 4, early=True),  # 15.82 µs vs cuBLAS 18.15
+    (8, 7168, 3584): SkinnyConfig(1, 1, 4, 4),  # 16.07 µs vs cuBLAS 18.00
+    (16, 7168, 3584): None,  # cuBLAS 15.57 µs vs CuTe 17.08 (static 17.15)
+    (1, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 9.25 µs vs cuBLAS 13.36
+    (2, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 10.63 µs vs cuBLAS 13.26
+    (4, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 10.70 µs vs cuBLAS 13.37
+    (8, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 11.20 µs vs cuBLAS 13.44
+    (16, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, early=True),  # 12.82 µs vs cuBLAS 13.59
+    (1, 1536, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16, a_ring=True),  # 7.46 µs vs cuBLAS 10.97 (sweep 4)
+    (2, 1536, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16, a_ring=True),  # 7.96 µs vs cuBLAS 10.92 (sweep 4)
+    (4, 1536, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16, a_ring=True),  # 8.56 µs vs cuBLAS 10.84 (sweep 4)
+    (8, 1536, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 10.03 µs vs cuBLAS 10.71
+    (16, 1536, 7168): None,  # cuBLAS 10.91 µs vs CuTe 11.33 (static 10.44)
+    (1, 7168, 1536): SkinnyConfig(1, 1, 4, 4),  # 7.68 µs vs cuBLAS 8.29
+    (2, 7168, 1536): SkinnyConfig(1, 1, 4, 4),  # 7.75 µs vs cuBLAS 8.35
+    (4, 7168, 1536): SkinnyConfig(1, 1, 4, 4),  # 7.88 µs vs cuBLAS 8.41
+    (8, 7168, 1536): SkinnyConfig(1, 1, 4, 4),  # 8.07 µs vs cuBLAS 8.49
+    (16, 7168, 1536): None,  # cuBLAS 8.59 µs vs CuTe 8.37 (static 8.39)
+    (1, 896, 7168): SkinnyConfig(1, 1, 8, 2, stages=4, a_ring=True),  # 5.27 µs vs cuBLAS 8.61 (sweep 4)
+    (2, 896, 7168): SkinnyConfig(1, 1, 8, 2, stages=4, a_ring=True),  # 5.47 µs vs cuBLAS 8.79 (sweep 4)
+    (4, 896, 7168): SkinnyConfig(1, 1, 8, 2, stages=4, a_ring=True),  # 6.00 µs vs cuBLAS 8.60 (sweep 4)
+    (8, 896, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, a_ring=True),  # 6.24 µs vs cuBLAS 8.28
+    (16, 896, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, a_ring=True),  # 7.57 µs vs cuBLAS 8.86
+    (1, 7168, 768): SkinnyConfig(1, 1, 4, 4, early=True, l2_kb=12),  # 4.46 µs vs cuBLAS 5.53
+    (2, 7168, 768): SkinnyConfig(1, 1, 4, 4, early=True, l2_kb=12),  # 4.48 µs vs cuBLAS 5.53
+    (4, 7168, 768): SkinnyConfig(1, 1, 4, 4, early=True, l2_kb=12),  # 4.51 µs vs cuBLAS 5.56
+    (8, 7168, 768): SkinnyConfig(1, 1, 4, 4, early=True, l2_kb=12),  # 4.56 µs vs cuBLAS 5.62
+    (16, 7168, 768): SkinnyConfig(1, 1, 4, 4, early=True, l2_kb=12),  # 4.92 µs vs cuBLAS 5.70
+    (1, 2304, 1536): SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=24),  # 3.51 µs vs cuBLAS 5.40
+    (2, 2304, 1536): SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=24),  # 3.64 µs vs cuBLAS 5.42
+    (4, 2304, 1536): SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=24),  # 3.81 µs vs cuBLAS 5.43
+    (8, 2304, 1536): SkinnyConfig(1, 1, 4, 4, early=True, l2_kb=24),  # 3.93 µs vs cuBLAS 5.44
+    (16, 2304, 1536): SkinnyConfig(1, 1, 4, 4, early=True, l2_kb=24),  # 4.43 µs vs cuBLAS 5.51
 }
 
+
+# Where a proven-static weight (``static_weight=True``) measured faster with another configuration (same sweeps:
+# > 2% in sweeps 1-2, > 3% in sweep 4).
+TABLE_STATIC: dict[tuple[int, int, int], SkinnyConfig] = {
+    (4, 4608, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=16),  # 17.84 µs vs 18.26
+    (8, 4608, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=16),  # 18.56 µs vs 19.06
+    (2, 1536, 7168): SkinnyConfig(1, 1, 8, 2, stages=4, a_ring=True),  # 7.94 µs vs 8.61 (sweep 4)
+    (4, 1536, 7168): SkinnyConfig(1, 1, 4, 2, stages=4, split_k=4, early=True, l2_kb=28),  # 8.67 µs vs 9.67
+    (8, 1536, 7168): SkinnyConfig(1, 1, 4, 2, stages=4, split_k=4, early=True, l2_kb=28),  # 9.11 µs vs 9.95
+    (1, 896, 7168): SkinnyConfig(1, 1, 4, 2, stages=5, split_k=4, early=True, a_ring=True),  # 5.12 µs vs 5.83 (sweep 4)
+    (8, 896, 7168): SkinnyConfig(1, 1, 8, 2, stages=4, a_ring=True),  # 6.08 µs vs 6.34
+    (16, 896, 7168): SkinnyConfig(1, 1, 16, 1, stages=4, split_k=2, early=True, l2_kb=56),  # 7.64 µs vs 7.86
+    (1, 7168, 768): SkinnyConfig(2, 1, 4, 2, stages=3, early=True, l2_kb=24),  # 4.07 µs vs 4.45
+    (4, 7168, 768): SkinnyConfig(2, 1, 4, 2, stages=3, early=True, l2_kb=24),  # 4.10 µs vs 4.51
+    (8, 7168, 768): SkinnyConfig(2, 1, 4, 2, stages=3, early=True, l2_kb=24),  # 4.23 µs vs 4.55
+    (2, 896, 7168): SkinnyConfig(1, 1, 4, 2, stages=5, split_k=4, early=True, a_ring=True),  # 5.56 µs vs 6.24 (sweep 4)
+    (1, 1536, 7168): SkinnyConfig(1, 1, 8, 2, stages=4, a_ring=True),  # 7.47 µs vs 7.84 (sweep 4)
+    (2, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, split_k=2, early=True, a_ring=True),  # 9.88 µs vs 10.69 (sweep 4)
+    (1, 7168, 1536): SkinnyConfig(2, 1, 4, 2, stages=4, early=True, a_ring=True),  # 6.63 µs vs 7.80 (sweep 4)
+    (2, 7168, 1536): SkinnyConfig(2, 1, 4, 2, stages=4, early=True, a_ring=True),  # 6.78 µs vs 7.85 (sweep 4)
+    (4, 7168, 1536): SkinnyConfig(2, 1, 4, 2, stages=4, early=True, a_ring=True),  # 7.20 µs vs 7.98 (sweep 4)
+    # (8, 7168, 1536): the a_ring form measured 7.85 µs in sweep 2 but 9.69 µs (cuBLAS 8.56) in the final run:
+    # left to TABLE's pick (8.15 µs), which never lost to cuBLAS.
+    (2, 7168, 768): SkinnyConfig(2, 1, 4, 2, stages=4, early=True, a_ring=True),  # 4.36 µs vs 4.53 (sweep 4)
+}
+
+
+# Where the Triton kernel (``triton.py``, its own defaults) beat the configuration above by more than 3% in the
+# same run (H200, fourth session's final run: benchmarks/results/skinny_gemm_h200.json, µs Triton vs CuTe at
+# M = 1/2/4/8): 7168x3584 14.3/14.5/14.9/14.9 vs 15.3/15.6/16.3/16.2; 2112x7168 M 4/8 11.0/10.9 vs 11.8/11.4;
+# 20480x7168 69.6/69.8/70.1/70.7 vs 70.8/71.9/72.6/77.0. The dispatch then takes Triton (``cute.profitable``).
+TRITON_AHEAD: frozenset[tuple[int, int, int]] = frozenset(
+    [(m, 7168, 3584) for m in (1, 2, 4, 8)] + [(4, 2112, 7168), (8, 2112, 7168)]
+    + [(m, 20480, 7168) for m in (1, 2, 4, 8)])
 
 def m_bucket(m: int) -> int:
     """The M the table is keyed by (the kernel itself is compiled per exact M)."""
@@ -129,25 +180,32 @@ def m_bucket(m: int) -> int:
     raise ValueError(f"M={m} > 16 is not a skinny GEMM")
 
 
-def heuristic(m: int, n: int, k: int) -> SkinnyConfig:
-    """A configuration for a shape the table does not list, read off the H200 sweep.
+def heuristic(m: int, n: int, k: int, static_weight: bool = False) -> SkinnyConfig:
+    """A configuration for a shape the table does not list, read off the H200 sweeps.
 
     One 8-row group per warp. Long K: the weight through a cp.async ring (8 K-warps × 2 steps × 3
-    stages), split over a cluster of 2 blocks when N is small (few row blocks must still fill the SMs
-    and keep enough bytes in flight). Short K: straight to registers, 4 K-warps × 4 steps. K-warps are
-    halved while a warp would get no chunk.
+    stages) with the first 2 KB of each row pulled into L2 before the PDL wait; when N is small, split
+    over a cluster of 2 blocks (few row blocks must still fill the SMs) that prefetch their whole share
+    into L2 and let the next kernel in early. Short K: straight to registers, 4 K-warps × 4 steps; a
+    small weight (≤ 12 MB) is prefetched whole into L2 with the early trigger, so the next product's
+    weight streams while this one finishes. K-warps are halved while a warp would get no chunk.
+    ``static_weight`` does not change the pick (the sweeps found the same winners, or near).
     """
-    split_k = 1
+    row_kb = k * 2 * 8 // 1024  # one 8-row group's whole K, in KB
+    split_k, early, l2_kb = 1, False, 0
     if k >= 4096:
-        warps_k, unroll, stages = 8, 2, 3
+        warps_k, unroll, stages, l2_kb = 8, 2, 3, 16
         if n <= 1024:
-            split_k = 2
+            split_k, early, l2_kb = 2, True, row_kb // 2
     else:
         warps_k, unroll, stages = 4, 4, 1
+        if n * k * 2 <= 12e6:
+            early, l2_kb = True, row_kb
     chunks = k // (K_STEP * unroll)
     while warps_k > 1 and chunks < warps_k * split_k:
         warps_k //= 2
-    return SkinnyConfig(row_groups=1, warps_n=1, warps_k=warps_k, unroll=unroll, stages=stages, split_k=split_k)
+    return SkinnyConfig(row_groups=1, warps_n=1, warps_k=warps_k, unroll=unroll, stages=stages, split_k=split_k,
+                        early=early, l2_kb=l2_kb)
 
 
 def cublas_preferred(m: int, n: int, k: int) -> bool:
@@ -155,9 +213,13 @@ def cublas_preferred(m: int, n: int, k: int) -> bool:
     return choose(m, n, k) is None
 
 
-def choose(m: int, n: int, k: int) -> Optional[SkinnyConfig]:
-    """The configuration for this shape; None when cuBLAS is the better choice (measured)."""
+def choose(m: int, n: int, k: int, static_weight: bool = False) -> Optional[SkinnyConfig]:
+    """The configuration for this shape; None when cuBLAS is the better choice (measured).
+
+    Whether cuBLAS wins is decided without ``static_weight`` (the op's dispatch does not see it); where
+    the weight is proven static, ``TABLE_STATIC`` may name a different configuration."""
     key = (m_bucket(m), n, k)
-    if key in TABLE:
-        return TABLE[key]
-    return heuristic(m, n, k)
+    cfg = TABLE[key] if key in TABLE else heuristic(m, n, k, static_weight)
+    if cfg is not None and static_weight:
+        cfg = TABLE_STATIC.get(key, cfg)
+    return cfg

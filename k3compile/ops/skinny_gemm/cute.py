@@ -3,16 +3,24 @@
 a: [M, K] (M ≤ 16), w: [N, K], bias: [N] or None, residual: [M, N] or None, all bf16 or all fp16,
 fp32 accumulation, one rounding at the end (the same as ``reference.py``). One kernel is compiled per
 (dtype, M, configuration, bias?, residual?, static weight?); N, K and the row strides are run-time
-values. Compiled kernels are kept in memory and exported to an on-disk cache, launched through
-TVM-FFI on the current torch stream (so they can be captured in CUDA graphs), with programmatic
-dependent launch.
+values. Compiled kernels are kept in memory and exported to an on-disk cache (``cute_compile.py``),
+launched through TVM-FFI on the current torch stream (so they can be captured in CUDA graphs), with
+programmatic dependent launch.
 
 How it streams the weight: every lane takes 16 bytes of one weight row per K-step (4 lanes cover 32
 consecutive K of a row, a warp covers 8 rows) and feeds them to two ``mma.sync.m16n8k16`` as the B
 operand, A padded to 16 rows. Any order of K inside a step gives the same dot product, so A is loaded
 in the same permuted order, also as 16-byte vectors: no shuffles and no ldmatrix. The weight reaches
-registers either directly or through a per-warp cp.async ring in shared memory (``config.stages``);
-see ``config.py`` for the work division (split-K inside the block and across a cluster, rows per warp).
+registers either directly or through a per-warp cp.async ring in shared memory (``config.stages``;
+with ``config.a_ring`` A's vectors ride the same ring instead of plain loads); see ``config.py`` for the
+work division (split-K inside the block and across a cluster, rows per warp).
+
+Hiding the fixed cost of a launch under the previous product (PDL): before its ``griddepcontrol.wait`` a
+block may bulk-prefetch the first ``config.l2_kb`` KB of its weight into L2 (``cp.async.bulk.prefetch``,
+one instruction per row; L2 is coherent with the previous kernel's stores, so any weight may be
+prefetched), and under ``static_weight`` also fill its cp.async ring. With ``config.early`` it lets the
+next kernel launch right after its own wait instead of after its K loop, so the next product's blocks
+can settle on the SMs beside ours and start their own prefetch while ours still streams.
 
 Split-K across a cluster (``config.split_k``): the blocks of a cluster take interleaved K chunks of the
 same rows, fold their K-warps in shared memory, and after a cluster barrier each block reduces its
@@ -27,19 +35,15 @@ cutlass is imported only inside functions: CI has no CuTe DSL and must still imp
 """
 # no `from __future__ import annotations`: the DSL evaluates the kernels' annotations
 import functools
-import hashlib
-import os
-import struct
-import threading
 from typing import Optional
 
 import torch
 
 from k3compile.backends import cute_can_run_on
 from k3compile.ops.skinny_gemm import config as _config
+from k3compile.ops.skinny_gemm.cute_compile import VEC, compile_kernel
 
 MAX_M = 16
-VEC = 8  # elements per 128-bit load; K and the row strides must be multiples of it
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -80,11 +84,14 @@ def supports(a, w, bias=None, residual=None) -> Optional[str]:
 
 
 def profitable(a, w, bias=None, residual=None) -> Optional[str]:
-    """None where the H200 table (or its heuristic) has the kernel ahead of cuBLAS, else the reason."""
+    """None where the H200 table (or its heuristic) has the kernel ahead of cuBLAS and of the Triton kernel,
+    else the reason (the dispatch then tries the next implementation)."""
     m, k = a.shape
     n = w.shape[0]
     if _config.choose(m, n, k) is None:
         return f"cuBLAS measured faster for M={m} N={n} K={k} (config table)"
+    if a.dtype == torch.bfloat16 and (_config.m_bucket(m), n, k) in _config.TRITON_AHEAD:
+        return f"the Triton kernel measured faster for M={m} N={n} K={k} (config.TRITON_AHEAD)"
     return None
 
 
@@ -126,6 +133,19 @@ def _kernel_class():
         )
         return cutlass.Float32(res)
 
+    @dsl_user_op
+    def prefetch_bulk_l2(addr, nbytes, *, loc=None, ip=None):
+        """``nbytes`` (a multiple of 16) of global memory from ``addr`` (16-byte aligned) into L2, one
+        instruction (the TMA unit walks the range)."""
+        llvm.inline_asm(
+            None,
+            [addr.ir_value(loc=loc, ip=ip), nbytes.ir_value(loc=loc, ip=ip)],
+            "cp.async.bulk.prefetch.L2.global [$0], $1;",
+            "l,r",
+            has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+            loc=loc, ip=ip,
+        )
+
     class SkinnyGemm:
         """C[M, N] = A[M, K] · B[N, K]ᵀ (+ bias[N]) (+ R[M, N]); M, dtype and tiling fixed."""
 
@@ -139,10 +159,13 @@ def _kernel_class():
             self.stages = cfg.stages
             self.block_n = cfg.block_n
             self.threads = cfg.threads
-            self.smem = cfg.smem_bytes()
+            self.a_ring = cfg.a_ring and cfg.stages > 1
+            self.smem = cfg.smem_bytes(m)
             self.has_bias, self.has_res = has_bias, has_res
             self.is_fp16 = dtype is cutlass.Float16
             self.ks = cfg.split_k
+            self.early = cfg.early
+            self.l2_kb = cfg.l2_kb
             # RMSNorm of A fused in (the latent-MoE tail): A is scaled by g as it is loaded, the rows'
             # sums of squares accumulate beside, and the epilogue applies rsqrt(ss / K + eps)
             self.norm = norm_eps is not None
@@ -233,11 +256,13 @@ def _kernel_class():
             if cutlass.const_expr(self.norm):
                 ssm = smem.allocate_tensor(cutlass.Float32, cute.make_layout((WK, 16), stride=(16, 1)),
                                            byte_alignment=16)
+            if cutlass.const_expr(self.l2_kb > 0):
+                self.prefetch_weight_l2(gB, tidx, q, n0, N, K)
             if cutlass.const_expr(S > 1):
                 self.main_loop_cp_async(gA, gB, gG, rows, m_lo, m_hi, t, lane, warp, gk, n_full,
                                         acc, rA, rB, rA32, rB32, ss, smem)
             else:
-                if cutlass.const_expr(self.prefetch):
+                if cutlass.const_expr(self.prefetch and self.l2_kb == 0):
                     # the weight does not depend on the previous kernel: start pulling it into L2 now
                     if gk < n_full:
                         for u in cutlass.range_constexpr(U):
@@ -246,7 +271,7 @@ def _kernel_class():
                                 cute.arch.prefetch(v.iterator.llvm_ptr, cache_level="L2")
 
                 # PDL: everything above overlaps the previous kernel's tail; A may be its output
-                cute.arch.griddepcontrol_wait()
+                self.wait_previous()
 
                 for j in cutlass.range(gk, n_full, GWK, unroll=1):
                     kv0 = j * (CH // 8) + t
@@ -269,8 +294,9 @@ def _kernel_class():
                     self.load_a_step(gA, gG, m_lo, m_hi, kv, rA, 0, ss)
                 self.mma_step(acc, rA32, rB32, 0, 0, U)
 
-            # the next kernel may start launching; it still waits for our stores (griddepcontrol.wait)
-            cute.arch.griddepcontrol_launch_dependents()
+            if cutlass.const_expr(not self.early):
+                # the next kernel may start launching; it still waits for our stores (griddepcontrol.wait)
+                cute.arch.griddepcontrol_launch_dependents()
 
             # partial sums of the K-warps meet in shared memory: red[wk, row in block, m]
             for r in cutlass.range_constexpr(RG):
@@ -365,6 +391,30 @@ def _kernel_class():
             cute.arch.cluster_wait()
 
         @cute.jit
+        def wait_previous(self):
+            """PDL: wait for the previous kernel (its stores are then visible); with ``early`` let the next
+            kernel launch right away. Triggering stays after our own wait: the static-weight proof
+            (k3compile/static_weights.py) relies on no kernel of ours letting its successor in before then."""
+            cute.arch.griddepcontrol_wait()
+            if cutlass.const_expr(self.early):
+                cute.arch.griddepcontrol_launch_dependents()
+
+        @cute.jit
+        def prefetch_weight_l2(self, gB: cute.Tensor, tidx, q, n0, N, K):
+            """Before the PDL wait: pull the first ``l2_kb`` KB of the block's weight into L2, one bulk
+            prefetch per row. The cluster's blocks share rows, so block q takes the q-th part of the
+            cluster's K prefix (L2 is coherent with the previous kernel's stores: safe for any weight)."""
+            BN: cutlass.Constexpr = self.block_n
+            PV: cutlass.Constexpr = max(1, self.l2_kb * 1024 // (BN * 16))  # 16-byte vectors per row per block
+            if tidx < BN:
+                n = n0 + tidx
+                kv0 = q * PV
+                nv = cutlass.min(K // 8 - kv0, PV)
+                if n < N and nv > 0:
+                    v = gB[n, (None, kv0)]
+                    prefetch_bulk_l2(v.iterator.toint(), cutlass.Int32(nv * 16))
+
+        @cute.jit
         def load_peer(self, ptr, rank):
             """The fp32 at our shared-memory address ``ptr`` in the cluster's block ``rank``."""
             return ld_dsmem_f32(ptr.toint(), cutlass.Int32(rank))
@@ -385,6 +435,11 @@ def _kernel_class():
             self.load_vec(gA[m_lo, (None, kv)], rA[None, 2 * u])
             if cutlass.const_expr(self.m > 8):
                 self.load_vec(gA[m_hi, (None, kv)], rA[None, 2 * u + 1])
+            self.norm_a_step(gG, kv, rA, u, ss)
+
+        @cute.jit
+        def norm_a_step(self, gG, kv, rA: cute.Tensor, u: cutlass.Constexpr, ss: cute.Tensor):
+            """With the norm fused, on A's vectors rA[:, 2u(+1)] at vector index kv: ss += x², x ← x·g."""
             if cutlass.const_expr(self.norm):
                 rG = cute.make_rmem_tensor((8,), self.dtype)
                 self.load_vec(gG[((None, kv),)], rG)
@@ -411,8 +466,13 @@ def _kernel_class():
             WK: cutlass.Constexpr = self.wk * self.ks  # wk is the warp's K slice among the cluster's
             NW: cutlass.Constexpr = self.wn * self.wk
             CHV: cutlass.Constexpr = 4 * self.unroll  # 16-byte vectors per chunk along K
+            MA: cutlass.Constexpr = 2 if self.m > 8 else 1  # A rows per lane: m_lo (and m_hi)
+            g = lane // 4
             # [8 elements, lane, slot, stage, warp]: a warp's 32 lanes read 512 contiguous bytes
             sW = smem.allocate_tensor(self.dtype, cute.make_layout((8, 32, RG * U, S, NW)), byte_alignment=16)
+            sA = None
+            if cutlass.const_expr(self.a_ring):
+                sA = smem.allocate_tensor(self.dtype, cute.make_layout((8, 32, MA * U, S, NW)), byte_alignment=16)
             atom = cute.make_copy_atom(
                 cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
                 self.dtype, num_bits_per_copy=128)
@@ -421,7 +481,7 @@ def _kernel_class():
             if cutlass.const_expr(not self.static_weight):
                 # the weight may be the previous kernel's output: only warm L2 (coherent) before the
                 # wait; the copies into shared memory start after it
-                if cutlass.const_expr(self.prefetch):
+                if cutlass.const_expr(self.prefetch and self.l2_kb == 0):
                     for st in cutlass.range_constexpr(S - 1):
                         if st < count:
                             kvp = (wk + st * WK) * CHV + t
@@ -429,7 +489,7 @@ def _kernel_class():
                                 for r in cutlass.range_constexpr(RG):
                                     v = gB[rows[r], (None, kvp + 4 * u)]
                                     cute.arch.prefetch(v.iterator.llvm_ptr, cache_level="L2")
-                cute.arch.griddepcontrol_wait()
+                self.wait_previous()
 
             for st in cutlass.range_constexpr(S - 1):
                 if st < count:
@@ -439,11 +499,21 @@ def _kernel_class():
                             src = gB[rows[r], (None, kv0 + 4 * u)]
                             cute.copy(atom, cute.make_tensor(src.iterator.align(16), src.layout),
                                       sW[None, lane, r * U + u, st, warp])
+                    if cutlass.const_expr(self.a_ring and not self.static_weight):
+                        self.copy_a_chunk(atom, gA, g, kv0, sA, lane, st, warp)
                 cute.arch.cp_async_commit_group()
 
             if cutlass.const_expr(self.static_weight):
                 # PDL: the prologue above overlapped the previous kernel's tail; A may be its output
-                cute.arch.griddepcontrol_wait()
+                self.wait_previous()
+                if cutlass.const_expr(self.a_ring):
+                    # A of the prologue's chunks in one go, then wait for all of it (one round trip; the
+                    # weight stages, issued before the wait, have usually landed by now)
+                    for st in cutlass.range_constexpr(S - 1):
+                        if st < count:
+                            self.copy_a_chunk(atom, gA, g, (wk + st * WK) * CHV + t, sA, lane, st, warp)
+                    cute.arch.cp_async_commit_group()
+                    cute.arch.cp_async_wait_group(0)
 
             for i in cutlass.range(0, count, 1, unroll=1):
                 nxt = i + S - 1
@@ -455,15 +525,38 @@ def _kernel_class():
                             src = gB[rows[r], (None, kvn + 4 * u)]
                             cute.copy(atom, cute.make_tensor(src.iterator.align(16), src.layout),
                                       sW[None, lane, r * U + u, stn, warp])
+                    if cutlass.const_expr(self.a_ring):
+                        self.copy_a_chunk(atom, gA, g, kvn, sA, lane, stn, warp)
                 cute.arch.cp_async_commit_group()
-                self.load_a(gA, gG, m_lo, m_hi, (wk + i * WK) * CHV + t, rA, ss)
+                kvi = (wk + i * WK) * CHV + t
+                if cutlass.const_expr(not self.a_ring):
+                    self.load_a(gA, gG, m_lo, m_hi, kvi, rA, ss)
                 cute.arch.cp_async_wait_group(S - 1)  # chunk i has landed
                 cur = i % S
                 for slot in cutlass.range_constexpr(RG * U):
                     cute.autovec_copy(sW[None, lane, slot, cur, warp], rB[None, slot])
+                if cutlass.const_expr(self.a_ring):
+                    for u in cutlass.range_constexpr(U):
+                        for h in cutlass.range_constexpr(MA):
+                            cute.autovec_copy(sA[None, lane, u * MA + h, cur, warp], rA[None, 2 * u + h])
+                        self.norm_a_step(gG, kvi + 4 * u, rA, u, ss)
                 for u in cutlass.range_constexpr(U):
                     self.mma_step(acc, rA32, rB32, u, u, U)
             cute.arch.cp_async_wait_group(0)
+
+        @cute.jit
+        def copy_a_chunk(self, atom, gA: cute.Tensor, g, kv0, sA: cute.Tensor, lane, st, warp):
+            """cp.async of this lane's A vectors of one chunk (rows g, and g + 8 above M = 8) into the ring;
+            each lane reads back only its own slots. Lanes of rows past M copy nothing: their slots hold
+            stale bytes, which only reach MMA rows that are never stored (the copies of a clamped row
+            would all hit the same bytes, and such cp.async serialise)."""
+            MA: cutlass.Constexpr = 2 if self.m > 8 else 1
+            for u in cutlass.range_constexpr(self.unroll):
+                for h in cutlass.range_constexpr(MA):
+                    if g + 8 * h < self.m:
+                        src = gA[g + 8 * h, (None, kv0 + 4 * u)]
+                        cute.copy(atom, cute.make_tensor(src.iterator.align(16), src.layout),
+                                  sA[None, lane, u * MA + h, st, warp])
 
         @cute.jit
         def mma_step(self, acc: cute.Tensor, rA32: cute.Tensor, rB32: cute.Tensor,
@@ -484,108 +577,6 @@ def _kernel_class():
 
 
 # --------------------------------------------------------------------------------------------------
-# compilation and caches
-
-_compiled: dict = {}
-_compile_lock = threading.Lock()
-
-
-def _cute_dtype(dtype: torch.dtype):
-    import cutlass
-    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
-
-
-def _fake_args(dtype: torch.dtype, m: int, has_bias: bool, has_res: bool, has_norm: bool = False):
-    """Fake tensors with symbolic N, K and row strides: one compile serves every N and K."""
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
-
-    cd = _cute_dtype(dtype)
-    n, k = cute.sym_int(), cute.sym_int(divisibility=VEC)
-    lda, ldb = cute.sym_int64(divisibility=VEC), cute.sym_int64(divisibility=VEC)
-    a = make_fake_tensor(cd, (m, k), (lda, 1), assumed_align=16)
-    b = make_fake_tensor(cd, (n, k), (ldb, 1), assumed_align=16)
-    c = make_fake_tensor(cd, (m, n), (cute.sym_int64(), 1), assumed_align=2)
-    bias = make_fake_tensor(cd, (n,), (1,), assumed_align=2) if has_bias else None
-    res = make_fake_tensor(cd, (m, n), (cute.sym_int64(), 1), assumed_align=2) if has_res else None
-    g = make_fake_tensor(cd, (k,), (1,), assumed_align=16) if has_norm else None
-    return a, b, c, bias, res, g, make_fake_stream(use_tvm_ffi_env_stream=True)
-
-
-@functools.cache
-def _source_fingerprint() -> str:
-    """What a cached kernel depends on: our sources, the DSL version and the target GPU arch."""
-    h = hashlib.sha256()
-    for f in ("cute.py", "config.py"):
-        with open(os.path.join(os.path.dirname(__file__), f), "rb") as fh:
-            h.update(fh.read())
-    import cutlass
-    h.update(str(getattr(cutlass, "__version__", "?")).encode())
-    arch = os.environ.get("CUTE_DSL_ARCH", "")
-    if not arch and torch.cuda.is_available():
-        arch = "sm_%d%d" % torch.cuda.get_device_capability()
-    h.update(arch.encode())
-    return h.hexdigest()[:16]
-
-
-def _cache_dir() -> Optional[str]:
-    """On-disk kernel cache (K3_CUTE_CACHE_DIR, default ~/.cache/k3compile/cute; "0" disables it)."""
-    d = os.environ.get("K3_CUTE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "k3compile", "cute"))
-    return None if d == "0" else os.path.join(d, _source_fingerprint())
-
-
-def compile_kernel(dtype: torch.dtype, m: int, cfg: _config.SkinnyConfig, has_bias: bool, has_res: bool,
-                   static_weight: bool = False, norm_eps: Optional[float] = None):
-    """The compiled kernel for this variant: from memory, else from disk, else compiled (and saved).
-
-    ``norm_eps``: fuse the RMSNorm of A with this eps (the latent-MoE tail; the kernel then takes the
-    norm weight as its sixth argument). It is baked into the kernel: one model uses one eps.
-    """
-    key = (dtype, m, cfg, has_bias, has_res, static_weight, None if norm_eps is None else float(norm_eps))
-    fn = _compiled.get(key)
-    if fn is not None:
-        return fn
-    with _compile_lock:  # cute.compile is not thread-safe
-        fn = _compiled.get(key)
-        if fn is None:
-            fn = _load_or_compile(key)
-            _compiled[key] = fn
-    return fn
-
-
-def _variant_name(key) -> str:
-    dtype, m, cfg, has_bias, has_res, static_w, eps = key
-    norm = "" if eps is None else "_norm" + struct.pack(">d", eps).hex()  # the exact eps, name-safe
-    return (f"k3_skinny_{str(dtype).split('.')[-1]}_m{m}_{cfg.tag().replace('-', '_')}"
-            f"_b{int(has_bias)}_r{int(has_res)}_s{int(static_w)}{norm}")
-
-
-def _load_or_compile(key):
-    import cutlass.cute as cute
-
-    name = _variant_name(key)
-    cdir = _cache_dir()
-    path = os.path.join(cdir, name + ".o") if cdir else None
-    if path and os.path.exists(path):
-        try:
-            return cute.runtime.load_module(path, enable_tvm_ffi=True)[name]
-        except Exception:  # a stale or torn file: recompile below and overwrite it
-            pass
-    dtype, m, cfg, has_bias, has_res, static_w, eps = key
-    kern = _kernel_class()(_cute_dtype(dtype), m, cfg, has_bias, has_res, static_w, eps)
-    fn = cute.compile(kern, *_fake_args(dtype, m, has_bias, has_res, eps is not None), options="--enable-tvm-ffi")
-    if path:
-        try:
-            os.makedirs(cdir, exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            fn.export_to_c(object_file_path=tmp, function_name=name)
-            os.replace(tmp, path)  # atomic: a second process sees the whole file or none
-        except Exception:
-            pass  # the cache is an optimisation; the compiled function is already in hand
-    return fn
-
-
-# --------------------------------------------------------------------------------------------------
 # public entry points
 
 def skinny_gemm_cute(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -603,7 +594,7 @@ def skinny_gemm_cute(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tens
     m, k = a.shape
     n = w.shape[0]
     if cfg is None:
-        cfg = _config.choose(m, n, k) or _config.heuristic(m, n, k)
+        cfg = _config.choose(m, n, k, static_weight) or _config.heuristic(m, n, k, static_weight)
     fn = compile_kernel(a.dtype, m, cfg, bias is not None, residual is not None, static_weight)
     if out is None:
         out = torch.empty((m, n), dtype=a.dtype, device=a.device)
@@ -619,6 +610,7 @@ def warmup(dtype: torch.dtype, m: int, n: Optional[int] = None, k: Optional[int]
     With n and k, the configuration those shapes choose; else ``cfg`` or the heuristic's default.
     """
     if cfg is None:
-        cfg = _config.choose(m, n, k) if n is not None and k is not None else _config.heuristic(m, 4096, 4096)
+        cfg = (_config.choose(m, n, k, static_weight) if n is not None and k is not None
+               else _config.heuristic(m, 4096, 4096, static_weight))
     if cfg is not None:
         compile_kernel(dtype, m, cfg, has_bias, has_residual, static_weight)

@@ -1,0 +1,128 @@
+"""Compiling the CuTe skinny GEMM (``cute.py``): one kernel per (dtype, M, configuration, bias?, residual?,
+static weight?, fused-norm eps), kept in memory and exported to an on-disk cache so a second process loads
+it instead of compiling (~0.3 s per variant; loading takes milliseconds).
+
+N, K and the row strides are symbolic in the compiled kernel, so one compile serves every shape. The disk
+cache is keyed by a fingerprint of the kernel's source, this module, the configuration class, the DSL
+version and the target arch (``K3_CUTE_CACHE_DIR``, default ~/.cache/k3compile/cute; "0" disables it).
+A cache built on a CPU host with ``CUTE_DSL_ARCH=sm_90a`` serves an H200.
+
+cutlass is imported only inside functions: CI has no CuTe DSL and must still import this module.
+"""
+import functools
+import hashlib
+import os
+import struct
+import threading
+from typing import Optional
+
+import torch
+
+from k3compile.ops.skinny_gemm import config as _config
+
+VEC = 8  # elements per 128-bit load: K and the row strides are declared multiples of it
+
+_compiled: dict = {}
+_compile_lock = threading.Lock()
+
+
+def _cute_dtype(dtype: torch.dtype):
+    import cutlass
+    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
+
+
+def _fake_args(dtype: torch.dtype, m: int, has_bias: bool, has_res: bool, has_norm: bool = False):
+    """Fake tensors with symbolic N, K and row strides: one compile serves every N and K."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    cd = _cute_dtype(dtype)
+    n, k = cute.sym_int(), cute.sym_int(divisibility=VEC)
+    lda, ldb = cute.sym_int64(divisibility=VEC), cute.sym_int64(divisibility=VEC)
+    a = make_fake_tensor(cd, (m, k), (lda, 1), assumed_align=16)
+    b = make_fake_tensor(cd, (n, k), (ldb, 1), assumed_align=16)
+    c = make_fake_tensor(cd, (m, n), (cute.sym_int64(), 1), assumed_align=2)
+    bias = make_fake_tensor(cd, (n,), (1,), assumed_align=2) if has_bias else None
+    res = make_fake_tensor(cd, (m, n), (cute.sym_int64(), 1), assumed_align=2) if has_res else None
+    g = make_fake_tensor(cd, (k,), (1,), assumed_align=16) if has_norm else None
+    return a, b, c, bias, res, g, make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+@functools.cache
+def _source_fingerprint() -> str:
+    """What a cached kernel depends on: the kernel's source and this module, the configuration class (not
+    the table: a variant's name spells its configuration), the DSL version and the target GPU arch."""
+    import inspect
+
+    h = hashlib.sha256()
+    for f in ("cute.py", "cute_compile.py"):
+        with open(os.path.join(os.path.dirname(__file__), f), "rb") as fh:
+            h.update(fh.read())
+    h.update(inspect.getsource(_config.SkinnyConfig).encode())
+    import cutlass
+    h.update(str(getattr(cutlass, "__version__", "?")).encode())
+    arch = os.environ.get("CUTE_DSL_ARCH", "")
+    if not arch and torch.cuda.is_available():  # the DSL targets the arch-specific (a) variant from sm_90
+        major, minor = torch.cuda.get_device_capability()
+        arch = "sm_%d%d%s" % (major, minor, "a" if major >= 9 else "")
+    h.update(arch.encode())
+    return h.hexdigest()[:16]
+
+
+def _cache_dir() -> Optional[str]:
+    """On-disk kernel cache (K3_CUTE_CACHE_DIR, default ~/.cache/k3compile/cute; "0" disables it)."""
+    d = os.environ.get("K3_CUTE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "k3compile", "cute"))
+    return None if d == "0" else os.path.join(d, _source_fingerprint())
+
+
+def compile_kernel(dtype: torch.dtype, m: int, cfg: _config.SkinnyConfig, has_bias: bool, has_res: bool,
+                   static_weight: bool = False, norm_eps: Optional[float] = None):
+    """The compiled kernel for this variant: from memory, else from disk, else compiled (and saved).
+
+    ``norm_eps``: fuse the RMSNorm of A with this eps (the latent-MoE tail; the kernel then takes the
+    norm weight as its sixth argument). It is baked into the kernel: one model uses one eps.
+    """
+    key = (dtype, m, cfg, has_bias, has_res, static_weight, None if norm_eps is None else float(norm_eps))
+    fn = _compiled.get(key)
+    if fn is not None:
+        return fn
+    with _compile_lock:  # cute.compile is not thread-safe
+        fn = _compiled.get(key)
+        if fn is None:
+            fn = _load_or_compile(key)
+            _compiled[key] = fn
+    return fn
+
+
+def _variant_name(key) -> str:
+    dtype, m, cfg, has_bias, has_res, static_w, eps = key
+    norm = "" if eps is None else "_norm" + struct.pack(">d", eps).hex()  # the exact eps, name-safe
+    return (f"k3_skinny_{str(dtype).split('.')[-1]}_m{m}_{cfg.tag().replace('-', '_')}"
+            f"_b{int(has_bias)}_r{int(has_res)}_s{int(static_w)}{norm}")
+
+
+def _load_or_compile(key):
+    import cutlass.cute as cute
+
+    name = _variant_name(key)
+    cdir = _cache_dir()
+    path = os.path.join(cdir, name + ".o") if cdir else None
+    if path and os.path.exists(path):
+        try:
+            return cute.runtime.load_module(path, enable_tvm_ffi=True)[name]
+        except Exception:  # a stale or torn file: recompile below and overwrite it
+            pass
+    dtype, m, cfg, has_bias, has_res, static_w, eps = key
+    from k3compile.ops.skinny_gemm.cute import _kernel_class
+
+    kern = _kernel_class()(_cute_dtype(dtype), m, cfg, has_bias, has_res, static_w, eps)
+    fn = cute.compile(kern, *_fake_args(dtype, m, has_bias, has_res, eps is not None), options="--enable-tvm-ffi")
+    if path:
+        try:
+            os.makedirs(cdir, exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            fn.export_to_c(object_file_path=tmp, function_name=name)
+            os.replace(tmp, path)  # atomic: a second process sees the whole file or none
+        except Exception:
+            pass  # the cache is an optimisation; the compiled function is already in hand
+    return fn
