@@ -8,3 +8,14 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     assert not torch.isnan(out).any(), "NaN in the output (unwritten element or bad math)"
     out, ref = out.double(), ref.double()
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def latent_moe_tail_inputs(m: int, l: int, d: int, dtype: torch.dtype, seed: int = 0, scale: float = 1.0):
+    """Random (latent [m, l], shared [m, d], norm weight [l], up weight [d, l]) for the latent-MoE tail, drawn
+    on the CPU from ``seed``; ``scale`` multiplies the latent (large values probe fp16 overflow)."""
+    g = torch.Generator().manual_seed(seed)
+    latent = (torch.randn(m, l, generator=g) * scale).to(dtype)
+    shared = torch.randn(m, d, generator=g).to(dtype)
+    norm_weight = (1 + 0.1 * torch.randn(l, generator=g)).to(dtype)
+    up_weight = (torch.randn(d, l, generator=g) / l ** 0.5).to(dtype)
+    return latent, shared, norm_weight, up_weight

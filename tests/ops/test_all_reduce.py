@@ -7,35 +7,23 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import k3compile.ops.all_reduce  # noqa: F401  (registers k3::all_reduce_)
 
 OP = torch.ops.k3.all_reduce_.default
 
 
-@pytest.fixture
-def group_name():
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD.group_name
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("reduce_op", ["sum", "max"])
-def test_reduces_in_place_world_of_one(group_name, reduce_op):
+def test_reduces_in_place_world_of_one(gloo_world_of_one, reduce_op):
     x = torch.randn(3, 40)
     buf = x.clone()
-    assert OP(buf, reduce_op, group_name) is None
+    assert OP(buf, reduce_op, gloo_world_of_one) is None
     assert torch.equal(buf, x)   # one rank: every reduction is the identity, in the same buffer
 
 
-def test_unknown_reduce_op_is_a_clear_error(group_name):
+def test_unknown_reduce_op_is_a_clear_error(gloo_world_of_one):
     with pytest.raises(ValueError, match="reduce_op 'mean' is not one of"):
-        OP(torch.zeros(2, 2), "mean", group_name)
+        OP(torch.zeros(2, 2), "mean", gloo_world_of_one)
 
 
 def test_schema_mutates_the_buffer_only():

@@ -26,19 +26,10 @@ from k3compile.ops.latent_moe_tail.reference import (
 )
 from k3compile.ops.latent_moe_tail.triton import TailConfig, latent_moe_tail_triton
 from k3compile.ops.skinny_gemm import SKINNY_GEMM
-from k3compile.testing import rel_err
+from k3compile.testing import latent_moe_tail_inputs as make_inputs, rel_err
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float64: 1e-12}
-
-
-def make_inputs(m, l, d, dtype, seed=0, scale=1.0):
-    g = torch.Generator().manual_seed(seed)
-    latent = (torch.randn(m, l, generator=g) * scale).to(dtype)
-    shared = torch.randn(m, d, generator=g).to(dtype)
-    norm_weight = (1 + 0.1 * torch.randn(l, generator=g)).to(dtype)
-    up_weight = (torch.randn(d, l, generator=g) / l ** 0.5).to(dtype)
-    return latent, shared, norm_weight, up_weight
 
 
 def truth(latent, shared, norm_weight, up_weight, eps):

@@ -14,21 +14,12 @@ from k3compile.ops.latent_moe_tail.reference import kimi_rms_norm
 from k3compile.ops.latent_moe_tail.split import GEMMS, SplitConfig, kimi_rms_norm_triton, latent_moe_tail_split
 from k3compile.ops import arrival_counters
 from k3compile.ops.latent_moe_tail.reference import latent_moe_tail_ref
-from k3compile.testing import rel_err
+from k3compile.testing import latent_moe_tail_inputs as make_inputs, rel_err
 
 # as in test_latent_moe_tail.py (pytest's importlib mode keeps test modules from importing each other)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 GPU_TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
-
-
-def make_inputs(m, l, d, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    latent = torch.randn(m, l, generator=g).to(dtype)
-    shared = torch.randn(m, d, generator=g).to(dtype)
-    norm_weight = (1 + 0.1 * torch.randn(l, generator=g)).to(dtype)
-    up_weight = (torch.randn(d, l, generator=g) / l ** 0.5).to(dtype)
-    return latent, shared, norm_weight, up_weight
 
 
 def truth(latent, shared, norm_weight, up_weight, eps):

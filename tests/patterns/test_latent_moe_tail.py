@@ -336,20 +336,6 @@ def test_tp_sequence_sharded_rows_keep_their_collectives():
 # ---------------------------------------------------------------------------------------------
 # tensor-parallel form through Inductor: the output code between the one all-reduce and the tail
 
-@pytest.fixture
-def gloo_world_of_one():
-    """A one-rank gloo group in this process (no port): enough to compile and run functional collectives."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD.group_name
-    finally:
-        dist.destroy_process_group()
-
-
 def call_body(code: str) -> list[str]:
     """The lines of the wrapper's ``call`` (the host code that launches kernels and extern ops)."""
     lines = code[code.index("def call(self, args):"):].splitlines()[1:]

@@ -224,13 +224,9 @@ def _row_rstd(p_x, o_m, m_m, s_xm, s_xk, L, eps, BLOCK_M: tl.constexpr, BLOCK_K:
 
 
 @triton.jit
-def _scaled_latent(p_x, p_g, o_m, m_m, o_k, m_k, s_xm, s_xk, b_rstd, PRENORM: tl.constexpr):
-    """One K tile of the GEMM's A operand and the squares of its raw latent (fp32, elementwise).
-
-    A = x·g in the input dtype, the per-row rstd left to the accumulator; with PRENORM the model's
-    rounding instead: normalise in fp32, round, scale by the weight, round."""
-    b_x = tl.load(p_x + o_m[:, None] * s_xm + o_k[None, :] * s_xk, mask=m_m[:, None] & m_k[None, :], other=0.)
-    b_g = tl.load(p_g + o_k, mask=m_k, other=0.).to(tl.float32)
+def _scale_by_norm_weight(b_x, b_g, b_rstd, PRENORM: tl.constexpr):
+    """(A tile in the input dtype, fp32 squares of the raw latent) from a latent tile and its norm-weight slice."""
+    b_g = b_g.to(tl.float32)
     b_xf = b_x.to(tl.float32)
     if PRENORM:
         b_h = ((b_xf * b_rstd[:, None]).to(b_x.dtype).to(tl.float32) * b_g).to(b_x.dtype)
@@ -240,17 +236,21 @@ def _scaled_latent(p_x, p_g, o_m, m_m, o_k, m_k, s_xm, s_xk, b_rstd, PRENORM: tl
 
 
 @triton.jit
+def _scaled_latent(p_x, p_g, o_m, m_m, o_k, m_k, s_xm, s_xk, b_rstd, PRENORM: tl.constexpr):
+    """One K tile of the GEMM's A operand and the squares of its raw latent (fp32, elementwise).
+
+    A = x·g in the input dtype, the per-row rstd left to the accumulator; with PRENORM the model's
+    rounding instead: normalise in fp32, round, scale by the weight, round."""
+    b_x = tl.load(p_x + o_m[:, None] * s_xm + o_k[None, :] * s_xk, mask=m_m[:, None] & m_k[None, :], other=0.)
+    b_g = tl.load(p_g + o_k, mask=m_k, other=0.)
+    return _scale_by_norm_weight(b_x, b_g, b_rstd, PRENORM)
+
+
+@triton.jit
 def _scaled_latent_tma(x_desc, g_desc, k0, b_rstd, PRENORM: tl.constexpr):
     """:func:`_scaled_latent` from TMA descriptors: latent [BLOCK_M, BLOCK_K] tiles (zeros past M and L)
     and the norm weight as a [1, L] tensor."""
-    b_x = x_desc.load([0, k0])
-    b_g = g_desc.load([0, k0]).to(tl.float32)
-    b_xf = b_x.to(tl.float32)
-    if PRENORM:
-        b_h = ((b_xf * b_rstd[:, None]).to(b_x.dtype).to(tl.float32) * b_g).to(b_x.dtype)
-    else:
-        b_h = (b_xf * b_g).to(b_x.dtype)
-    return b_h, b_xf * b_xf
+    return _scale_by_norm_weight(x_desc.load([0, k0]), g_desc.load([0, k0]), b_rstd, PRENORM)
 
 
 @triton.jit
