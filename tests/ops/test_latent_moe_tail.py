@@ -544,3 +544,58 @@ def test_cuda_graph_replay(kind):
     torch.cuda.synchronize()
     assert counters_all_zero()
 
+
+
+_TAIL_PTX_SCRIPT = """
+import json, sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from k3compile.ops.latent_moe_tail.triton import _latent_moe_tail_kernel as kernel
+
+out = {}
+for name, flavour in json.loads(sys.argv[1]).items():
+    const = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1, LAST_REDUCES=False, SWAP_AB=False, PRENORM=False,
+                 IEEE_DOT=False, UPCAST_DOT=False, TMA=True, PDL=True, EARLY_TRIGGER=True, PRELOAD=False,
+                 RING=False, LATENT_TMA=True)
+    const.update(flavour)
+    desc = dict(w_desc="tensordesc<bf16[32,128]>", x_desc="tensordesc<bf16[16,128]>", g_desc="tensordesc<bf16[1,128]>")
+    sig = {n: "constexpr" if n in const else desc.get(n) or ("*fp32" if n in ("p_ws", "p_ss") else "*i32" if n == "p_cnt"
+           else "*bf16" if n.startswith("p_") else "fp32" if n == "eps" else "i32") for n in kernel.arg_names}
+    src = ASTSource(fn=kernel, signature=sig, constexprs=const)
+    out[name] = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=2, num_stages=5)).asm["ptx"]
+print(json.dumps(out))
+"""
+# the shipped one-kernel form (M 5-16 on the H200) and its split-K neighbour; "preload" (static weight only) may
+# read its first weight tile before the wait
+TAIL_PDL_FLAVOURS = {"one-kernel-tma": {}, "split2-last": dict(SPLIT_K=2, LAST_REDUCES=True),
+                     "pointer-latent": dict(LATENT_TMA=False), "static-preload": dict(PRELOAD=True)}
+
+
+def test_pdl_tail_reads_nothing_but_a_static_weight_before_its_wait():
+    """The kernel starts while the previous one (which wrote the latent) may still run: before its
+    griddepcontrol.wait it may read only the weight, and only where the caller proved it static (PRELOAD); it
+    lets the next kernel in only after that wait (the static-weight proof relies on it). Checked in sm_90 PTX
+    (Triton's NVIDIA backend compiles without a GPU), in a process without TRITON_INTERPRET."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    run = subprocess.run([sys.executable, "-c", _TAIL_PTX_SCRIPT, json.dumps(TAIL_PDL_FLAVOURS)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    for name, ptx in json.loads(run.stdout.strip().splitlines()[-1]).items():
+        lines = ptx.splitlines()
+        wait = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
+        trigger = [i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line]
+        assert len(wait) == 1 and len(trigger) == 1 and trigger[0] > wait[0], name
+        global_ops = [line for line in lines[:wait[0]]
+                      if any(op in line for op in ("ld.global", "cp.async", "st.global", "atom.global", "red.global"))]
+        if name == "static-preload":   # the weight's first [32, 128] tile: one TMA copy
+            assert len(global_ops) == 1 and "cp.async.bulk.tensor" in global_ops[0], global_ops
+        else:
+            assert not global_ops, (name, global_ops)
