@@ -19,3 +19,21 @@ def latent_moe_tail_inputs(m: int, l: int, d: int, dtype: torch.dtype, seed: int
     norm_weight = (1 + 0.1 * torch.randn(l, generator=g)).to(dtype)
     up_weight = (torch.randn(d, l, generator=g) / l ** 0.5).to(dtype)
     return latent, shared, norm_weight, up_weight
+
+
+def ptx_in_a_fresh_process(script: str, flavours: dict) -> dict:
+    """Run ``script`` (which compiles kernels with ``triton.compile`` for a GPU target — Triton's NVIDIA backend
+    needs no GPU — and prints one JSON line of name -> PTX) on ``json.dumps(flavours)``, in a process without
+    ``TRITON_INTERPRET`` (under it nothing is compiled) that imports this checkout of k3compile; returns that JSON."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    run = subprocess.run([sys.executable, "-c", script, json.dumps(flavours)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])

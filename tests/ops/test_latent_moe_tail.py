@@ -576,19 +576,10 @@ def test_pdl_tail_reads_nothing_but_a_static_weight_before_its_wait():
     griddepcontrol.wait it may read only the weight, and only where the caller proved it static (PRELOAD); it
     lets the next kernel in only after that wait (the static-weight proof relies on it). Checked in sm_90 PTX
     (Triton's NVIDIA backend compiles without a GPU), in a process without TRITON_INTERPRET."""
-    import json
-    import os
-    import subprocess
-    import sys
+    from k3compile.testing import ptx_in_a_fresh_process
 
     pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
-    run = subprocess.run([sys.executable, "-c", _TAIL_PTX_SCRIPT, json.dumps(TAIL_PDL_FLAVOURS)], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    for name, ptx in json.loads(run.stdout.strip().splitlines()[-1]).items():
+    for name, ptx in ptx_in_a_fresh_process(_TAIL_PTX_SCRIPT, TAIL_PDL_FLAVOURS).items():
         lines = ptx.splitlines()
         wait = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
         trigger = [i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line]

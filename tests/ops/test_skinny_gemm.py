@@ -293,19 +293,10 @@ PDL_FLAVOURS = {
 def sm90_ptx():
     """PTX of the PDL kernel flavours compiled for sm_90 (Triton's NVIDIA backend needs no GPU), in a
     process without TRITON_INTERPRET (under it the kernel is not compiled at all)."""
-    import json
-    import os
-    import subprocess
-    import sys
+    from k3compile.testing import ptx_in_a_fresh_process
 
     pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
-    run = subprocess.run([sys.executable, "-c", _PTX_SCRIPT, json.dumps(PDL_FLAVOURS)], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return ptx_in_a_fresh_process(_PTX_SCRIPT, PDL_FLAVOURS)
 
 
 @pytest.mark.parametrize("flavour", sorted(PDL_FLAVOURS))
