@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton import _latent_tile, _row_rstd, _tail_epilogue, gdc_launch_dependents, gdc_wait
+from .triton import _add_product, _latent_tile, _row_rstd, _tail_epilogue, gdc_launch_dependents, gdc_wait
 
 
 def plan(n_tiles: int, k_blocks: int, programs: int) -> tuple[int, int, int]:
@@ -85,13 +85,7 @@ def _unit(u, b_w, b_acc_t, b_ss, b_rstd, pid, u_hi, p_x, p_g, p_ws, p_ss, o_m, m
     o_k = i_kb * BLOCK_K + tl.arange(0, BLOCK_K)
     b_h, b_ss_k = _latent_tile(p_x, p_g, o_m, m_m, o_k, o_k < L, s_xm, s_xk, b_rstd, PRENORM)
     b_ss += b_ss_k
-    if UPCAST_DOT:
-        b_h = b_h.to(tl.float32)
-        b_w = b_w.to(tl.float32)
-    if IEEE_DOT:
-        b_acc_t += tl.dot(b_w, tl.trans(b_h), input_precision="ieee")
-    else:
-        b_acc_t += tl.dot(b_w, tl.trans(b_h))
+    b_acc_t = _add_product(b_acc_t, b_h, b_w, True, IEEE_DOT, UPCAST_DOT)
     if (i_kb == KB - 1) | (u == u_hi - 1):
         row = i_t * MAX_SEG + pid - _owner(i_t * KB, U, P)
         tl.store(p_ws + (row * BLOCK_M + o_m[None, :]) * BLOCK_N + o_nn[:, None], b_acc_t, mask=m_m[None, :])

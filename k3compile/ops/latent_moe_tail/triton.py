@@ -261,6 +261,26 @@ def _latent_tile(p_x, p_g, o_m, m_m, o_k, m_k, s_xm, s_xk, b_rstd, PRENORM: tl.c
 
 
 @triton.jit
+def _add_product(b_acc, b_h, b_w, SWAP_AB: tl.constexpr, IEEE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """``b_acc + b_h·b_wᵀ``, or with ``SWAP_AB`` ``b_acc + b_w·b_hᵀ`` (the accumulator transposed: the weight
+    tile is then the MMA's wgmma-sized M side), in fp32; ``UPCAST_DOT`` feeds the dot fp32 operands."""
+    if UPCAST_DOT:
+        b_h = b_h.to(tl.float32)
+        b_w = b_w.to(tl.float32)
+    if SWAP_AB:
+        if IEEE_DOT:
+            b_p = tl.dot(b_w, tl.trans(b_h), input_precision="ieee")
+        else:
+            b_p = tl.dot(b_w, tl.trans(b_h))
+    else:
+        if IEEE_DOT:
+            b_p = tl.dot(b_h, tl.trans(b_w), input_precision="ieee")
+        else:
+            b_p = tl.dot(b_h, tl.trans(b_w))
+    return b_acc + b_p
+
+
+@triton.jit
 def _tail_epilogue(b_acc, b_ss, p_s, p_o, o_m, o_n, m_m, m_n, L, eps, s_sm, s_sn, s_om, s_on,
                    PRENORM: tl.constexpr):
     if not PRENORM:
@@ -338,32 +358,17 @@ def _latent_moe_tail_kernel(
         else:
             b_h, b_sq_k = _scaled_latent(p_x, p_g, o_m, m_m, o_k, m_k, s_xm, s_xk, b_rstd, PRENORM)
         b_sq += b_sq_k
-        if UPCAST_DOT:
-            b_h = b_h.to(tl.float32)
-            b_w = b_w.to(tl.float32)
         if SWAP_AB:
-            if IEEE_DOT:
-                b_acc_t += tl.dot(b_w, tl.trans(b_h), input_precision="ieee")
-            else:
-                b_acc_t += tl.dot(b_w, tl.trans(b_h))
+            b_acc_t = _add_product(b_acc_t, b_h, b_w, True, IEEE_DOT, UPCAST_DOT)
         else:
-            if IEEE_DOT:
-                b_acc += tl.dot(b_h, tl.trans(b_w), input_precision="ieee")
-            else:
-                b_acc += tl.dot(b_h, tl.trans(b_w))
+            b_acc = _add_product(b_acc, b_h, b_w, False, IEEE_DOT, UPCAST_DOT)
     if SWAP_AB:
         b_acc = tl.trans(b_acc_t)
     if PRELOAD:   # the peeled first tile, after the loop: the loop's first loads are not held up by it
         o_k = k_lo + tl.arange(0, BLOCK_K)
         b_h, b_sq_k = _scaled_latent(p_x, p_g, o_m, m_m, o_k, o_k < k_hi, s_xm, s_xk, b_rstd, PRENORM)
         b_sq += b_sq_k
-        if UPCAST_DOT:
-            b_h = b_h.to(tl.float32)
-            b_w0 = b_w0.to(tl.float32)
-        if IEEE_DOT:
-            b_acc += tl.dot(b_h, tl.trans(b_w0), input_precision="ieee")
-        else:
-            b_acc += tl.dot(b_h, tl.trans(b_w0))
+        b_acc = _add_product(b_acc, b_h, b_w0, False, IEEE_DOT, UPCAST_DOT)
     b_ss = tl.sum(b_sq, axis=1)
     if PDL:
         if RING:
