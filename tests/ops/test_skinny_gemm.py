@@ -114,6 +114,8 @@ def test_triton_config_rejects_bad_preload_and_prefetch(bad):
 
 def test_triton_config_tag_spells_the_pdl_flavour():
     assert TritonConfig(16, 32, 128, 4, one_launch=True, tma=True).tag() == "dot-m16-n32-k128-s4x1-w4-std-tma"
+    assert TritonConfig(1, 8, 256, 1, num_stages=4, fma=True, tma=True, a_tma=True, pdl=True, prefetch_lines=0,
+                        early_trigger=True).tag() == "fma-m1-n8-k256-s1-w4-st4-tma-atma-pdl0e"
     cfg = TritonConfig(16, 32, 128, 4, one_launch=True, pdl=True, prefetch_lines=0, preload=2, early_trigger=True)
     assert cfg.tag() == "dot-m16-n32-k128-s4x1-w4-std-pdl0ep2"
 
@@ -185,6 +187,10 @@ def test_triton_on_gpu_decode_shapes(m, n, k, dtype):
     pytest.param(dict(block_n=32, block_k=128, split_k=4, one_launch=True, fma=True, num_stages=4), id="fma-1launch"),
     pytest.param(dict(block_n=32, block_k=128, split_k=4, one_launch=True, fma=True, tma=True, num_stages=4),
                  id="fma-1launch-tma"),
+    pytest.param(dict(block_n=8, block_k=256, split_k=1, fma=True, tma=True, a_tma=True, pdl=True, prefetch_lines=0,
+                      early_trigger=True, num_stages=4), id="fma-n8-tma-atma-pdl-early"),
+    pytest.param(dict(block_n=32, block_k=128, split_k=3, one_launch=True, tma=True, a_tma=True, num_warps=2,
+                      num_stages=4), id="dot-1launch-tma-atma"),
 ])
 def test_triton_kernel_variants_on_gpu_in_a_cuda_graph(m, config):
     """Every kernel variant at a decode shape, eagerly and replayed twice from one CUDA graph (the
@@ -211,7 +217,7 @@ def test_triton_kernel_variants_on_gpu_in_a_cuda_graph(m, config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 5], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("m", [1, 2, 5], ids=lambda m: f"M{m}")
 @pytest.mark.parametrize("flavour", [
     pytest.param(dict(), id="default"),
     pytest.param(dict(static=True), id="default-static"),
@@ -219,6 +225,7 @@ def test_triton_kernel_variants_on_gpu_in_a_cuda_graph(m, config):
     pytest.param(dict(pdl=True, prefetch_lines=0, preload=4, early_trigger=True, static=True, tma=False),
                  id="pdl-static-early-plain"),
     pytest.param(dict(num_warps=4, num_stages=None), id="default-w4-std"),
+    pytest.param(dict(a_tma=True), id="default-a-tma"),
 ])
 def test_triton_dependent_chain_in_a_cuda_graph(m, flavour):
     """Each product reads the previous one's output as a and the one before as residual, back to back in
@@ -267,12 +274,16 @@ from k3compile.ops.skinny_gemm.triton import _skinny_gemm_kernel as kernel
 
 out = {}
 for name, flavour in json.loads(sys.argv[1]).items():
-    sig = dict(zip(kernel.arg_names, ["*bf16"] * 6 + ["*fp32", "*i32"] + ["i32"] * 13))
     const = dict(HAS_BIAS=True, HAS_RES=True, SPLIT=True, ONE_LAUNCH=True, FMA=False, LOOP_STAGES=None,
                  PRECISION=None, UPCAST=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, TMA=False, PDL=True,
-                 PREFETCH_LINES=0, PRE_K=0, EARLY_TRIGGER=False, stride_ak=1, stride_wk=1, stride_rn=1, stride_on=1)
+                 PREFETCH_LINES=0, PRE_K=0, EARLY_TRIGGER=False, A_TMA=False, stride_ak=1, stride_wk=1, stride_rn=1,
+                 stride_on=1)
     const.update(flavour)
-    sig.update({k: "constexpr" for k in const})
+    tile = lambda rows: f"tensordesc<bf16[{rows},{const['BLOCK_K']}]>"  # noqa: E731
+    sig = {n: "constexpr" if n in const else "*fp32" if n == "ws_ptr" else "*i32" if n == "cnt_ptr"
+           else tile(const["BLOCK_N"]) if n == "w_desc" and const["TMA"]
+           else tile(const["BLOCK_M"]) if n == "a_desc" and const["A_TMA"] else "*bf16" if n.endswith(("_ptr", "_desc"))
+           else "i32" for n in kernel.arg_names}
     aligned = ["a_ptr", "w_ptr", "bias_ptr", "res_ptr", "out_ptr", "ws_ptr", "cnt_ptr", "N", "K", "K_PER_SPLIT",
                "stride_am", "stride_wn", "stride_rm", "stride_om"]
     attrs = {(kernel.arg_names.index(k),): [["tt.divisibility", 16]] for k in aligned}
@@ -286,6 +297,9 @@ PDL_FLAVOURS = {
     "prefetch-only": dict(PREFETCH_LINES=8),
     # one program per tile: bias and residual are read before the K loop, still after the wait
     "unsplit-static-early-trigger": dict(SPLIT=False, ONE_LAUNCH=False, PRE_K=128, EARLY_TRIGGER=True),
+    # FMA_ROW: one row, CUDA-core products, a and w by TMA (cp.async.bulk), none of it before the wait
+    "fma-row-tma-early-trigger": dict(SPLIT=False, ONE_LAUNCH=False, FMA=True, LOOP_STAGES=4, BLOCK_M=1, BLOCK_N=8,
+                                      BLOCK_K=256, TMA=True, A_TMA=True, EARLY_TRIGGER=True),
 }
 
 
@@ -359,13 +373,14 @@ def test_config_heuristic_fits_two_products_per_sm_with_few_splits(n, k):
     ``MIN_PER_SM`` programs per SM and fits beside the next product's grid (2 x per-SM count <= residency),
     pipelined deep enough for ``IN_FLIGHT_PER_SM`` of weight tiles per SM (or as deep as the loop /
     MAX_STAGES allow). (GPUs of 114 and 78 SMs too: the rule, not the H200's table.)"""
-    from k3compile.ops.skinny_gemm.triton import IN_FLIGHT_PER_SM, MAX_STAGES, MIN_PER_SM, TABLE, resident_per_sm
+    from k3compile.ops.skinny_gemm.triton import (IN_FLIGHT_PER_SM, MAX_STAGES, MIN_PER_SM, TABLE, _dot_heuristic,
+                                                  resident_per_sm)
 
     for sms in (132, 114, 78):
         for m in (1, 8, 16):
             if sms == 132 and (16, n, k) in TABLE:
                 continue  # a measured pick
-            cfg = choose_config(m, n, k, sms)
+            cfg = _dot_heuristic(m, n, k, sms)  # (one row may take FMA_ROW instead: the next test)
             tiles = -(-n // cfg.block_n)
             grid = tiles * cfg.split_k
             k_blocks = -(-k // cfg.block_k)
@@ -380,12 +395,40 @@ def test_config_heuristic_fits_two_products_per_sm_with_few_splits(n, k):
                         tiles * s / sms * 2 * cfg.block_n * cfg.block_k * 2 < IN_FLIGHT_PER_SM
 
 
-@pytest.mark.parametrize("n,k,split,stages", [(4608, 7168, 3, 3), (3584, 7168, 3, 4), (7168, 3584, 1, 5),
-                                              (7168, 2048, 1, 5), (2112, 7168, 4, 4)], ids=lambda v: str(v))
-def test_config_heuristic_picks_the_h200_winners(n, k, split, stages):
+@pytest.mark.parametrize("n,k,split,stages,fma_stages", [(4608, 7168, 3, 3, 4), (3584, 7168, 3, 4, 5),
+                                                         (7168, 3584, 1, 5, None), (7168, 2048, 1, 5, None),
+                                                         (2112, 7168, 4, 4, None)], ids=lambda v: str(v))
+def test_config_heuristic_picks_the_h200_winners(n, k, split, stages, fma_stages):
+    from k3compile.ops.skinny_gemm.triton import FMA_ROW
+
     for m in (1, 2, 4, 8, 16):
         cfg = choose_config(m, n, k, 132)
-        assert (cfg.split_k, cfg.num_stages, cfg.num_warps, cfg.block_n) == (split, stages, 2, 32)
+        if m <= 2 and fma_stages:
+            assert cfg == dataclasses.replace(FMA_ROW, block_m=m, num_stages=fma_stages)
+        else:
+            assert (cfg.split_k, cfg.num_stages, cfg.num_warps, cfg.block_n) == (split, stages, 2, 32)
+
+
+@pytest.mark.parametrize("n,k,sms,fma_row", [
+    pytest.param(4608, 7168, 132, True, id="4608x7168-132SM-fits"),
+    pytest.param(4608, 7168, 78, False, id="4608x7168-78SM-twice-past-residency"),
+    pytest.param(7168, 3584, 132, False, id="7168x3584-unsplit-dot"),
+    pytest.param(2560, 7168, 132, False, id="2560x7168-thin-grid"),
+    pytest.param(20480, 7168, 132, False, id="20480x7168-unsplit-dot"),
+])
+def test_config_one_or_two_rows_take_fma_row_only_where_the_dot_grid_splits_and_both_fit(n, k, sms, fma_row):
+    """FMA_ROW (no K split, block_m = M) replaces a split tensor-core grid for M <= 2 where its grid holds >= 3
+    programs per SM and fits beside the next product's (2 x per-SM count <= FMA_ROW_RESIDENT); four rows and
+    more keep the tensor cores."""
+    from k3compile.ops.skinny_gemm.triton import FMA_ROW, FMA_ROW_MIN_PER_SM, FMA_ROW_RESIDENT
+
+    for m in (1, 2):
+        cfg = choose_config(m, n, k, sms)
+        assert (cfg == dataclasses.replace(FMA_ROW, block_m=m, num_stages=cfg.num_stages)) == fma_row
+    programs = -(-n // FMA_ROW.block_n)
+    if fma_row:
+        assert programs >= FMA_ROW_MIN_PER_SM * sms and 2 * -(-programs // sms) <= FMA_ROW_RESIDENT
+    assert not choose_config(3, n, k, sms).fma and not choose_config(16, n, k, sms).fma
 
 
 def test_config_heuristic_triggers_late_where_two_grids_do_not_fit():

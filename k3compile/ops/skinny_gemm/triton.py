@@ -6,8 +6,10 @@ few column tiles to fill the GPU, a ``1/SPLIT_K`` slice of K. Split-K partial su
 workspace; either the last program of a column tile to arrive (an arrival counter per tile, rearmed
 by that program, so no memset and no second launch: CUDA-graph safe) or a second small kernel sums
 them in split order and adds the epilogue. Products run on tensor cores (``tl.dot``, M padded to 16)
-or, for a few rows, on CUDA cores (broadcast multiply, one K reduction at the end). Accumulation is
-fp32 always; fp32 inputs use IEEE products (no TF32). Any M <= ``MAX_M``, N and K; tails are masked.
+or, for a few rows, on CUDA cores (broadcast multiply, one K reduction at the end: one or two rows take
+such a grid of 8-column tiles by default where the tensor-core grid would split K, see ``FMA_ROW``).
+Weight tiles, and optionally a's, may come by TMA. Accumulation is fp32 always; fp32 inputs use IEEE
+products (no TF32). Any M <= ``MAX_M``, N and K; tails are masked.
 
 With ``pdl`` (sm_90+) the kernel is launched with programmatic dependent launch: its programs may start
 while the previous kernel finishes, and touch nothing another kernel may write or read (a, residual, out,
@@ -87,13 +89,14 @@ def _epilogue_operands(bias_ptr, res_ptr, o_m, o_n, m_m, m_n, stride_rm, stride_
 
 @triton.jit
 def _skinny_gemm_kernel(
-    a_ptr, w_ptr, w_desc, bias_ptr, res_ptr, out_ptr, ws_ptr, cnt_ptr,
+    a_ptr, w_ptr, w_desc, a_desc, bias_ptr, res_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, K_PER_SPLIT, SPLIT_K,
     stride_am, stride_ak, stride_wn, stride_wk, stride_rm, stride_rn, stride_om, stride_on,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SPLIT: tl.constexpr, ONE_LAUNCH: tl.constexpr,
     FMA: tl.constexpr, LOOP_STAGES: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
     PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, PRE_K: tl.constexpr, EARLY_TRIGGER: tl.constexpr,
+    A_TMA: tl.constexpr,
 ):
     i_n = tl.program_id(0)
     i_k = tl.program_id(1)
@@ -146,7 +149,10 @@ def _skinny_gemm_kernel(
     for k0 in tl.range(k_loop, k_hi, BLOCK_K, num_stages=LOOP_STAGES):
         o_k = k0 + tl.arange(0, BLOCK_K)
         m_k = o_k < k_hi
-        b_a = tl.load(p_a + o_k[None, :] * stride_ak, mask=m_m[:, None] & m_k[None, :], other=0.0)
+        if A_TMA:  # a's tile by TMA as well: rows past M and columns past K arrive as zeros
+            b_a = a_desc.load([0, k0])
+        else:
+            b_a = tl.load(p_a + o_k[None, :] * stride_ak, mask=m_m[:, None] & m_k[None, :], other=0.0)
         if TMA:  # a tensor-memory-accelerator copy: zero fill past N and K, no address math
             b_w = w_desc.load([i_n * BLOCK_N, k0])
         else:  # the weight is read once: keep it from evicting what later kernels reuse
@@ -233,6 +239,7 @@ class TritonConfig:
     prefetch_lines: int = 8   # 128-byte lines of each weight row prefetched into L2 before the wait (pdl)
     preload: int = 0          # with pdl and static_weight=True: weight tiles (of block_k) loaded before the wait
     early_trigger: bool = False  # pdl: let the next kernel launch right after our wait, not after the K loop
+    a_tma: bool = False       # with tma: a's [block_m, block_k] tiles by TMA too (where a is TMA-aligned)
 
     def __post_init__(self):
         if self.preload not in (0, 1, 2, 4) or self.prefetch_lines < 0 or (
@@ -246,7 +253,7 @@ class TritonConfig:
                f"{f'p{self.preload}' if self.preload else ''}") if self.pdl else ""
         return (f"{'fma' if self.fma else 'dot'}-m{self.block_m}-n{self.block_n}-k{self.block_k}-s{self.split_k}"
                 f"{'x1' if self.one_launch else ''}-w{self.num_warps}-st{self.num_stages or 'd'}"
-                f"{'-tma' if self.tma else ''}{pdl}")
+                f"{'-tma' if self.tma else ''}{'-atma' if self.a_tma else ''}{pdl}")
 
 
 # Residency on sm_90 (H100/H200): 228 KB of shared memory per SM, 1 KB of it reserved per resident program.
@@ -271,7 +278,42 @@ def resident_per_sm(config: TritonConfig, element_size: int = 2) -> int:
     return SMEM_PER_SM // (ring + 16 + SMEM_RESERVED_PER_PROGRAM)
 
 
+# One or two rows: CUDA-core products over 8-column tiles, a and w by TMA, no K split (``FMA_ROW``, block_m
+# = M). Where the tensor-core grid has to split K, its last-arrival reduction (partial store, arrival, partial
+# loads: ~1.4 us of L2 round trips at the end of the kernel) cost 8-9% (H200, 3584 / 4608 x 7168: the split-3
+# grid with the reduction skipped ran 85.6 / 87.5% of the copy ceiling, with it 77.3 / 80.8%); this grid has
+# none. Measured (benchmarks/results/skinny_gemm_triton_{splitcost,fma,fma_rows,fma_settle}_h200.log, four runs):
+# M = 1: 3584 x 7168 80.4-82.9% vs 75.8-77.7%, 4608 x 7168 85.0-86.5% vs 80.3-81.0%; M = 2: 75.8-79.0% vs
+# 75.6-77.0%, 79.7-82.1% vs 78.3-80.1%. Four rows lost 10-40% (registers: the [M, 8, 256] fp32 accumulator).
+# Its depth follows IN_FLIGHT_PER_SM like the tensor-core grids': 5 stages at 3584 x 7168 (3.4 programs per SM;
+# 0.2-1.2 points ahead of 4), 4 at 4608 x 7168 (4.4 per SM; 0.3-0.9 ahead of 5).
+FMA_ROW = TritonConfig(1, 8, 256, 1, num_warps=4, num_stages=4, fma=True, tma=True, a_tma=True, pdl=True,
+                       prefetch_lines=0, early_trigger=True)  # (block_m and num_stages set per product)
+FMA_ROWS_MAX_M = 2
+# FMA_ROW programs one H200 SM holds at M = 1 (40 registers x 128 threads bound them; 9 at M = 2, 56 registers:
+# the driver's counts). Its grid must fit about twice (ours and the next product's, as for the tensor-core
+# grids): at 7168 x 3584 (896 programs, 7 per SM) it ran 57 / 64% of the ceiling (M = 1 / 2) against the
+# unsplit tensor-core grid's 82%; 4608 x 7168 (5 per SM) won at both. It was measured at 3.4 and 4.4
+# programs per SM; thinner grids keep the tensor-core pick.
+FMA_ROW_RESIDENT = 12
+FMA_ROW_MIN_PER_SM = 3
+
+
 def _heuristic(m: int, n: int, k: int, sm_count: int) -> TritonConfig:
+    """The tensor-core pick (``_dot_heuristic``), except for one or two rows where that splits K:
+    ``FMA_ROW`` (block_m = M, deep enough for ``IN_FLIGHT_PER_SM``) where its grid and the next product's fit
+    on the SMs together."""
+    cfg = _dot_heuristic(m, n, k, sm_count)
+    programs = triton.cdiv(n, FMA_ROW.block_n)
+    if m <= FMA_ROWS_MAX_M and cfg.tma and cfg.split_k > 1 and programs >= FMA_ROW_MIN_PER_SM * sm_count and \
+            2 * triton.cdiv(programs, sm_count) <= FMA_ROW_RESIDENT:
+        tile_bytes = FMA_ROW.block_n * FMA_ROW.block_k * 2
+        stages = triton.cdiv(IN_FLIGHT_PER_SM, int(programs / sm_count * tile_bytes)) + 1
+        return dataclasses.replace(FMA_ROW, block_m=triton.next_power_of_2(m), num_stages=max(3, min(stages, 5)))
+    return cfg
+
+
+def _dot_heuristic(m: int, n: int, k: int, sm_count: int) -> TritonConfig:
     """Read off the H200 sweeps (benchmarks/results/skinny_gemm_triton_{sweep,pdl,variants,coresident,settled}_h200
     .log): 32-column tiles, partials summed in one launch, TMA weight tiles for products of at least
     2048 x 2048; without TMA or past 16 rows, K split until the grid holds ~4 programs per SM, never below
@@ -359,18 +401,18 @@ def _sm90_cuda(device: torch.device) -> bool:
     return device.type == "cuda" and not is_rocm() and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _weight_descriptor(w: torch.Tensor, config: TritonConfig):
-    """A TMA descriptor of ``w`` in [block_n, block_k] tiles, or None where TMA cannot read it (not an
-    sm_90+ CUDA device, K not unit-stride, a row stride or base not 16-byte aligned)."""
-    if not _sm90_cuda(w.device):
+def _descriptor(t: torch.Tensor, rows: int, cols: int):
+    """A TMA descriptor of the 2-D ``t`` in [rows, cols] tiles, or None where TMA cannot read it (not an
+    sm_90+ CUDA device, columns not unit-stride, a row stride or base not 16-byte aligned)."""
+    if not _sm90_cuda(t.device):
         return None
-    if w.stride(1) != 1 or (w.stride(0) * w.element_size()) % 16 or w.data_ptr() % 16:
+    if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
         return None
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor
     except ImportError:
         return None
-    return TensorDescriptor.from_tensor(w, [config.block_n, config.block_k])
+    return TensorDescriptor.from_tensor(t, [rows, cols])
 
 
 def supports(a, w, bias=None, residual=None) -> Reason:
@@ -465,13 +507,15 @@ def skinny_gemm_triton(
     tuning = dict(num_warps=config.num_warps)
     if config.num_stages is not None:
         tuning["num_stages"] = config.num_stages
-    w_desc = _weight_descriptor(w, config) if config.tma else None
+    w_desc = _descriptor(w, config.block_n, config.block_k) if config.tma else None
+    a_desc = _descriptor(a, config.block_m, config.block_k) if w_desc is not None and config.a_tma else None
     pdl = config.pdl and _sm90_cuda(a.device) and gdc_wait is not None
     if pdl:
         tuning["launch_pdl"] = True
     with torch.cuda.device(a.device) if a.device.type == "cuda" else contextlib.nullcontext():
         _skinny_gemm_kernel[(n_tiles, split_k)](
-            a, w, w_desc if w_desc is not None else w, bias if bias is not None else out, res, out, ws,
+            a, w, w_desc if w_desc is not None else w, a_desc if a_desc is not None else a,
+            bias if bias is not None else out, res, out, ws,
             counters if one_launch else ws,
             m, n, k, k_per_split, split_k,
             a.stride(0), a.stride(1), w.stride(0), w.stride(1), *r_strides,
@@ -482,6 +526,7 @@ def skinny_gemm_triton(
             PRECISION="ieee" if a.dtype == torch.float32 or upcast else None, UPCAST=upcast,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TMA=w_desc is not None,
             PDL=pdl, PREFETCH_LINES=config.prefetch_lines, EARLY_TRIGGER=config.early_trigger,
+            A_TMA=a_desc is not None,
             # peeled first tiles (static weights under a pdl config; off the GPU too, where only the wait is gone)
             PRE_K=config.preload * config.block_k if static_weight and config.pdl else 0,
             **tuning, **flags,
