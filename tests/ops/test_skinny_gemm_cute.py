@@ -70,7 +70,7 @@ def test_heuristic_config_is_launchable(m, n, k):
     c = cfgmod.choose(m, n, k)
     assert c is not None
     assert 32 <= c.threads <= cfgmod.MAX_THREADS
-    assert c.smem_bytes() <= 48 * 1024
+    assert c.smem_bytes(m) <= 227 * 1024  # the H200's shared memory per block
     for static in (False, True):  # the cuBLAS-or-CuTe decision must not depend on static_weight
         assert (cfgmod.choose(m, n, k, static) is None) == (cfgmod.choose(m, n, k) is None)
 
@@ -86,8 +86,8 @@ def test_compiles_for_sm90a_without_gpu(monkeypatch, tmp_path):
     assert len([p for p in tmp_path.rglob("*.o")]) == 4  # the on-disk cache a second process loads
 
 
-@pytest.mark.parametrize("kwargs", [dict(split_k=3), dict(split_k=16), dict(stages=0), dict(warps_k=64)],
-                         ids=["split_k3", "split_k16", "stages0", "threads2048"])
+@pytest.mark.parametrize("kwargs", [dict(split_k=0), dict(split_k=9), dict(stages=0), dict(warps_k=64)],
+                         ids=["split_k0", "split_k9", "stages0", "threads2048"])
 def test_config_rejects_unlaunchable(kwargs):
     with pytest.raises(ValueError):
         cfgmod.SkinnyConfig(**kwargs)
@@ -102,6 +102,10 @@ def test_config_tag_names_pdl_options():
     assert cfgmod.SkinnyConfig(1, 1, 4, 2, stages=8, a_ring=True).tag() == "rg1-wn1-wk4-u2-s8-a"
     with pytest.raises(ValueError):
         cfgmod.SkinnyConfig(1, 1, 4, 4, a_ring=True)  # A rides the cp.async ring: needs one
+    assert cfgmod.SkinnyConfig(1, 1, 8, 2, stages=3, a_pipe=True).tag() == "rg1-wn1-wk8-u2-s3-p"
+    for bad in (dict(a_pipe=True), dict(stages=3, a_ring=True, a_pipe=True)):
+        with pytest.raises(ValueError):
+            cfgmod.SkinnyConfig(1, 1, 4, 4, **bad)  # a_pipe needs the ring and plain A loads
 
 
 @pytest.mark.parametrize("static_weight", [False, True], ids=["dynamic_w", "static_w"])
@@ -150,7 +154,10 @@ def test_matches_reference_random_shapes(m, n, k, dtype, bias, residual):
                                  cfgmod.SkinnyConfig(1, 1, 4, 4, early=True, l2_kb=4),
                                  cfgmod.SkinnyConfig(1, 1, 4, 2, stages=3, split_k=2, early=True, l2_kb=1000),
                                  cfgmod.SkinnyConfig(2, 1, 4, 2, stages=4, early=True, a_ring=True),
-                                 cfgmod.SkinnyConfig(1, 1, 2, 2, stages=8, split_k=8, a_ring=True)],
+                                 cfgmod.SkinnyConfig(1, 1, 2, 2, stages=8, split_k=8, a_ring=True),
+                                 cfgmod.SkinnyConfig(2, 1, 2, 2, stages=5, split_k=7, early=True, a_ring=True),
+                                 cfgmod.SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16, a_pipe=True),
+                                 cfgmod.SkinnyConfig(2, 1, 4, 2, stages=3, split_k=3, a_pipe=True)],
                          ids=lambda c: c.tag())
 @pytest.mark.parametrize("m", [1, 8, 9, 16], ids=lambda m: f"M{m}")
 @pytest.mark.parametrize("static_weight", [False, True], ids=["dynamic_w", "static_w"])
@@ -191,7 +198,8 @@ def test_cuda_graph_capture_and_replay(m, n, k):
 @pytest.mark.parametrize("cfg", [cfgmod.SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=32),
                                  cfgmod.SkinnyConfig(1, 1, 4, 4, early=True, l2_kb=16),
                                  cfgmod.SkinnyConfig(1, 1, 4, 2, stages=4, split_k=2, early=True, l2_kb=16),
-                                 cfgmod.SkinnyConfig(1, 1, 4, 2, stages=8, split_k=4, early=True, a_ring=True)],
+                                 cfgmod.SkinnyConfig(1, 1, 4, 2, stages=8, split_k=4, early=True, a_ring=True),
+                                 cfgmod.SkinnyConfig(1, 1, 8, 2, stages=5, early=True, l2_kb=16, a_pipe=True)],
                          ids=lambda c: c.tag())
 @pytest.mark.parametrize("static_weight", [False, True], ids=["dynamic_w", "static_w"])
 def test_chained_products_under_graph_replay(cfg, static_weight):

@@ -10,13 +10,16 @@ shared memory, again with no workspace, counter or second kernel (CUDA-graph saf
 Each warp owns ``row_groups`` groups of 8 weight rows and handles ``unroll`` K-steps per chunk. With
 ``stages == 1`` the weight goes straight to registers (128-bit loads); with ``stages > 1`` it is
 streamed by cp.async through a per-warp shared-memory ring, which keeps more bytes in flight
-(``a_ring``: A's rows ride the same ring).
+(``a_ring``: A's rows ride the same ring; ``a_pipe``: A's plain loads run one chunk ahead in registers).
+A's bytes read from L2 per weight byte are M / block_n (every block reads all of A's K share), so larger
+``row_groups`` with a split-K cluster keeping the block count cut that traffic at larger M.
 
 Hiding a launch under the previous product (programmatic dependent launch): ``l2_kb`` bulk-prefetches
 the first KB of each block's weight into L2 before the wait, ``early`` lets the next kernel launch right
 after our own wait. On the H200 both pay where the weight is small (≤ ~12 MB: the whole of it is
 prefetched while the previous product runs); for big weights a 2 KB-per-row prefetch is a small gain and
-the early trigger mostly a loss (the next kernel's waiting blocks crowd the SMs).
+the early trigger mostly a loss (the next kernel's waiting blocks crowd the SMs: a timeline of 4608x7168 with it
+showed this grid's 576 blocks spread 1 to 6 per SM, a 6-8 µs tail; benchmarks/results/skinny_gemm_h200_cute4_probe.json).
 
 Nothing here imports cutlass: the dispatch reads this table on any machine.
 """
@@ -41,13 +44,16 @@ class SkinnyConfig:
     early: bool = False   # PDL: let the next kernel launch right after our own wait, not after the K loop
     l2_kb: int = 0        # >0: before the wait, bulk-prefetch up to this many KB of the block's weight into L2
     a_ring: bool = False  # (stages > 1) A rides the cp.async ring with the weight, not plain loads
+    a_pipe: bool = False  # (stages > 1, not a_ring) A's plain loads run one chunk ahead, in registers
 
     def __post_init__(self):
         if self.row_groups < 1 or self.warps_n < 1 or self.warps_k < 1 or self.unroll < 1:
             raise ValueError(f"bad config {self}")
-        if self.stages < 1 or self.split_k not in (1, 2, 4, 8):  # a portable cluster holds ≤ 8 blocks
+        if self.stages < 1 or not 1 <= self.split_k <= 8:  # a portable cluster holds ≤ 8 blocks
             raise ValueError(f"bad config {self}")
         if self.l2_kb < 0 or (self.a_ring and self.stages == 1):
+            raise ValueError(f"bad config {self}")
+        if self.a_pipe and (self.stages == 1 or self.a_ring):
             raise ValueError(f"bad config {self}")
         if self.threads > MAX_THREADS:
             raise ValueError(f"{self} needs {self.threads} threads > {MAX_THREADS}")
@@ -74,7 +80,8 @@ class SkinnyConfig:
         return (f"rg{self.row_groups}-wn{self.warps_n}-wk{self.warps_k}-u{self.unroll}"
                 + ("" if self.prefetch else "-nopf") + (f"-s{self.stages}" if self.stages > 1 else "")
                 + (f"-c{self.split_k}" if self.split_k > 1 else "") + ("-e" if self.early else "")
-                + (f"-l{self.l2_kb}" if self.l2_kb else "") + ("-a" if self.a_ring else ""))
+                + (f"-l{self.l2_kb}" if self.l2_kb else "") + ("-a" if self.a_ring else "")
+                + ("-p" if self.a_pipe else ""))
 
 
 # Measured on one H200 (bf16, 2026-11-30, fourth session, copy ceilings 4.218-4.244 TB/s): sweeps of
@@ -83,7 +90,9 @@ class SkinnyConfig:
 # and 2 that timed it, and entries marked "(sweep 4)" replaced the pick where A through the ring (a_ring) beat
 # it by > 3% in sweep 4. (M bucket, N, K) -> the fastest configuration with static weight off, or None where
 # cuBLAS was faster or within 3% with static weight off or on (the dispatch then leaves the product to cuBLAS).
-# Shapes not listed use `heuristic`.
+# Entries marked "(c4 rN)" come from the fifth session's tuning run N (benchmarks/results/
+# skinny_gemm_h200_cute4_sweepN.{json,log}: each point's candidates timed in two interleaved passes beside the pick
+# of that time). Shapes not listed use `heuristic`.
 TABLE: dict[tuple[int, int, int], Optional[SkinnyConfig]] = {
     (1, 20480, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=16),  # 70.86 µs vs cuBLAS 81.98
     (2, 20480, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=16),  # 71.51 µs vs cuBLAS 79.44
@@ -100,21 +109,21 @@ TABLE: dict[tuple[int, int, int], Optional[SkinnyConfig]] = {
     (4, 3584, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 15.07 µs vs cuBLAS 17.64
     (8, 3584, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 15.97 µs vs cuBLAS 17.80
     (16, 3584, 7168): None,  # cuBLAS 17.98 µs vs CuTe 18.01 (static 17.33)
-    (1, 7168, 3584): SkinnyConfig(1, 1, 4, 4),  # 15.42 µs vs cuBLAS 17.95
-    (2, 7168, 3584): SkinnyConfig(1, 1, 4, 4),  # 15.53 µs vs cuBLAS 17.98
-    (4, 7168, 3584): SkinnyConfig(1, 1, 4, 4, early=True),  # 15.82 µs vs cuBLAS 18.15
-    (8, 7168, 3584): SkinnyConfig(1, 1, 4, 4),  # 16.07 µs vs cuBLAS 18.00
+    (1, 7168, 3584): SkinnyConfig(2, 1, 4, 2, stages=3, a_pipe=True),  # 14.80 µs vs 15.54 (c4 r2)
+    (2, 7168, 3584): SkinnyConfig(2, 1, 4, 2, stages=3, a_pipe=True),  # 15.16 µs vs 15.89 (c4 r2)
+    (4, 7168, 3584): SkinnyConfig(2, 1, 4, 2, stages=3, a_pipe=True),  # 15.34 µs vs 16.22 (c4 r2)
+    (8, 7168, 3584): SkinnyConfig(2, 1, 4, 2, stages=3, a_pipe=True),  # 15.87 µs vs 16.25 (c4 r2)
     (16, 7168, 3584): None,  # cuBLAS 15.57 µs vs CuTe 17.08 (static 17.15)
     (1, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 9.25 µs vs cuBLAS 13.36
-    (2, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 10.63 µs vs cuBLAS 13.26
+    (2, 2112, 7168): SkinnyConfig(2, 1, 4, 2, stages=3, split_k=2, a_ring=True),  # 9.88 µs vs 10.53 (c4 r3)
     (4, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 10.70 µs vs cuBLAS 13.37
     (8, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 11.20 µs vs cuBLAS 13.44
-    (16, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, early=True),  # 12.82 µs vs cuBLAS 13.59
+    (16, 2112, 7168): None,  # CuTe 12.6-13.4 µs vs cuBLAS 13.3-14.0 (c4 r1-r4): within 3%; Triton 11.1 takes it
     (1, 1536, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16, a_ring=True),  # 7.46 µs vs cuBLAS 10.97 (sweep 4)
     (2, 1536, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16, a_ring=True),  # 7.96 µs vs cuBLAS 10.92 (sweep 4)
     (4, 1536, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16, a_ring=True),  # 8.56 µs vs cuBLAS 10.84 (sweep 4)
-    (8, 1536, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 10.03 µs vs cuBLAS 10.71
-    (16, 1536, 7168): None,  # cuBLAS 10.91 µs vs CuTe 11.33 (static 10.44)
+    (8, 1536, 7168): SkinnyConfig(2, 1, 4, 2, stages=3, split_k=2, a_ring=True),  # 9.37 µs vs 9.97, cuBLAS 9.98 (c4 r1)
+    (16, 1536, 7168): None,  # rg2 clusters 10.1-13.0 µs over cute4's runs 1-3 vs cuBLAS 10.9-11.1: not a safe win
     (1, 7168, 1536): SkinnyConfig(1, 1, 4, 4),  # 7.68 µs vs cuBLAS 8.29
     (2, 7168, 1536): SkinnyConfig(1, 1, 4, 4),  # 7.75 µs vs cuBLAS 8.35
     (4, 7168, 1536): SkinnyConfig(1, 1, 4, 4),  # 7.88 µs vs cuBLAS 8.41
@@ -124,7 +133,7 @@ TABLE: dict[tuple[int, int, int], Optional[SkinnyConfig]] = {
     (2, 896, 7168): SkinnyConfig(1, 1, 8, 2, stages=4, a_ring=True),  # 5.47 µs vs cuBLAS 8.79 (sweep 4)
     (4, 896, 7168): SkinnyConfig(1, 1, 8, 2, stages=4, a_ring=True),  # 6.00 µs vs cuBLAS 8.60 (sweep 4)
     (8, 896, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, a_ring=True),  # 6.24 µs vs cuBLAS 8.28
-    (16, 896, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, a_ring=True),  # 7.57 µs vs cuBLAS 8.86
+    (16, 896, 7168): SkinnyConfig(2, 1, 4, 2, stages=3, split_k=2, a_ring=True),  # 7.28 µs vs 7.57, cuBLAS 8.85 (c4 r1)
     (1, 7168, 768): SkinnyConfig(1, 1, 4, 4, early=True, l2_kb=12),  # 4.46 µs vs cuBLAS 5.53
     (2, 7168, 768): SkinnyConfig(1, 1, 4, 4, early=True, l2_kb=12),  # 4.48 µs vs cuBLAS 5.53
     (4, 7168, 768): SkinnyConfig(1, 1, 4, 4, early=True, l2_kb=12),  # 4.51 µs vs cuBLAS 5.56
@@ -143,34 +152,37 @@ TABLE: dict[tuple[int, int, int], Optional[SkinnyConfig]] = {
 TABLE_STATIC: dict[tuple[int, int, int], SkinnyConfig] = {
     (4, 4608, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=16),  # 17.84 µs vs 18.26
     (8, 4608, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=16),  # 18.56 µs vs 19.06
-    (2, 1536, 7168): SkinnyConfig(1, 1, 8, 2, stages=4, a_ring=True),  # 7.94 µs vs 8.61 (sweep 4)
-    (4, 1536, 7168): SkinnyConfig(1, 1, 4, 2, stages=4, split_k=4, early=True, l2_kb=28),  # 8.67 µs vs 9.67
-    (8, 1536, 7168): SkinnyConfig(1, 1, 4, 2, stages=4, split_k=4, early=True, l2_kb=28),  # 9.11 µs vs 9.95
+    (2, 1536, 7168): SkinnyConfig(2, 1, 4, 2, stages=4, split_k=4, early=True, a_ring=True),  # 7.53 µs vs 7.83 (c4 r1)
+    (4, 1536, 7168): SkinnyConfig(2, 1, 4, 2, stages=4, split_k=4, early=True, a_ring=True),  # 7.84 µs vs 8.78 (c4 r1)
+    (8, 1536, 7168): SkinnyConfig(2, 1, 4, 2, stages=4, split_k=4, early=True, a_ring=True),  # 8.94 µs vs 9.31 (c4 r1)
     (1, 896, 7168): SkinnyConfig(1, 1, 4, 2, stages=5, split_k=4, early=True, a_ring=True),  # 5.12 µs vs 5.83 (sweep 4)
+    (4, 896, 7168): SkinnyConfig(1, 1, 4, 2, stages=5, split_k=4, early=True, a_ring=True),  # 5.77 µs vs 6.11 (c4 r3)
     (8, 896, 7168): SkinnyConfig(1, 1, 8, 2, stages=4, a_ring=True),  # 6.08 µs vs 6.34
-    (16, 896, 7168): SkinnyConfig(1, 1, 16, 1, stages=4, split_k=2, early=True, l2_kb=56),  # 7.64 µs vs 7.86
     (1, 7168, 768): SkinnyConfig(2, 1, 4, 2, stages=3, early=True, l2_kb=24),  # 4.07 µs vs 4.45
     (4, 7168, 768): SkinnyConfig(2, 1, 4, 2, stages=3, early=True, l2_kb=24),  # 4.10 µs vs 4.51
     (8, 7168, 768): SkinnyConfig(2, 1, 4, 2, stages=3, early=True, l2_kb=24),  # 4.23 µs vs 4.55
     (2, 896, 7168): SkinnyConfig(1, 1, 4, 2, stages=5, split_k=4, early=True, a_ring=True),  # 5.56 µs vs 6.24 (sweep 4)
-    (1, 1536, 7168): SkinnyConfig(1, 1, 8, 2, stages=4, a_ring=True),  # 7.47 µs vs 7.84 (sweep 4)
+    (1, 1536, 7168): SkinnyConfig(2, 1, 4, 2, stages=4, split_k=4, early=True, a_ring=True),  # 7.01 µs vs 7.44 (c4 r3)
     (2, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, split_k=2, early=True, a_ring=True),  # 9.88 µs vs 10.69 (sweep 4)
+    (4, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, split_k=2, early=True, a_ring=True),  # 9.79 µs vs 10.58 (c4 r3)
     (1, 7168, 1536): SkinnyConfig(2, 1, 4, 2, stages=4, early=True, a_ring=True),  # 6.63 µs vs 7.80 (sweep 4)
-    (2, 7168, 1536): SkinnyConfig(2, 1, 4, 2, stages=4, early=True, a_ring=True),  # 6.78 µs vs 7.85 (sweep 4)
-    (4, 7168, 1536): SkinnyConfig(2, 1, 4, 2, stages=4, early=True, a_ring=True),  # 7.20 µs vs 7.98 (sweep 4)
-    # (8, 7168, 1536): the a_ring form measured 7.85 µs in sweep 2 but 9.69 µs (cuBLAS 8.56) in the final run:
-    # left to TABLE's pick (8.15 µs), which never lost to cuBLAS.
+    (2, 7168, 1536): SkinnyConfig(2, 1, 4, 2, stages=3),  # 7.08 µs vs 7.66 (c4 r2)
+    (4, 7168, 1536): SkinnyConfig(2, 1, 4, 2, stages=3, a_pipe=True),  # 7.32 µs vs 7.73 (c4 r2)
+    # (8, 7168, 1536): the a_ring form measured 7.85 µs in sweep 2 but 9.69 µs (cuBLAS 8.56) in the fourth session's
+    # final run; the plain rg2 ring measured 7.60 µs vs 8.18 (cuBLAS 8.46) in cute4's run 1.
+    (8, 7168, 1536): SkinnyConfig(2, 1, 4, 2, stages=3),
     (2, 7168, 768): SkinnyConfig(2, 1, 4, 2, stages=4, early=True, a_ring=True),  # 4.36 µs vs 4.53 (sweep 4)
 }
 
 
 # Where the Triton kernel (``triton.py``, its own defaults) beat the configuration above by more than 3% in the
-# same run (H200, fourth session's final run: benchmarks/results/skinny_gemm_h200.json, µs Triton vs CuTe at
-# M = 1/2/4/8): 7168x3584 14.3/14.5/14.9/14.9 vs 15.3/15.6/16.3/16.2; 2112x7168 M 4/8 11.0/10.9 vs 11.8/11.4;
-# 20480x7168 69.6/69.8/70.1/70.7 vs 70.8/71.9/72.6/77.0. The dispatch then takes Triton (``cute.profitable``).
+# same run (H200, cute4's run 3: benchmarks/results/skinny_gemm_h200_cute4_sweep3.*, µs Triton vs CuTe, static off / on):
+# 7168x3584 M8 14.65 vs 15.79 / 14.70 vs 15.76; 20480x7168 M 1/2/4/8
+# 69.1/68.9/69.6/71.0 vs 70.6/71.1/72.2/76.2 (static 69.1/69.0/70.3/70.3 vs 70.0/70.7/72.5/75.9). Elsewhere the CuTe
+# pick was ahead or within 3% (7168x3584 M 1-4: 14.6-14.9 vs Triton 14.2-14.5, static 13.8-14.2 vs 14.3-14.6).
+# The dispatch then takes Triton (``cute.profitable``).
 TRITON_AHEAD: frozenset[tuple[int, int, int]] = frozenset(
-    [(m, 7168, 3584) for m in (1, 2, 4, 8)] + [(4, 2112, 7168), (8, 2112, 7168)]
-    + [(m, 20480, 7168) for m in (1, 2, 4, 8)])
+    [(8, 7168, 3584)] + [(m, 20480, 7168) for m in (1, 2, 4, 8)])
 
 def m_bucket(m: int) -> int:
     """The M the table is keyed by (the kernel itself is compiled per exact M)."""

@@ -12,8 +12,9 @@ consecutive K of a row, a warp covers 8 rows) and feeds them to two ``mma.sync.m
 operand, A padded to 16 rows. Any order of K inside a step gives the same dot product, so A is loaded
 in the same permuted order, also as 16-byte vectors: no shuffles and no ldmatrix. The weight reaches
 registers either directly or through a per-warp cp.async ring in shared memory (``config.stages``;
-with ``config.a_ring`` A's vectors ride the same ring instead of plain loads); see ``config.py`` for the
-work division (split-K inside the block and across a cluster, rows per warp).
+with ``config.a_ring`` A's vectors ride the same ring instead of plain loads; with ``config.a_pipe`` A's plain
+loads run one chunk ahead in a second register buffer, so their L2 round trip overlaps the ring's wait); see
+``config.py`` for the work division (split-K inside the block and across a cluster, rows per warp).
 
 Hiding the fixed cost of a launch under the previous product (PDL): before its ``griddepcontrol.wait`` a
 block may bulk-prefetch the first ``config.l2_kb`` KB of its weight into L2 (``cp.async.bulk.prefetch``,
@@ -121,13 +122,18 @@ def _kernel_class():
         return [cutlass.Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
 
     @dsl_user_op
-    def ld_dsmem_f32(addr, rank, *, loc=None, ip=None):
-        """fp32 at shared-memory address ``addr`` of the cluster's block ``rank`` (mapa + ld)."""
+    def ld_dsmem_sum_f32(addr, ranks: int, *, loc=None, ip=None):
+        """Sum over the cluster's blocks 0..ranks-1 of the fp32 at shared-memory address ``addr`` in each, added in
+        rank order from 0.0: all the remote loads are issued before the first add, so they share one round trip."""
+        regs = " ".join(f".reg .b32 ra{r}; .reg .f32 va{r};" for r in range(ranks))
+        maps = " ".join(f"mapa.shared::cluster.u32 ra{r}, $1, {r};" for r in range(ranks))
+        loads = " ".join(f"ld.shared::cluster.f32 va{r}, [ra{r}];" for r in range(ranks))
+        adds = " ".join(f"add.rn.f32 $0, {'0f00000000' if r == 0 else '$0'}, va{r};" for r in range(ranks))
         res = llvm.inline_asm(
             T.f32(),
-            [addr.ir_value(loc=loc, ip=ip), rank.ir_value(loc=loc, ip=ip)],
-            "{ .reg .b32 ra; mapa.shared::cluster.u32 ra, $1, $2; ld.shared::cluster.f32 $0, [ra]; }",
-            "=f,r,r",
+            [addr.ir_value(loc=loc, ip=ip)],
+            "{ " + " ".join((regs, maps, loads, adds)) + " }",
+            "=f,r",
             has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
             loc=loc, ip=ip,
         )
@@ -160,6 +166,7 @@ def _kernel_class():
             self.block_n = cfg.block_n
             self.threads = cfg.threads
             self.a_ring = cfg.a_ring and cfg.stages > 1
+            self.a_pipe = cfg.a_pipe and cfg.stages > 1 and not cfg.a_ring
             self.smem = cfg.smem_bytes(m)
             self.has_bias, self.has_res = has_bias, has_res
             self.is_fp16 = dtype is cutlass.Float16
@@ -177,9 +184,10 @@ def _kernel_class():
         def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor,
                      mBias, mRes, mG, stream):
             n = mB.shape[0]
+            gx = (n + self.block_n - 1) // self.block_n
             if cutlass.const_expr(self.ks > 1):
                 self.kernel(mA, mB, mC, mBias, mRes, mG).launch(
-                    grid=[(n + self.block_n - 1) // self.block_n, self.ks, 1],
+                    grid=[gx, self.ks, 1],
                     block=[self.threads, 1, 1],
                     cluster=[1, self.ks, 1],
                     smem=self.smem,
@@ -188,7 +196,7 @@ def _kernel_class():
                 )
             else:
                 self.kernel(mA, mB, mC, mBias, mRes, mG).launch(
-                    grid=[(n + self.block_n - 1) // self.block_n, 1, 1],
+                    grid=[gx, 1, 1],
                     block=[self.threads, 1, 1],
                     smem=self.smem,
                     stream=stream,
@@ -201,17 +209,9 @@ def _kernel_class():
 
         @cute.kernel
         def kernel(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mBias, mRes, mG):
-            M: cutlass.Constexpr = self.m
-            RG: cutlass.Constexpr = self.rg
             WN: cutlass.Constexpr = self.wn
             WK: cutlass.Constexpr = self.wk
-            U: cutlass.Constexpr = self.unroll
             BN: cutlass.Constexpr = self.block_n
-            NT: cutlass.Constexpr = self.threads
-            CH: cutlass.Constexpr = 32 * self.unroll  # K elements per unrolled chunk
-            S: cutlass.Constexpr = self.stages
-            KS: cutlass.Constexpr = self.ks
-            GWK: cutlass.Constexpr = self.wk * self.ks  # K-warps of the whole cluster
 
             tidx, _, _ = cute.arch.thread_idx()
             bidx, q, _ = cute.arch.block_idx()  # q: this block's rank in its split-K cluster
@@ -224,12 +224,36 @@ def _kernel_class():
             gk = q * WK + wk  # the warp's K slice among the cluster's GWK
             N = mB.shape[0]
             K = mB.shape[1]
-            n0 = bidx * BN
 
             # [row, (8, K/8)]: one 16-byte vector per (row, vector index)
             gA = cute.logical_divide(mA, (None, 8))
             gB = cute.logical_divide(mB, (None, 8))
             gG = cute.logical_divide(mG, (8,)) if cutlass.const_expr(self.norm) else None
+
+            smem = cutlass.memory.SmemAllocator()
+            red = smem.allocate_tensor(
+                cutlass.Float32, cute.make_layout((WK, BN, 16), stride=(BN * 16, 16, 1)), byte_alignment=16)
+            ssm = None
+            if cutlass.const_expr(self.norm):
+                ssm = smem.allocate_tensor(cutlass.Float32, cute.make_layout((WK, 16), stride=(16, 1)),
+                                           byte_alignment=16)
+            self.row_block(gA, gB, gG, mC, mBias, mRes, red, ssm, smem, bidx * BN, tidx, q, warp, lane, g, t, wn, wk, gk,
+                           N, K)
+
+        @cute.jit
+        def row_block(self, gA: cute.Tensor, gB: cute.Tensor, gG, mC: cute.Tensor, mBias, mRes, red: cute.Tensor,
+                      ssm, smem, n0, tidx, q, warp, lane, g, t, wn, wk, gk, N, K):
+            """The block's BN weight rows from n0: stream the weight, reduce the partial sums, store."""
+            M: cutlass.Constexpr = self.m
+            RG: cutlass.Constexpr = self.rg
+            WK: cutlass.Constexpr = self.wk
+            U: cutlass.Constexpr = self.unroll
+            BN: cutlass.Constexpr = self.block_n
+            NT: cutlass.Constexpr = self.threads
+            CH: cutlass.Constexpr = 32 * self.unroll  # K elements per unrolled chunk
+            S: cutlass.Constexpr = self.stages
+            KS: cutlass.Constexpr = self.ks
+            GWK: cutlass.Constexpr = self.wk * self.ks  # K-warps of the whole cluster
 
             # rows past N / M are clamped to a valid row: their results are never stored
             rows = []
@@ -249,13 +273,6 @@ def _kernel_class():
             ss.fill(0.0)
 
             n_full = K // CH
-            smem = cutlass.memory.SmemAllocator()
-            red = smem.allocate_tensor(
-                cutlass.Float32, cute.make_layout((WK, BN, 16), stride=(BN * 16, 16, 1)), byte_alignment=16)
-            ssm = None
-            if cutlass.const_expr(self.norm):
-                ssm = smem.allocate_tensor(cutlass.Float32, cute.make_layout((WK, 16), stride=(16, 1)),
-                                           byte_alignment=16)
             if cutlass.const_expr(self.l2_kb > 0):
                 self.prefetch_weight_l2(gB, tidx, q, n0, N, K)
             if cutlass.const_expr(S > 1):
@@ -371,23 +388,24 @@ def _kernel_class():
                     for w in cutlass.range_constexpr(WK):
                         sq = sq + ssm[w, tidx]
                     ssm[0, tidx] = sq
-            cute.arch.cluster_arrive()  # release: our partials are visible to the cluster
+            # release our partials to the cluster, then wait for every block's (on sm_90a ptxas makes this
+            # cluster-scope fence a MEMBAR.ALL.GPU, as it does for a releasing barrier.cluster.arrive)
+            cute.arch.fence_acq_rel_cluster()
+            cute.arch.cluster_arrive_relaxed()
             cute.arch.cluster_wait()
             for idx in cutlass.range(q * NT + tidx, BN * M, NT * KS, unroll=1):
                 m = idx // BN
                 nl = idx % BN
                 n = n0 + nl
                 if n < N:
-                    s = cutlass.Float32(0.0)
-                    for r in cutlass.range_constexpr(KS):
-                        s = s + self.load_peer(red.iterator + (nl * 16 + m), r)
+                    s = ld_dsmem_sum_f32((red.iterator + (nl * 16 + m)).toint(), KS)
                     if cutlass.const_expr(self.norm):
-                        sq = cutlass.Float32(0.0)
-                        for r in cutlass.range_constexpr(KS):
-                            sq = sq + self.load_peer(ssm.iterator + m, r)
+                        sq = ld_dsmem_sum_f32((ssm.iterator + m).toint(), KS)
                         s = s * cute.math.rsqrt(sq / cutlass.Float32(K) + self.eps)
                     self.store_out(mC, mBias, mRes, m, n, s)
-            cute.arch.cluster_arrive()
+            # keep our shared memory alive until every block has read it: the remote loads above have returned
+            # (their values are stored), so a relaxed arrive is enough and skips a second GPU-wide fence
+            cute.arch.cluster_arrive_relaxed()
             cute.arch.cluster_wait()
 
         @cute.jit
@@ -415,11 +433,6 @@ def _kernel_class():
                     prefetch_bulk_l2(v.iterator.toint(), cutlass.Int32(nv * 16))
 
         @cute.jit
-        def load_peer(self, ptr, rank):
-            """The fp32 at our shared-memory address ``ptr`` in the cluster's block ``rank``."""
-            return ld_dsmem_f32(ptr.toint(), cutlass.Int32(rank))
-
-        @cute.jit
         def load_a(self, gA: cute.Tensor, gG, m_lo, m_hi, kv0, rA: cute.Tensor, ss: cute.Tensor):
             """A for one chunk, in the same permuted K order as the weight (rows ≥ 8 only if M > 8)."""
             for u in cutlass.range_constexpr(self.unroll):
@@ -436,6 +449,14 @@ def _kernel_class():
             if cutlass.const_expr(self.m > 8):
                 self.load_vec(gA[m_hi, (None, kv)], rA[None, 2 * u + 1])
             self.norm_a_step(gG, kv, rA, u, ss)
+
+        @cute.jit
+        def load_a_raw(self, gA: cute.Tensor, m_lo, m_hi, kv0, dst: cute.Tensor):
+            """A's vectors of one chunk (rows m_lo, and m_hi above M = 8) into dst[:, 2u(+1)], not normed."""
+            for u in cutlass.range_constexpr(self.unroll):
+                self.load_vec(gA[m_lo, (None, kv0 + 4 * u)], dst[None, 2 * u])
+                if cutlass.const_expr(self.m > 8):
+                    self.load_vec(gA[m_hi, (None, kv0 + 4 * u)], dst[None, 2 * u + 1])
 
         @cute.jit
         def norm_a_step(self, gG, kv, rA: cute.Tensor, u: cutlass.Constexpr, ss: cute.Tensor):
@@ -515,34 +536,70 @@ def _kernel_class():
                     cute.arch.cp_async_commit_group()
                     cute.arch.cp_async_wait_group(0)
 
-            for i in cutlass.range(0, count, 1, unroll=1):
-                nxt = i + S - 1
-                if nxt < count:
-                    kvn = (wk + nxt * WK) * CHV + t
-                    stn = nxt % S
-                    for u in cutlass.range_constexpr(U):
-                        for r in cutlass.range_constexpr(RG):
-                            src = gB[rows[r], (None, kvn + 4 * u)]
-                            cute.copy(atom, cute.make_tensor(src.iterator.align(16), src.layout),
-                                      sW[None, lane, r * U + u, stn, warp])
-                    if cutlass.const_expr(self.a_ring):
-                        self.copy_a_chunk(atom, gA, g, kvn, sA, lane, stn, warp)
-                cute.arch.cp_async_commit_group()
-                kvi = (wk + i * WK) * CHV + t
-                if cutlass.const_expr(not self.a_ring):
-                    self.load_a(gA, gG, m_lo, m_hi, kvi, rA, ss)
-                cute.arch.cp_async_wait_group(S - 1)  # chunk i has landed
-                cur = i % S
-                for slot in cutlass.range_constexpr(RG * U):
-                    cute.autovec_copy(sW[None, lane, slot, cur, warp], rB[None, slot])
-                if cutlass.const_expr(self.a_ring):
-                    for u in cutlass.range_constexpr(U):
-                        for h in cutlass.range_constexpr(MA):
-                            cute.autovec_copy(sA[None, lane, u * MA + h, cur, warp], rA[None, 2 * u + h])
-                        self.norm_a_step(gG, kvi + 4 * u, rA, u, ss)
-                for u in cutlass.range_constexpr(U):
-                    self.mma_step(acc, rA32, rB32, u, u, U)
+            if cutlass.const_expr(self.a_pipe):
+                # A's plain loads one chunk ahead into a second register buffer (the loop runs two chunks per
+                # trip, so the buffers swap without register moves): an L2 round trip for A no longer stalls
+                # every chunk. The first chunk's A is loaded here, after the wait (A may be the previous output)
+                rA2 = cute.make_rmem_tensor((8, 2 * U), self.dtype)
+                rA2_32 = cute.recast_tensor(rA2, cutlass.Int32)
+                if count > 0:
+                    self.load_a_raw(gA, m_lo, m_hi, wk * CHV + t, rA)
+                for i in cutlass.range(0, count, 2, unroll=1):
+                    self.ring_step(i, count, gA, gB, gG, rows, m_lo, m_hi, t, lane, warp, wk, sW, sA, atom,
+                                   acc, rA, rB, rA32, rB32, ss, rA2)
+                    if i + 1 < count:
+                        self.ring_step(i + 1, count, gA, gB, gG, rows, m_lo, m_hi, t, lane, warp, wk, sW, sA, atom,
+                                       acc, rA2, rB, rA2_32, rB32, ss, rA)
+            else:
+                for i in cutlass.range(0, count, 1, unroll=1):
+                    self.ring_step(i, count, gA, gB, gG, rows, m_lo, m_hi, t, lane, warp, wk, sW, sA, atom,
+                                   acc, rA, rB, rA32, rB32, ss, None)
             cute.arch.cp_async_wait_group(0)
+
+        @cute.jit
+        def ring_step(self, i, count, gA: cute.Tensor, gB: cute.Tensor, gG, rows, m_lo, m_hi, t, lane, warp, wk,
+                      sW: cute.Tensor, sA, atom, acc: cute.Tensor, rA: cute.Tensor, rB: cute.Tensor,
+                      rA32: cute.Tensor, rB32: cute.Tensor, ss: cute.Tensor, rA_next):
+            """Chunk i of the ring: issue chunk i + S - 1's copies, then A (plain loads, the ring, or with
+            ``a_pipe`` already in ``rA`` while chunk i + 1's A goes to ``rA_next``), wait for chunk i, MMAs."""
+            RG: cutlass.Constexpr = self.rg
+            U: cutlass.Constexpr = self.unroll
+            S: cutlass.Constexpr = self.stages
+            WK: cutlass.Constexpr = self.wk * self.ks
+            CHV: cutlass.Constexpr = 4 * self.unroll
+            MA: cutlass.Constexpr = 2 if self.m > 8 else 1
+            g = lane // 4
+            nxt = i + S - 1
+            if nxt < count:
+                kvn = (wk + nxt * WK) * CHV + t
+                stn = nxt % S
+                for u in cutlass.range_constexpr(U):
+                    for r in cutlass.range_constexpr(RG):
+                        src = gB[rows[r], (None, kvn + 4 * u)]
+                        cute.copy(atom, cute.make_tensor(src.iterator.align(16), src.layout),
+                                  sW[None, lane, r * U + u, stn, warp])
+                if cutlass.const_expr(self.a_ring):
+                    self.copy_a_chunk(atom, gA, g, kvn, sA, lane, stn, warp)
+            cute.arch.cp_async_commit_group()
+            kvi = (wk + i * WK) * CHV + t
+            if cutlass.const_expr(self.a_pipe):
+                if i + 1 < count:
+                    self.load_a_raw(gA, m_lo, m_hi, kvi + WK * CHV, rA_next)
+                for u in cutlass.range_constexpr(U):
+                    self.norm_a_step(gG, kvi + 4 * u, rA, u, ss)
+            elif cutlass.const_expr(not self.a_ring):
+                self.load_a(gA, gG, m_lo, m_hi, kvi, rA, ss)
+            cute.arch.cp_async_wait_group(S - 1)  # chunk i has landed
+            cur = i % S
+            for slot in cutlass.range_constexpr(RG * U):
+                cute.autovec_copy(sW[None, lane, slot, cur, warp], rB[None, slot])
+            if cutlass.const_expr(self.a_ring):
+                for u in cutlass.range_constexpr(U):
+                    for h in cutlass.range_constexpr(MA):
+                        cute.autovec_copy(sA[None, lane, u * MA + h, cur, warp], rA[None, 2 * u + h])
+                    self.norm_a_step(gG, kvi + 4 * u, rA, u, ss)
+            for u in cutlass.range_constexpr(U):
+                self.mma_step(acc, rA32, rB32, u, u, U)
 
         @cute.jit
         def copy_a_chunk(self, atom, gA: cute.Tensor, g, kv0, sA: cute.Tensor, lane, st, warp):
