@@ -510,7 +510,7 @@ def test_cuda_real_widths(m, dtype, clean_records):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["last", "kernel", "stream-k-tma", "stream-k-pdl", "stream-k-pdl-static",
                                   "stream-k-2launch-pdl-static", "grid-tma-pdl-early", "grid-tma-pdl-static",
-                                  "grid-tma-pdl-ring-static"])
+                                  "grid-tma-pdl-ring-static", "grid-tma-pdl-unsplit-ring-static"])
 def test_cuda_graph_replay(kind):
     """Captured once, replayed on fresh inputs: every replay right (the counters reset themselves; with PDL
     two captured calls back to back, so the second's early start overlaps the first's reduction)."""
@@ -521,9 +521,10 @@ def test_cuda_graph_replay(kind):
                          reduce="kernel" if "2launch" in kind else "last")
     elif kind.startswith("grid"):   # the split-K grid with TMA and PDL: early trigger, the peeled first tile, or
         # the wait inside the K loop (the weight ring's first tiles before it)
+        # (unsplit: the program's own epilogue, `shared` read after the loop's wait with the ring, else before it)
         ring = "ring" in kind
-        cfg = TailConfig(32, 128, 2, tma=True, pdl=True, early_trigger="early" in kind or ring,
-                         preload="static" in kind and not ring, ring=ring)
+        cfg = TailConfig(32, 128, 1 if "unsplit" in kind else 2, tma=True, pdl=True,
+                         early_trigger="early" in kind or ring, preload="static" in kind and not ring, ring=ring)
     else:
         cfg = TailConfig(reduce=kind)
     static = kind.endswith("static")

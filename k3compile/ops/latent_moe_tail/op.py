@@ -45,7 +45,9 @@ _CUTE_MODULE = "k3compile.ops.latent_moe_tail.cute"
 # M=16, static weight or not: best CuTe 23.38 / 22.83 µs against 19.8-20.0 for the split path and the
 # Triton tail, so Triton runs there under ``auto``. Against the Triton grid form with all tiles by TMA
 # (triton.TUNED, 2026-11-30 07:46 run, medians of 2): M=1 15.65 vs 16.89, M=2 15.11 vs 16.71, M=4 15.54 vs
-# 16.56, but M=8 16.52 vs 15.70: Triton runs M 5-16.
+# 16.56, but M=8 16.52 vs 15.70: Triton runs M 5-16. TAIL5 runs (09:48 / 10:02, medians of 3 fresh captures,
+# Triton with `shared` read before its loop): M=1 15.59 / 15.46 vs 16.72 / 16.75, M=2 15.05 vs 16.34, M=4
+# 15.62 / 15.39 vs 16.80 / 16.64; M=8 CuTe 16.43 vs Triton 15.31.
 CUTE_FASTER: frozenset[tuple[int, int, int]] = frozenset({(1, 7168, 3584), (2, 7168, 3584), (4, 7168, 3584)})
 
 

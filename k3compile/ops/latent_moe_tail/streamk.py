@@ -24,10 +24,19 @@ slot ``p - first_program(tile)`` of that tile's ``MAX_SEG`` slots.
 """
 from __future__ import annotations
 
+import contextlib
+
+import torch
 import triton
 import triton.language as tl
 
-from .triton import _add_product, _latent_tile, _row_rstd, _tail_epilogue, gdc_launch_dependents, gdc_wait
+from k3compile.backends import sm_count
+from k3compile.ops.arrival_counters import arrival_counters
+
+from .triton import (
+    MAX_BLOCK_M, _add_product, _latent_tile, _row_rstd, _tail_epilogue, _tma_layout_ok, gdc_launch_dependents, gdc_wait,
+    pdl_capable,
+)
 
 
 def plan(n_tiles: int, k_blocks: int, programs: int) -> tuple[int, int, int]:
@@ -189,3 +198,47 @@ def _tail_streamk_reduce_kernel(
         gdc_launch_dependents()   # after our own wait (see the stream-K kernel)
     _reduce_tile(p_ws, p_ss, p_s, p_o, tl.program_id(0), M, D, L, U, KB, P, MAX_SEG, eps, s_sm, s_sn, s_om, s_on,
                  BLOCK_M, BLOCK_N, PRENORM)
+
+
+def launch_stream_k(latent, shared, norm_weight, up_weight, eps, config, out, upcast, static_weight):
+    """The stream-K form (``config.stream_k``) of :func:`.triton.latent_moe_tail_triton`, into ``out``."""
+    m, l = latent.shape
+    d = up_weight.shape[0]
+    n_tiles = triton.cdiv(d, config.block_n)
+    k_blocks = triton.cdiv(l, config.block_k)
+    sms = max(1, sm_count(latent.device))   # the interpreter: one "SM"
+    units, programs, max_seg = plan(n_tiles, k_blocks, sms * config.ctas_per_sm)
+    slots = n_tiles * max_seg * MAX_BLOCK_M   # per tile, max_seg partials of [16, block_n]
+    ws = torch.empty((slots * config.block_n,), dtype=torch.float32, device=latent.device)
+    ss = torch.empty((slots,), dtype=torch.float32, device=latent.device)
+    # one launch: the last program to leave a tile reduces it (None inside a first capture: two launches)
+    counters = arrival_counters(latent.device, n_tiles) if config.reduce == "last" else None
+    grid_args = (units, k_blocks, programs, max_seg, float(eps))
+    w_desc = up_weight
+    tma = config.tma and _tma_layout_ok(up_weight)
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415
+
+        w_desc = TensorDescriptor.from_tensor(up_weight, [config.block_n, config.block_k])
+    pdl = (config.pdl or static_weight) and pdl_capable(latent.device)
+    launch = dict(launch_pdl=True) if pdl else {}
+    on_device = torch.cuda.device(latent.device) if latent.device.type == "cuda" else contextlib.nullcontext()
+    with on_device:
+        _tail_streamk_kernel[(programs,)](
+            latent, norm_weight, up_weight, w_desc, ws, ss, shared, out, counters if counters is not None else ss,
+            m, d, l, *grid_args,
+            latent.stride(0), latent.stride(1), up_weight.stride(0), up_weight.stride(1),
+            shared.stride(0), shared.stride(1), out.stride(0), out.stride(1),
+            BLOCK_M=MAX_BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, PRENORM=config.prenorm,
+            IEEE_DOT=latent.dtype == torch.float32 or upcast, UPCAST_DOT=upcast, TMA=tma,
+            PDL=pdl, STATIC_W=static_weight, ONE_LAUNCH=counters is not None, PDL_TILES=config.pdl_tiles,
+            num_warps=config.num_warps, num_stages=config.num_stages, **launch,
+        )
+        if counters is not None:
+            return out
+        _tail_streamk_reduce_kernel[(n_tiles,)](
+            ws, ss, shared, out, m, d, l, *grid_args,
+            shared.stride(0), shared.stride(1), out.stride(0), out.stride(1),
+            BLOCK_M=MAX_BLOCK_M, BLOCK_N=config.block_n, PRENORM=config.prenorm, PDL=pdl, num_warps=4, **launch,
+        )
+    return out

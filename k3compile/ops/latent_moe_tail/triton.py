@@ -31,7 +31,6 @@ rounded exactly as the model does.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -46,78 +45,10 @@ except ImportError:  # pragma: no cover
 from k3compile.ops.arrival_counters import arrival_counters
 from k3compile.backends import Reason, is_rocm, sm_count, triton_can_run_on, triton_interpret
 
+from .config import REDUCES, TailConfig, m_bucket  # noqa: F401  (TailConfig and m_bucket are imported from here)
+
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_BLOCK_M = 16   # one tensor-core tile of rows; the op's small-M limit may not exceed it
-REDUCES = ("last", "kernel")
-
-
-@dataclass(frozen=True)
-class TailConfig:
-    """Compile-time knobs of the kernel (swept by ``benchmarks/moe_tail.py --sweep``).
-
-    split_k: slices of L (programs per column tile); 1 = no workspace, the epilogue in the same program.
-    reduce: with split_k > 1, "last" (last-arriving program, one launch) or "kernel" (a second launch).
-    swap_ab: compute outᵀ = W·hᵀ (the weight tile is the MMA's M side: wgmma-sized on Hopper).
-    prenorm: rstd of the whole row before the dot (fp16: keeps x·g from overflowing).
-    stream_k: persistent programs, ``ctas_per_sm`` per SM, each a contiguous run of (tile, K block)
-        units (``streamk.py``; split_k and swap_ab are then unused: it always swaps; ``reduce`` "last":
-        the last program to leave a tile reduces it, one launch; "kernel": a second kernel reduces).
-        On CPU (interpreter) ``ctas_per_sm`` is the program count.
-        tma: stream-K loads the weight through a TMA descriptor where its layout allows (row-major,
-        16-byte aligned base and rows), else through pointers as without it.
-        pdl: stream-K on sm_90+: both kernels launched with programmatic dependent launch; before its
-        wait the stream-K kernel prefetches its first ``pdl_tiles`` weight tiles into L2 (with
-        ``static_weight`` it loads the first one). ``static_weight=True`` turns PDL on whatever this says.
-    Split-K grid (``stream_k=False``), sm_90+: ``tma`` loads the weight tiles through a TMA descriptor, and
-    the latent and norm-weight tiles too where their layout allows (so the pipeliner loads all three ahead);
-    ``pdl`` launches it with PDL (the wait before the first latent load); ``early_trigger`` lets the next
-    kernel launch right after that wait (for a grid that runs as one wave), else after the K loop;
-    ``preload`` with ``static_weight``: each program's first weight tile is loaded before the wait;
-    ``ring`` with ``static_weight`` (and not ``prenorm``): the wait moves into the K loop, so the weight tiles
-    the software pipeliner loads ahead (its prologue) are issued before it.
-    """
-    block_n: int = 64
-    block_k: int = 128
-    split_k: int = 4
-    num_warps: int = 4
-    num_stages: int = 4
-    reduce: str = "last"
-    swap_ab: bool = False
-    prenorm: bool = False
-    stream_k: bool = False
-    ctas_per_sm: int = 1
-    tma: bool = False
-    pdl: bool = False
-    pdl_tiles: int = 1
-    early_trigger: bool = False
-    preload: bool = False
-    ring: bool = False
-
-    def __post_init__(self):
-        if self.reduce not in REDUCES:
-            raise ValueError(f"reduce must be one of {REDUCES}, got {self.reduce!r}")
-        if self.split_k < 1 or self.block_n < 16 or self.block_k < 16 or self.ctas_per_sm < 1 or self.pdl_tiles < 1:
-            raise ValueError(f"bad config {self}")
-
-    def tag(self) -> str:
-        if self.stream_k:
-            return (f"sk{self.ctas_per_sm}-n{self.block_n}-k{self.block_k}-w{self.num_warps}-st{self.num_stages}"
-                    + ("-1launch" if self.reduce == "last" else "") + ("-tma" if self.tma else "")
-                    + (f"-pdl{self.pdl_tiles}" if self.pdl else "") + ("-pre" if self.prenorm else ""))
-        return (f"n{self.block_n}-k{self.block_k}-s{self.split_k}-w{self.num_warps}-st{self.num_stages}"
-                + (f"-{self.reduce}" if self.split_k > 1 else "") + ("-swap" if self.swap_ab else "")
-                + ("-tma" if self.tma else "")
-                + (f"-pdl{'e' if self.early_trigger else ''}{'p' if self.preload else ''}{'r' if self.ring else ''}"
-                   if self.pdl else "")
-                + ("-pre" if self.prenorm else ""))
-
-
-def m_bucket(m: int) -> int:
-    """The M the measured tables are keyed by (the kernel itself serves every M ≤ 16)."""
-    for b in (1, 2, 4, 8, 16):
-        if m <= b:
-            return b
-    return m
 
 
 # Measured on one H200 (benchmarks/moe_tail.py --sweep --m 1 4 16, 2026-11-30 03:03, copy ceiling 4.22 TB/s,
@@ -145,6 +76,18 @@ TUNED: dict[tuple[str, int, int, int], Optional[TailConfig]] = {
     # 07:46 (median of 2, same process): w2-st5 15.81, n64-w2-st5 16.01, k256-w2-st3 16.28, the two-kernel PDL
     # form 17.26, w1-st5 17.83, w2-st6 18.95. At M 8 it beat the CuTe tail, 15.70 vs 16.52 (so op.CUTE_FASTER
     # stops at M 4); at M 4 / 2 / 1 it lost, 16.56 / 16.71 / 16.89 vs 15.54 / 15.11 / 15.65.
+    # TAIL5 runs (09:25 / 09:48 / 10:02, medians of 3 fresh captures, one process; .scratch/tail5/probe*.py):
+    # `shared` read before the loop (since then always, unsplit) 15.20 µs vs 15.56 after it. Slower: x·xᵀ on the
+    # tensor cores for the squares 15.57; the next kernel let in 8 K blocks before our end 15.27-17.71 (unstable
+    # across captures), with 4 or 8 of its tiles L2-prefetched before its wait 15.46-17.39 / 16.53-17.11,
+    # the prefetch with the early trigger 16.72; deeper rings with the trigger after the loop st5/6/7/8
+    # 15.56/15.75/16.41/17.10 against 15.33; n64-w4 15.49, k256-st4 15.60, k64-st10 19.25; the latent and
+    # norm weight by plain loads (out of the ring, as the skinny GEMM loads its A) 28-50. The skinny GEMM alone
+    # on the normed latent: 14.86 / 14.93 / 14.65 against this form's 15.20 / 15.33 / 14.99. M 8: 15.31 / 15.01
+    # against the CuTe tail's 16.43; M 4 / 2 / 1 lost again (16.64-16.80 / 16.34 / 16.72-16.78 against
+    # 15.39-15.62 / 15.05 / 15.46-15.59). 10:29: 64-column tiles (112 programs, at most one per SM, so deeper
+    # rings still let the next grid in) n64-w4-st6 15.24, n64-w2-st6 15.29, n64-w4-st5 15.41, n64-k64-w4-st10
+    # 18.31 against this form's 15.17; M 8 15.11 both.
     ("bfloat16", 8, 7168, 3584): _GRID_TMA_PDL,
     ("bfloat16", 16, 7168, 3584): _GRID_TMA_PDL,
     ("float16", 1, 7168, 3584): None,             # PRENORM 22.02 µs vs split 19.25: the rstd pre-pass
@@ -236,21 +179,21 @@ def _scale_by_norm_weight(b_x, b_g, b_rstd, PRENORM: tl.constexpr):
 
 
 @triton.jit
+def _latent_tiles(p_x, p_g, o_m, m_m, o_k, m_k, s_xm, s_xk):
+    """The raw latent tile [BLOCK_M, BLOCK_K] and its norm-weight slice (zeros past M and the K range)."""
+    b_x = tl.load(p_x + o_m[:, None] * s_xm + o_k[None, :] * s_xk, mask=m_m[:, None] & m_k[None, :], other=0.)
+    b_g = tl.load(p_g + o_k, mask=m_k, other=0.)
+    return b_x, b_g
+
+
+@triton.jit
 def _scaled_latent(p_x, p_g, o_m, m_m, o_k, m_k, s_xm, s_xk, b_rstd, PRENORM: tl.constexpr):
     """One K tile of the GEMM's A operand and the squares of its raw latent (fp32, elementwise).
 
     A = x·g in the input dtype, the per-row rstd left to the accumulator; with PRENORM the model's
     rounding instead: normalise in fp32, round, scale by the weight, round."""
-    b_x = tl.load(p_x + o_m[:, None] * s_xm + o_k[None, :] * s_xk, mask=m_m[:, None] & m_k[None, :], other=0.)
-    b_g = tl.load(p_g + o_k, mask=m_k, other=0.)
+    b_x, b_g = _latent_tiles(p_x, p_g, o_m, m_m, o_k, m_k, s_xm, s_xk)
     return _scale_by_norm_weight(b_x, b_g, b_rstd, PRENORM)
-
-
-@triton.jit
-def _scaled_latent_tma(x_desc, g_desc, k0, b_rstd, PRENORM: tl.constexpr):
-    """:func:`_scaled_latent` from TMA descriptors: latent [BLOCK_M, BLOCK_K] tiles (zeros past M and L)
-    and the norm weight as a [1, L] tensor."""
-    return _scale_by_norm_weight(x_desc.load([0, k0]), g_desc.load([0, k0]), b_rstd, PRENORM)
 
 
 @triton.jit
@@ -281,14 +224,25 @@ def _add_product(b_acc, b_h, b_w, SWAP_AB: tl.constexpr, IEEE_DOT: tl.constexpr,
 
 
 @triton.jit
-def _tail_epilogue(b_acc, b_ss, p_s, p_o, o_m, o_n, m_m, m_n, L, eps, s_sm, s_sn, s_om, s_on,
-                   PRENORM: tl.constexpr):
+def _shared_tile(p_s, o_m, o_n, m_m, m_n, s_sm, s_sn):
+    return tl.load(p_s + o_m[:, None] * s_sm + o_n[None, :] * s_sn, mask=m_m[:, None] & m_n[None, :], other=0.)
+
+
+@triton.jit
+def _tail_store(b_acc, b_ss, b_s, p_o, o_m, o_n, m_m, m_n, L, eps, s_om, s_on, PRENORM: tl.constexpr):
+    """rstd (unless PRENORM applied it), plus the ``shared`` tile ``b_s``, one rounding, the store."""
     if not PRENORM:
         b_acc = b_acc * (1.0 / tl.sqrt(b_ss / L + eps))[:, None]
-    m_o = m_m[:, None] & m_n[None, :]
-    b_s = tl.load(p_s + o_m[:, None] * s_sm + o_n[None, :] * s_sn, mask=m_o, other=0.)
     b_o = b_acc + b_s.to(tl.float32)
-    tl.store(p_o + o_m[:, None] * s_om + o_n[None, :] * s_on, b_o.to(p_o.dtype.element_ty), mask=m_o)
+    tl.store(p_o + o_m[:, None] * s_om + o_n[None, :] * s_on, b_o.to(p_o.dtype.element_ty),
+             mask=m_m[:, None] & m_n[None, :])
+
+
+@triton.jit
+def _tail_epilogue(b_acc, b_ss, p_s, p_o, o_m, o_n, m_m, m_n, L, eps, s_sm, s_sn, s_om, s_on,
+                   PRENORM: tl.constexpr):
+    b_s = _shared_tile(p_s, o_m, o_n, m_m, m_n, s_sm, s_sn)
+    _tail_store(b_acc, b_ss, b_s, p_o, o_m, o_n, m_m, m_n, L, eps, s_om, s_on, PRENORM)
 
 
 @triton.jit(do_not_specialize=["M"])   # one compiled kernel for every M <= 16
@@ -327,12 +281,17 @@ def _latent_moe_tail_kernel(
             # After our own wait, never before: the static-weight proof needs that of every PDL kernel.
             gdc_launch_dependents()
 
+    if SPLIT_K == 1 and not RING:
+        # this program writes its tile: its `shared` rows now (after the wait: the previous kernel may write
+        # them), the round trip hidden under the loop; after it, it cost 0.36 µs of 15.6 (H200, M = 16)
+        b_s = _shared_tile(p_s, o_m, o_n, m_m, m_n, s_sm, s_sn)
     if PRENORM:
         b_rstd = _row_rstd(p_x, o_m, m_m, s_xm, s_xk, L, eps, BLOCK_M, BLOCK_K)
     else:
         b_rstd = tl.zeros([BLOCK_M], dtype=tl.float32)   # unused: rstd scales the accumulator instead
     # squares summed elementwise, rows reduced once after the loop: a reduction across the warps in every
-    # iteration (shared memory, barriers) held the weight pipeline up
+    # iteration (shared memory, barriers) held the weight pipeline up; so did x·xᵀ on the tensor cores
+    # (its diagonal: +0.37 µs at M = 16)
     b_sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     if SWAP_AB:
         b_acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -350,13 +309,15 @@ def _latent_moe_tail_kernel(
             tok = _wait_token()
             if EARLY_TRIGGER:
                 gdc_launch_dependents()
-            b_h, b_sq_k = _scaled_latent(p_x + tok, p_g + tok, o_m, m_m, o_k, m_k, s_xm, s_xk, b_rstd, PRENORM)
+            b_x, b_g = _latent_tiles(p_x + tok, p_g + tok, o_m, m_m, o_k, m_k, s_xm, s_xk)
         elif LATENT_TMA:
             # the latent and norm weight tiles by TMA too: the pipeliner loads them ahead with the weight's
             # (pointer loads that do not feed the dot directly were waited for in every iteration)
-            b_h, b_sq_k = _scaled_latent_tma(x_desc, g_desc, k0, b_rstd, PRENORM)
+            b_x = x_desc.load([0, k0])
+            b_g = g_desc.load([0, k0])
         else:
-            b_h, b_sq_k = _scaled_latent(p_x, p_g, o_m, m_m, o_k, m_k, s_xm, s_xk, b_rstd, PRENORM)
+            b_x, b_g = _latent_tiles(p_x, p_g, o_m, m_m, o_k, m_k, s_xm, s_xk)
+        b_h, b_sq_k = _scale_by_norm_weight(b_x, b_g, b_rstd, PRENORM)
         b_sq += b_sq_k
         if SWAP_AB:
             b_acc_t = _add_product(b_acc_t, b_h, b_w, True, IEEE_DOT, UPCAST_DOT)
@@ -366,7 +327,8 @@ def _latent_moe_tail_kernel(
         b_acc = tl.trans(b_acc_t)
     if PRELOAD:   # the peeled first tile, after the loop: the loop's first loads are not held up by it
         o_k = k_lo + tl.arange(0, BLOCK_K)
-        b_h, b_sq_k = _scaled_latent(p_x, p_g, o_m, m_m, o_k, o_k < k_hi, s_xm, s_xk, b_rstd, PRENORM)
+        b_x, b_g = _latent_tiles(p_x, p_g, o_m, m_m, o_k, o_k < k_hi, s_xm, s_xk)
+        b_h, b_sq_k = _scale_by_norm_weight(b_x, b_g, b_rstd, PRENORM)
         b_sq += b_sq_k
         b_acc = _add_product(b_acc, b_h, b_w0, False, IEEE_DOT, UPCAST_DOT)
     b_ss = tl.sum(b_sq, axis=1)
@@ -377,7 +339,9 @@ def _latent_moe_tail_kernel(
             gdc_launch_dependents()   # after our own wait (see above)
 
     if SPLIT_K == 1:
-        _tail_epilogue(b_acc, b_ss, p_s, p_o, o_m, o_n, m_m, m_n, L, eps, s_sm, s_sn, s_om, s_on, PRENORM)
+        if RING:   # the wait was in the loop: only now may `shared` be read
+            b_s = _shared_tile(p_s, o_m, o_n, m_m, m_n, s_sm, s_sn)
+        _tail_store(b_acc, b_ss, b_s, p_o, o_m, o_n, m_m, m_n, L, eps, s_om, s_on, PRENORM)
     else:
         # partials: acc to ws[i_k, m, n], ss to ss_ws[i_n, i_k, m] (each tile's own copy, so the
         # tile's last program reads only what its own slices wrote)
@@ -489,7 +453,9 @@ def latent_moe_tail_triton(latent: torch.Tensor, shared: torch.Tensor, norm_weig
         norm_weight = norm_weight.contiguous()
     upcast = latent.dtype != torch.float32 and triton_interpret()
     if config.stream_k:
-        return _launch_stream_k(latent, shared, norm_weight, up_weight, eps, config, out, upcast, static_weight)
+        from .streamk import launch_stream_k  # noqa: PLC0415  (it imports this module's jit helpers)
+
+        return launch_stream_k(latent, shared, norm_weight, up_weight, eps, config, out, upcast, static_weight)
     k_per_split = triton.cdiv(triton.cdiv(l, config.split_k), config.block_k) * config.block_k
     split_k = max(1, triton.cdiv(l, k_per_split))
     n_tiles = triton.cdiv(d, config.block_n)
@@ -545,51 +511,6 @@ def latent_moe_tail_triton(latent: torch.Tensor, shared: torch.Tensor, norm_weig
                 BLOCK_M=MAX_BLOCK_M, BLOCK_N=config.block_n, SPLIT_K=split_k, PRENORM=config.prenorm,
                 num_warps=4,
             )
-    return out
-
-
-def _launch_stream_k(latent, shared, norm_weight, up_weight, eps, config, out, upcast, static_weight):
-    from . import streamk  # noqa: PLC0415  (it imports this module's jit helpers)
-
-    m, l = latent.shape
-    d = up_weight.shape[0]
-    n_tiles = triton.cdiv(d, config.block_n)
-    k_blocks = triton.cdiv(l, config.block_k)
-    sms = max(1, sm_count(latent.device))   # the interpreter: one "SM"
-    units, programs, max_seg = streamk.plan(n_tiles, k_blocks, sms * config.ctas_per_sm)
-    slots = n_tiles * max_seg * MAX_BLOCK_M   # per tile, max_seg partials of [16, block_n]
-    ws = torch.empty((slots * config.block_n,), dtype=torch.float32, device=latent.device)
-    ss = torch.empty((slots,), dtype=torch.float32, device=latent.device)
-    # one launch: the last program to leave a tile reduces it (None inside a first capture: two launches)
-    counters = arrival_counters(latent.device, n_tiles) if config.reduce == "last" else None
-    grid_args = (units, k_blocks, programs, max_seg, float(eps))
-    w_desc = up_weight
-    tma = config.tma and _tma_layout_ok(up_weight)
-    if tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415
-
-        w_desc = TensorDescriptor.from_tensor(up_weight, [config.block_n, config.block_k])
-    pdl = (config.pdl or static_weight) and pdl_capable(latent.device)
-    launch = dict(launch_pdl=True) if pdl else {}
-    on_device = torch.cuda.device(latent.device) if latent.device.type == "cuda" else contextlib.nullcontext()
-    with on_device:
-        streamk._tail_streamk_kernel[(programs,)](
-            latent, norm_weight, up_weight, w_desc, ws, ss, shared, out, counters if counters is not None else ss,
-            m, d, l, *grid_args,
-            latent.stride(0), latent.stride(1), up_weight.stride(0), up_weight.stride(1),
-            shared.stride(0), shared.stride(1), out.stride(0), out.stride(1),
-            BLOCK_M=MAX_BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, PRENORM=config.prenorm,
-            IEEE_DOT=latent.dtype == torch.float32 or upcast, UPCAST_DOT=upcast, TMA=tma,
-            PDL=pdl, STATIC_W=static_weight, ONE_LAUNCH=counters is not None, PDL_TILES=config.pdl_tiles,
-            num_warps=config.num_warps, num_stages=config.num_stages, **launch,
-        )
-        if counters is not None:
-            return out
-        streamk._tail_streamk_reduce_kernel[(n_tiles,)](
-            ws, ss, shared, out, m, d, l, *grid_args,
-            shared.stride(0), shared.stride(1), out.stride(0), out.stride(1),
-            BLOCK_M=MAX_BLOCK_M, BLOCK_N=config.block_n, PRENORM=config.prenorm, PDL=pdl, num_warps=4, **launch,
-        )
     return out
 
 
