@@ -85,7 +85,7 @@ class SkinnyConfig:
 
 
 # Measured on one H200 (bf16, 2026-11-30, fourth session, copy ceilings 4.218-4.244 TB/s): sweeps of
-# .scratch/cute3/variants{,2,4}.py (results: benchmarks/results/skinny_gemm_h200_cute3_sweep{1,2,4}.json),
+# .scratch/cute3/variants{,2,4}.py (results: benchmarks/results/skinny_gemm_h200_cute3_sweep{1,2}.json.xz and _sweep4.json),
 # back-to-back products in CUDA graphs with rotated weights; each configuration's time is the mean of sweeps 1
 # and 2 that timed it, and entries marked "(sweep 4)" replaced the pick where A through the ring (a_ring) beat
 # it by > 3% in sweep 4. (M bucket, N, K) -> the fastest configuration with static weight off, or None where
