@@ -1,4 +1,5 @@
-"""What every GPU benchmark here shares: the same-run HBM copy ceiling (docs/anchors.md, "Method")."""
+"""What every GPU benchmark here shares: the same-run HBM copy ceiling (docs/anchors.md, "Method"), graph-timed
+replays, and providers timed in interleaved passes."""
 import torch
 
 
@@ -66,3 +67,13 @@ def graph_replay_us(fn, *, iters: int, replays: int, warmup: int, reset=None) ->
     median = torch.tensor([median], device="cuda")
     dist.all_reduce(median, op=dist.ReduceOp.MAX)
     return median.item()
+
+
+def interleaved_passes(timers: dict, passes: int) -> dict:
+    """{key: [each pass's result]}: every timer called once per pass, in turn, pass after pass, so that no
+    provider's figure is left to whatever state (clocks, L2, allocator) its one slot in the order meets."""
+    samples = {key: [] for key in timers}
+    for _ in range(max(1, passes)):
+        for key, timer in timers.items():
+            samples[key].append(timer())
+    return samples

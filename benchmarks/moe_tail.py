@@ -313,11 +313,11 @@ def bench_single(args):
         # against 15.58 / 15.59 in the next two passes; `compile+k3`, which runs exactly the op, 16.9 against the
         # op's 15.4 in an earlier run): passes over all providers in turn, each row the median of its captures.
         # The passes share the time one long capture took.
-        passes = max(1, args.repeats)
-        samples = {name: [] for name in runs}
-        for _ in range(passes):
-            for name, run in runs.items():
-                samples[name].append(bench(run, max(10, rep // passes)) * 1e3 / n_rot)
+        from _common import interleaved_passes
+
+        rep_pass = max(10, rep // max(1, args.repeats))
+        samples = interleaved_passes({name: (lambda run=run: bench(run, rep_pass) * 1e3 / n_rot)
+                                      for name, run in runs.items()}, args.repeats)
         times = {name: sorted(us)[len(us) // 2] for name, us in samples.items()}
         for name, us in times.items():
             # the combine pair against its own compile column (its floor leaves out the experts' outputs)

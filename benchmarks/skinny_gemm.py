@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import copy_ceiling_tbps, graph_replay_us  # noqa: E402
+from _common import copy_ceiling_tbps, graph_replay_us, interleaved_passes  # noqa: E402
 
 K3_SHAPES = [(4608, 7168), (1536, 7168), (2112, 7168), (2304, 1536), (896, 7168), (3584, 7168),
              (7168, 3584), (7168, 1536), (7168, 768), (20480, 7168)]
@@ -163,17 +163,14 @@ def main():
                 if name.startswith("cute"):
                     cfgs = sweep_candidates(n, k) if args.sweep else [cc.choose(m, n, k, static) or cc.heuristic(m, n, k, static)]
                 runs += [(name, f, cfg) for cfg in cfgs]
-            # the providers take turns, pass after pass, and each keeps its median: one provider's timing
-            # is not left to whatever state (clocks, L2, allocator) its slot in the order happens to meet
-            times = {}
-            for _ in range(1 if args.sweep else args.passes):
-                for i, (name, f, cfg) in enumerate(runs):
-                    us, err = time_one(name, f, a, ws, ref, cfg, args.replays)
-                    if us is not None:
-                        times.setdefault(i, []).append((us, err))
+            # the providers take turns over the passes; each keeps its median
+            timers = {i: (lambda name=name, f=f, cfg=cfg: time_one(name, f, a, ws, ref, cfg, args.replays))
+                      for i, (name, f, cfg) in enumerate(runs)}
+            passes = interleaved_passes(timers, 1 if args.sweep else args.passes)
+            times = {i: [(us, err) for us, err in out if us is not None] for i, out in passes.items()}
             res = {}
             for i, (name, f, cfg) in enumerate(runs):
-                if i not in times:
+                if not times[i]:
                     continue
                 us = statistics.median([t for t, _ in times[i]])
                 rows.append(dict(provider=name, cfg=None if cfg is None else cfg.tag(), m=m, n=n, k=k, us=us,
