@@ -108,6 +108,9 @@ def candidates(m, n, k, sms, defaults=False):
     # (CUDA-core fma configs: never within 5 points of the best in the 03:02 run; no longer swept)
     # the co-resident grids (two consecutive products fit on the SMs) around the pick: depth and warps
     base = out[0]
+    if base.poll:  # a split pick's polled tail against the arrival counter and the early trigger it replaced
+        add(dataclasses.replace(base, poll=False, early_trigger=True, prefetch_lines=0))
+        add(dataclasses.replace(base, prefetch_lines=4))
     if base.pdl and base.early_trigger:
         for st in (3, 4, 5):
             for w in (2, 4):

@@ -10,6 +10,10 @@ zero between launches, so one buffer serves every call and every CUDA-graph repl
   alone); a first call inside a capture gets None, and the kernel falls back to its two-launch form.
 - Buffers live as long as the process: a captured graph holds their address, so one is never freed,
   only outgrown by a larger one.
+
+Partial slots (:func:`partial_slots`) follow the same rules for kernels whose last split polls the others'
+fp32 partial sums instead of counting arrivals: every word reads :data:`PARTIAL_EMPTY` between launches
+(the polling program empties what it read), so the slots, too, need no memset.
 """
 from __future__ import annotations
 
@@ -30,23 +34,62 @@ _LOCK = threading.Lock()
 def arrival_counters(device: torch.device, n: int) -> Optional[torch.Tensor]:
     """``n`` zeroed int32 counters on ``device``, or None while a CUDA graph is being captured and no
     buffer that large exists yet."""
-    device = torch.device(device)
+    return _take_slot(_BUFFERS, _OUTGROWN, _NEXT_SLOT, RING, torch.device(device), n, MIN_COUNTERS,
+                      _zeros_outside_graph_pools)
+
+
+def _take_slot(buffers: dict, outgrown: list, next_slot: dict, ring: int, device: torch.device, n: int,
+               min_width: int, make) -> Optional[torch.Tensor]:
+    """The next of ``ring`` rows of ``device``'s buffer (a larger one made by ``make`` when it is too narrow,
+    the old one kept alive), its first ``n`` words; None where that would allocate inside a capture."""
     with _LOCK:
-        buf = _BUFFERS.get(device)
+        buf = buffers.get(device)
         if buf is None or buf.shape[1] < n:
             if _capturing(device):
                 return None
             if buf is not None:
-                _OUTGROWN.append(buf)
-            buf = _BUFFERS[device] = _zeros_outside_graph_pools((RING, max(n, MIN_COUNTERS)), device)
-        slot = _NEXT_SLOT.get(device, 0)
-        _NEXT_SLOT[device] = (slot + 1) % RING
+                outgrown.append(buf)
+            buf = buffers[device] = make((ring, max(n, min_width)), device)
+        slot = next_slot.get(device, 0)
+        next_slot[device] = (slot + 1) % ring
     return buf[slot, :n]
 
 
 def all_zero() -> bool:
     """Whether every counter of every buffer is back at zero (tests: each launch must rearm its own)."""
     return all(not b.any() for b in (*_BUFFERS.values(), *_OUTGROWN))
+
+
+# A partial-sum word not written yet: a NaN payload no arithmetic produces (the GPU's NaN results are
+# canonical, 0x7FFFFFFF), so a written fp32 partial never equals it.
+PARTIAL_EMPTY = 0x7FBADBAD
+PARTIAL_RING = 8                 # fewer than RING: a row holds (splits - 1) x M x N words, not one per tile
+MIN_PARTIAL_WORDS = 1 << 16
+
+_PARTIALS: dict[torch.device, torch.Tensor] = {}   # device -> [PARTIAL_RING, n] int32, the newest
+_PARTIALS_OUTGROWN: list[torch.Tensor] = []
+_PARTIALS_NEXT: dict[torch.device, int] = {}
+
+
+def partial_slots(device: torch.device, numel: int) -> Optional[torch.Tensor]:
+    """``numel`` fp32 words on ``device``, all ``PARTIAL_EMPTY``, or None while a CUDA graph is being captured
+    and no buffer that large exists yet (the caller then sums its partials behind an arrival counter)."""
+    words = _take_slot(_PARTIALS, _PARTIALS_OUTGROWN, _PARTIALS_NEXT, PARTIAL_RING, torch.device(device), numel,
+                       MIN_PARTIAL_WORDS, _empty_partials)
+    return None if words is None else words.view(torch.float32)
+
+
+def partials_all_empty() -> bool:
+    """Whether every partial slot is back at PARTIAL_EMPTY (tests: each launch must empty what it used)."""
+    return all(bool((b == PARTIAL_EMPTY).all()) for b in (*_PARTIALS.values(), *_PARTIALS_OUTGROWN))
+
+
+def _empty_partials(shape: tuple, device: torch.device) -> torch.Tensor:
+    words = _zeros_outside_graph_pools(shape, device)
+    words.fill_(PARTIAL_EMPTY)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return words
 
 
 def _capturing(device: torch.device) -> bool:

@@ -53,14 +53,15 @@ def test_triton_matches_reference_fixed_shapes(m, n, k, dtype):
 
 def config_for(m, k, block_n, split_k, mode, num_stages=None):
     """A kernel config of the drawn kind: "dot" (tensor-core tile, M padded to 16) or "fma" (CUDA-core
-    products, M padded to a power of 2 only); "+1" sums split-K partials in the last-arriving program."""
+    products, M padded to a power of 2 only); "+1" sums split-K partials in the last-arriving program, "+1p"
+    in the last split, which polls the others' partials."""
     fma = mode.startswith("fma")
     block_m = 1 << (m - 1).bit_length()
     return TritonConfig(block_m if fma else max(16, block_m), block_n, 32 if k > 16 else 16, split_k,
-                        num_stages=num_stages, one_launch=mode.endswith("+1"), fma=fma)
+                        num_stages=num_stages, one_launch="+1" in mode, fma=fma, poll=mode.endswith("+1p"))
 
 
-MODES = ["dot", "dot+1", "fma", "fma+1"]
+MODES = ["dot", "dot+1", "dot+1p", "fma", "fma+1", "fma+1p"]
 
 
 @given(
@@ -73,6 +74,8 @@ MODES = ["dot", "dot+1", "fma", "fma+1"]
 @example(m=16, n=128, k=512, dtype="bf16", bias=True, residual=True, split_k=3, block_n=64, mode="dot", seed=1)
 @example(m=1, n=96, k=520, dtype="bf16", bias=False, residual=True, split_k=3, block_n=32, mode="fma+1", seed=2)
 @example(m=5, n=70, k=300, dtype="fp16", bias=True, residual=False, split_k=2, block_n=32, mode="dot+1", seed=3)
+@example(m=16, n=100, k=300, dtype="fp32", bias=True, residual=True, split_k=3, block_n=32, mode="dot+1p", seed=4)
+@example(m=2, n=40, k=300, dtype="bf16", bias=False, residual=True, split_k=3, block_n=16, mode="fma+1p", seed=5)
 def test_triton_matches_reference_random_shapes(m, n, k, dtype, bias, residual, split_k, block_n, mode, seed):
     dt = DTYPES[dtype]
     a, w, b, r = make_inputs(m, n, k, dt, bias, residual, seed)
@@ -118,30 +121,50 @@ def test_triton_config_tag_spells_the_pdl_flavour():
                         early_trigger=True).tag() == "fma-m1-n8-k256-s1-w4-st4-tma-atma-pdl0e"
     cfg = TritonConfig(16, 32, 128, 4, one_launch=True, pdl=True, prefetch_lines=0, preload=2, early_trigger=True)
     assert cfg.tag() == "dot-m16-n32-k128-s4x1-w4-std-pdl0ep2"
+    assert dataclasses.replace(cfg, poll=True).tag() == "dot-m16-n32-k128-s4x1-w4-std-pdl0ep2-poll"
 
 
-@pytest.mark.parametrize("mode", ["dot+1", "fma+1"])
+@pytest.mark.parametrize("mode", ["dot+1", "fma+1", "dot+1p", "fma+1p"])
 def test_one_launch_split_k_rearms_its_counters(mode):
-    """The last program of each column tile zeroes its arrival counter: a second call (and one with
-    another tile count) on the same buffer must be exactly as right as the first."""
+    """The last program of each column tile zeroes its arrival counter ("+1"), or empties the partial slots
+    it polled ("+1p"): a second call (and one with another tile count, and with more splits) on the same
+    buffers must be exactly as right as the first."""
     from k3compile.ops import arrival_counters
 
     results = []
-    for n, seed in ((100, 0), (100, 1), (37, 2)):
+    for n, seed, split_k in ((100, 0, 3), (100, 1, 3), (37, 2, 6)):
         a, w, b, r = make_inputs(4, n, 200, torch.bfloat16, seed=seed)
-        out = run_triton(a, w, b, r, config_for(4, 200, 32, 3, mode))
+        out = run_triton(a, w, b, r, config_for(4, 200, 32, split_k, mode))
         results.append(rel_err(out, skinny_gemm_reference(a, w, b, r)))
         if DEVICE == "cpu":
-            assert arrival_counters.all_zero()
+            assert arrival_counters.all_zero() and arrival_counters.partials_all_empty()
     assert max(results) < TOL[torch.bfloat16], results
 
 
-def test_one_launch_split_k_equals_two_launch_bit_for_bit():
-    """Both paths sum the fp32 partials in split order, then apply the same epilogue."""
+@pytest.mark.parametrize("split_k", [2, 4, 6])
+def test_one_launch_split_k_equals_two_launch_bit_for_bit(split_k):
+    """All three paths sum the fp32 partials in split order, then apply the same epilogue."""
     a, w, b, r = make_inputs(3, 90, 400, torch.float32, seed=5)
-    two = run_triton(a, w, b, r, config_for(3, 400, 32, 4, "dot"))
-    one = run_triton(a, w, b, r, config_for(3, 400, 32, 4, "dot+1"))
-    assert torch.equal(one, two)
+    two = run_triton(a, w, b, r, config_for(3, 400, 32, split_k, "dot"))
+    assert torch.equal(run_triton(a, w, b, r, config_for(3, 400, 32, split_k, "dot+1")), two)
+    assert torch.equal(run_triton(a, w, b, r, config_for(3, 400, 32, split_k, "dot+1p")), two)
+
+
+def test_partial_slots_rotate_and_outgrow(monkeypatch):
+    """Launches take the next of PARTIAL_RING slots (all empty); a larger request makes a larger buffer and
+    keeps the old one alive (a captured graph may hold its address); inside a capture nothing is allocated."""
+    from k3compile.ops import arrival_counters as ac
+
+    monkeypatch.setattr(ac, "_PARTIALS", {})
+    monkeypatch.setattr(ac, "_PARTIALS_NEXT", {})
+    monkeypatch.setattr(ac, "_PARTIALS_OUTGROWN", [])
+    slots = [ac.partial_slots(torch.device("cpu"), 10) for _ in range(ac.PARTIAL_RING + 1)]
+    assert len({s.data_ptr() for s in slots[:-1]}) == ac.PARTIAL_RING and slots[-1].data_ptr() == slots[0].data_ptr()
+    assert all(s.shape == (10,) and s.dtype == torch.float32 for s in slots) and ac.partials_all_empty()
+    big = ac.partial_slots(torch.device("cpu"), 1 << 17)
+    assert big.numel() == 1 << 17 and len(ac._PARTIALS_OUTGROWN) == 1 and ac.partials_all_empty()
+    monkeypatch.setattr(ac, "_capturing", lambda device: True)
+    assert ac.partial_slots(torch.device("cpu"), 1 << 18) is None
 
 
 @pytest.mark.parametrize("config,match", [
@@ -191,6 +214,11 @@ def test_triton_on_gpu_decode_shapes(m, n, k, dtype):
                       early_trigger=True, num_stages=4), id="fma-n8-tma-atma-pdl-early"),
     pytest.param(dict(block_n=32, block_k=128, split_k=3, one_launch=True, tma=True, a_tma=True, num_warps=2,
                       num_stages=4), id="dot-1launch-tma-atma"),
+    pytest.param(dict(block_n=32, block_k=128, split_k=3, one_launch=True, poll=True, tma=True, pdl=True,
+                      prefetch_lines=0, early_trigger=True, num_stages=4, num_warps=2), id="dot-poll-tma-pdl-early"),
+    pytest.param(dict(block_n=32, block_k=128, split_k=7, one_launch=True, poll=True), id="dot-poll-s7"),
+    pytest.param(dict(block_n=32, block_k=128, split_k=4, one_launch=True, poll=True, fma=True, num_stages=4),
+                 id="fma-poll"),
 ])
 def test_triton_kernel_variants_on_gpu_in_a_cuda_graph(m, config):
     """Every kernel variant at a decode shape, eagerly and replayed twice from one CUDA graph (the
@@ -276,8 +304,8 @@ out = {}
 for name, flavour in json.loads(sys.argv[1]).items():
     const = dict(HAS_BIAS=True, HAS_RES=True, SPLIT=True, ONE_LAUNCH=True, FMA=False, LOOP_STAGES=None,
                  PRECISION=None, UPCAST=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, TMA=False, PDL=True,
-                 PREFETCH_LINES=0, PRE_K=0, EARLY_TRIGGER=False, A_TMA=False, stride_ak=1, stride_wk=1, stride_rn=1,
-                 stride_on=1)
+                 PREFETCH_LINES=0, PRE_K=0, EARLY_TRIGGER=False, A_TMA=False, POLL=False, PTX=True, stride_ak=1,
+                 stride_wk=1, stride_rn=1, stride_on=1)
     const.update(flavour)
     tile = lambda rows: f"tensordesc<bf16[{rows},{const['BLOCK_K']}]>"  # noqa: E731
     sig = {n: "constexpr" if n in const else "*fp32" if n == "ws_ptr" else "*i32" if n == "cnt_ptr"
@@ -300,6 +328,9 @@ PDL_FLAVOURS = {
     # FMA_ROW: one row, CUDA-core products, a and w by TMA (cp.async.bulk), none of it before the wait
     "fma-row-tma-early-trigger": dict(SPLIT=False, ONE_LAUNCH=False, FMA=True, LOOP_STAGES=4, BLOCK_M=1, BLOCK_N=8,
                                       BLOCK_K=256, TMA=True, A_TMA=True, EARLY_TRIGGER=True),
+    # the split-K default (POLLED_TAIL): partial slots published and polled only after the wait, the next
+    # weight's lines prefetched before it
+    "poll-tma-prefetch": dict(POLL=True, TMA=True, PREFETCH_LINES=2, HAS_BIAS=False, HAS_RES=False),
 }
 
 
@@ -369,7 +400,8 @@ def test_config_heuristic_fills_the_gpu_without_starving_splits(n, k):
 @pytest.mark.parametrize("n,k", [(4608, 7168), (3584, 7168), (7168, 3584), (2112, 7168), (7168, 2048)],
                          ids=lambda v: str(v))
 def test_config_heuristic_fits_two_products_per_sm_with_few_splits(n, k):
-    """TMA, M <= 16: PDL with the early trigger, in the grid with the fewest K splits that has
+    """TMA, M <= 16: PDL (split grids: ``POLLED_TAIL``, else the early trigger), in the grid with the fewest K
+    splits that has
     ``MIN_PER_SM`` programs per SM and fits beside the next product's grid (2 x per-SM count <= residency),
     pipelined deep enough for ``IN_FLIGHT_PER_SM`` of weight tiles per SM (or as deep as the loop /
     MAX_STAGES allow). (GPUs of 114 and 78 SMs too: the rule, not the H200's table.)"""
@@ -384,7 +416,8 @@ def test_config_heuristic_fits_two_products_per_sm_with_few_splits(n, k):
             tiles = -(-n // cfg.block_n)
             grid = tiles * cfg.split_k
             k_blocks = -(-k // cfg.block_k)
-            assert (cfg.pdl, cfg.early_trigger, cfg.prefetch_lines, cfg.preload, cfg.tma) == (True, True, 0, 0, True)
+            flavour = (True, False, 2, 0, True, True) if cfg.split_k > 1 else (True, True, 0, 0, True, False)
+            assert (cfg.pdl, cfg.early_trigger, cfg.prefetch_lines, cfg.preload, cfg.tma, cfg.poll) == flavour
             assert grid >= MIN_PER_SM[cfg.split_k > 1] * sms and 2 * -(-grid // sms) <= resident_per_sm(cfg)
             in_flight = grid / sms * (cfg.num_stages - 1) * cfg.block_n * cfg.block_k * 2
             assert in_flight >= IN_FLIGHT_PER_SM or cfg.num_stages in (MAX_STAGES, k_blocks // cfg.split_k)
@@ -403,10 +436,11 @@ def test_config_heuristic_picks_the_h200_winners(n, k, split, stages, fma_stages
 
     for m in (1, 2, 4, 8, 16):
         cfg = choose_config(m, n, k, 132)
-        if m <= 2 and fma_stages:
+        if m == 1 and fma_stages:
             assert cfg == dataclasses.replace(FMA_ROW, block_m=m, num_stages=fma_stages)
         else:
             assert (cfg.split_k, cfg.num_stages, cfg.num_warps, cfg.block_n) == (split, stages, 2, 32)
+            assert cfg.poll == (split > 1 and n != 2112)  # 2112 x 7168: the measured table's counter grid
 
 
 @pytest.mark.parametrize("n,k,sms,fma_row", [
@@ -416,19 +450,18 @@ def test_config_heuristic_picks_the_h200_winners(n, k, split, stages, fma_stages
     pytest.param(2560, 7168, 132, False, id="2560x7168-thin-grid"),
     pytest.param(20480, 7168, 132, False, id="20480x7168-unsplit-dot"),
 ])
-def test_config_one_or_two_rows_take_fma_row_only_where_the_dot_grid_splits_and_both_fit(n, k, sms, fma_row):
-    """FMA_ROW (no K split, block_m = M) replaces a split tensor-core grid for M <= 2 where its grid holds >= 3
-    programs per SM and fits beside the next product's (2 x per-SM count <= FMA_ROW_RESIDENT); four rows and
+def test_config_one_row_takes_fma_row_only_where_the_dot_grid_splits_and_both_fit(n, k, sms, fma_row):
+    """FMA_ROW (no K split, block_m = M) replaces a split tensor-core grid for one row where its grid holds >= 3
+    programs per SM and fits beside the next product's (2 x per-SM count <= FMA_ROW_RESIDENT); two rows and
     more keep the tensor cores."""
     from k3compile.ops.skinny_gemm.triton import FMA_ROW, FMA_ROW_MIN_PER_SM, FMA_ROW_RESIDENT
 
-    for m in (1, 2):
-        cfg = choose_config(m, n, k, sms)
-        assert (cfg == dataclasses.replace(FMA_ROW, block_m=m, num_stages=cfg.num_stages)) == fma_row
+    cfg = choose_config(1, n, k, sms)
+    assert (cfg == dataclasses.replace(FMA_ROW, block_m=1, num_stages=cfg.num_stages)) == fma_row
     programs = -(-n // FMA_ROW.block_n)
     if fma_row:
         assert programs >= FMA_ROW_MIN_PER_SM * sms and 2 * -(-programs // sms) <= FMA_ROW_RESIDENT
-    assert not choose_config(3, n, k, sms).fma and not choose_config(16, n, k, sms).fma
+    assert not any(choose_config(m, n, k, sms).fma for m in (2, 3, 16))
 
 
 def test_config_heuristic_triggers_late_where_two_grids_do_not_fit():

@@ -3,11 +3,12 @@
 Decode GEMMs have a handful of rows and a large weight, so the kernel is a weight stream: each
 program owns a ``BLOCK_N`` slice of the output columns (all M rows at once) and, when there are too
 few column tiles to fill the GPU, a ``1/SPLIT_K`` slice of K. Split-K partial sums go to an fp32
-workspace; either the last program of a column tile to arrive (an arrival counter per tile, rearmed
-by that program, so no memset and no second launch: CUDA-graph safe) or a second small kernel sums
-them in split order and adds the epilogue. Products run on tensor cores (``tl.dot``, M padded to 16)
-or, for a few rows, on CUDA cores (broadcast multiply, one K reduction at the end: one or two rows take
-such a grid of 8-column tiles by default where the tensor-core grid would split K, see ``FMA_ROW``).
+workspace and are summed in split order, in one launch (no memset, CUDA-graph safe) by either the last
+split of the tile, which polls the others' partial slots (``poll``; the slots read empty between launches),
+or the last program to arrive (an arrival counter per tile, rearmed by that program); or by a second small
+kernel. Products run on tensor cores (``tl.dot``, M padded to 16) or, for a few rows, on CUDA cores
+(broadcast multiply, one K reduction at the end: one row takes such a grid of 8-column tiles by default
+where the tensor-core grid would split K, see ``FMA_ROW``).
 Weight tiles, and optionally a's, may come by TMA. Accumulation is fp32 always; fp32 inputs use IEEE
 products (no TF32). Any M <= ``MAX_M``, N and K; tails are masked.
 
@@ -36,7 +37,7 @@ try:  # grid dependency control (PDL), Triton >= 3.4
 except ImportError:  # pragma: no cover
     gdc_launch_dependents = gdc_wait = None
 
-from k3compile.ops.arrival_counters import arrival_counters
+from k3compile.ops.arrival_counters import PARTIAL_EMPTY as _EMPTY_WORD, arrival_counters, partial_slots
 from k3compile.backends import is_rocm, Reason, sm_count, triton_can_run_on
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -73,6 +74,63 @@ def _sum_partials(ws_ptr, o_m, o_n, m_out, M, N, SPLIT_K, BLOCK_M: tl.constexpr,
     return b_acc
 
 
+# A partial-sum word not written yet (``poll`` configs; ``arrival_counters.partial_slots`` hands them out)
+PARTIAL_EMPTY = tl.constexpr(_EMPTY_WORD)
+
+
+@triton.jit
+def _publish(p, b_v, mask, PTX: tl.constexpr):
+    """Strong (relaxed, gpu-scope) stores of the fp32 partial ``b_v``, which another program polls:
+    ``st.relaxed`` on NVIDIA, an atomic exchange (an L2 atomic per word) where no PTX runs."""
+    if PTX:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.relaxed.gpu.global.b32 [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r,r", [p, b_v.to(tl.int32, bitcast=True), mask.to(tl.int32)], dtype=tl.int32, is_pure=False,
+            pack=1)
+    else:
+        tl.atomic_xchg(p.to(tl.pointer_type(tl.int32)), b_v.to(tl.int32, bitcast=True), mask=mask, sem="relaxed",
+                       scope="gpu")
+
+
+@triton.jit
+def _load_four(p, stride, m0, m1, m2, m3):
+    """Four partial tiles ``stride`` apart (volatile: every poll reads L2 anew; -0.0 where masked), and
+    whether any word of them still holds ``PARTIAL_EMPTY``."""
+    b_p0 = tl.load(p, mask=m0, other=-0.0, volatile=True)
+    b_p1 = tl.load(p + stride, mask=m1, other=-0.0, volatile=True)
+    b_p2 = tl.load(p + 2 * stride, mask=m2, other=-0.0, volatile=True)
+    b_p3 = tl.load(p + 3 * stride, mask=m3, other=-0.0, volatile=True)
+    n_empty = ((b_p0.to(tl.int32, bitcast=True) == PARTIAL_EMPTY).to(tl.int32)
+               + (b_p1.to(tl.int32, bitcast=True) == PARTIAL_EMPTY).to(tl.int32)
+               + (b_p2.to(tl.int32, bitcast=True) == PARTIAL_EMPTY).to(tl.int32)
+               + (b_p3.to(tl.int32, bitcast=True) == PARTIAL_EMPTY).to(tl.int32))
+    return b_p0, b_p1, b_p2, b_p3, tl.sum(tl.sum(n_empty, axis=1), axis=0) > 0
+
+
+@triton.jit
+def _poll_partials(ws_ptr, o_m, o_n, m_out, M, N, N_PARTS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The sum, in split order, of this tile's first ``N_PARTS`` partials, each read once all its words are
+    written (read again while a word still holds ``PARTIAL_EMPTY``), four at a time so their L2 round trips
+    overlap; the slots read are set back to empty for the next launch. A slot past
+    ``N_PARTS`` adds -0.0, as in ``_sum_partials``, so both reductions agree bit for bit."""
+    b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    b_empty = tl.full((BLOCK_M, BLOCK_N), PARTIAL_EMPTY, tl.int32).to(tl.float32, bitcast=True)
+    p_ws = ws_ptr + o_m[:, None] * N + o_n[None, :]
+    for s0 in range(0, N_PARTS, 4):
+        m1 = m_out & (s0 + 1 < N_PARTS)
+        m2 = m_out & (s0 + 2 < N_PARTS)
+        m3 = m_out & (s0 + 3 < N_PARTS)
+        b_p0, b_p1, b_p2, b_p3, empty = _load_four(p_ws + s0 * M * N, M * N, m_out, m1, m2, m3)
+        while empty:
+            b_p0, b_p1, b_p2, b_p3, empty = _load_four(p_ws + s0 * M * N, M * N, m_out, m1, m2, m3)
+        b_acc = (((b_acc + b_p0) + b_p1) + b_p2) + b_p3
+        tl.store(p_ws + s0 * M * N, b_empty, mask=m_out)
+        tl.store(p_ws + (s0 + 1) * M * N, b_empty, mask=m1)
+        tl.store(p_ws + (s0 + 2) * M * N, b_empty, mask=m2)
+        tl.store(p_ws + (s0 + 3) * M * N, b_empty, mask=m3)
+    return b_acc
+
+
 @triton.jit
 def _epilogue_operands(bias_ptr, res_ptr, o_m, o_n, m_m, m_n, stride_rm, stride_rn,
                        HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
@@ -96,7 +154,7 @@ def _skinny_gemm_kernel(
     FMA: tl.constexpr, LOOP_STAGES: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
     PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, PRE_K: tl.constexpr, EARLY_TRIGGER: tl.constexpr,
-    A_TMA: tl.constexpr,
+    A_TMA: tl.constexpr, POLL: tl.constexpr, PTX: tl.constexpr,
 ):
     i_n = tl.program_id(0)
     i_k = tl.program_id(1)
@@ -177,7 +235,16 @@ def _skinny_gemm_kernel(
 
     m_out = m_m[:, None] & m_n[None, :]
     finish = not SPLIT
-    if SPLIT:
+    if SPLIT and POLL:
+        # The last split finishes the tile: the others publish their partials by value (strong stores into
+        # slots that read PARTIAL_EMPTY until then) and it polls them. No counter, no fence: the end of the
+        # kernel waits on fewer L2 round trips. The last split has the highest program ids, so the splits it
+        # waits for were started before it (programs start in id order).
+        finish = i_k == SPLIT_K - 1
+        if i_k < SPLIT_K - 1:
+            p_ws = ws_ptr + (i_k * M + o_m[:, None]) * N + o_n[None, :]
+            _publish(p_ws, b_acc, m_out, PTX)
+    elif SPLIT:
         p_ws = ws_ptr + (i_k * M + o_m[:, None]) * N + o_n[None, :]
         tl.store(p_ws, b_acc, mask=m_out)
         if ONE_LAUNCH:
@@ -191,9 +258,12 @@ def _skinny_gemm_kernel(
             # the epilogue's operands are requested first, so their round trips overlap the partials'
             b_bias, b_res = _epilogue_operands(bias_ptr, res_ptr, o_m, o_n, m_m, m_n, stride_rm, stride_rn,
                                                HAS_BIAS, HAS_RES)
-            # .cg: read from L2, where the other programs' partials are, never a stale L1 line
-            b_acc = _sum_partials(ws_ptr, o_m, o_n, m_out, M, N, SPLIT_K, BLOCK_M, BLOCK_N, ".cg")
-            tl.atomic_xchg(cnt_ptr + i_n, 0)
+            if POLL:
+                b_acc = _poll_partials(ws_ptr, o_m, o_n, m_out, M, N, SPLIT_K - 1, BLOCK_M, BLOCK_N) + b_acc
+            else:
+                # .cg: read from L2, where the other programs' partials are, never a stale L1 line
+                b_acc = _sum_partials(ws_ptr, o_m, o_n, m_out, M, N, SPLIT_K, BLOCK_M, BLOCK_N, ".cg")
+                tl.atomic_xchg(cnt_ptr + i_n, 0)
         if HAS_BIAS:
             b_acc += b_bias
         if HAS_RES:
@@ -240,6 +310,7 @@ class TritonConfig:
     preload: int = 0          # with pdl and static_weight=True: weight tiles (of block_k) loaded before the wait
     early_trigger: bool = False  # pdl: let the next kernel launch right after our wait, not after the K loop
     a_tma: bool = False       # with tma: a's [block_m, block_k] tiles by TMA too (where a is TMA-aligned)
+    poll: bool = False        # one_launch: the last split polls the others' partials (no arrival counter)
 
     def __post_init__(self):
         if self.preload not in (0, 1, 2, 4) or self.prefetch_lines < 0 or (
@@ -253,7 +324,7 @@ class TritonConfig:
                f"{f'p{self.preload}' if self.preload else ''}") if self.pdl else ""
         return (f"{'fma' if self.fma else 'dot'}-m{self.block_m}-n{self.block_n}-k{self.block_k}-s{self.split_k}"
                 f"{'x1' if self.one_launch else ''}-w{self.num_warps}-st{self.num_stages or 'd'}"
-                f"{'-tma' if self.tma else ''}{'-atma' if self.a_tma else ''}{pdl}")
+                f"{'-tma' if self.tma else ''}{'-atma' if self.a_tma else ''}{pdl}{'-poll' if self.poll else ''}")
 
 
 # Residency on sm_90 (H100/H200): 228 KB of shared memory per SM, 1 KB of it reserved per resident program.
@@ -278,18 +349,31 @@ def resident_per_sm(config: TritonConfig, element_size: int = 2) -> int:
     return SMEM_PER_SM // (ring + 16 + SMEM_RESERVED_PER_PROGRAM)
 
 
-# One or two rows: CUDA-core products over 8-column tiles, a and w by TMA, no K split (``FMA_ROW``, block_m
-# = M). Where the tensor-core grid has to split K, its last-arrival reduction (partial store, arrival, partial
+# The split grids' tail (H200, benchmarks/results/skinny_gemm_triton_tail_h200.log): per-program clocks showed
+# the kernel ending 1.6-1.7 us after the last K loop ended (the last-arrival reduction's L2 round trips; with
+# the reduction skipped, 0.03 us and 84-88% of the copy ceiling). Polled partials (``poll``: no counter, no
+# fence) cut that to 1.2-1.3 us; letting the next product in after our K loop (not at our start) and having
+# it prefetch its first 2 weight lines per row into L2 meanwhile keeps HBM busy during the rest. Together
+# (last run, interleaved): 4608 x 7168 M = 2/4/8/16 84.8/83.6/81.7/79.1% of the ceiling (the counter grid
+# with the early trigger 80.9/80.1/79.2/77.8%), 3584 x 7168 81.6/80.8/78.5/76.1% (78.3/77.4/76.4/75.6%).
+# Each alone gained 0-1.5 points; 1 or 4 lines, or one stage more, were 0.2-2.7% slower; the prefetch with
+# the counter lost 4-11%. 2112 x 7168 (the table's split 4) was +4.5% at M = 1 but -3.7% at M = 16: kept.
+POLLED_TAIL = dict(poll=True, early_trigger=False, prefetch_lines=2)
+
+# One row: CUDA-core products over 8-column tiles, a and w by TMA, no K split (``FMA_ROW``, block_m = M).
+# Where the tensor-core grid has to split K, its last-arrival reduction (partial store, arrival, partial
 # loads: ~1.4 us of L2 round trips at the end of the kernel) cost 8-9% (H200, 3584 / 4608 x 7168: the split-3
 # grid with the reduction skipped ran 85.6 / 87.5% of the copy ceiling, with it 77.3 / 80.8%); this grid has
 # none. Measured (benchmarks/results/skinny_gemm_triton_{splitcost,fma,fma_rows,fma_settle}_h200.log, four runs):
 # M = 1: 3584 x 7168 80.4-82.9% vs 75.8-77.7%, 4608 x 7168 85.0-86.5% vs 80.3-81.0%; M = 2: 75.8-79.0% vs
 # 75.6-77.0%, 79.7-82.1% vs 78.3-80.1%. Four rows lost 10-40% (registers: the [M, 8, 256] fp32 accumulator).
 # Its depth follows IN_FLIGHT_PER_SM like the tensor-core grids': 5 stages at 3584 x 7168 (3.4 programs per SM;
-# 0.2-1.2 points ahead of 4), 4 at 4608 x 7168 (4.4 per SM; 0.3-0.9 ahead of 5).
+# 0.2-1.2 points ahead of 4), 4 at 4608 x 7168 (4.4 per SM; 0.3-0.9 ahead of 5). Since the split grids' tail
+# got shorter (POLLED_TAIL), two rows run those instead (1.2-2.2 points ahead at 4608 / 3584 x 7168, two
+# runs); one row stays here (4 points ahead).
 FMA_ROW = TritonConfig(1, 8, 256, 1, num_warps=4, num_stages=4, fma=True, tma=True, a_tma=True, pdl=True,
                        prefetch_lines=0, early_trigger=True)  # (block_m and num_stages set per product)
-FMA_ROWS_MAX_M = 2
+FMA_ROWS_MAX_M = 1
 # FMA_ROW programs one H200 SM holds at M = 1 (40 registers x 128 threads bound them; 9 at M = 2, 56 registers:
 # the driver's counts). Its grid must fit about twice (ours and the next product's, as for the tensor-core
 # grids): at 7168 x 3584 (896 programs, 7 per SM) it ran 57 / 64% of the ceiling (M = 1 / 2) against the
@@ -300,7 +384,7 @@ FMA_ROW_MIN_PER_SM = 3
 
 
 def _heuristic(m: int, n: int, k: int, sm_count: int) -> TritonConfig:
-    """The tensor-core pick (``_dot_heuristic``), except for one or two rows where that splits K:
+    """The tensor-core pick (``_dot_heuristic``), except for up to ``FMA_ROWS_MAX_M`` rows where that splits K:
     ``FMA_ROW`` (block_m = M, deep enough for ``IN_FLIGHT_PER_SM``) where its grid and the next product's fit
     on the SMs together."""
     cfg = _dot_heuristic(m, n, k, sm_count)
@@ -327,9 +411,9 @@ def _dot_heuristic(m: int, n: int, k: int, sm_count: int) -> TritonConfig:
     - our programs and the next product's all fit on the SMs together (2 x per-SM count <= residency: the
       early trigger then overlaps; past that it lost 20-35%, the waiting programs holding slots we need),
     - the pipeline depth (num_stages) puts ``IN_FLIGHT_PER_SM`` of weight tiles in flight per SM.
-    Where no split fits, the plain 4-per-SM split at the default depth, the trigger after the K loop unless
-    both grids fit (20480 x 7168, 640 column tiles: after). Two warps per program: 1-3% faster than four
-    at every such point measured."""
+    A split grid then runs ``POLLED_TAIL``. Where no split fits, the plain 4-per-SM split at the default depth,
+    the trigger after the K loop unless both grids fit (20480 x 7168, 640 column tiles: after). Two warps per
+    program: 1-3% faster than four at every such point measured."""
     block_m = max(16, triton.next_power_of_2(m))
     block_k = 128 if block_m <= 16 else 64
     block_n = 32
@@ -349,7 +433,7 @@ def _dot_heuristic(m: int, n: int, k: int, sm_count: int) -> TritonConfig:
         cfg = TritonConfig(block_m, block_n, block_k, split_k, num_warps=2, num_stages=stages, one_launch=True,
                            tma=True, pdl=True, prefetch_lines=0, early_trigger=True)
         if 2 * triton.cdiv(n_tiles * split_k, sm_count) <= resident_per_sm(cfg):
-            return cfg
+            return dataclasses.replace(cfg, **POLLED_TAIL) if split_k > 1 else cfg
     split_k = triton.cdiv(k_blocks, triton.cdiv(k_blocks, split_4))
     cfg = TritonConfig(block_m, block_n, block_k, split_k, one_launch=True, tma=True, pdl=True, prefetch_lines=0)
     return dataclasses.replace(cfg, early_trigger=2 * triton.cdiv(n_tiles * split_k, sm_count) <= resident_per_sm(cfg))
@@ -495,9 +579,12 @@ def skinny_gemm_triton(
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     split_k = max(1, triton.cdiv(k, k_per_split)) if k else 1
     n_tiles = triton.cdiv(n, config.block_n)
-    ws = (torch.empty((split_k, m, n), dtype=torch.float32, device=a.device) if split_k > 1 else out)
-    counters = arrival_counters(a.device, n_tiles) if split_k > 1 and config.one_launch else None
-    one_launch = counters is not None
+    ws = partial_slots(a.device, (split_k - 1) * m * n) if split_k > 1 and config.one_launch and config.poll else None
+    poll = ws is not None
+    if not poll:
+        ws = torch.empty((split_k, m, n), dtype=torch.float32, device=a.device) if split_k > 1 else out
+    counters = arrival_counters(a.device, n_tiles) if split_k > 1 and config.one_launch and not poll else None
+    one_launch = poll or counters is not None
     res = residual if residual is not None else out
     r_strides = (res.stride(0), res.stride(1))
     # Triton 3.7's interpreter computes 16-bit tl.dot wrongly; fp32 products of 16-bit inputs
@@ -516,7 +603,7 @@ def skinny_gemm_triton(
         _skinny_gemm_kernel[(n_tiles, split_k)](
             a, w, w_desc if w_desc is not None else w, a_desc if a_desc is not None else a,
             bias if bias is not None else out, res, out, ws,
-            counters if one_launch else ws,
+            counters if counters is not None else ws,
             m, n, k, k_per_split, split_k,
             a.stride(0), a.stride(1), w.stride(0), w.stride(1), *r_strides,
             out.stride(0), out.stride(1),
@@ -526,7 +613,7 @@ def skinny_gemm_triton(
             PRECISION="ieee" if a.dtype == torch.float32 or upcast else None, UPCAST=upcast,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TMA=w_desc is not None,
             PDL=pdl, PREFETCH_LINES=config.prefetch_lines, EARLY_TRIGGER=config.early_trigger,
-            A_TMA=a_desc is not None,
+            A_TMA=a_desc is not None, POLL=poll, PTX=a.device.type == "cuda" and not is_rocm(),
             # peeled first tiles (static weights under a pdl config; off the GPU too, where only the wait is gone)
             PRE_K=config.preload * config.block_k if static_weight and config.pdl else 0,
             **tuning, **flags,
