@@ -148,7 +148,9 @@ def test_small_d_matches_same_rounding(m, l, d):
 @pytest.mark.parametrize("cfg", [cfgmod.SkinnyConfig(1, 1, 1, 1), cfgmod.SkinnyConfig(2, 2, 2, 1, stages=3),
                                  cfgmod.SkinnyConfig(1, 1, 8, 2, stages=3),
                                  cfgmod.SkinnyConfig(1, 1, 4, 2, stages=4, split_k=2),
-                                 cfgmod.SkinnyConfig(1, 1, 2, 4, split_k=4)],
+                                 cfgmod.SkinnyConfig(1, 1, 2, 4, split_k=4),
+                                 cfgmod.SkinnyConfig(1, 2, 4, 2, stages=3, a_ring=True, a_share=True),
+                                 cfgmod.SkinnyConfig(1, 1, 4, 2, stages=4, a_l1=True)],
                          ids=lambda c: c.tag())
 @pytest.mark.parametrize("m", [1, 8, 9, 16], ids=lambda m: f"M{m}")
 @pytest.mark.parametrize("static_weight", [False, True], ids=["dynamic_w", "static_w"])

@@ -81,9 +81,10 @@ def test_compiles_for_sm90a_without_gpu(monkeypatch, tmp_path):
     monkeypatch.setenv("K3_CUTE_CACHE_DIR", str(tmp_path))
     for cfg, static in [(cfgmod.SkinnyConfig(2, 1, 2, 2), False), (cfgmod.SkinnyConfig(1, 1, 4, 2, stages=3), False),
                         (cfgmod.SkinnyConfig(1, 1, 4, 2, stages=3), True),
-                        (cfgmod.SkinnyConfig(1, 1, 4, 2, stages=4, split_k=4), False)]:
+                        (cfgmod.SkinnyConfig(1, 1, 4, 2, stages=4, split_k=4), False),
+                        (cfgmod.SkinnyConfig(1, 2, 4, 2, stages=3, a_ring=True, a_share=True, a_l1=True), False)]:
         assert kc.compile_kernel(torch.bfloat16, 3, cfg, True, True, static) is not None
-    assert len([p for p in tmp_path.rglob("*.o")]) == 4  # the on-disk cache a second process loads
+    assert len([p for p in tmp_path.rglob("*.o")]) == 5  # the on-disk cache a second process loads
 
 
 @pytest.mark.parametrize("kwargs", [dict(split_k=0), dict(split_k=9), dict(stages=0), dict(warps_k=64)],
@@ -95,6 +96,22 @@ def test_config_rejects_unlaunchable(kwargs):
 
 def test_config_tag_names_split_k():
     assert cfgmod.SkinnyConfig(1, 1, 8, 2, stages=3, split_k=2).tag() == "rg1-wn1-wk8-u2-s3-c2"
+
+
+def test_config_a_share_tag_smem_and_rejects():
+    c = cfgmod.SkinnyConfig(1, 4, 2, 2, stages=4, a_ring=True, a_share=True)
+    assert c.tag() == "rg1-wn4-wk2-u2-s4-a-sh"
+    per_warp = cfgmod.SkinnyConfig(1, 4, 2, 2, stages=4, a_ring=True)
+    # A's rings: one per K slice (2) instead of one per warp (8); each 4 stages x 2 steps x 2 halves (M > 8) x 512 B
+    assert per_warp.smem_bytes(16) - c.smem_bytes(16) == (8 - 2) * 4 * 2 * 2 * 512
+    for bad in (dict(a_share=True), dict(stages=3, a_share=True), dict(warps_k=16, warps_n=1, stages=3, a_ring=True,
+                                                                        a_share=True, unroll=1)):
+        with pytest.raises(ValueError):
+            cfgmod.SkinnyConfig(**{"row_groups": 1, "warps_n": 2, "warps_k": 2, "unroll": 2, **bad})
+
+
+def test_config_tag_names_a_l1():
+    assert cfgmod.SkinnyConfig(1, 1, 8, 2, stages=3, a_ring=True, a_l1=True).tag() == "rg1-wn1-wk8-u2-s3-a-ca"
 
 
 def test_config_tag_names_pdl_options():
@@ -157,7 +174,12 @@ def test_matches_reference_random_shapes(m, n, k, dtype, bias, residual):
                                  cfgmod.SkinnyConfig(1, 1, 2, 2, stages=8, split_k=8, a_ring=True),
                                  cfgmod.SkinnyConfig(2, 1, 2, 2, stages=5, split_k=7, early=True, a_ring=True),
                                  cfgmod.SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16, a_pipe=True),
-                                 cfgmod.SkinnyConfig(2, 1, 4, 2, stages=3, split_k=3, a_pipe=True)],
+                                 cfgmod.SkinnyConfig(2, 1, 4, 2, stages=3, split_k=3, a_pipe=True),
+                                 cfgmod.SkinnyConfig(1, 2, 4, 2, stages=3, a_ring=True, a_share=True),
+                                 cfgmod.SkinnyConfig(2, 4, 2, 1, stages=4, split_k=2, a_ring=True, a_share=True),
+                                 cfgmod.SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16, a_l1=True),
+                                 cfgmod.SkinnyConfig(1, 1, 4, 4, a_l1=True),
+                                 cfgmod.SkinnyConfig(2, 2, 2, 2, stages=4, split_k=2, a_ring=True, a_share=True, a_l1=True)],
                          ids=lambda c: c.tag())
 @pytest.mark.parametrize("m", [1, 8, 9, 16], ids=lambda m: f"M{m}")
 @pytest.mark.parametrize("static_weight", [False, True], ids=["dynamic_w", "static_w"])
@@ -199,7 +221,8 @@ def test_cuda_graph_capture_and_replay(m, n, k):
                                  cfgmod.SkinnyConfig(1, 1, 4, 4, early=True, l2_kb=16),
                                  cfgmod.SkinnyConfig(1, 1, 4, 2, stages=4, split_k=2, early=True, l2_kb=16),
                                  cfgmod.SkinnyConfig(1, 1, 4, 2, stages=8, split_k=4, early=True, a_ring=True),
-                                 cfgmod.SkinnyConfig(1, 1, 8, 2, stages=5, early=True, l2_kb=16, a_pipe=True)],
+                                 cfgmod.SkinnyConfig(1, 1, 8, 2, stages=5, early=True, l2_kb=16, a_pipe=True),
+                                 cfgmod.SkinnyConfig(1, 4, 2, 2, stages=4, early=True, a_ring=True, a_share=True)],
                          ids=lambda c: c.tag())
 @pytest.mark.parametrize("static_weight", [False, True], ids=["dynamic_w", "static_w"])
 def test_chained_products_under_graph_replay(cfg, static_weight):

@@ -12,7 +12,21 @@ Each warp owns ``row_groups`` groups of 8 weight rows and handles ``unroll`` K-s
 streamed by cp.async through a per-warp shared-memory ring, which keeps more bytes in flight
 (``a_ring``: A's rows ride the same ring; ``a_pipe``: A's plain loads run one chunk ahead in registers).
 A's bytes read from L2 per weight byte are M / block_n (every block reads all of A's K share), so larger
-``row_groups`` with a split-K cluster keeping the block count cut that traffic at larger M.
+``row_groups`` with a split-K cluster keeping the block count cut that traffic at larger M; so does
+``warps_n > 1`` with ``a_share`` (one A ring per K slice, filled once by its ``warps_n`` warps together, where
+``a_ring`` alone gives each warp its own copy) without the registers that more row groups per warp cost.
+Above M = 8 the second A row per lane lifts the 8-K-warp ring configuration from 42 to 62 registers: 4 instead
+of 5 blocks of 256 threads per SM, and 4608x7168's 576 blocks no longer fit in one wave (34 µs against 19 at
+M = 8); a ptxas register cap (min_blocks_per_mp 5) brought it to 26 µs, still behind rg2 in a split-K cluster.
+
+Where M = 8..16 goes (cute5's timing-only variants, benchmarks/results/skinny_gemm_h200_cute5_*): with every chunk
+loading the same A vectors (L1 hits, the same instructions) M = 16 ran as fast as with no A loads at all, 3584x7168
+14.9 µs against 18.3, 1536x7168 7.3 against 11.2, the fused-norm tail 16.0 against 24.1: the slope is A's traffic
+past L1 (each block reads all of its K share of A, M/8 of the weight's bytes per row group), not the MMAs or the
+norm's arithmetic. ``a_l1`` keeps A in L1 for the other blocks of the SM (A's ring copies cp.async.ca, plain A
+loads L1::evict_last, the register path's weight loads L1::evict_first): 2-12% on the a_ring picks of the small-N
+shapes at M 1-16 (cute5 runs 3-4), nothing measurable on plain A loads (already L1-cached; a larger L1 carveout did
+not help either).
 
 Hiding a launch under the previous product (programmatic dependent launch): ``l2_kb`` bulk-prefetches
 the first KB of each block's weight into L2 before the wait, ``early`` lets the next kernel launch right
@@ -45,6 +59,8 @@ class SkinnyConfig:
     l2_kb: int = 0        # >0: before the wait, bulk-prefetch up to this many KB of the block's weight into L2
     a_ring: bool = False  # (stages > 1) A rides the cp.async ring with the weight, not plain loads
     a_pipe: bool = False  # (stages > 1, not a_ring) A's plain loads run one chunk ahead, in registers
+    a_share: bool = False  # (a_ring) one A ring per K slice, shared by its warps_n warps: A read once per block
+    a_l1: bool = False    # keep A in L1 (ring copies .ca, plain loads evict_last; register weight loads evict_first)
 
     def __post_init__(self):
         if self.row_groups < 1 or self.warps_n < 1 or self.warps_k < 1 or self.unroll < 1:
@@ -54,6 +70,8 @@ class SkinnyConfig:
         if self.l2_kb < 0 or (self.a_ring and self.stages == 1):
             raise ValueError(f"bad config {self}")
         if self.a_pipe and (self.stages == 1 or self.a_ring):
+            raise ValueError(f"bad config {self}")
+        if self.a_share and (not self.a_ring or self.warps_k > 15):  # one named barrier (1..15) per K slice
             raise ValueError(f"bad config {self}")
         if self.threads > MAX_THREADS:
             raise ValueError(f"{self} needs {self.threads} threads > {MAX_THREADS}")
@@ -68,12 +86,15 @@ class SkinnyConfig:
         return 32 * self.warps_n * self.warps_k
 
     def smem_bytes(self, m: int = 16) -> int:
-        """fp32 partial sums of every K-warp [warps_k, block_n, 16], plus the cp.async ring (weight, and A's
-        rows: one 16-byte vector per lane and step, two above M = 8)."""
-        slots = 0 if self.stages == 1 else self.row_groups * self.unroll
-        if self.stages > 1 and self.a_ring:
-            slots += self.unroll * (2 if m > 8 else 1)
-        ring = self.stages * slots * 512 * self.warps_n * self.warps_k
+        """fp32 partial sums of every K-warp [warps_k, block_n, 16], plus the cp.async rings: the weight's (per
+        warp) and A's (per warp, or per K slice with ``a_share``; one 16-byte vector per lane and step, two
+        above M = 8)."""
+        if self.stages == 1:
+            return 4 * self.warps_k * self.block_n * 16 + 128
+        ring = self.stages * self.row_groups * self.unroll * 512 * self.warps_n * self.warps_k
+        if self.a_ring:
+            a_rings = self.warps_k * (1 if self.a_share else self.warps_n)
+            ring += self.stages * self.unroll * (2 if m > 8 else 1) * 512 * a_rings
         return 4 * self.warps_k * self.block_n * 16 + ring + 128  # + alignment slack
 
     def tag(self) -> str:
@@ -81,7 +102,7 @@ class SkinnyConfig:
                 + ("" if self.prefetch else "-nopf") + (f"-s{self.stages}" if self.stages > 1 else "")
                 + (f"-c{self.split_k}" if self.split_k > 1 else "") + ("-e" if self.early else "")
                 + (f"-l{self.l2_kb}" if self.l2_kb else "") + ("-a" if self.a_ring else "")
-                + ("-p" if self.a_pipe else ""))
+                + ("-sh" if self.a_share else "") + ("-ca" if self.a_l1 else "") + ("-p" if self.a_pipe else ""))
 
 
 # Measured on one H200 (bf16, 2026-11-30, fourth session, copy ceilings 4.218-4.244 TB/s): sweeps of
@@ -92,7 +113,8 @@ class SkinnyConfig:
 # cuBLAS was faster or within 3% with static weight off or on (the dispatch then leaves the product to cuBLAS).
 # Entries marked "(c4 rN)" come from the fifth session's tuning run N (benchmarks/results/
 # skinny_gemm_h200_cute4_sweepN.{json,log}: each point's candidates timed in two interleaved passes beside the pick
-# of that time). Shapes not listed use `heuristic`.
+# of that time); "(c5 rN)" from the sixth session's run N, the same way (benchmarks/results/
+# skinny_gemm_h200_cute5_sweepN.{json.xz,log}). Shapes not listed use `heuristic`.
 TABLE: dict[tuple[int, int, int], Optional[SkinnyConfig]] = {
     (1, 20480, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=16),  # 70.86 µs vs cuBLAS 81.98
     (2, 20480, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=16),  # 71.51 µs vs cuBLAS 79.44
@@ -103,7 +125,7 @@ TABLE: dict[tuple[int, int, int], Optional[SkinnyConfig]] = {
     (2, 4608, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 18.18 µs vs cuBLAS 21.77
     (4, 4608, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 18.48 µs vs cuBLAS 21.80
     (8, 4608, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 19.28 µs vs cuBLAS 22.07
-    (16, 4608, 7168): None,  # cuBLAS 21.90 µs vs CuTe 30.56 (static 21.35)
+    (16, 4608, 7168): SkinnyConfig(2, 1, 4, 2, stages=4, split_k=2, l2_kb=16, a_pipe=True),  # 21.05 µs vs 22.08 (c5 r2)
     (1, 3584, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 14.47 µs vs cuBLAS 18.01
     (2, 3584, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 14.62 µs vs cuBLAS 17.89
     (4, 3584, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 15.07 µs vs cuBLAS 17.64
@@ -115,25 +137,29 @@ TABLE: dict[tuple[int, int, int], Optional[SkinnyConfig]] = {
     (8, 7168, 3584): SkinnyConfig(2, 1, 4, 2, stages=3, a_pipe=True),  # 15.87 µs vs 16.25 (c4 r2)
     (16, 7168, 3584): None,  # cuBLAS 15.57 µs vs CuTe 17.08 (static 17.15)
     (1, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 9.25 µs vs cuBLAS 13.36
-    (2, 2112, 7168): SkinnyConfig(2, 1, 4, 2, stages=3, split_k=2, a_ring=True),  # 9.88 µs vs 10.53 (c4 r3)
+    (2, 2112, 7168): SkinnyConfig(2, 1, 4, 2, stages=3, split_k=2, a_ring=True, a_l1=True),  # 9.72 µs vs 10.09 (c5 r4)
     (4, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 10.70 µs vs cuBLAS 13.37
     (8, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 11.20 µs vs cuBLAS 13.44
-    (16, 2112, 7168): None,  # CuTe 12.6-13.4 µs vs cuBLAS 13.3-14.0 (c4 r1-r4): within 3%; Triton 11.1 takes it
-    (1, 1536, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16, a_ring=True),  # 7.46 µs vs cuBLAS 10.97 (sweep 4)
-    (2, 1536, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16, a_ring=True),  # 7.96 µs vs cuBLAS 10.92 (sweep 4)
-    (4, 1536, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16, a_ring=True),  # 8.56 µs vs cuBLAS 10.84 (sweep 4)
-    (8, 1536, 7168): SkinnyConfig(2, 1, 4, 2, stages=3, split_k=2, a_ring=True),  # 9.37 µs vs 9.97, cuBLAS 9.98 (c4 r1)
-    (16, 1536, 7168): None,  # rg2 clusters 10.1-13.0 µs over cute4's runs 1-3 vs cuBLAS 10.9-11.1: not a safe win
+    # 16 x 2112: CuTe 12.6-13.6 µs vs cuBLAS 13.3-14.0 over cute4's and cute5's runs (a_l1 13.29 vs 13.93 in c5 r4):
+    # within 3% in some; Triton (11.1) takes it in the op
+    (16, 2112, 7168): None,
+    (1, 1536, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16, a_ring=True, a_l1=True),  # 7.15 µs vs 7.58 (c5 r4)
+    (2, 1536, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16, a_ring=True, a_l1=True),  # 7.32 µs vs 7.81 (c5 r4)
+    (4, 1536, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16, a_ring=True, a_l1=True),  # 7.61 µs vs 8.68 (c5 r4)
+    (8, 1536, 7168): SkinnyConfig(2, 1, 4, 2, stages=3, split_k=2, a_ring=True, a_l1=True),  # 8.35 µs vs 9.01 (c5 r3)
+    # 16 x 1536: CuTe 10.27 vs cuBLAS 10.94 in c5 r2; in c5 r4 with a_l1 10.65 (static 10.34), without 10.94
+    # (10.74), cuBLAS 11.12
+    (16, 1536, 7168): SkinnyConfig(2, 1, 4, 2, stages=3, split_k=2, a_ring=True, a_l1=True),
     (1, 7168, 1536): SkinnyConfig(1, 1, 4, 4),  # 7.68 µs vs cuBLAS 8.29
     (2, 7168, 1536): SkinnyConfig(1, 1, 4, 4),  # 7.75 µs vs cuBLAS 8.35
     (4, 7168, 1536): SkinnyConfig(1, 1, 4, 4),  # 7.88 µs vs cuBLAS 8.41
     (8, 7168, 1536): SkinnyConfig(1, 1, 4, 4),  # 8.07 µs vs cuBLAS 8.49
     (16, 7168, 1536): None,  # cuBLAS 8.59 µs vs CuTe 8.37 (static 8.39)
-    (1, 896, 7168): SkinnyConfig(1, 1, 8, 2, stages=4, a_ring=True),  # 5.27 µs vs cuBLAS 8.61 (sweep 4)
-    (2, 896, 7168): SkinnyConfig(1, 1, 8, 2, stages=4, a_ring=True),  # 5.47 µs vs cuBLAS 8.79 (sweep 4)
-    (4, 896, 7168): SkinnyConfig(1, 1, 8, 2, stages=4, a_ring=True),  # 6.00 µs vs cuBLAS 8.60 (sweep 4)
-    (8, 896, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, a_ring=True),  # 6.24 µs vs cuBLAS 8.28
-    (16, 896, 7168): SkinnyConfig(2, 1, 4, 2, stages=3, split_k=2, a_ring=True),  # 7.28 µs vs 7.57, cuBLAS 8.85 (c4 r1)
+    (1, 896, 7168): SkinnyConfig(1, 1, 8, 2, stages=4, a_ring=True, a_l1=True),  # 5.22 µs vs 5.32, cuBLAS 8.72 (c5 r4)
+    (2, 896, 7168): SkinnyConfig(1, 1, 8, 2, stages=4, a_ring=True, a_l1=True),  # 5.33 µs vs 5.46, cuBLAS 8.80 (c5 r4)
+    (4, 896, 7168): SkinnyConfig(1, 1, 8, 2, stages=4, a_ring=True, a_l1=True),  # 5.52 µs vs 5.81, cuBLAS 8.74 (c5 r4)
+    (8, 896, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, a_ring=True, a_l1=True),  # 6.11 µs vs 6.55, cuBLAS 8.66 (c5 r3)
+    (16, 896, 7168): SkinnyConfig(1, 4, 2, 2, stages=5, split_k=4, a_ring=True, a_share=True),  # 6.95 µs vs 7.48 (c5 r2)
     (1, 7168, 768): SkinnyConfig(1, 1, 4, 4, early=True, l2_kb=12),  # 4.46 µs vs cuBLAS 5.53
     (2, 7168, 768): SkinnyConfig(1, 1, 4, 4, early=True, l2_kb=12),  # 4.48 µs vs cuBLAS 5.53
     (4, 7168, 768): SkinnyConfig(1, 1, 4, 4, early=True, l2_kb=12),  # 4.51 µs vs cuBLAS 5.56
@@ -154,24 +180,27 @@ TABLE_STATIC: dict[tuple[int, int, int], SkinnyConfig] = {
     (8, 4608, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=16),  # 18.56 µs vs 19.06
     (2, 1536, 7168): SkinnyConfig(2, 1, 4, 2, stages=4, split_k=4, early=True, a_ring=True),  # 7.53 µs vs 7.83 (c4 r1)
     (4, 1536, 7168): SkinnyConfig(2, 1, 4, 2, stages=4, split_k=4, early=True, a_ring=True),  # 7.84 µs vs 8.78 (c4 r1)
-    (8, 1536, 7168): SkinnyConfig(2, 1, 4, 2, stages=4, split_k=4, early=True, a_ring=True),  # 8.94 µs vs 9.31 (c4 r1)
+    (8, 1536, 7168): SkinnyConfig(2, 1, 4, 2, stages=4, split_k=4, early=True, a_ring=True, a_l1=True),  # 7.90 vs 8.35 (c5 r3)
     (1, 896, 7168): SkinnyConfig(1, 1, 4, 2, stages=5, split_k=4, early=True, a_ring=True),  # 5.12 µs vs 5.83 (sweep 4)
-    (4, 896, 7168): SkinnyConfig(1, 1, 4, 2, stages=5, split_k=4, early=True, a_ring=True),  # 5.77 µs vs 6.11 (c4 r3)
-    (8, 896, 7168): SkinnyConfig(1, 1, 8, 2, stages=4, a_ring=True),  # 6.08 µs vs 6.34
+    (4, 896, 7168): SkinnyConfig(1, 1, 4, 2, stages=5, split_k=4, early=True, a_ring=True, a_l1=True),  # 5.13 vs 5.66 (c5 r4)
+    # (8, 896, 7168): the a_share form (6.18 µs vs 6.38 in c5 r2) read 6.33-6.41 in c5 r3-r5 against 6.12-6.26 for
+    # TABLE's a_l1 ring: TABLE's pick serves both.
     (1, 7168, 768): SkinnyConfig(2, 1, 4, 2, stages=3, early=True, l2_kb=24),  # 4.07 µs vs 4.45
     (4, 7168, 768): SkinnyConfig(2, 1, 4, 2, stages=3, early=True, l2_kb=24),  # 4.10 µs vs 4.51
     (8, 7168, 768): SkinnyConfig(2, 1, 4, 2, stages=3, early=True, l2_kb=24),  # 4.23 µs vs 4.55
-    (2, 896, 7168): SkinnyConfig(1, 1, 4, 2, stages=5, split_k=4, early=True, a_ring=True),  # 5.56 µs vs 6.24 (sweep 4)
+    (2, 896, 7168): SkinnyConfig(1, 1, 4, 2, stages=5, split_k=4, early=True, a_ring=True, a_l1=True),  # 5.00 vs 5.27 (c5 r4)
     (1, 1536, 7168): SkinnyConfig(2, 1, 4, 2, stages=4, split_k=4, early=True, a_ring=True),  # 7.01 µs vs 7.44 (c4 r3)
-    (2, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, split_k=2, early=True, a_ring=True),  # 9.88 µs vs 10.69 (sweep 4)
-    (4, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, split_k=2, early=True, a_ring=True),  # 9.79 µs vs 10.58 (c4 r3)
-    (1, 7168, 1536): SkinnyConfig(2, 1, 4, 2, stages=4, early=True, a_ring=True),  # 6.63 µs vs 7.80 (sweep 4)
+    (2, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, split_k=2, early=True, a_ring=True, a_l1=True),  # 9.00 vs 9.50 (c5 r4)
+    (4, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, split_k=2, early=True, a_ring=True, a_l1=True),  # 9.26 vs 10.01 (c5 r4)
+    (1, 7168, 1536): SkinnyConfig(2, 1, 4, 2, stages=4, early=True, a_ring=True, a_l1=True),  # 6.23 µs vs 6.61 (c5 r4)
     (2, 7168, 1536): SkinnyConfig(2, 1, 4, 2, stages=3),  # 7.08 µs vs 7.66 (c4 r2)
     (4, 7168, 1536): SkinnyConfig(2, 1, 4, 2, stages=3, a_pipe=True),  # 7.32 µs vs 7.73 (c4 r2)
     # (8, 7168, 1536): the a_ring form measured 7.85 µs in sweep 2 but 9.69 µs (cuBLAS 8.56) in the fourth session's
     # final run; the plain rg2 ring measured 7.60 µs vs 8.18 (cuBLAS 8.46) in cute4's run 1.
     (8, 7168, 1536): SkinnyConfig(2, 1, 4, 2, stages=3),
-    (2, 7168, 768): SkinnyConfig(2, 1, 4, 2, stages=4, early=True, a_ring=True),  # 4.36 µs vs 4.53 (sweep 4)
+    (2, 7168, 768): SkinnyConfig(2, 1, 4, 2, stages=4, early=True, a_ring=True, a_l1=True),  # 3.95 µs vs 4.32 (c5 r4)
+    (8, 7168, 3584): SkinnyConfig(2, 2, 2, 2, stages=5, a_ring=True, a_share=True, a_l1=True),  # 15.26 vs 16.27 (c5 r4)
+    (16, 2304, 1536): SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=24),  # 4.36 µs vs 4.59 (c5 r2)
 }
 
 
@@ -180,9 +209,11 @@ TABLE_STATIC: dict[tuple[int, int, int], SkinnyConfig] = {
 # 7168x3584 M8 14.65 vs 15.79 / 14.70 vs 15.76; 20480x7168 M 1/2/4/8
 # 69.1/68.9/69.6/71.0 vs 70.6/71.1/72.2/76.2 (static 69.1/69.0/70.3/70.3 vs 70.0/70.7/72.5/75.9). Elsewhere the CuTe
 # pick was ahead or within 3% (7168x3584 M 1-4: 14.6-14.9 vs Triton 14.2-14.5, static 13.8-14.2 vs 14.3-14.6).
+# 4608x7168 M16 (c5 r2, r3): Triton 20.1-20.3 vs CuTe 20.9-21.1 (static 20.7-21.0), cuBLAS 22.0-22.1;
+# 7168x3584 M8 (c5 r4): Triton 15.0 vs CuTe 15.7 (static 15.3).
 # The dispatch then takes Triton (``cute.profitable``).
 TRITON_AHEAD: frozenset[tuple[int, int, int]] = frozenset(
-    [(8, 7168, 3584)] + [(m, 20480, 7168) for m in (1, 2, 4, 8)])
+    [(8, 7168, 3584), (16, 4608, 7168)] + [(m, 20480, 7168) for m in (1, 2, 4, 8)])
 
 def m_bucket(m: int) -> int:
     """The M the table is keyed by (the kernel itself is compiled per exact M)."""

@@ -12,9 +12,12 @@ consecutive K of a row, a warp covers 8 rows) and feeds them to two ``mma.sync.m
 operand, A padded to 16 rows. Any order of K inside a step gives the same dot product, so A is loaded
 in the same permuted order, also as 16-byte vectors: no shuffles and no ldmatrix. The weight reaches
 registers either directly or through a per-warp cp.async ring in shared memory (``config.stages``;
-with ``config.a_ring`` A's vectors ride the same ring instead of plain loads; with ``config.a_pipe`` A's plain
-loads run one chunk ahead in a second register buffer, so their L2 round trip overlaps the ring's wait); see
-``config.py`` for the work division (split-K inside the block and across a cluster, rows per warp).
+with ``config.a_ring`` A's vectors ride the same ring instead of plain loads, and with ``config.a_share`` the
+``warps_n`` warps of a K slice fill one A ring together, so A is read from L2 once per block rather than once
+per warp; with ``config.a_pipe`` A's plain loads run one chunk ahead in a second register buffer, so their L2
+round trip overlaps the ring's wait; with ``config.a_l1`` A is kept in L1, where the other blocks of the SM read
+it again: above M = 4 A's traffic past L1 is what makes larger M slower); see ``config.py`` for the work division
+(split-K inside the block and across a cluster, rows per warp).
 
 Hiding the fixed cost of a launch under the previous product (PDL): before its ``griddepcontrol.wait`` a
 block may bulk-prefetch the first ``config.l2_kb`` KB of its weight into L2 (``cp.async.bulk.prefetch``,
@@ -167,6 +170,11 @@ def _kernel_class():
             self.threads = cfg.threads
             self.a_ring = cfg.a_ring and cfg.stages > 1
             self.a_pipe = cfg.a_pipe and cfg.stages > 1 and not cfg.a_ring
+            self.a_share = cfg.a_share and self.a_ring
+            # a_l1: A (re-read by every block on an SM) stays in L1; the weight (read once) does not evict it
+            self.a_l1 = cfg.a_l1
+            self.evict_a = cute.nvgpu.CacheEvictionPriority.EVICT_LAST   # used only with a_l1 (load_vec)
+            self.evict_w = cute.nvgpu.CacheEvictionPriority.EVICT_FIRST
             self.smem = cfg.smem_bytes(m)
             self.has_bias, self.has_res = has_bias, has_res
             self.is_fp16 = dtype is cutlass.Float16
@@ -204,8 +212,12 @@ def _kernel_class():
                 )
 
         @cute.jit
-        def load_vec(self, src: cute.Tensor, dst: cute.Tensor):
-            cute.autovec_copy(cute.make_tensor(src.iterator.align(16), src.layout), dst)
+        def load_vec(self, src: cute.Tensor, dst: cute.Tensor, evict: cutlass.Constexpr = None):
+            """One 16-byte vector; ``evict``: its L1 eviction priority where ``a_l1`` asks for one."""
+            prio = cute.nvgpu.CacheEvictionPriority.EVICT_NORMAL
+            if cutlass.const_expr(self.a_l1 and evict is not None):
+                prio = evict
+            cute.autovec_copy(cute.make_tensor(src.iterator.align(16), src.layout), dst, l1c_evict_priority=prio)
 
         @cute.kernel
         def kernel(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mBias, mRes, mG):
@@ -294,7 +306,7 @@ def _kernel_class():
                     kv0 = j * (CH // 8) + t
                     for u in cutlass.range_constexpr(U):
                         for r in cutlass.range_constexpr(RG):
-                            self.load_vec(gB[rows[r], (None, kv0 + 4 * u)], rB[None, r * U + u])
+                            self.load_vec(gB[rows[r], (None, kv0 + 4 * u)], rB[None, r * U + u], self.evict_w)
                     self.load_a(gA, gG, m_lo, m_hi, kv0, rA, ss)
                     for u in cutlass.range_constexpr(U):
                         self.mma_step(acc, rA32, rB32, u, u, U)
@@ -307,7 +319,7 @@ def _kernel_class():
                 rA.fill(0.0)
                 if kv * 8 < K:
                     for r in cutlass.range_constexpr(RG):
-                        self.load_vec(gB[rows[r], (None, kv)], rB[None, r * U])
+                        self.load_vec(gB[rows[r], (None, kv)], rB[None, r * U], self.evict_w)
                     self.load_a_step(gA, gG, m_lo, m_hi, kv, rA, 0, ss)
                 self.mma_step(acc, rA32, rB32, 0, 0, U)
 
@@ -445,25 +457,25 @@ def _kernel_class():
 
             With the norm fused: ss += x², and x becomes x·g rounded to the input dtype (the MMA's operand).
             """
-            self.load_vec(gA[m_lo, (None, kv)], rA[None, 2 * u])
+            self.load_vec(gA[m_lo, (None, kv)], rA[None, 2 * u], self.evict_a)
             if cutlass.const_expr(self.m > 8):
-                self.load_vec(gA[m_hi, (None, kv)], rA[None, 2 * u + 1])
+                self.load_vec(gA[m_hi, (None, kv)], rA[None, 2 * u + 1], self.evict_a)
             self.norm_a_step(gG, kv, rA, u, ss)
 
         @cute.jit
         def load_a_raw(self, gA: cute.Tensor, m_lo, m_hi, kv0, dst: cute.Tensor):
             """A's vectors of one chunk (rows m_lo, and m_hi above M = 8) into dst[:, 2u(+1)], not normed."""
             for u in cutlass.range_constexpr(self.unroll):
-                self.load_vec(gA[m_lo, (None, kv0 + 4 * u)], dst[None, 2 * u])
+                self.load_vec(gA[m_lo, (None, kv0 + 4 * u)], dst[None, 2 * u], self.evict_a)
                 if cutlass.const_expr(self.m > 8):
-                    self.load_vec(gA[m_hi, (None, kv0 + 4 * u)], dst[None, 2 * u + 1])
+                    self.load_vec(gA[m_hi, (None, kv0 + 4 * u)], dst[None, 2 * u + 1], self.evict_a)
 
         @cute.jit
         def norm_a_step(self, gG, kv, rA: cute.Tensor, u: cutlass.Constexpr, ss: cute.Tensor):
             """With the norm fused, on A's vectors rA[:, 2u(+1)] at vector index kv: ss += x², x ← x·g."""
             if cutlass.const_expr(self.norm):
                 rG = cute.make_rmem_tensor((8,), self.dtype)
-                self.load_vec(gG[((None, kv),)], rG)
+                self.load_vec(gG[((None, kv),)], rG, self.evict_a)  # the norm weight: re-read like A
                 vg = rG.load().to(cutlass.Float32)
                 for h in cutlass.range_constexpr(2 if self.m > 8 else 1):
                     x = rA[None, 2 * u + h].load().to(cutlass.Float32)
@@ -492,8 +504,9 @@ def _kernel_class():
             # [8 elements, lane, slot, stage, warp]: a warp's 32 lanes read 512 contiguous bytes
             sW = smem.allocate_tensor(self.dtype, cute.make_layout((8, 32, RG * U, S, NW)), byte_alignment=16)
             sA = None
-            if cutlass.const_expr(self.a_ring):
-                sA = smem.allocate_tensor(self.dtype, cute.make_layout((8, 32, MA * U, S, NW)), byte_alignment=16)
+            if cutlass.const_expr(self.a_ring):  # one A ring per warp, or per K slice with a_share
+                NA: cutlass.Constexpr = self.wk if self.a_share else NW
+                sA = smem.allocate_tensor(self.dtype, cute.make_layout((8, 32, MA * U, S, NA)), byte_alignment=16)
             atom = cute.make_copy_atom(
                 cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
                 self.dtype, num_bits_per_copy=128)
@@ -561,7 +574,12 @@ def _kernel_class():
                       sW: cute.Tensor, sA, atom, acc: cute.Tensor, rA: cute.Tensor, rB: cute.Tensor,
                       rA32: cute.Tensor, rB32: cute.Tensor, ss: cute.Tensor, rA_next):
             """Chunk i of the ring: issue chunk i + S - 1's copies, then A (plain loads, the ring, or with
-            ``a_pipe`` already in ``rA`` while chunk i + 1's A goes to ``rA_next``), wait for chunk i, MMAs."""
+            ``a_pipe`` already in ``rA`` while chunk i + 1's A goes to ``rA_next``), wait for chunk i, MMAs.
+
+            With ``a_share`` the warps of a K slice fill one A ring together, so the wait for chunk i and a
+            barrier of those warps come first: every warp's copies of chunk i have then landed, and every
+            warp has read chunk i - 1, whose stage the copies issued next overwrite (the same S - 1 chunks
+            stay in flight during the MMAs)."""
             RG: cutlass.Constexpr = self.rg
             U: cutlass.Constexpr = self.unroll
             S: cutlass.Constexpr = self.stages
@@ -569,6 +587,10 @@ def _kernel_class():
             CHV: cutlass.Constexpr = 4 * self.unroll
             MA: cutlass.Constexpr = 2 if self.m > 8 else 1
             g = lane // 4
+            aw = warp // self.wn if self.a_share else warp  # the A ring this warp reads
+            if cutlass.const_expr(self.a_share):
+                cute.arch.cp_async_wait_group(S - 2)
+                cute.arch.barrier(barrier_id=1 + aw, number_of_threads=32 * self.wn)
             nxt = i + S - 1
             if nxt < count:
                 kvn = (wk + nxt * WK) * CHV + t
@@ -589,14 +611,15 @@ def _kernel_class():
                     self.norm_a_step(gG, kvi + 4 * u, rA, u, ss)
             elif cutlass.const_expr(not self.a_ring):
                 self.load_a(gA, gG, m_lo, m_hi, kvi, rA, ss)
-            cute.arch.cp_async_wait_group(S - 1)  # chunk i has landed
+            if cutlass.const_expr(not self.a_share):
+                cute.arch.cp_async_wait_group(S - 1)  # chunk i has landed
             cur = i % S
             for slot in cutlass.range_constexpr(RG * U):
                 cute.autovec_copy(sW[None, lane, slot, cur, warp], rB[None, slot])
             if cutlass.const_expr(self.a_ring):
                 for u in cutlass.range_constexpr(U):
                     for h in cutlass.range_constexpr(MA):
-                        cute.autovec_copy(sA[None, lane, u * MA + h, cur, warp], rA[None, 2 * u + h])
+                        cute.autovec_copy(sA[None, lane, u * MA + h, cur, aw], rA[None, 2 * u + h])
                     self.norm_a_step(gG, kvi + 4 * u, rA, u, ss)
             for u in cutlass.range_constexpr(U):
                 self.mma_step(acc, rA32, rB32, u, u, U)
@@ -604,16 +627,25 @@ def _kernel_class():
         @cute.jit
         def copy_a_chunk(self, atom, gA: cute.Tensor, g, kv0, sA: cute.Tensor, lane, st, warp):
             """cp.async of this lane's A vectors of one chunk (rows g, and g + 8 above M = 8) into the ring;
-            each lane reads back only its own slots. Lanes of rows past M copy nothing: their slots hold
-            stale bytes, which only reach MMA rows that are never stored (the copies of a clamped row
-            would all hit the same bytes, and such cp.async serialise)."""
+            the same lane of each warp reading the ring reads them back. Lanes of rows past M copy nothing:
+            their slots hold stale bytes, which only reach MMA rows that are never stored (the copies of a
+            clamped row would all hit the same bytes, and such cp.async serialise). With ``a_share`` the
+            K slice's warps_n warps split the slots (slot s is copied by the warp with s % warps_n)."""
             MA: cutlass.Constexpr = 2 if self.m > 8 else 1
+            aw = warp // self.wn if self.a_share else warp
+            if cutlass.const_expr(self.a_l1):  # A is re-read by every block of the SM: keep it in L1
+                atom = cute.make_copy_atom(
+                    cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.ALWAYS),
+                    self.dtype, num_bits_per_copy=128)
             for u in cutlass.range_constexpr(self.unroll):
                 for h in cutlass.range_constexpr(MA):
-                    if g + 8 * h < self.m:
+                    mine = True
+                    if cutlass.const_expr(self.a_share):
+                        mine = warp % self.wn == (u * MA + h) % self.wn
+                    if mine and g + 8 * h < self.m:
                         src = gA[g + 8 * h, (None, kv0 + 4 * u)]
                         cute.copy(atom, cute.make_tensor(src.iterator.align(16), src.layout),
-                                  sA[None, lane, u * MA + h, st, warp])
+                                  sA[None, lane, u * MA + h, st, aw])
 
         @cute.jit
         def mma_step(self, acc: cute.Tensor, rA32: cute.Tensor, rB32: cute.Tensor,
