@@ -405,8 +405,8 @@ def test_config_heuristic_fits_two_products_per_sm_with_few_splits(n, k):
     ``MIN_PER_SM`` programs per SM and fits beside the next product's grid (2 x per-SM count <= residency),
     pipelined deep enough for ``IN_FLIGHT_PER_SM`` of weight tiles per SM (or as deep as the loop /
     MAX_STAGES allow). (GPUs of 114 and 78 SMs too: the rule, not the H200's table.)"""
-    from k3compile.ops.skinny_gemm.triton import (IN_FLIGHT_PER_SM, MAX_STAGES, MIN_PER_SM, TABLE, _dot_heuristic,
-                                                  resident_per_sm)
+    from k3compile.ops.skinny_gemm.triton_config import (IN_FLIGHT_PER_SM, MAX_STAGES, MIN_PER_SM, TABLE,
+                                                         _dot_heuristic, resident_per_sm)
 
     for sms in (132, 114, 78):
         for m in (1, 8, 16):
@@ -432,7 +432,7 @@ def test_config_heuristic_fits_two_products_per_sm_with_few_splits(n, k):
                                                          (7168, 3584, 1, 5, None), (7168, 2048, 1, 5, None),
                                                          (2112, 7168, 4, 4, None)], ids=lambda v: str(v))
 def test_config_heuristic_picks_the_h200_winners(n, k, split, stages, fma_stages):
-    from k3compile.ops.skinny_gemm.triton import FMA_ROW
+    from k3compile.ops.skinny_gemm.triton_config import FMA_ROW
 
     for m in (1, 2, 4, 8, 16):
         cfg = choose_config(m, n, k, 132)
@@ -454,7 +454,7 @@ def test_config_one_row_takes_fma_row_only_where_the_dot_grid_splits_and_both_fi
     """FMA_ROW (no K split, block_m = M) replaces a split tensor-core grid for one row where its grid holds >= 3
     programs per SM and fits beside the next product's (2 x per-SM count <= FMA_ROW_RESIDENT); two rows and
     more keep the tensor cores."""
-    from k3compile.ops.skinny_gemm.triton import FMA_ROW, FMA_ROW_MIN_PER_SM, FMA_ROW_RESIDENT
+    from k3compile.ops.skinny_gemm.triton_config import FMA_ROW, FMA_ROW_MIN_PER_SM, FMA_ROW_RESIDENT
 
     cfg = choose_config(1, n, k, sms)
     assert (cfg == dataclasses.replace(FMA_ROW, block_m=1, num_stages=cfg.num_stages)) == fma_row
@@ -475,7 +475,7 @@ def test_config_heuristic_triggers_late_where_two_grids_do_not_fit():
 def test_resident_per_sm_matches_the_h200_occupancy_calculator(block_n, stages, resident):
     """The driver's counts for these bf16 configs on the H200 (cuOccupancyMaxActiveBlocksPerMultiprocessor,
     benchmarks/results/skinny_gemm_triton_variants_h200.log): shared memory bounds them."""
-    from k3compile.ops.skinny_gemm.triton import resident_per_sm
+    from k3compile.ops.skinny_gemm.triton_config import resident_per_sm
 
     assert resident_per_sm(TritonConfig(16, block_n, 128, 1, num_stages=stages)) == resident
 
@@ -486,7 +486,7 @@ def test_config_is_the_same_with_a_static_weight():
 
 
 def test_config_table_applies_only_to_the_measured_gpu():
-    from k3compile.ops.skinny_gemm.triton import TABLE, TABLE_SMS
+    from k3compile.ops.skinny_gemm.triton_config import TABLE, TABLE_SMS
 
     (m, n, k), cfg = next(iter(TABLE.items()))
     assert choose_config(m, n, k, TABLE_SMS) == cfg
