@@ -34,14 +34,14 @@ _LOCK = threading.Lock()
 def arrival_counters(device: torch.device, n: int) -> Optional[torch.Tensor]:
     """``n`` zeroed int32 counters on ``device``, or None while a CUDA graph is being captured and no
     buffer that large exists yet."""
-    return _take_slot(_BUFFERS, _OUTGROWN, _NEXT_SLOT, RING, torch.device(device), n, MIN_COUNTERS,
-                      _zeros_outside_graph_pools)
+    return _take_slot(_BUFFERS, _OUTGROWN, _NEXT_SLOT, RING, torch.device(device), n, MIN_COUNTERS, 0)
 
 
 def _take_slot(buffers: dict, outgrown: list, next_slot: dict, ring: int, device: torch.device, n: int,
-               min_width: int, make) -> Optional[torch.Tensor]:
-    """The next of ``ring`` rows of ``device``'s buffer (a larger one made by ``make`` when it is too narrow,
-    the old one kept alive), its first ``n`` words; None where that would allocate inside a capture."""
+               min_width: int, value: int) -> Optional[torch.Tensor]:
+    """The next of ``ring`` rows of ``device``'s int32 buffer (a larger one, every word ``value``, made when it
+    is too narrow, the old one kept alive), its first ``n`` words; None where that would allocate inside a
+    capture."""
     with _LOCK:
         buf = buffers.get(device)
         if buf is None or buf.shape[1] < n:
@@ -49,7 +49,7 @@ def _take_slot(buffers: dict, outgrown: list, next_slot: dict, ring: int, device
                 return None
             if buf is not None:
                 outgrown.append(buf)
-            buf = buffers[device] = make((ring, max(n, min_width)), device)
+            buf = buffers[device] = _int32s_outside_graph_pools((ring, max(n, min_width)), value, device)
         slot = next_slot.get(device, 0)
         next_slot[device] = (slot + 1) % ring
     return buf[slot, :n]
@@ -75,7 +75,7 @@ def partial_slots(device: torch.device, numel: int) -> Optional[torch.Tensor]:
     """``numel`` fp32 words on ``device``, all ``PARTIAL_EMPTY``, or None while a CUDA graph is being captured
     and no buffer that large exists yet (the caller then sums its partials behind an arrival counter)."""
     words = _take_slot(_PARTIALS, _PARTIALS_OUTGROWN, _PARTIALS_NEXT, PARTIAL_RING, torch.device(device), numel,
-                       MIN_PARTIAL_WORDS, _empty_partials)
+                       MIN_PARTIAL_WORDS, PARTIAL_EMPTY)
     return None if words is None else words.view(torch.float32)
 
 
@@ -84,28 +84,21 @@ def partials_all_empty() -> bool:
     return all(bool((b == PARTIAL_EMPTY).all()) for b in (*_PARTIALS.values(), *_PARTIALS_OUTGROWN))
 
 
-def _empty_partials(shape: tuple, device: torch.device) -> torch.Tensor:
-    words = _zeros_outside_graph_pools(shape, device)
-    words.fill_(PARTIAL_EMPTY)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return words
-
-
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _zeros_outside_graph_pools(shape: tuple, device: torch.device) -> torch.Tensor:
-    """Zeroed int32s from the ordinary allocator. Inductor's CUDA-graph trees route every allocation of
+def _int32s_outside_graph_pools(shape: tuple, value: int, device: torch.device) -> torch.Tensor:
+    """int32s, all ``value``, from the ordinary allocator. Inductor's CUDA-graph trees route every allocation of
     the warming-up thread into their private pool and fail on a live block they do not own, so a buffer
     kept for good is made on a thread of its own."""
     made = []
-    worker = threading.Thread(target=lambda: made.append(torch.zeros(shape, dtype=torch.int32, device=device)))
+    worker = threading.Thread(
+        target=lambda: made.append(torch.full(shape, value, dtype=torch.int32, device=device)))
     worker.start()
     worker.join()
     if not made:
-        raise RuntimeError(f"could not allocate split-K arrival counters on {device}")
+        raise RuntimeError(f"could not allocate split-K arrival counters or partial slots on {device}")
     if device.type == "cuda":
-        torch.cuda.synchronize(device)  # zeroed on that thread's stream: done before any use here
+        torch.cuda.synchronize(device)  # filled on that thread's stream: done before any use here
     return made[0]
