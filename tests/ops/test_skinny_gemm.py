@@ -167,6 +167,42 @@ def test_partial_slots_rotate_and_outgrow(monkeypatch):
     assert ac.partial_slots(torch.device("cpu"), 1 << 18) is None
 
 
+def test_slot_taken_last_on_another_stream_waits_for_it(monkeypatch):
+    """When the ring comes round to a slot whose last launch went to another stream, the current stream waits
+    for that one (the launch may still run); on the same stream, or while capturing, it does not."""
+    from k3compile.ops import arrival_counters as ac
+
+    class FakeStream:
+        def __init__(self, name):
+            self.name, self.waited_for = name, []
+
+        def wait_stream(self, other):
+            self.waited_for.append(other.name)
+
+    streams = {"s1": FakeStream("s1"), "s2": FakeStream("s2")}
+    current = ["s1"]
+    monkeypatch.setattr(ac, "_current_stream", lambda device: streams[current[0]])
+    for name in ("_PARTIALS", "_PARTIALS_NEXT", "_PARTIALS_OWNERS"):
+        monkeypatch.setattr(ac, name, {})
+    monkeypatch.setattr(ac, "_PARTIALS_OUTGROWN", [])
+    cpu = torch.device("cpu")
+    for _ in range(ac.PARTIAL_RING + 1):          # one stream all the way round: never waits
+        ac.partial_slots(cpu, 10)
+    assert streams["s1"].waited_for == []
+    current[0] = "s2"
+    ac.partial_slots(cpu, 10)                     # slot 1, last taken on s1
+    assert streams["s2"].waited_for == ["s1"]
+    monkeypatch.setattr(ac, "_capturing", lambda device: True)
+    ac.partial_slots(cpu, 10)                     # slot 2 (s1's): a capture cannot wait, and leaves no owner
+    assert streams["s2"].waited_for == ["s1"]
+    monkeypatch.setattr(ac, "_capturing", lambda device: False)
+    for _ in range(ac.PARTIAL_RING - 1):          # slots 3..7 (s1's) then 0 (s1's), 1 (s2's)
+        ac.partial_slots(cpu, 10)
+    assert streams["s2"].waited_for == ["s1"] * 7
+    ac.partial_slots(cpu, 10)                     # slot 2: its capture left no owner
+    assert streams["s2"].waited_for == ["s1"] * 7
+
+
 @pytest.mark.parametrize("config,match", [
     pytest.param(TritonConfig(2, 32, 32, 1, fma=True), "cannot hold M=3", id="block_m-below-M"),
     pytest.param(TritonConfig(4, 32, 32, 1), "cannot hold M=3", id="dot-block_m-below-16"),
@@ -242,6 +278,27 @@ def test_triton_kernel_variants_on_gpu_in_a_cuda_graph(m, config):
         torch.cuda.synchronize()
         for out in outs:
             assert rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+def test_polled_and_counted_split_k_on_many_streams_at_once():
+    """Four streams launch split-K products (polled partials and arrival counters) with no synchronisation
+    between them, many more than either ring holds: launches that overlap must never share a slot."""
+    a, w, b, r = make_inputs(16, 2112, 7168, torch.bfloat16)
+    ref = skinny_gemm_reference(a, w, b, r)
+    configs = [TritonConfig(16, 32, 128, split_k, one_launch=True, poll=poll)
+               for split_k, poll in ((3, True), (7, True), (4, False))]
+    streams = [torch.cuda.Stream() for _ in range(4)]
+    outs = [[torch.full((16, 2112), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(24)]
+            for _ in streams]
+    torch.cuda.synchronize()
+    for i in range(24):
+        for stream, stream_outs in zip(streams, outs):
+            with torch.cuda.stream(stream):
+                skinny_gemm_triton(a, w, b, r, config=configs[i % 3], out=stream_outs[i])
+    torch.cuda.synchronize()
+    errs = [rel_err(out, ref) for stream_outs in outs for out in stream_outs]
+    assert max(errs) < TOL[torch.bfloat16], errs
 
 
 @pytest.mark.gpu

@@ -58,23 +58,6 @@ def _products(b_a, b_w, FMA: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.c
     return b_p
 
 
-@triton.jit
-def _sum_partials(ws_ptr, o_m, o_n, m_out, M, N, SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  CACHE: tl.constexpr):
-    """One tile's ``SPLIT_K`` fp32 partials, added in split order (both reductions, so they agree bit for
-    bit). Loaded four at a time, so their L2 round trips overlap at the end of the kernel, where nothing
-    hides them; a slot past ``SPLIT_K`` adds -0.0, which changes no value."""
-    b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    p_ws = ws_ptr + o_m[:, None] * N + o_n[None, :]
-    for s0 in range(0, SPLIT_K, 4):
-        b_p0 = tl.load(p_ws + s0 * M * N, mask=m_out, other=-0.0, cache_modifier=CACHE)
-        b_p1 = tl.load(p_ws + (s0 + 1) * M * N, mask=m_out & (s0 + 1 < SPLIT_K), other=-0.0, cache_modifier=CACHE)
-        b_p2 = tl.load(p_ws + (s0 + 2) * M * N, mask=m_out & (s0 + 2 < SPLIT_K), other=-0.0, cache_modifier=CACHE)
-        b_p3 = tl.load(p_ws + (s0 + 3) * M * N, mask=m_out & (s0 + 3 < SPLIT_K), other=-0.0, cache_modifier=CACHE)
-        b_acc = (((b_acc + b_p0) + b_p1) + b_p2) + b_p3
-    return b_acc
-
-
 # A partial-sum word not written yet (``poll`` configs; ``arrival_counters.partial_slots`` hands them out)
 PARTIAL_EMPTY = tl.constexpr(_EMPTY_WORD)
 
@@ -94,41 +77,48 @@ def _publish(p, b_v, mask, PTX: tl.constexpr):
 
 
 @triton.jit
-def _load_four(p, stride, m0, m1, m2, m3):
-    """Four partial tiles ``stride`` apart (volatile: every poll reads L2 anew; -0.0 where masked), and
-    whether any word of them still holds ``PARTIAL_EMPTY``."""
-    b_p0 = tl.load(p, mask=m0, other=-0.0, volatile=True)
-    b_p1 = tl.load(p + stride, mask=m1, other=-0.0, volatile=True)
-    b_p2 = tl.load(p + 2 * stride, mask=m2, other=-0.0, volatile=True)
-    b_p3 = tl.load(p + 3 * stride, mask=m3, other=-0.0, volatile=True)
-    n_empty = ((b_p0.to(tl.int32, bitcast=True) == PARTIAL_EMPTY).to(tl.int32)
-               + (b_p1.to(tl.int32, bitcast=True) == PARTIAL_EMPTY).to(tl.int32)
-               + (b_p2.to(tl.int32, bitcast=True) == PARTIAL_EMPTY).to(tl.int32)
-               + (b_p3.to(tl.int32, bitcast=True) == PARTIAL_EMPTY).to(tl.int32))
-    return b_p0, b_p1, b_p2, b_p3, tl.sum(tl.sum(n_empty, axis=1), axis=0) > 0
+def _load_four(p, stride, m0, m1, m2, m3, CACHE: tl.constexpr, POLL: tl.constexpr):
+    """Four partial tiles ``stride`` apart (-0.0 where masked) and, with ``POLL``, whether any word of them
+    still holds ``PARTIAL_EMPTY`` (the loads are then volatile: every poll reads L2 anew)."""
+    b_p0 = tl.load(p, mask=m0, other=-0.0, cache_modifier=CACHE, volatile=POLL)
+    b_p1 = tl.load(p + stride, mask=m1, other=-0.0, cache_modifier=CACHE, volatile=POLL)
+    b_p2 = tl.load(p + 2 * stride, mask=m2, other=-0.0, cache_modifier=CACHE, volatile=POLL)
+    b_p3 = tl.load(p + 3 * stride, mask=m3, other=-0.0, cache_modifier=CACHE, volatile=POLL)
+    empty = False
+    if POLL:
+        n_empty = ((b_p0.to(tl.int32, bitcast=True) == PARTIAL_EMPTY).to(tl.int32)
+                   + (b_p1.to(tl.int32, bitcast=True) == PARTIAL_EMPTY).to(tl.int32)
+                   + (b_p2.to(tl.int32, bitcast=True) == PARTIAL_EMPTY).to(tl.int32)
+                   + (b_p3.to(tl.int32, bitcast=True) == PARTIAL_EMPTY).to(tl.int32))
+        empty = tl.sum(tl.sum(n_empty, axis=1), axis=0) > 0
+    return b_p0, b_p1, b_p2, b_p3, empty
 
 
 @triton.jit
-def _poll_partials(ws_ptr, o_m, o_n, m_out, M, N, N_PARTS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The sum, in split order, of this tile's first ``N_PARTS`` partials, each read once all its words are
-    written (read again while a word still holds ``PARTIAL_EMPTY``), four at a time so their L2 round trips
-    overlap; the slots read are set back to empty for the next launch. A slot past
-    ``N_PARTS`` adds -0.0, as in ``_sum_partials``, so both reductions agree bit for bit."""
+def _sum_partials(ws_ptr, o_m, o_n, m_out, M, N, N_PARTS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  CACHE: tl.constexpr, POLL: tl.constexpr):
+    """The sum, in split order, of this tile's first ``N_PARTS`` fp32 partials (every reduction adds in that
+    order, so all agree bit for bit). Loaded four at a time, so their L2 round trips overlap at the end of the
+    kernel, where nothing hides them; a slot past ``N_PARTS`` adds -0.0, which changes no value. With ``POLL``
+    each group of four is read again until none of its words holds ``PARTIAL_EMPTY``, and the slots read are
+    set back to empty for the next launch."""
     b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    b_empty = tl.full((BLOCK_M, BLOCK_N), PARTIAL_EMPTY, tl.int32).to(tl.float32, bitcast=True)
     p_ws = ws_ptr + o_m[:, None] * N + o_n[None, :]
     for s0 in range(0, N_PARTS, 4):
         m1 = m_out & (s0 + 1 < N_PARTS)
         m2 = m_out & (s0 + 2 < N_PARTS)
         m3 = m_out & (s0 + 3 < N_PARTS)
-        b_p0, b_p1, b_p2, b_p3, empty = _load_four(p_ws + s0 * M * N, M * N, m_out, m1, m2, m3)
-        while empty:
-            b_p0, b_p1, b_p2, b_p3, empty = _load_four(p_ws + s0 * M * N, M * N, m_out, m1, m2, m3)
+        b_p0, b_p1, b_p2, b_p3, empty = _load_four(p_ws + s0 * M * N, M * N, m_out, m1, m2, m3, CACHE, POLL)
+        if POLL:
+            while empty:
+                b_p0, b_p1, b_p2, b_p3, empty = _load_four(p_ws + s0 * M * N, M * N, m_out, m1, m2, m3, CACHE,
+                                                           POLL)
+            b_empty = tl.full((BLOCK_M, BLOCK_N), PARTIAL_EMPTY, tl.int32).to(tl.float32, bitcast=True)
+            tl.store(p_ws + s0 * M * N, b_empty, mask=m_out)
+            tl.store(p_ws + (s0 + 1) * M * N, b_empty, mask=m1)
+            tl.store(p_ws + (s0 + 2) * M * N, b_empty, mask=m2)
+            tl.store(p_ws + (s0 + 3) * M * N, b_empty, mask=m3)
         b_acc = (((b_acc + b_p0) + b_p1) + b_p2) + b_p3
-        tl.store(p_ws + s0 * M * N, b_empty, mask=m_out)
-        tl.store(p_ws + (s0 + 1) * M * N, b_empty, mask=m1)
-        tl.store(p_ws + (s0 + 2) * M * N, b_empty, mask=m2)
-        tl.store(p_ws + (s0 + 3) * M * N, b_empty, mask=m3)
     return b_acc
 
 
@@ -260,10 +250,10 @@ def _skinny_gemm_kernel(
             b_bias, b_res = _epilogue_operands(bias_ptr, res_ptr, o_m, o_n, m_m, m_n, stride_rm, stride_rn,
                                                HAS_BIAS, HAS_RES)
             if POLL:
-                b_acc = _poll_partials(ws_ptr, o_m, o_n, m_out, M, N, SPLIT_K - 1, BLOCK_M, BLOCK_N) + b_acc
+                b_acc += _sum_partials(ws_ptr, o_m, o_n, m_out, M, N, SPLIT_K - 1, BLOCK_M, BLOCK_N, "", True)
             else:
                 # .cg: read from L2, where the other programs' partials are, never a stale L1 line
-                b_acc = _sum_partials(ws_ptr, o_m, o_n, m_out, M, N, SPLIT_K, BLOCK_M, BLOCK_N, ".cg")
+                b_acc = _sum_partials(ws_ptr, o_m, o_n, m_out, M, N, SPLIT_K, BLOCK_M, BLOCK_N, ".cg", False)
                 tl.atomic_xchg(cnt_ptr + i_n, 0)
         if HAS_BIAS:
             b_acc += b_bias
@@ -285,7 +275,7 @@ def _split_k_reduce_kernel(
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     m_out = (o_m < M)[:, None] & m_n[None, :]
-    b_acc = _sum_partials(ws_ptr, o_m, o_n, m_out, M, N, SPLIT_K, BLOCK_M, BLOCK_N, "")
+    b_acc = _sum_partials(ws_ptr, o_m, o_n, m_out, M, N, SPLIT_K, BLOCK_M, BLOCK_N, "", False)
     if HAS_BIAS:
         b_acc += tl.load(bias_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
     if HAS_RES:
