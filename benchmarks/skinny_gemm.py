@@ -48,8 +48,8 @@ def sweep_candidates(n, k):
     from k3compile.ops.skinny_gemm import config as cc
     C = cc.SkinnyConfig
     row_kb = k * 2 * 8 // 1024  # one 8-row group's whole K, in KB
-    out = [c for st in (False, True) for m in (1, 16)
-           for c in (cc.choose(m, n, k, st), cc.heuristic(m, n, k, st)) if c is not None]
+    out = [c for st in (False, True) for m in (1, 16)  # the mma.sync kernel's (a table entry may name the wgmma one)
+           for c in (cc.choose(m, n, k, st), cc.heuristic(m, n, k, st)) if isinstance(c, cc.SkinnyConfig)]
     out += [C(1, 1, 8, 2, stages=3, early=True, l2_kb=row_kb), C(1, 1, 8, 2, stages=3, early=True, l2_kb=16),
             C(1, 1, 8, 2, stages=3, split_k=2, early=True, l2_kb=row_kb // 2),
             C(2, 1, 4, 2, stages=4, early=True, l2_kb=2 * row_kb), C(1, 1, 4, 4, early=True, l2_kb=row_kb)]

@@ -33,7 +33,8 @@ def _inputs(m, l, d, dtype=torch.bfloat16, device="cpu", scale=1.0):
 # ---------------------------------------------------------------------------------------- CPU tests
 
 def test_module_imports_without_cutlass_at_import_time():
-    src = open(tc.__file__).read()
+    with open(tc.__file__) as f:
+        src = f.read()
     assert "import cutlass" not in src.replace("`import cutlass`", "")
 
 
@@ -84,6 +85,14 @@ def test_tail_config_static_table_first(monkeypatch):
     assert tc.tail_config(5, 7168, 3584, static_weight=True) == static   # M bucket 8
     assert tc.tail_config(16, 7168, 3584, static_weight=True) == plain
     assert tc.tail_config(16, 512, 256, static_weight=True) is not None   # the skinny GEMM's choice
+
+
+def test_tail_config_never_takes_a_wgmma_entry_of_the_gemm_table(monkeypatch):
+    """The skinny GEMM's table may name the wgmma kernel, which has no fused norm: the tail then takes the mma.sync
+    heuristic."""
+    from k3compile.ops.skinny_gemm import cute_wgmma
+    monkeypatch.setitem(cfgmod.TABLE, (16, 512, 256), cute_wgmma.WgmmaConfig(64, 64, 8, 1))
+    assert isinstance(tc.tail_config(16, 512, 256), cfgmod.SkinnyConfig)
 
 
 @needs_cutlass

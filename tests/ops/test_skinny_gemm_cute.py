@@ -27,12 +27,14 @@ def tol(dtype):
 # ---------------------------------------------------------------------------------------- CPU tests
 
 def test_module_imports_without_cutlass_at_import_time():
-    src = open(kc.__file__).read()
-    head = src.split("def _kernel_class")[0]
+    with open(kc.__file__) as f:
+        head = f.read().split("def _kernel_class")[0]
     assert "import cutlass" not in head.replace("`import cutlass`", "")
-    from k3compile.ops.skinny_gemm import cute_compile
-    top_level = [ln for ln in open(cute_compile.__file__).read().splitlines() if ln.startswith(("import", "from"))]
-    assert not [ln for ln in top_level if "cutlass" in ln]
+    from k3compile.ops.skinny_gemm import cute_compile, cute_ring
+    for mod in (cute_compile, cute_ring):
+        with open(mod.__file__) as f:
+            top_level = [ln for ln in f.read().splitlines() if ln.startswith(("import", "from"))]
+        assert not [ln for ln in top_level if "cutlass" in ln]
 
 
 def test_available_says_why_on_cpu_tensors():
@@ -69,8 +71,11 @@ def test_supports_accepts_decode_shape():
 def test_heuristic_config_is_launchable(m, n, k):
     c = cfgmod.choose(m, n, k)
     assert c is not None
-    assert 32 <= c.threads <= cfgmod.MAX_THREADS
-    assert c.smem_bytes(m) <= 227 * 1024  # the H200's shared memory per block
+    if isinstance(c, cfgmod.SkinnyConfig):
+        assert 32 <= c.threads <= cfgmod.MAX_THREADS
+        assert c.smem_bytes(m) <= 227 * 1024  # the H200's shared memory per block
+    else:  # a wgmma entry of the table
+        assert c.invalid() is None
     for static in (False, True):  # the cuBLAS-or-CuTe decision must not depend on static_weight
         assert (cfgmod.choose(m, n, k, static) is None) == (cfgmod.choose(m, n, k) is None)
 
@@ -131,6 +136,71 @@ def test_config_tag_names_pdl_options():
 def test_choose_static_keeps_the_cublas_decision(m, n, k, static_weight):
     """The op's dispatch decides cuBLAS vs CuTe without knowing static_weight: the tables must agree."""
     assert (cfgmod.choose(m, n, k, static_weight) is None) == (cfgmod.choose(m, n, k) is None)
+
+
+# ------------------------------------------------------------ a table entry naming the wgmma kernel (CPU)
+
+def _wg_entry(monkeypatch, key, static_key=None):
+    """Put a WgmmaConfig into TABLE at key (and TABLE_STATIC at static_key); record compile_kernel calls to it."""
+    from k3compile.ops.skinny_gemm import cute_wgmma
+    wg = cute_wgmma.WgmmaConfig(64, 64, 8, 2)
+    monkeypatch.setitem(cfgmod.TABLE, key, wg)
+    if static_key is not None:
+        monkeypatch.setitem(cfgmod.TABLE_STATIC, static_key, wg)
+    calls = []
+
+    def fake_compile(dtype, m, cfg, has_bias, has_res, static_weight=False, norm_eps=None):
+        calls.append((m, cfg, has_bias, has_res, static_weight, norm_eps))
+        return lambda *args: None
+    monkeypatch.setattr(cute_wgmma, "compile_kernel", fake_compile)
+    return wg, calls
+
+
+def _fake_cuda(m, n, k, dtype=torch.bfloat16):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    mode = FakeTensorMode()
+    with mode:
+        return mode, torch.empty(m, k, device="cuda", dtype=dtype), torch.empty(n, k, device="cuda", dtype=dtype)
+
+
+def test_wgmma_table_entry_is_launched_warmed_and_profitable(monkeypatch):
+    wg, calls = _wg_entry(monkeypatch, (16, 640, 1024))
+    assert cfgmod.choose(12, 640, 1024) is wg and cfgmod.choose(12, 640, 1024, True) is wg
+    mode, a, w = _fake_cuda(12, 640, 1024)
+    assert kc.profitable(a, w) is None
+    assert kc.pick(torch.empty(12, 1024, dtype=torch.bfloat16), torch.empty(640, 1024, dtype=torch.bfloat16)) is wg
+    monkeypatch.setattr(kc, "pick", lambda a, w, bias, residual, static_weight: wg)  # supports reads data_ptr
+    with mode:
+        out = kc.skinny_gemm_cute(a, w, static_weight=True)
+    assert out.shape == (12, 640) and calls == [(12, wg, False, False, True, None)]
+    kc.warmup(torch.bfloat16, 12, 640, 1024, has_residual=True)
+    assert calls[-1] == (12, wg, False, True, False, None)
+
+
+def test_wgmma_entry_declining_falls_back(monkeypatch):
+    """Where the table's wgmma kernel declines the tensors, a call runs the mma.sync heuristic (never the wgmma
+    kernel on tensors it does not take)."""
+    from k3compile.ops.skinny_gemm import cute_wgmma
+    wg, calls = _wg_entry(monkeypatch, (16, 640, 1024))
+    monkeypatch.setattr(cute_wgmma, "supports", lambda *args: "not this one")
+    a, w = torch.empty(16, 1024, dtype=torch.bfloat16), torch.empty(640, 1024, dtype=torch.bfloat16)
+    assert kc.pick(a, w) == cfgmod.heuristic(16, 640, 1024)
+
+
+def test_table_entries_are_buildable():
+    """Every configuration the tables name (either kernel) passes its own checks."""
+    for c in list(cfgmod.TABLE.values()) + list(cfgmod.TABLE_STATIC.values()):
+        if isinstance(c, cfgmod.SkinnyConfig):
+            assert c.smem_bytes(16) <= 227 * 1024
+        elif c is not None:
+            assert c.invalid() is None, c.tag()
+
+
+def test_wgmma_static_entry_keeps_the_cublas_decision(monkeypatch):
+    _wg_entry(monkeypatch, (16, 640, 1024), static_key=(16, 640, 1024))
+    monkeypatch.setitem(cfgmod.TABLE, (8, 640, 1024), None)
+    for static in (False, True):
+        assert cfgmod.choose(8, 640, 1024, static) is None
 
 
 # ---------------------------------------------------------------------------------------- GPU tests
@@ -251,6 +321,16 @@ def test_chained_products_under_graph_replay(cfg, static_weight):
             ref = (ref @ w.double().T).to(dtype).double()
         assert not out.isnan().any()
         assert rel_err(out, ref) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 9, 16], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("static_weight", [False, True], ids=["dynamic_w", "static_w"])
+def test_wgmma_table_entry_matches_reference(monkeypatch, m, static_weight):
+    """A TABLE entry naming the wgmma kernel runs it (the same arguments, bias and residual included)."""
+    from k3compile.ops.skinny_gemm import cute_wgmma
+    monkeypatch.setitem(cfgmod.TABLE, (cfgmod.m_bucket(m), 1000, 2056), cute_wgmma.WgmmaConfig(64, 64, 8, 2))
+    _run(m, 1000, 2056, torch.bfloat16, True, True, static_weight=static_weight)
 
 
 @pytest.mark.gpu

@@ -80,15 +80,18 @@ PROFITABLE_MAX_M = 8
 
 def tail_config(m: int, d: int, l: int, static_weight: bool = False) -> _config.SkinnyConfig:
     """The configuration for this tail: its own table (with ``static_weight``: TAIL_TABLE_STATIC first),
-    else the skinny GEMM's choice or heuristic.
+    else the skinny GEMM's mma.sync choice or heuristic.
 
-    The skinny table's "cuBLAS is faster" entries do not apply here: the fused norm saves a launch."""
+    The skinny table's "cuBLAS is faster" entries do not apply here: the fused norm saves a launch. Nor do its
+    wgmma entries: that kernel has no fused norm (a fused form measured 15.9 / 19.9 µs at M 8 / 16 against the
+    Triton tail's 15.4, so it was not kept)."""
     key = (_config.m_bucket(m), d, l)
     if static_weight and key in TAIL_TABLE_STATIC:
         return TAIL_TABLE_STATIC[key]
     if key in TAIL_TABLE:
         return TAIL_TABLE[key]
-    return _config.choose(m, d, l) or _config.heuristic(m, d, l)
+    cfg = _config.choose(m, d, l)
+    return cfg if isinstance(cfg, _config.SkinnyConfig) else _config.heuristic(m, d, l)
 
 
 def profitable(latent, shared, norm_weight, up_weight, eps) -> Optional[str]:

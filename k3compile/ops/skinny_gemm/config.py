@@ -28,6 +28,17 @@ loads L1::evict_last, the register path's weight loads L1::evict_first): 2-12% o
 shapes at M 1-16 (cute5 runs 3-4), nothing measurable on plain A loads (already L1-cached; a larger L1 carveout did
 not help either).
 
+Reading A past L1 once per block (cute6's runs 1-3: benchmarks/results/skinny_gemm_h200_cute6_sweep{1,2,3}.*): an
+``a_span`` option staged each K slice's A in a shared double buffer of 2-4 chunks a half, copied once by the slice's
+warps_n warps (cp.async, the MMA's permuted order, one barrier of them per span) and read by all of them and their
+row groups. It was correct (GPU tests) but never a pick. With warps_n 2-8 and split-K clusters (A's bytes M / 16..64
+of the weight's) it lost 0.5-4 µs to the picks at M 4 as much as at M 16 (3584x7168 M16 19.4 against 18.6), so
+those block shapes stream the weight worse than they save on A; it came first only where nothing of ours is close
+(the fused-norm tail M16 23.6-24.0 against 24.1-24.4, the Triton tail 15.4; 20480x7168 M16 81.8 against 87.9,
+Triton 71.0). With warps_n 1 its wins (1536x7168 M16 9.38 against 10.57) were the rg2-wn1-wk8 shape's, which with A
+through the ring measured 9.26 (7.67 at M 8 with a_l1). It was removed. The wgmma kernel (``cute_wgmma.py``), whose
+A chunk reaches shared memory by TMA once per block, is what now leads at M 8/16 on the big shapes.
+
 Hiding a launch under the previous product (programmatic dependent launch): ``l2_kb`` bulk-prefetches
 the first KB of each block's weight into L2 before the wait, ``early`` lets the next kernel launch right
 after our own wait. On the H200 both pay where the weight is small (≤ ~12 MB: the whole of it is
@@ -35,12 +46,19 @@ prefetched while the previous product runs); for big weights a 2 KB-per-row pref
 the early trigger mostly a loss (the next kernel's waiting blocks crowd the SMs: a timeline of 4608x7168 with it
 showed this grid's 576 blocks spread 1 to 6 per SM, a 6-8 µs tail; benchmarks/results/skinny_gemm_h200_cute4_probe.json).
 
+A table entry names the kernel as well as its configuration: a ``SkinnyConfig`` runs ``cute.py``'s mma.sync
+kernel, a ``WgmmaConfig`` (``cute_wgmma.py``) the warpgroup-MMA kernel; both sit behind the op's one "cute" backend
+(``cute.skinny_gemm_cute``, ``cute.profitable``, ``cute.warmup`` and ``cute_compile.compile_kernel`` follow the
+entry's type). The heuristic always names the mma.sync kernel.
+
 Nothing here imports cutlass: the dispatch reads this table on any machine.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
+
+from k3compile.ops.skinny_gemm.cute_wgmma import WgmmaConfig  # cutlass-free, like this module
 
 MAX_THREADS = 1024
 K_STEP = 32  # K elements one warp covers per MMA step (4 lanes × 8 elements per weight row)
@@ -105,6 +123,11 @@ class SkinnyConfig:
                 + ("-sh" if self.a_share else "") + ("-ca" if self.a_l1 else "") + ("-p" if self.a_pipe else ""))
 
 
+KernelConfig = Union[SkinnyConfig, WgmmaConfig]  # a table entry: which CuTe kernel, and how it divides the work
+_H = dict(evict_hints=True)  # WgmmaConfig: TMA L2 hints (the weight evict-first, A evict-last)
+_PH = dict(producer_warp=True, evict_hints=True)  # ... and a producer warp issuing the TMA loads
+
+
 # Measured on one H200 (bf16, 2026-11-30, fourth session, copy ceilings 4.218-4.244 TB/s): sweeps of
 # .scratch/cute3/variants{,2,4}.py (results: benchmarks/results/skinny_gemm_h200_cute3_sweep{1,2}.json.xz and _sweep4.json),
 # back-to-back products in CUDA graphs with rotated weights; each configuration's time is the mean of sweeps 1
@@ -114,57 +137,60 @@ class SkinnyConfig:
 # Entries marked "(c4 rN)" come from the fifth session's tuning run N (benchmarks/results/
 # skinny_gemm_h200_cute4_sweepN.{json,log}: each point's candidates timed in two interleaved passes beside the pick
 # of that time); "(c5 rN)" from the sixth session's run N, the same way (benchmarks/results/
-# skinny_gemm_h200_cute5_sweepN.{json.xz,log}). Shapes not listed use `heuristic`.
-TABLE: dict[tuple[int, int, int], Optional[SkinnyConfig]] = {
+# skinny_gemm_h200_cute5_sweepN.{json.xz,log}). "(wg rN)": the wgmma kernel in WG6's tuning run N of the seventh
+# session (its bench logs), "(c6 r3)" cute6's run 3 (benchmarks/results/skinny_gemm_h200_cute6_sweep3.*), each against
+# the op (k3::skinny_gemm's own CuTe / Triton / cuBLAS pick) or Triton and cuBLAS of the same run; cute6's run 4
+# (skinny_gemm_h200_cute6_check.*, the benchmark on the final table) confirmed them. Shapes not listed use
+# `heuristic`.
+TABLE: dict[tuple[int, int, int], Optional[KernelConfig]] = {
     (1, 20480, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=16),  # 70.86 µs vs cuBLAS 81.98
     (2, 20480, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=16),  # 71.51 µs vs cuBLAS 79.44
     (4, 20480, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=16),  # 71.99 µs vs cuBLAS 78.45
     (8, 20480, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=16),  # 75.69 µs vs cuBLAS 82.37
     (16, 20480, 7168): None,  # cuBLAS 79.02 µs vs CuTe 87.62 (static 84.26)
-    (1, 4608, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=16),  # 18.34 µs vs cuBLAS 21.63
-    (2, 4608, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 18.18 µs vs cuBLAS 21.77
-    (4, 4608, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 18.48 µs vs cuBLAS 21.80
-    (8, 4608, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 19.28 µs vs cuBLAS 22.07
-    (16, 4608, 7168): SkinnyConfig(2, 1, 4, 2, stages=4, split_k=2, l2_kb=16, a_pipe=True),  # 21.05 µs vs 22.08 (c5 r2)
-    (1, 3584, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 14.47 µs vs cuBLAS 18.01
-    (2, 3584, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 14.62 µs vs cuBLAS 17.89
-    (4, 3584, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 15.07 µs vs cuBLAS 17.64
-    (8, 3584, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 15.97 µs vs cuBLAS 17.80
-    (16, 3584, 7168): None,  # cuBLAS 17.98 µs vs CuTe 18.01 (static 17.33)
-    (1, 7168, 3584): SkinnyConfig(2, 1, 4, 2, stages=3, a_pipe=True),  # 14.80 µs vs 15.54 (c4 r2)
-    (2, 7168, 3584): SkinnyConfig(2, 1, 4, 2, stages=3, a_pipe=True),  # 15.16 µs vs 15.89 (c4 r2)
-    (4, 7168, 3584): SkinnyConfig(2, 1, 4, 2, stages=3, a_pipe=True),  # 15.34 µs vs 16.22 (c4 r2)
-    (8, 7168, 3584): SkinnyConfig(2, 1, 4, 2, stages=3, a_pipe=True),  # 15.87 µs vs 16.25 (c4 r2)
-    (16, 7168, 3584): None,  # cuBLAS 15.57 µs vs CuTe 17.08 (static 17.15)
+    (1, 4608, 7168): WgmmaConfig(128, 64, 10, 3, **_PH),  # 17.51 µs vs op 18.43 (wg r3)
+    (2, 4608, 7168): WgmmaConfig(128, 64, 10, 3, **_PH),  # 17.65 µs vs op 17.76 (wg r3)
+    (4, 4608, 7168): WgmmaConfig(128, 64, 10, 3, **_PH),  # 18.12 µs vs op 18.20 (wg r3)
+    (8, 4608, 7168): WgmmaConfig(128, 64, 10, 3, **_PH),  # 18.48 µs vs op 18.72 (wg r3)
+    # 16 x 4608: 19.48 µs vs op (Triton) 19.33, a tie; with static weight 17.86 vs 19.39 (wg r3)
+    (16, 4608, 7168): WgmmaConfig(128, 64, 10, 3, **_PH),
+    (1, 3584, 7168): WgmmaConfig(128, 64, 8, 4, **_PH),  # 13.99 µs vs op 14.21 (wg r2)
+    (2, 3584, 7168): WgmmaConfig(128, 64, 8, 4, **_PH),  # 14.07 µs vs op 14.29 (wg r2)
+    (4, 3584, 7168): WgmmaConfig(128, 64, 8, 4, **_PH),  # 14.32 µs vs op 14.69 (wg r2)
+    (8, 3584, 7168): WgmmaConfig(64, 64, 12, 2, **_PH),  # 14.47 µs vs op 14.96 (wg r2)
+    (16, 3584, 7168): WgmmaConfig(64, 64, 12, 2, **_PH),  # 15.94 µs vs Triton 16.30, cuBLAS 17.90 (c6 r3)
+    (1, 7168, 3584): WgmmaConfig(64, 128, 6, 1, **_H),  # 13.52 µs vs op 14.58 (wg r2)
+    (2, 7168, 3584): WgmmaConfig(64, 128, 6, 1, **_H),  # 13.54 µs vs op 14.81 (wg r2)
+    (4, 7168, 3584): WgmmaConfig(64, 128, 6, 1, **_H),  # 13.60 µs vs op 15.09 (wg r2)
+    (8, 7168, 3584): WgmmaConfig(64, 128, 6, 1, **_H),  # 13.62 µs vs op 14.59 (Triton) (wg r2)
+    (16, 7168, 3584): WgmmaConfig(64, 128, 6, 1, **_H),  # 13.51 µs vs op 14.43 (Triton) (wg r2)
     (1, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 9.25 µs vs cuBLAS 13.36
     (2, 2112, 7168): SkinnyConfig(2, 1, 4, 2, stages=3, split_k=2, a_ring=True, a_l1=True),  # 9.72 µs vs 10.09 (c5 r4)
     (4, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 10.70 µs vs cuBLAS 13.37
     (8, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 11.20 µs vs cuBLAS 13.44
-    # 16 x 2112: CuTe 12.6-13.6 µs vs cuBLAS 13.3-14.0 over cute4's and cute5's runs (a_l1 13.29 vs 13.93 in c5 r4):
-    # within 3% in some; Triton (11.1) takes it in the op
-    (16, 2112, 7168): None,
+    (16, 2112, 7168): WgmmaConfig(64, 64, 12, 2, **_PH),  # 10.98 µs vs Triton 11.15, cuBLAS 13.38 (c6 r3)
     (1, 1536, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16, a_ring=True, a_l1=True),  # 7.15 µs vs 7.58 (c5 r4)
     (2, 1536, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16, a_ring=True, a_l1=True),  # 7.32 µs vs 7.81 (c5 r4)
     (4, 1536, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16, a_ring=True, a_l1=True),  # 7.61 µs vs 8.68 (c5 r4)
-    (8, 1536, 7168): SkinnyConfig(2, 1, 4, 2, stages=3, split_k=2, a_ring=True, a_l1=True),  # 8.35 µs vs 9.01 (c5 r3)
-    # 16 x 1536: CuTe 10.27 vs cuBLAS 10.94 in c5 r2; in c5 r4 with a_l1 10.65 (static 10.34), without 10.94
-    # (10.74), cuBLAS 11.12
-    (16, 1536, 7168): SkinnyConfig(2, 1, 4, 2, stages=3, split_k=2, a_ring=True, a_l1=True),
+    # 8 / 16 x 1536 (c6 r3): rg2-wn1-wk8 with A through the ring 7.67 µs (a_l1) / 9.26 against the c5 picks
+    # (rg2-wn1-wk4-c2-a-ca) 8.37 / 10.54, Triton 10.02 / 10.19, cuBLAS 10.80 / 10.89
+    (8, 1536, 7168): SkinnyConfig(2, 1, 8, 2, stages=3, l2_kb=16, a_ring=True, a_l1=True),
+    (16, 1536, 7168): SkinnyConfig(2, 1, 8, 2, stages=3, l2_kb=16, a_ring=True),
     (1, 7168, 1536): SkinnyConfig(1, 1, 4, 4),  # 7.68 µs vs cuBLAS 8.29
     (2, 7168, 1536): SkinnyConfig(1, 1, 4, 4),  # 7.75 µs vs cuBLAS 8.35
     (4, 7168, 1536): SkinnyConfig(1, 1, 4, 4),  # 7.88 µs vs cuBLAS 8.41
-    (8, 7168, 1536): SkinnyConfig(1, 1, 4, 4),  # 8.07 µs vs cuBLAS 8.49
-    (16, 7168, 1536): None,  # cuBLAS 8.59 µs vs CuTe 8.37 (static 8.39)
+    (8, 7168, 1536): WgmmaConfig(64, 64, 8, 1, **_H),  # 7.18 µs vs op 8.25 (wg r3)
+    (16, 7168, 1536): WgmmaConfig(64, 64, 8, 1, **_H),  # 7.17 µs vs op 8.66 (wg r3)
     (1, 896, 7168): SkinnyConfig(1, 1, 8, 2, stages=4, a_ring=True, a_l1=True),  # 5.22 µs vs 5.32, cuBLAS 8.72 (c5 r4)
     (2, 896, 7168): SkinnyConfig(1, 1, 8, 2, stages=4, a_ring=True, a_l1=True),  # 5.33 µs vs 5.46, cuBLAS 8.80 (c5 r4)
     (4, 896, 7168): SkinnyConfig(1, 1, 8, 2, stages=4, a_ring=True, a_l1=True),  # 5.52 µs vs 5.81, cuBLAS 8.74 (c5 r4)
-    (8, 896, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, a_ring=True, a_l1=True),  # 6.11 µs vs 6.55, cuBLAS 8.66 (c5 r3)
-    (16, 896, 7168): SkinnyConfig(1, 4, 2, 2, stages=5, split_k=4, a_ring=True, a_share=True),  # 6.95 µs vs 7.48 (c5 r2)
+    (8, 896, 7168): WgmmaConfig(64, 128, 6, 8, **_PH),  # 5.75-5.86 µs vs op 6.03-6.21 (wg r2-r3)
+    (16, 896, 7168): WgmmaConfig(64, 128, 6, 8, **_PH),  # 6.43-6.58 µs vs op 6.96-7.16 (wg r2-r3)
     (1, 7168, 768): SkinnyConfig(1, 1, 4, 4, early=True, l2_kb=12),  # 4.46 µs vs cuBLAS 5.53
     (2, 7168, 768): SkinnyConfig(1, 1, 4, 4, early=True, l2_kb=12),  # 4.48 µs vs cuBLAS 5.53
     (4, 7168, 768): SkinnyConfig(1, 1, 4, 4, early=True, l2_kb=12),  # 4.51 µs vs cuBLAS 5.56
     (8, 7168, 768): SkinnyConfig(1, 1, 4, 4, early=True, l2_kb=12),  # 4.56 µs vs cuBLAS 5.62
-    (16, 7168, 768): SkinnyConfig(1, 1, 4, 4, early=True, l2_kb=12),  # 4.92 µs vs cuBLAS 5.70
+    (16, 7168, 768): WgmmaConfig(64, 64, 6, 1, **_H),  # 4.78 µs vs op 5.01 (wg r3)
     (1, 2304, 1536): SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=24),  # 3.51 µs vs cuBLAS 5.40
     (2, 2304, 1536): SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=24),  # 3.64 µs vs cuBLAS 5.42
     (4, 2304, 1536): SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=24),  # 3.81 µs vs cuBLAS 5.43
@@ -175,16 +201,12 @@ TABLE: dict[tuple[int, int, int], Optional[SkinnyConfig]] = {
 
 # Where a proven-static weight (``static_weight=True``) measured faster with another configuration (same sweeps:
 # > 2% in sweeps 1-2, > 3% in sweep 4).
-TABLE_STATIC: dict[tuple[int, int, int], SkinnyConfig] = {
-    (4, 4608, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=16),  # 17.84 µs vs 18.26
-    (8, 4608, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=16),  # 18.56 µs vs 19.06
+TABLE_STATIC: dict[tuple[int, int, int], KernelConfig] = {
     (2, 1536, 7168): SkinnyConfig(2, 1, 4, 2, stages=4, split_k=4, early=True, a_ring=True),  # 7.53 µs vs 7.83 (c4 r1)
     (4, 1536, 7168): SkinnyConfig(2, 1, 4, 2, stages=4, split_k=4, early=True, a_ring=True),  # 7.84 µs vs 8.78 (c4 r1)
-    (8, 1536, 7168): SkinnyConfig(2, 1, 4, 2, stages=4, split_k=4, early=True, a_ring=True, a_l1=True),  # 7.90 vs 8.35 (c5 r3)
+    (8, 1536, 7168): WgmmaConfig(128, 64, 8, 8, **_PH),  # 7.52 µs vs op+st 8.05 (wg r3)
     (1, 896, 7168): SkinnyConfig(1, 1, 4, 2, stages=5, split_k=4, early=True, a_ring=True),  # 5.12 µs vs 5.83 (sweep 4)
     (4, 896, 7168): SkinnyConfig(1, 1, 4, 2, stages=5, split_k=4, early=True, a_ring=True, a_l1=True),  # 5.13 vs 5.66 (c5 r4)
-    # (8, 896, 7168): the a_share form (6.18 µs vs 6.38 in c5 r2) read 6.33-6.41 in c5 r3-r5 against 6.12-6.26 for
-    # TABLE's a_l1 ring: TABLE's pick serves both.
     (1, 7168, 768): SkinnyConfig(2, 1, 4, 2, stages=3, early=True, l2_kb=24),  # 4.07 µs vs 4.45
     (4, 7168, 768): SkinnyConfig(2, 1, 4, 2, stages=3, early=True, l2_kb=24),  # 4.10 µs vs 4.51
     (8, 7168, 768): SkinnyConfig(2, 1, 4, 2, stages=3, early=True, l2_kb=24),  # 4.23 µs vs 4.55
@@ -195,12 +217,20 @@ TABLE_STATIC: dict[tuple[int, int, int], SkinnyConfig] = {
     (1, 7168, 1536): SkinnyConfig(2, 1, 4, 2, stages=4, early=True, a_ring=True, a_l1=True),  # 6.23 µs vs 6.61 (c5 r4)
     (2, 7168, 1536): SkinnyConfig(2, 1, 4, 2, stages=3),  # 7.08 µs vs 7.66 (c4 r2)
     (4, 7168, 1536): SkinnyConfig(2, 1, 4, 2, stages=3, a_pipe=True),  # 7.32 µs vs 7.73 (c4 r2)
-    # (8, 7168, 1536): the a_ring form measured 7.85 µs in sweep 2 but 9.69 µs (cuBLAS 8.56) in the fourth session's
-    # final run; the plain rg2 ring measured 7.60 µs vs 8.18 (cuBLAS 8.46) in cute4's run 1.
-    (8, 7168, 1536): SkinnyConfig(2, 1, 4, 2, stages=3),
+    (8, 7168, 1536): WgmmaConfig(64, 64, 8, 1, early_w=False, **_H),  # 7.18 µs vs op+st 7.60 (wg r3)
     (2, 7168, 768): SkinnyConfig(2, 1, 4, 2, stages=4, early=True, a_ring=True, a_l1=True),  # 3.95 µs vs 4.32 (c5 r4)
-    (8, 7168, 3584): SkinnyConfig(2, 2, 2, 2, stages=5, a_ring=True, a_share=True, a_l1=True),  # 15.26 vs 16.27 (c5 r4)
     (16, 2304, 1536): SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=24),  # 4.36 µs vs 4.59 (c5 r2)
+    # the wgmma kernel, static weight (wg r2-r3; c6 r3): where it differs from TABLE's entry
+    # 7168x3584: the weight requested after the PDL wait (early_w=False) measured faster, 13.5-13.6 µs (with it
+    # 14.0-14.1) vs op+st 13.88-14.42
+    **{(m, 7168, 3584): WgmmaConfig(64, 128, 6, 1, early_w=False, **_H) for m in (1, 2, 4, 8, 16)},
+    **{(m, 3584, 7168): WgmmaConfig(128, 64, 8, 4, **_PH) for m in (1, 2, 4, 8)},  # 13.04/13.08/13.30/13.73 µs vs
+    #                                                                              op+st 14.05/14.11/14.42/14.82
+    (16, 1536, 7168): WgmmaConfig(64, 64, 12, 2, **_PH),  # 8.33 µs vs TABLE's 9.39 (c6 r3)
+    # 8 x 896: with the weight requested before the PDL wait 6.29-6.38 µs against 5.75 without (c6 r4, wg r3)
+    (8, 896, 7168): WgmmaConfig(64, 128, 6, 8, early_w=False, **_PH),
+    (16, 7168, 1536): WgmmaConfig(64, 64, 8, 1, early_w=False, **_H),  # 7.17 µs vs op+st 8.67 (wg r3)
+    (16, 7168, 768): WgmmaConfig(64, 64, 6, 1, **_PH),  # 4.37 µs vs op+st 5.02 (wg r3)
 }
 
 
@@ -212,8 +242,8 @@ TABLE_STATIC: dict[tuple[int, int, int], SkinnyConfig] = {
 # 4608x7168 M16 (c5 r2, r3): Triton 20.1-20.3 vs CuTe 20.9-21.1 (static 20.7-21.0), cuBLAS 22.0-22.1;
 # 7168x3584 M8 (c5 r4): Triton 15.0 vs CuTe 15.7 (static 15.3).
 # The dispatch then takes Triton (``cute.profitable``).
-TRITON_AHEAD: frozenset[tuple[int, int, int]] = frozenset(
-    [(8, 7168, 3584), (16, 4608, 7168)] + [(m, 20480, 7168) for m in (1, 2, 4, 8)])
+# 7168x3584 M8 and 4608x7168 M16 left it in the seventh session: the wgmma kernel's entries beat or tie Triton there.
+TRITON_AHEAD: frozenset[tuple[int, int, int]] = frozenset([(m, 20480, 7168) for m in (1, 2, 4, 8)])
 
 def m_bucket(m: int) -> int:
     """The M the table is keyed by (the kernel itself is compiled per exact M)."""
@@ -256,7 +286,7 @@ def cublas_preferred(m: int, n: int, k: int) -> bool:
     return choose(m, n, k) is None
 
 
-def choose(m: int, n: int, k: int, static_weight: bool = False) -> Optional[SkinnyConfig]:
+def choose(m: int, n: int, k: int, static_weight: bool = False) -> Optional[KernelConfig]:
     """The configuration for this shape; None when cuBLAS is the better choice (measured).
 
     Whether cuBLAS wins is decided without ``static_weight`` (the op's dispatch does not see it); where

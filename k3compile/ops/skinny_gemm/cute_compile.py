@@ -55,7 +55,7 @@ def _source_fingerprint() -> str:
     import inspect
 
     h = hashlib.sha256()
-    for f in ("cute.py", "cute_compile.py"):
+    for f in ("cute.py", "cute_ring.py", "cute_compile.py"):
         with open(os.path.join(os.path.dirname(__file__), f), "rb") as fh:
             h.update(fh.read())
     h.update(inspect.getsource(_config.SkinnyConfig).encode())
@@ -75,13 +75,18 @@ def _cache_dir() -> Optional[str]:
     return None if d == "0" else os.path.join(d, _source_fingerprint())
 
 
-def compile_kernel(dtype: torch.dtype, m: int, cfg: _config.SkinnyConfig, has_bias: bool, has_res: bool,
+def compile_kernel(dtype: torch.dtype, m: int, cfg: _config.KernelConfig, has_bias: bool, has_res: bool,
                    static_weight: bool = False, norm_eps: Optional[float] = None):
     """The compiled kernel for this variant: from memory, else from disk, else compiled (and saved).
 
     ``norm_eps``: fuse the RMSNorm of A with this eps (the latent-MoE tail; the kernel then takes the
     norm weight as its sixth argument). It is baked into the kernel: one model uses one eps.
+    A ``WgmmaConfig`` compiles ``cute_wgmma.py``'s kernel instead (its own cache, the same call signature:
+    ``fn(a, w, out, bias, residual, norm_weight)``).
     """
+    if not isinstance(cfg, _config.SkinnyConfig):
+        from k3compile.ops.skinny_gemm import cute_wgmma
+        return cute_wgmma.compile_kernel(dtype, m, cfg, has_bias, has_res, static_weight, norm_eps)
     key = (dtype, m, cfg, has_bias, has_res, static_weight, None if norm_eps is None else float(norm_eps))
     fn = _compiled.get(key)
     if fn is not None:

@@ -1,0 +1,230 @@
+"""The cp.async ring main loop of the CuTe skinny GEMM (``cute.py``) and A's paths into the MMA fragments.
+
+``SkinnyGemm`` (cute.py) inherits these methods; they read its attributes (the configuration, M, dtype) and call its
+``load_vec``, ``mma_step`` and ``wait_previous``. The weight streams through a per-warp ring of ``stages`` chunks
+(cp.async, 16 bytes a lane); A reaches the MMA's A fragment, in the weight's permuted K order, one of four ways:
+
+- plain loads per warp and chunk (``load_a``; with the fused norm, ``norm_a_step`` scales by g on the fragment);
+- ``a_pipe``: the plain loads one chunk ahead, in a second register buffer;
+- ``a_ring``: A rides each warp's ring with its weight (``copy_a_chunk``);
+- ``a_share``: one A ring per K slice, filled by its ``warps_n`` warps together, a barrier of them per chunk.
+
+cutlass is imported only inside functions: CI has no CuTe DSL and must still import this module.
+"""
+# no `from __future__ import annotations`: the DSL evaluates the kernels' annotations
+import functools
+
+
+@functools.cache
+def ring_mixin():
+    """The class holding the ring main loop and the A paths (built lazily: defining it needs cutlass)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    class RingMainLoop:
+        """Methods of ``SkinnyGemm``: the cp.async ring main loop and the A paths (see the module doc)."""
+
+        @cute.jit
+        def load_a(self, gA: cute.Tensor, gG, m_lo, m_hi, kv0, rA: cute.Tensor, ss: cute.Tensor):
+            """A for one chunk, in the same permuted K order as the weight (rows ≥ 8 only if M > 8)."""
+            for u in cutlass.range_constexpr(self.unroll):
+                self.load_a_step(gA, gG, m_lo, m_hi, kv0 + 4 * u, rA, u, ss)
+
+        @cute.jit
+        def load_a_step(self, gA: cute.Tensor, gG, m_lo, m_hi, kv, rA: cute.Tensor, u: cutlass.Constexpr,
+                        ss: cute.Tensor):
+            """One 16-byte vector of A's rows m_lo (and m_hi) at vector index kv into rA[:, 2u(+1)].
+
+            With the norm fused: ss += x², and x becomes x·g rounded to the input dtype (the MMA's operand).
+            """
+            self.load_vec(gA[m_lo, (None, kv)], rA[None, 2 * u], self.evict_a)
+            if cutlass.const_expr(self.m > 8):
+                self.load_vec(gA[m_hi, (None, kv)], rA[None, 2 * u + 1], self.evict_a)
+            self.norm_a_step(gG, kv, rA, u, ss)
+
+        @cute.jit
+        def load_a_raw(self, gA: cute.Tensor, m_lo, m_hi, kv0, dst: cute.Tensor):
+            """A's vectors of one chunk (rows m_lo, and m_hi above M = 8) into dst[:, 2u(+1)], not normed."""
+            for u in cutlass.range_constexpr(self.unroll):
+                self.load_vec(gA[m_lo, (None, kv0 + 4 * u)], dst[None, 2 * u], self.evict_a)
+                if cutlass.const_expr(self.m > 8):
+                    self.load_vec(gA[m_hi, (None, kv0 + 4 * u)], dst[None, 2 * u + 1], self.evict_a)
+
+        @cute.jit
+        def norm_a_step(self, gG, kv, rA: cute.Tensor, u: cutlass.Constexpr, ss: cute.Tensor):
+            """With the norm fused, on A's vectors rA[:, 2u(+1)] at vector index kv: ss += x², x ← x·g."""
+            if cutlass.const_expr(self.norm):
+                rG = cute.make_rmem_tensor((8,), self.dtype)
+                self.load_vec(gG[((None, kv),)], rG, self.evict_a)  # the norm weight: re-read like A
+                vg = rG.load().to(cutlass.Float32)
+                for h in cutlass.range_constexpr(2 if self.m > 8 else 1):
+                    x = rA[None, 2 * u + h].load().to(cutlass.Float32)
+                    ss[h] = ss[h] + (x * x).reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0)
+                    rA[None, 2 * u + h].store((x * vg).to(self.dtype))
+
+        @cute.jit
+        def main_loop_cp_async(self, gA: cute.Tensor, gB: cute.Tensor, gG, rows, m_lo, m_hi, t, lane, warp, wk,
+                               n_full, acc: cute.Tensor, rA: cute.Tensor, rB: cute.Tensor,
+                               rA32: cute.Tensor, rB32: cute.Tensor, ss: cute.Tensor, smem):
+            """Full chunks with the weight streamed by cp.async through a per-warp ring of S stages.
+
+            Loads in flight then cost shared memory, not registers. With ``static_weight`` (a parameter
+            no kernel writes) the first S-1 stages are issued before ``griddepcontrol.wait``, overlapping
+            the previous kernel's tail (PDL); otherwise only an L2 prefetch is. Every lane reads back only
+            the 16-byte slots it wrote itself, so no barrier is needed, only ``cp.async.wait_group``.
+            """
+            RG: cutlass.Constexpr = self.rg
+            U: cutlass.Constexpr = self.unroll
+            S: cutlass.Constexpr = self.stages
+            WK: cutlass.Constexpr = self.wk * self.ks  # wk is the warp's K slice among the cluster's
+            NW: cutlass.Constexpr = self.wn * self.wk
+            CHV: cutlass.Constexpr = 4 * self.unroll  # 16-byte vectors per chunk along K
+            MA: cutlass.Constexpr = 2 if self.m > 8 else 1  # A rows per lane: m_lo (and m_hi)
+            g = lane // 4
+            # [8 elements, lane, slot, stage, warp]: a warp's 32 lanes read 512 contiguous bytes
+            sW = smem.allocate_tensor(self.dtype, cute.make_layout((8, 32, RG * U, S, NW)), byte_alignment=16)
+            sA = None
+            if cutlass.const_expr(self.a_ring):  # one A ring per warp, or per K slice with a_share
+                NA: cutlass.Constexpr = self.wk if self.a_share else NW
+                sA = smem.allocate_tensor(self.dtype, cute.make_layout((8, 32, MA * U, S, NA)), byte_alignment=16)
+            atom = cute.make_copy_atom(
+                cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
+                self.dtype, num_bits_per_copy=128)
+            count = (cutlass.max(n_full - wk, 0) + WK - 1) // WK  # chunks of this warp
+
+            if cutlass.const_expr(not self.static_weight):
+                # the weight may be the previous kernel's output: only warm L2 (coherent) before the
+                # wait; the copies into shared memory start after it
+                if cutlass.const_expr(self.prefetch and self.l2_kb == 0):
+                    for st in cutlass.range_constexpr(S - 1):
+                        if st < count:
+                            kvp = (wk + st * WK) * CHV + t
+                            for u in cutlass.range_constexpr(U):
+                                for r in cutlass.range_constexpr(RG):
+                                    v = gB[rows[r], (None, kvp + 4 * u)]
+                                    cute.arch.prefetch(v.iterator.llvm_ptr, cache_level="L2")
+                self.wait_previous()
+
+            for st in cutlass.range_constexpr(S - 1):
+                if st < count:
+                    kv0 = (wk + st * WK) * CHV + t
+                    for u in cutlass.range_constexpr(U):
+                        for r in cutlass.range_constexpr(RG):
+                            src = gB[rows[r], (None, kv0 + 4 * u)]
+                            cute.copy(atom, cute.make_tensor(src.iterator.align(16), src.layout),
+                                      sW[None, lane, r * U + u, st, warp])
+                    if cutlass.const_expr(self.a_ring and not self.static_weight):
+                        self.copy_a_chunk(atom, gA, g, kv0, sA, lane, st, warp)
+                cute.arch.cp_async_commit_group()
+
+            if cutlass.const_expr(self.static_weight):
+                # PDL: the prologue above overlapped the previous kernel's tail; A may be its output
+                self.wait_previous()
+                if cutlass.const_expr(self.a_ring):
+                    # A of the prologue's chunks in one go, then wait for all of it (one round trip; the
+                    # weight stages, issued before the wait, have usually landed by now)
+                    for st in cutlass.range_constexpr(S - 1):
+                        if st < count:
+                            self.copy_a_chunk(atom, gA, g, (wk + st * WK) * CHV + t, sA, lane, st, warp)
+                    cute.arch.cp_async_commit_group()
+                    cute.arch.cp_async_wait_group(0)
+
+            if cutlass.const_expr(self.a_pipe):
+                # A's plain loads one chunk ahead into a second register buffer (the loop runs two chunks per
+                # trip, so the buffers swap without register moves): an L2 round trip for A no longer stalls
+                # every chunk. The first chunk's A is loaded here, after the wait (A may be the previous output)
+                rA2 = cute.make_rmem_tensor((8, 2 * U), self.dtype)
+                rA2_32 = cute.recast_tensor(rA2, cutlass.Int32)
+                if count > 0:
+                    self.load_a_raw(gA, m_lo, m_hi, wk * CHV + t, rA)
+                for i in cutlass.range(0, count, 2, unroll=1):
+                    self.ring_step(i, count, gA, gB, gG, rows, m_lo, m_hi, t, lane, warp, wk, sW, sA, atom,
+                                   acc, rA, rB, rA32, rB32, ss, rA2)
+                    if i + 1 < count:
+                        self.ring_step(i + 1, count, gA, gB, gG, rows, m_lo, m_hi, t, lane, warp, wk, sW, sA, atom,
+                                       acc, rA2, rB, rA2_32, rB32, ss, rA)
+            else:
+                for i in cutlass.range(0, count, 1, unroll=1):
+                    self.ring_step(i, count, gA, gB, gG, rows, m_lo, m_hi, t, lane, warp, wk, sW, sA, atom,
+                                   acc, rA, rB, rA32, rB32, ss, None)
+            cute.arch.cp_async_wait_group(0)
+
+        @cute.jit
+        def ring_step(self, i, count, gA: cute.Tensor, gB: cute.Tensor, gG, rows, m_lo, m_hi, t, lane, warp, wk,
+                      sW: cute.Tensor, sA, atom, acc: cute.Tensor, rA: cute.Tensor, rB: cute.Tensor,
+                      rA32: cute.Tensor, rB32: cute.Tensor, ss: cute.Tensor, rA_next):
+            """Chunk i of the ring: issue chunk i + S - 1's copies, then A (plain loads, the ring, or with
+            ``a_pipe`` already in ``rA`` while chunk i + 1's A goes to ``rA_next``), wait for chunk i, MMAs.
+
+            With ``a_share`` the warps of a K slice fill one A ring together, so the wait for chunk i and a
+            barrier of those warps come first: every warp's copies of chunk i have then landed, and every
+            warp has read chunk i - 1, whose stage the copies issued next overwrite (the same S - 1 chunks
+            stay in flight during the MMAs)."""
+            RG: cutlass.Constexpr = self.rg
+            U: cutlass.Constexpr = self.unroll
+            S: cutlass.Constexpr = self.stages
+            WK: cutlass.Constexpr = self.wk * self.ks
+            CHV: cutlass.Constexpr = 4 * self.unroll
+            MA: cutlass.Constexpr = 2 if self.m > 8 else 1
+            g = lane // 4
+            aw = warp // self.wn if self.a_share else warp  # the A ring this warp reads
+            if cutlass.const_expr(self.a_share):
+                cute.arch.cp_async_wait_group(S - 2)
+                cute.arch.barrier(barrier_id=1 + aw, number_of_threads=32 * self.wn)
+            nxt = i + S - 1
+            if nxt < count:
+                kvn = (wk + nxt * WK) * CHV + t
+                stn = nxt % S
+                for u in cutlass.range_constexpr(U):
+                    for r in cutlass.range_constexpr(RG):
+                        src = gB[rows[r], (None, kvn + 4 * u)]
+                        cute.copy(atom, cute.make_tensor(src.iterator.align(16), src.layout),
+                                  sW[None, lane, r * U + u, stn, warp])
+                if cutlass.const_expr(self.a_ring):
+                    self.copy_a_chunk(atom, gA, g, kvn, sA, lane, stn, warp)
+            cute.arch.cp_async_commit_group()
+            kvi = (wk + i * WK) * CHV + t
+            if cutlass.const_expr(self.a_pipe):
+                if i + 1 < count:
+                    self.load_a_raw(gA, m_lo, m_hi, kvi + WK * CHV, rA_next)
+                for u in cutlass.range_constexpr(U):
+                    self.norm_a_step(gG, kvi + 4 * u, rA, u, ss)
+            elif cutlass.const_expr(not self.a_ring):
+                self.load_a(gA, gG, m_lo, m_hi, kvi, rA, ss)
+            if cutlass.const_expr(not self.a_share):
+                cute.arch.cp_async_wait_group(S - 1)  # chunk i has landed
+            cur = i % S
+            for slot in cutlass.range_constexpr(RG * U):
+                cute.autovec_copy(sW[None, lane, slot, cur, warp], rB[None, slot])
+            if cutlass.const_expr(self.a_ring):
+                for u in cutlass.range_constexpr(U):
+                    for h in cutlass.range_constexpr(MA):
+                        cute.autovec_copy(sA[None, lane, u * MA + h, cur, aw], rA[None, 2 * u + h])
+                    self.norm_a_step(gG, kvi + 4 * u, rA, u, ss)
+            for u in cutlass.range_constexpr(U):
+                self.mma_step(acc, rA32, rB32, u, u, U)
+
+        @cute.jit
+        def copy_a_chunk(self, atom, gA: cute.Tensor, g, kv0, sA: cute.Tensor, lane, st, warp):
+            """cp.async of this lane's A vectors of one chunk (rows g, and g + 8 above M = 8) into the ring;
+            the same lane of each warp reading the ring reads them back. Lanes of rows past M copy nothing:
+            their slots hold stale bytes, which only reach MMA rows that are never stored (the copies of a
+            clamped row would all hit the same bytes, and such cp.async serialise). With ``a_share`` the
+            K slice's warps_n warps split the slots (slot s is copied by the warp with s % warps_n)."""
+            MA: cutlass.Constexpr = 2 if self.m > 8 else 1
+            aw = warp // self.wn if self.a_share else warp
+            if cutlass.const_expr(self.a_l1):  # A is re-read by every block of the SM: keep it in L1
+                atom = cute.make_copy_atom(
+                    cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.ALWAYS),
+                    self.dtype, num_bits_per_copy=128)
+            for u in cutlass.range_constexpr(self.unroll):
+                for h in cutlass.range_constexpr(MA):
+                    mine = True
+                    if cutlass.const_expr(self.a_share):
+                        mine = warp % self.wn == (u * MA + h) % self.wn
+                    if mine and g + 8 * h < self.m:
+                        src = gA[g + 8 * h, (None, kv0 + 4 * u)]
+                        cute.copy(atom, cute.make_tensor(src.iterator.align(16), src.layout),
+                                  sA[None, lane, u * MA + h, st, aw])
+
+    return RingMainLoop

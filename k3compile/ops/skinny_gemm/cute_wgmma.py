@@ -1,0 +1,292 @@
+"""The skinny GEMM as a Hopper warpgroup-MMA (wgmma) CuTe DSL kernel, M ≤ 16: ``C = A · Wᵀ (+ bias) (+ residual)``.
+
+a: [M, K] (M ≤ 16), w: [N, K], bias: [N] or None, residual: [M, N] or None, all bf16 or all fp16, fp32
+accumulation, one rounding at the end (as ``reference.py``). One kernel per (dtype, M, configuration, bias?,
+residual?, static weight?); N, K and the row strides are run-time values.
+
+Why a second CuTe kernel: the mma.sync kernel (``cute.py``) loads A's fragment per warp, so above M = 4 A's traffic
+past L1 sets its speed (NOTE6). Here the operands swap sides (swap-AB): the weight tile is wgmma's M side
+(``block_n`` = 64 or 128 rows), A is its N side (8 or 16 rows, rows ≥ M zero-filled by TMA), and both reach shared
+memory by TMA into one multi-stage ring (mbarrier pipeline): A's [16, block_k] chunk is read from L2 once per block
+per stage, by the TMA unit, whatever M is. The accumulator is tiny (64 × 16 fp32 over a warpgroup: 8 registers a
+thread), so the kernel is one warpgroup that streams; its only job is to keep enough weight bytes in flight.
+
+Split-K across a thread-block cluster (``split_k``): the cluster's blocks take contiguous K ranges of the same
+rows; each writes its partial tile to shared memory, and after a cluster barrier each block sums its share of the
+outputs over every block's tile through distributed shared memory (no workspace, no L2 round trip, CUDA-graph safe).
+The epilogue adds bias / residual and stores C coalesced along N. Options (``WgmmaConfig``): a fifth warp that only
+issues the TMA loads, L2 eviction hints on them, and the PDL trigger right after the wait.
+
+Programmatic dependent launch: everything before ``griddepcontrol.wait`` is setup; with ``static_weight`` (no
+kernel writes W: module parameters) the weight tiles of the first stages are already requested by TMA before the
+wait, A's after it. The next kernel may launch once our K loop is done.
+
+This module is the host side (configuration, predicates, compile cache, entry points; the measured picks are in
+``config.py``'s tables beside the mma.sync kernel's); the kernel is ``cute_wgmma_kernel.py``. cutlass is imported
+only inside functions: CI has no CuTe DSL and must still import this module.
+"""
+# no `from __future__ import annotations`: the DSL evaluates the kernels' annotations
+import functools
+import hashlib
+import os
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from k3compile.backends import cute_can_run_on
+
+MAX_M = 16
+VEC = 8                      # TMA needs 16-byte row strides: K and the row strides are multiples of 8 elements
+SMEM_LIMIT = 227 * 1024      # sm_90 dynamic shared memory per block
+# L2 cache-policy operands of the TMA loads (the encodings CUTLASS's CacheHintSm90 names)
+EVICT_FIRST_POLICY = 0x12F0000000000000
+EVICT_LAST_POLICY = 0x14F0000000000000
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+# --------------------------------------------------------------------------------------------------
+# configuration (no cutlass needed)
+
+@dataclass(frozen=True)
+class WgmmaConfig:
+    block_n: int = 64   # weight rows per block: 64 (one m64 wgmma tile) or 128 (two)
+    block_k: int = 64   # K per pipeline stage (64 = one 128-byte swizzle row of bf16)
+    stages: int = 8     # pipeline stages in shared memory (weight + A tile each)
+    split_k: int = 1    # blocks per cluster splitting K; partial tiles meet through distributed shared memory
+    producer_warp: bool = False  # a fifth warp issues the TMA loads, so refills never wait behind the MMAs
+    evict_hints: bool = False    # TMA L2 policies: the weight (read once) evict-first, A (read by every block) evict-last
+    early: bool = False          # PDL: let the next kernel launch right after our wait, not after our K loop
+    early_w: bool = True         # static_weight: request the first weight tiles before the PDL wait (False: never)
+
+    def tag(self) -> str:
+        return (f"wg-n{self.block_n}-k{self.block_k}-s{self.stages}-c{self.split_k}"
+                + ("-pw" if self.producer_warp else "") + ("-h" if self.evict_hints else "")
+                + ("-e" if self.early else "")
+                + ("" if self.early_w else "-nw"))
+
+    def invalid(self) -> Optional[str]:
+        """None when the kernel can be built with this configuration, else why not."""
+        if self.block_n not in (64, 128):
+            return f"block_n={self.block_n}: must be 64 or 128 (wgmma M tiles)"
+        if self.block_k not in (64, 128):
+            return f"block_k={self.block_k}: must be 64 or 128"
+        if not 2 <= self.stages <= 16:
+            return f"stages={self.stages}: must be 2..16"
+        if not 1 <= self.split_k <= 8:
+            return f"split_k={self.split_k}: must be 1..8 (portable cluster size)"
+        if self.smem_bytes(16) > SMEM_LIMIT:
+            return f"needs {self.smem_bytes(16)} B of shared memory > {SMEM_LIMIT}"
+        return None
+
+    def smem_bytes(self, m: int) -> int:
+        """Dynamic shared memory of one block at this M (2-byte elements): barriers, the ring (1 KB aligned), the
+        partial tile (rows padded by one word)."""
+        ring = self.stages * (self.block_n + m_pad(m)) * self.block_k * 2
+        return 1024 + ring + 1024 + self.block_n * (m_pad(m) + 1) * 4 + 1024
+
+    def blocks(self, n: int) -> int:
+        return -(-n // self.block_n) * self.split_k
+
+
+def m_pad(m: int) -> int:
+    """wgmma N side: A rows padded to 8 or 16."""
+    return 8 if m <= 8 else 16
+
+
+def pick(m: int, n: int, k: int, static_weight: bool = False) -> WgmmaConfig:
+    """The configuration to run: the op's table entry where it names this kernel (``config.py``'s TABLE /
+    TABLE_STATIC hold the measured picks of both CuTe kernels), else the heuristic's."""
+    from k3compile.ops.skinny_gemm import config  # imports this module (WgmmaConfig): not at import time
+
+    cfg = config.choose(m, n, k, static_weight)
+    return cfg if isinstance(cfg, WgmmaConfig) else heuristic(m, n, k)
+
+
+def heuristic(m: int, n: int, k: int, sms: int = 132) -> WgmmaConfig:
+    """Row tiles of 64; split K over a cluster until the blocks cover the SMs (each split keeps ≥ 8 K tiles)."""
+    tiles = -(-n // 64)
+    kt = -(-k // 64)
+    split = 1
+    while split < 8 and tiles * split < sms and kt // (split + 1) >= 8:
+        split += 1
+    return WgmmaConfig(64, 64, 8, split)
+
+
+# --------------------------------------------------------------------------------------------------
+# predicates (no cutlass needed)
+
+def available(a, w, bias=None, residual=None) -> Optional[str]:
+    """None when a CuTe kernel can run on this machine for these tensors, else the reason."""
+    return cute_can_run_on(a, w, bias, residual)
+
+
+def supports(a, w, bias=None, residual=None) -> Optional[str]:
+    """None when this kernel handles these shapes/dtypes/strides, else the reason."""
+    if a.dim() != 2 or w.dim() != 2:
+        return f"needs 2-D a and w, got {a.dim()}-D and {w.dim()}-D"
+    m, k = a.shape
+    n, kw = w.shape
+    if kw != k:
+        return f"K mismatch: a is [{m}, {k}], w is [{n}, {kw}]"
+    if not 1 <= m <= MAX_M:
+        return f"M={m} outside 1..{MAX_M}"
+    if n < 1 or k < 1:
+        return f"empty product (N={n}, K={k})"
+    if a.dtype not in _DTYPES or w.dtype != a.dtype:
+        return f"dtypes {a.dtype}/{w.dtype}: needs bf16 or fp16, both the same"
+    if k % VEC:
+        return f"K={k} not a multiple of {VEC} (TMA needs 16-byte row strides)"
+    for name, t in (("a", a), ("w", w)):
+        if t.stride(1) != 1 or t.stride(0) % VEC or t.data_ptr() % 16:
+            return f"{name} must be row-major with 16-byte aligned rows (strides {t.stride()})"
+    if bias is not None:
+        if bias.shape != (n,) or bias.dtype != a.dtype or bias.stride(0) != 1:
+            return f"bias must be a contiguous [{n}] {a.dtype} tensor"
+    if residual is not None:
+        if residual.shape != (m, n) or residual.dtype != a.dtype or residual.stride(1) != 1:
+            return f"residual must be a row-major [{m}, {n}] {a.dtype} tensor"
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# compile cache (the layout of cute_compile.py's: memory, then K3_CUTE_CACHE_DIR/<fingerprint>/<name>.o)
+
+_compiled: dict = {}
+_compile_lock = threading.Lock()
+
+
+@functools.cache
+def _source_fingerprint() -> str:
+    """What a cached kernel depends on: the kernel's source and what builds it (not the tables: a variant's name
+    spells its configuration), the DSL version and the target arch."""
+    import inspect
+
+    h = hashlib.sha256()
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "cute_wgmma_kernel.py"), "rb") as fh:
+        h.update(fh.read())
+    for obj in (WgmmaConfig, m_pad, _fake_args, _variant_name, _load_or_compile, compile_kernel):
+        h.update(inspect.getsource(obj).encode())
+    h.update(repr((VEC, SMEM_LIMIT, EVICT_FIRST_POLICY, EVICT_LAST_POLICY)).encode())
+    import cutlass
+    h.update(str(getattr(cutlass, "__version__", "?")).encode())
+    arch = os.environ.get("CUTE_DSL_ARCH", "")
+    if not arch and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        arch = "sm_%d%d%s" % (major, minor, "a" if major >= 9 else "")
+    h.update(arch.encode())
+    return "wg" + h.hexdigest()[:14]
+
+
+def _cache_dir() -> Optional[str]:
+    d = os.environ.get("K3_CUTE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "k3compile", "cute"))
+    return None if d == "0" else os.path.join(d, _source_fingerprint())
+
+
+def _variant_name(key) -> str:
+    dtype, m, cfg, has_bias, has_res, static_w = key
+    return (f"k3_wgmma_{str(dtype).split('.')[-1]}_m{m}_{cfg.tag().replace('-', '_')}"
+            f"_b{int(has_bias)}_r{int(has_res)}_s{int(static_w)}")
+
+
+def _fake_args(dtype: torch.dtype, m: int, has_bias: bool, has_res: bool):
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    cd = _cute_dtype(dtype)
+    n, k = cute.sym_int(), cute.sym_int(divisibility=VEC)
+    lda, ldw = cute.sym_int64(divisibility=VEC), cute.sym_int64(divisibility=VEC)
+    # A's row count is left dynamic: a static extent of 1 collapses its TMA to 1-D (an illegal instruction on the
+    # H200 with the 2-D swizzled box); the kernel's M is the compile-time ``m`` all the same
+    a = make_fake_tensor(cd, (cute.sym_int(), k), (lda, 1), assumed_align=16)
+    w = make_fake_tensor(cd, (n, k), (ldw, 1), assumed_align=16)
+    c = make_fake_tensor(cd, (m, n), (cute.sym_int64(), 1), assumed_align=2)
+    bias = make_fake_tensor(cd, (n,), (1,), assumed_align=2) if has_bias else None
+    res = make_fake_tensor(cd, (m, n), (cute.sym_int64(), 1), assumed_align=2) if has_res else None
+    # the sixth argument (a norm weight for the mma.sync kernel's fused tail) is always None here
+    return a, w, c, bias, res, None, make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+def _cute_dtype(dtype: torch.dtype):
+    import cutlass
+    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
+
+
+def compile_kernel(dtype: torch.dtype, m: int, cfg: WgmmaConfig, has_bias: bool, has_res: bool,
+                   static_weight: bool = False, norm_eps: Optional[float] = None):
+    """The compiled kernel for this variant: from memory, else from disk, else compiled (and saved). It is called as
+    ``fn(a, w, out, bias, residual, None)``, like the mma.sync kernel (``cute_compile.compile_kernel`` forwards a
+    ``WgmmaConfig`` here). ``norm_eps`` must be None: this kernel has no fused RMSNorm (a fused latent-MoE tail was
+    measured slower than the Triton tail and taken out; see the WG6 report).
+    """
+    if norm_eps is not None:
+        raise ValueError("the wgmma skinny GEMM has no fused-norm (latent-MoE tail) form; use the mma.sync kernel")
+    key = (dtype, m, cfg, has_bias, has_res, static_weight)
+    fn = _compiled.get(key)
+    if fn is not None:
+        return fn
+    with _compile_lock:  # cute.compile is not thread-safe
+        fn = _compiled.get(key)
+        if fn is None:
+            fn = _load_or_compile(key)
+            _compiled[key] = fn
+    return fn
+
+
+def _load_or_compile(key):
+    import cutlass.cute as cute
+
+    name = _variant_name(key)
+    cdir = _cache_dir()
+    path = os.path.join(cdir, name + ".o") if cdir else None
+    if path and os.path.exists(path):
+        try:
+            return cute.runtime.load_module(path, enable_tvm_ffi=True)[name]
+        except Exception:  # a stale or torn file: recompile below and overwrite it
+            pass
+    dtype, m, cfg, has_bias, has_res, static_w = key
+    bad = cfg.invalid()
+    if bad:
+        raise ValueError(f"WgmmaConfig {cfg.tag()}: {bad}")
+    from k3compile.ops.skinny_gemm.cute_wgmma_kernel import kernel_class
+
+    kern = kernel_class()(_cute_dtype(dtype), m, cfg, has_bias, has_res, static_w)
+    fn = cute.compile(kern, *_fake_args(dtype, m, has_bias, has_res), options="--enable-tvm-ffi")
+    if path:
+        try:
+            os.makedirs(cdir, exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            fn.export_to_c(object_file_path=tmp, function_name=name)
+            os.replace(tmp, path)
+        except Exception:
+            pass  # the cache is an optimisation
+    return fn
+
+
+# --------------------------------------------------------------------------------------------------
+# public entry points
+
+def skinny_gemm_wgmma(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                      residual: Optional[torch.Tensor] = None, *, cfg: Optional[WgmmaConfig] = None,
+                      static_weight: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``a @ w.T (+ bias) (+ residual)`` on the current CUDA stream; returns a new [M, N] tensor (or ``out``).
+
+    Call ``available``/``supports`` first. ``cfg`` overrides the table's pick (benchmarks). ``static_weight=True``
+    promises no kernel writes ``w``: its first tiles are then requested before the PDL wait.
+    """
+    m, k = a.shape
+    n = w.shape[0]
+    if cfg is None:
+        cfg = pick(m, n, k, static_weight)
+    fn = compile_kernel(a.dtype, m, cfg, bias is not None, residual is not None, static_weight)
+    if out is None:
+        out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    fn(a, w, out, bias, residual, None)
+    return out
+
+
+def warmup(dtype: torch.dtype, m: int, n: int, k: int, has_bias: bool = False, has_residual: bool = False,
+           cfg: Optional[WgmmaConfig] = None, static_weight: bool = False) -> None:
+    """Compile (or load) the variant a later call with these shapes uses, so CUDA-graph capture never compiles."""
+    compile_kernel(dtype, m, cfg or pick(m, n, k, static_weight), has_bias, has_residual, static_weight)

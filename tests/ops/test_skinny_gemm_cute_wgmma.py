@@ -1,0 +1,260 @@
+"""The wgmma CuTe skinny GEMM (``cute_wgmma.py`` + ``cute_wgmma_kernel.py``) against the reference.
+
+CPU (CI): the module imports without cutlass, its predicates give reasons, configurations are checked (tag,
+shared-memory budget, rejects), the table/heuristic give launchable configurations, and (when CuTe DSL is
+installed) one variant compiles for sm_90a. GPU (`-m gpu` on the H200): NaN-poisoned outputs against a float64
+reference over configurations, M = 1..16, bf16/fp16, bias/residual on and off, N not a multiple of the row tile,
+K not a multiple of the K tile, static weight, random N/K (hypothesis), and CUDA-graph capture and replay.
+"""
+import importlib.util
+import os
+
+import pytest
+import torch
+from hypothesis import example, given, settings, strategies as st
+
+from k3compile.ops.skinny_gemm import config as cfgmod, cute_wgmma as wg
+from k3compile.ops.skinny_gemm.reference import skinny_gemm_reference
+from k3compile.testing import rel_err
+
+HAS_CUTLASS = importlib.util.find_spec("cutlass") is not None
+needs_cutlass = pytest.mark.skipif(not HAS_CUTLASS, reason="CuTe DSL (nvidia-cutlass-dsl) not installed")
+C = wg.WgmmaConfig
+
+
+def table_picks(static_weight: bool) -> dict:
+    """The op's measured picks (config.py) that name this kernel, as the op sees them with or without a static
+    weight: {(M bucket, N, K): config}."""
+    keys = set(cfgmod.TABLE) | (set(cfgmod.TABLE_STATIC) if static_weight else set())
+    picks = {key: cfgmod.choose(*key, static_weight=static_weight) for key in keys}
+    return {key: cfg for key, cfg in picks.items() if isinstance(cfg, C)}
+
+
+def tol(dtype):
+    return 8e-3 if dtype == torch.bfloat16 else 2e-3
+
+
+# ---------------------------------------------------------------------------------------- CPU tests
+
+def test_modules_import_without_cutlass_at_import_time():
+    from k3compile.ops.skinny_gemm import cute_wgmma_kernel
+    for mod in (wg, cute_wgmma_kernel):
+        top = [ln for ln in open(mod.__file__).read().splitlines() if ln.startswith(("import", "from"))]
+        assert not [ln for ln in top if "cutlass" in ln], mod.__name__
+
+
+def test_available_says_why_on_cpu_tensors():
+    a, w = torch.randn(2, 64, dtype=torch.bfloat16), torch.randn(128, 64, dtype=torch.bfloat16)
+    assert wg.available(a, w)
+
+
+@pytest.mark.parametrize("m,n,k,dtype,why", [
+    (17, 64, 64, torch.bfloat16, "M=17"),
+    (2, 64, 60, torch.bfloat16, "multiple of 8"),
+    (2, 64, 64, torch.float32, "bf16 or fp16"),
+], ids=["M17-N64-K64-bf16", "M2-N64-K60-bf16", "M2-N64-K64-fp32"])
+def test_supports_rejects_with_reason(m, n, k, dtype, why):
+    a, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
+    assert why in wg.supports(a, w)
+
+
+def test_supports_rejects_strided_mismatched_and_bad_epilogue_tensors():
+    a = torch.randn(2, 128, dtype=torch.bfloat16)[:, :64]
+    w = torch.randn(64, 128, dtype=torch.bfloat16)[:, ::2]
+    assert "row-major" in wg.supports(a, w)
+    w16 = torch.randn(64, 64, dtype=torch.float16)
+    assert "dtypes" in wg.supports(a.contiguous(), w16)
+    a, w = a.contiguous(), w16.bfloat16()
+    assert "residual" in wg.supports(a, w, None, torch.randn(3, 64, dtype=torch.bfloat16))
+    assert "bias" in wg.supports(a, w, torch.randn(63, dtype=torch.bfloat16))
+    assert "K mismatch" in wg.supports(a, torch.randn(64, 72, dtype=torch.bfloat16))
+
+
+def test_supports_accepts_decode_shape():
+    a, w = torch.randn(16, 3584, dtype=torch.bfloat16), torch.randn(7168, 3584, dtype=torch.bfloat16)
+    assert wg.supports(a, w, None, torch.randn(16, 7168, dtype=torch.bfloat16)) is None
+
+
+def test_config_tag_spells_every_field():
+    assert C(128, 64, 6, 3).tag() == "wg-n128-k64-s6-c3"
+    assert C(64, 64, 8, 1, True, True, True).tag() == "wg-n64-k64-s8-c1-pw-h-e"
+    assert C(64, 64, 8, 1, early_w=False).tag() == "wg-n64-k64-s8-c1-nw"
+    variants = [(64, 64, 8, 1), (128, 64, 8, 1), (64, 128, 8, 1), (64, 64, 4, 1), (64, 64, 8, 2),
+                (64, 64, 8, 1, True), (64, 64, 8, 1, False, True), (64, 64, 8, 1, False, False, True),
+                (64, 64, 8, 1, False, False, False, False)]
+    assert len({C(*v).tag() for v in variants}) == len(variants)
+
+
+@pytest.mark.parametrize("cfg,why", [(C(32), "block_n"), (C(64, 32), "block_k"), (C(stages=1), "stages"),
+                                     (C(split_k=9), "split_k"), (C(128, 128, 16), "shared memory")],
+                         ids=["n32", "k32", "s1", "c9", "smem"])
+def test_config_rejects_unlaunchable(cfg, why):
+    assert why in cfg.invalid()
+
+
+def test_smem_budget_counts_ring_and_partial_tile():
+    c = C(64, 64, 8, 1)
+    assert c.smem_bytes(16) == 1024 + 8 * (64 + 16) * 64 * 2 + 1024 + 64 * 17 * 4 + 1024
+    assert c.smem_bytes(8) < c.smem_bytes(9) == c.smem_bytes(16)
+
+
+@pytest.mark.parametrize("m,n,k", [(16, 7168, 3584), (8, 3584, 7168), (16, 4608, 7168), (8, 896, 7168),
+                                   (1, 100, 64), (16, 20480, 7168)],
+                         ids=["M16-N7168-K3584", "M8-N3584-K7168", "M16-N4608-K7168", "M8-N896-K7168",
+                              "M1-N100-K64", "M16-N20480-K7168"])
+def test_pick_gives_a_valid_config(m, n, k):
+    cfg = wg.pick(m, n, k)
+    assert cfg.invalid() is None
+    assert -(-k // cfg.block_k) >= cfg.split_k or k < cfg.block_k * cfg.split_k  # an empty split is still correct
+
+
+def test_table_entries_are_valid():
+    assert table_picks(False) and table_picks(True)
+    for static_weight in (False, True):
+        for (mb, n, k), cfg in table_picks(static_weight).items():
+            assert mb in (1, 2, 4, 8, 16) and cfg.invalid() is None, (mb, n, k, cfg)
+            assert n >= 1 and k % 8 == 0
+
+
+def test_pick_follows_the_op_table_else_the_heuristic(monkeypatch):
+    entry = C(128, 64, 10, 3, producer_warp=True)
+    monkeypatch.setitem(cfgmod.TABLE, (16, 512, 1024), entry)
+    assert wg.pick(12, 512, 1024) == entry and wg.pick(12, 512, 1024, static_weight=True) == entry
+    monkeypatch.setitem(cfgmod.TABLE_STATIC, (16, 512, 1024), C(64, 64, 8, 2))
+    assert wg.pick(12, 512, 1024, static_weight=True) == C(64, 64, 8, 2)
+    monkeypatch.setitem(cfgmod.TABLE, (16, 512, 1024), cfgmod.SkinnyConfig(1, 1, 8, 2))   # the mma.sync kernel's
+    assert wg.pick(12, 512, 1024) == wg.heuristic(12, 512, 1024)
+
+
+@needs_cutlass
+def test_compiles_for_sm90a_without_gpu(monkeypatch, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("GPU present: the GPU tests compile for the real device")
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setenv("K3_CUTE_CACHE_DIR", str(tmp_path))
+    wg._source_fingerprint.cache_clear()
+    try:
+        fn = wg.compile_kernel(torch.bfloat16, 12, C(64, 64, 4, 2, True, True), True, True, True)
+    finally:
+        wg._source_fingerprint.cache_clear()
+    assert fn is not None
+    assert any(p.suffix == ".o" for p in tmp_path.rglob("*"))
+
+
+def test_compile_kernel_rejects_a_fused_norm():
+    with pytest.raises(ValueError, match="no fused-norm"):
+        wg.compile_kernel(torch.bfloat16, 4, C(), False, True, False, 1e-5)
+
+
+# ---------------------------------------------------------------------------------------- GPU tests
+
+def _run(m, n, k, dtype, bias, residual, cfg=None, static_weight=False):
+    torch.manual_seed(m * 7 + n + k)
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    w = torch.randn(n, k, device="cuda", dtype=dtype) * k ** -0.5
+    b = torch.randn(n, device="cuda", dtype=dtype) if bias else None
+    r = torch.randn(m, n, device="cuda", dtype=dtype) if residual else None
+    assert wg.supports(a, w, b, r) is None
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+    wg.skinny_gemm_wgmma(a, w, b, r, cfg=cfg, static_weight=static_weight, out=out)
+    torch.cuda.synchronize()
+    ref = skinny_gemm_reference(a.double(), w.double(), None if b is None else b.double(),
+                                None if r is None else r.double())
+    e = rel_err(out, ref)
+    assert e < tol(dtype), f"rel={e:.2e}"
+
+
+GPU_CONFIGS = [C(64, 64, 4, 1), C(64, 64, 8, 3), C(128, 64, 6, 2), C(64, 128, 4, 4), C(128, 128, 3, 1),
+               C(64, 64, 4, 1, True), C(128, 64, 6, 3, True, True, True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", GPU_CONFIGS, ids=lambda c: c.tag())
+@pytest.mark.parametrize("m", [1, 5, 8, 12, 16], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("static_weight", [False, True], ids=["dynamic_w", "static_w"])
+def test_every_config_matches_reference(cfg, m, static_weight):
+    # N = 1000: not a multiple of 64/128 rows; K = 2056: a partial last K tile
+    _run(m, 1000, 2056, torch.bfloat16, True, True, cfg=cfg, static_weight=static_weight)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("bias,residual", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["plain", "bias", "res", "bias-res"])
+@pytest.mark.parametrize("m", [8, 16], ids=lambda m: f"M{m}")
+def test_dtypes_and_epilogues(dtype, bias, residual, m):
+    _run(m, 300, 520, dtype, bias, residual, cfg=C(64, 64, 4, 2))
+
+
+@pytest.mark.gpu
+@settings(deadline=None)
+@given(n=st.integers(1, 5000), k=st.integers(1, 1200).map(lambda x: 8 * x), residual=st.booleans())
+@example(n=7168, k=3584, residual=True)
+@example(n=896, k=7168, residual=False)
+def test_random_shapes_table_config(n, k, residual):
+    _run(16, n, k, torch.bfloat16, False, residual, cfg=C(64, 64, 8, 3))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(16, 7168, 3584), (8, 3584, 7168), (16, 896, 7168), (12, 4608, 7168)],
+                         ids=["M16-N7168-K3584", "M8-N3584-K7168", "M16-N896-K7168", "M12-N4608-K7168"])
+def test_decode_shapes_chosen_config(m, n, k):
+    _run(m, n, k, torch.bfloat16, False, True)
+
+
+def compiled_variants():
+    """Every (dtype, M, config, bias?, residual?, static?) the GPU tests run: precompiled on the CPU host for
+    sm_90a (.scratch/wg6/precompile.py) so the GPU run loads them instead of compiling."""
+    bf, out = torch.bfloat16, []
+    out += [(bf, m, c, True, True, st) for c in GPU_CONFIGS for m in (1, 5, 8, 12, 16) for st in (False, True)]
+    out += [(dt, m, C(64, 64, 4, 2), b, r, False) for dt in (bf, torch.float16)
+            for b, r in ((False, False), (True, False), (False, True), (True, True)) for m in (8, 16)]
+    out += [(bf, 16, C(64, 64, 8, 3), False, r, False) for r in (False, True)]
+    out += [(bf, m, wg.pick(m, n, k), False, True, False)
+            for m, n, k in [(16, 7168, 3584), (8, 3584, 7168), (16, 896, 7168), (12, 4608, 7168)]]
+    out += [(bf, 16, C(64, 64, 8, 2), False, False, st) for st in (False, True)]
+    out += [(bf, mb, cfg, False, True, st) for st in (False, True) for (mb, n, k), cfg in table_picks(st).items()]
+    return list(dict.fromkeys(out))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("static_weight", [False, True], ids=["dynamic_w", "static_w"])
+def test_table_picks_match_reference(static_weight):
+    """Every measured pick, at its M bucket and real shape, with a residual (what the table hands the op)."""
+    for (mb, n, k), cfg in table_picks(static_weight).items():
+        _run(mb, n, k, torch.bfloat16, False, True, cfg=cfg, static_weight=static_weight)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("static_weight", [False, True], ids=["dynamic_w", "static_w"])
+def test_cuda_graph_chained_products(static_weight):
+    """Each product reads the one before (PDL: the wait must hold A's loads), captured once, replayed on fresh data."""
+    dtype, m, d = torch.bfloat16, 16, 2048
+    cfg = C(64, 64, 8, 2)
+    ws = [torch.randn(d, d, device="cuda", dtype=dtype) * d ** -0.5 for _ in range(3)]
+    x = torch.randn(m, d, device="cuda", dtype=dtype)
+    wg.warmup(dtype, m, d, d, cfg=cfg, static_weight=static_weight)
+
+    def chain():
+        h = x
+        for w in ws:
+            h = wg.skinny_gemm_wgmma(h, w, cfg=cfg, static_weight=static_weight)
+        return h
+
+    chain()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g):
+            out = chain()
+    torch.cuda.current_stream().wait_stream(s)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ref = x.double()
+        for w in ws:
+            ref = (ref @ w.double().T).to(dtype).double()
+        assert rel_err(out, ref) < 2 * tol(dtype)
