@@ -5,7 +5,8 @@ it instead of compiling (~0.3 s per variant; loading takes milliseconds).
 N, K and the row strides are symbolic in the compiled kernel, so one compile serves every shape. The disk
 cache is keyed by a fingerprint of the kernel's source, this module, the configuration class, the DSL
 version and the target arch (``K3_CUTE_CACHE_DIR``, default ~/.cache/k3compile/cute; "0" disables it).
-A cache built on a CPU host with ``CUTE_DSL_ARCH=sm_90a`` serves an H200.
+A cache built on a CPU host with ``CUTE_DSL_ARCH=sm_90a`` serves an H200. The memory and disk cache
+(``cached_kernel``) serves the wgmma kernel (``cute_wgmma.py``) too, under its own fingerprint.
 
 cutlass is imported only inside functions: CI has no CuTe DSL and must still import this module.
 """
@@ -26,9 +27,57 @@ _compiled: dict = {}
 _compile_lock = threading.Lock()
 
 
-def _cute_dtype(dtype: torch.dtype):
+def cute_dtype(dtype: torch.dtype):
     import cutlass
     return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
+
+
+def dsl_and_arch() -> str:
+    """The DSL version and the target arch, for a fingerprint: a cache built on a CPU host with
+    ``CUTE_DSL_ARCH=sm_90a`` serves an H200 (the DSL targets the arch-specific (a) variant from sm_90)."""
+    import cutlass
+    arch = os.environ.get("CUTE_DSL_ARCH", "")
+    if not arch and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        arch = "sm_%d%d%s" % (major, minor, "a" if major >= 9 else "")
+    return f"{getattr(cutlass, '__version__', '?')}/{arch}"
+
+
+def cached_kernel(key, name: str, fingerprint: str, build):
+    """The compiled kernel for ``key``: from memory, else from the disk cache (``K3_CUTE_CACHE_DIR/<fingerprint>/
+    <name>.o``; default ~/.cache/k3compile/cute, "0" disables it), else ``build()`` and saved there. Both CuTe
+    kernels (``cute.py``'s, ``cute_wgmma.py``'s) go through here: one lock, as ``cute.compile`` is not thread-safe."""
+    fn = _compiled.get(key)
+    if fn is not None:
+        return fn
+    with _compile_lock:
+        fn = _compiled.get(key)
+        if fn is None:
+            fn = _compiled[key] = _load_or_build(name, fingerprint, build)
+    return fn
+
+
+def _load_or_build(name: str, fingerprint: str, build):
+    import cutlass.cute as cute
+
+    root = os.environ.get("K3_CUTE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "k3compile", "cute"))
+    cdir = None if root == "0" else os.path.join(root, fingerprint)
+    path = os.path.join(cdir, name + ".o") if cdir else None
+    if path and os.path.exists(path):
+        try:
+            return cute.runtime.load_module(path, enable_tvm_ffi=True)[name]
+        except Exception:  # a stale or torn file: build below and overwrite it
+            pass
+    fn = build()
+    if path:
+        try:
+            os.makedirs(cdir, exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            fn.export_to_c(object_file_path=tmp, function_name=name)
+            os.replace(tmp, path)  # atomic: a second process sees the whole file or none
+        except Exception:
+            pass  # the cache is an optimisation; the compiled function is already in hand
+    return fn
 
 
 def _fake_args(dtype: torch.dtype, m: int, has_bias: bool, has_res: bool, has_norm: bool = False):
@@ -36,7 +85,7 @@ def _fake_args(dtype: torch.dtype, m: int, has_bias: bool, has_res: bool, has_no
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
-    cd = _cute_dtype(dtype)
+    cd = cute_dtype(dtype)
     n, k = cute.sym_int(), cute.sym_int(divisibility=VEC)
     lda, ldb = cute.sym_int64(divisibility=VEC), cute.sym_int64(divisibility=VEC)
     a = make_fake_tensor(cd, (m, k), (lda, 1), assumed_align=16)
@@ -59,20 +108,8 @@ def _source_fingerprint() -> str:
         with open(os.path.join(os.path.dirname(__file__), f), "rb") as fh:
             h.update(fh.read())
     h.update(inspect.getsource(_config.SkinnyConfig).encode())
-    import cutlass
-    h.update(str(getattr(cutlass, "__version__", "?")).encode())
-    arch = os.environ.get("CUTE_DSL_ARCH", "")
-    if not arch and torch.cuda.is_available():  # the DSL targets the arch-specific (a) variant from sm_90
-        major, minor = torch.cuda.get_device_capability()
-        arch = "sm_%d%d%s" % (major, minor, "a" if major >= 9 else "")
-    h.update(arch.encode())
+    h.update(dsl_and_arch().encode())
     return h.hexdigest()[:16]
-
-
-def _cache_dir() -> Optional[str]:
-    """On-disk kernel cache (K3_CUTE_CACHE_DIR, default ~/.cache/k3compile/cute; "0" disables it)."""
-    d = os.environ.get("K3_CUTE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "k3compile", "cute"))
-    return None if d == "0" else os.path.join(d, _source_fingerprint())
 
 
 def compile_kernel(dtype: torch.dtype, m: int, cfg: _config.KernelConfig, has_bias: bool, has_res: bool,
@@ -88,15 +125,7 @@ def compile_kernel(dtype: torch.dtype, m: int, cfg: _config.KernelConfig, has_bi
         from k3compile.ops.skinny_gemm import cute_wgmma
         return cute_wgmma.compile_kernel(dtype, m, cfg, has_bias, has_res, static_weight, norm_eps)
     key = (dtype, m, cfg, has_bias, has_res, static_weight, None if norm_eps is None else float(norm_eps))
-    fn = _compiled.get(key)
-    if fn is not None:
-        return fn
-    with _compile_lock:  # cute.compile is not thread-safe
-        fn = _compiled.get(key)
-        if fn is None:
-            fn = _load_or_compile(key)
-            _compiled[key] = fn
-    return fn
+    return cached_kernel(key, _variant_name(key), _source_fingerprint(), lambda: _build(key))
 
 
 def _variant_name(key) -> str:
@@ -106,28 +135,11 @@ def _variant_name(key) -> str:
             f"_b{int(has_bias)}_r{int(has_res)}_s{int(static_w)}{norm}")
 
 
-def _load_or_compile(key):
+def _build(key):
     import cutlass.cute as cute
 
-    name = _variant_name(key)
-    cdir = _cache_dir()
-    path = os.path.join(cdir, name + ".o") if cdir else None
-    if path and os.path.exists(path):
-        try:
-            return cute.runtime.load_module(path, enable_tvm_ffi=True)[name]
-        except Exception:  # a stale or torn file: recompile below and overwrite it
-            pass
-    dtype, m, cfg, has_bias, has_res, static_w, eps = key
     from k3compile.ops.skinny_gemm.cute import _kernel_class
 
-    kern = _kernel_class()(_cute_dtype(dtype), m, cfg, has_bias, has_res, static_w, eps)
-    fn = cute.compile(kern, *_fake_args(dtype, m, has_bias, has_res, eps is not None), options="--enable-tvm-ffi")
-    if path:
-        try:
-            os.makedirs(cdir, exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            fn.export_to_c(object_file_path=tmp, function_name=name)
-            os.replace(tmp, path)  # atomic: a second process sees the whole file or none
-        except Exception:
-            pass  # the cache is an optimisation; the compiled function is already in hand
-    return fn
+    dtype, m, cfg, has_bias, has_res, static_w, eps = key
+    kern = _kernel_class()(cute_dtype(dtype), m, cfg, has_bias, has_res, static_w, eps)
+    return cute.compile(kern, *_fake_args(dtype, m, has_bias, has_res, eps is not None), options="--enable-tvm-ffi")

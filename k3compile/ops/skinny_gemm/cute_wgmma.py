@@ -29,21 +29,17 @@ only inside functions: CI has no CuTe DSL and must still import this module.
 import functools
 import hashlib
 import os
-import threading
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from k3compile.backends import cute_can_run_on
 
-MAX_M = 16
 VEC = 8                      # TMA needs 16-byte row strides: K and the row strides are multiples of 8 elements
 SMEM_LIMIT = 227 * 1024      # sm_90 dynamic shared memory per block
 # L2 cache-policy operands of the TMA loads (the encodings CUTLASS's CacheHintSm90 names)
 EVICT_FIRST_POLICY = 0x12F0000000000000
 EVICT_LAST_POLICY = 0x14F0000000000000
-_DTYPES = (torch.bfloat16, torch.float16)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -117,45 +113,17 @@ def heuristic(m: int, n: int, k: int, sms: int = 132) -> WgmmaConfig:
 # --------------------------------------------------------------------------------------------------
 # predicates (no cutlass needed)
 
-def available(a, w, bias=None, residual=None) -> Optional[str]:
-    """None when a CuTe kernel can run on this machine for these tensors, else the reason."""
-    return cute_can_run_on(a, w, bias, residual)
-
-
 def supports(a, w, bias=None, residual=None) -> Optional[str]:
-    """None when this kernel handles these shapes/dtypes/strides, else the reason."""
-    if a.dim() != 2 or w.dim() != 2:
-        return f"needs 2-D a and w, got {a.dim()}-D and {w.dim()}-D"
-    m, k = a.shape
-    n, kw = w.shape
-    if kw != k:
-        return f"K mismatch: a is [{m}, {k}], w is [{n}, {kw}]"
-    if not 1 <= m <= MAX_M:
-        return f"M={m} outside 1..{MAX_M}"
-    if n < 1 or k < 1:
-        return f"empty product (N={n}, K={k})"
-    if a.dtype not in _DTYPES or w.dtype != a.dtype:
-        return f"dtypes {a.dtype}/{w.dtype}: needs bf16 or fp16, both the same"
-    if k % VEC:
-        return f"K={k} not a multiple of {VEC} (TMA needs 16-byte row strides)"
-    for name, t in (("a", a), ("w", w)):
-        if t.stride(1) != 1 or t.stride(0) % VEC or t.data_ptr() % 16:
-            return f"{name} must be row-major with 16-byte aligned rows (strides {t.stride()})"
-    if bias is not None:
-        if bias.shape != (n,) or bias.dtype != a.dtype or bias.stride(0) != 1:
-            return f"bias must be a contiguous [{n}] {a.dtype} tensor"
-    if residual is not None:
-        if residual.shape != (m, n) or residual.dtype != a.dtype or residual.stride(1) != 1:
-            return f"residual must be a row-major [{m}, {n}] {a.dtype} tensor"
-    return None
+    """None when this kernel handles these shapes/dtypes/strides, else the reason: the same tensors as the mma.sync
+    kernel's (``cute.supports``: M ≤ 16, bf16/fp16, row-major with 16-byte aligned rows, which TMA needs as much
+    as 128-bit loads do). Kept as this kernel's own predicate so ``cute.pick`` asks the kernel it is about to run."""
+    from k3compile.ops.skinny_gemm import cute   # imports config, which imports this module
+
+    return cute.supports(a, w, bias, residual)
 
 
 # --------------------------------------------------------------------------------------------------
-# compile cache (the layout of cute_compile.py's: memory, then K3_CUTE_CACHE_DIR/<fingerprint>/<name>.o)
-
-_compiled: dict = {}
-_compile_lock = threading.Lock()
-
+# compiling (the memory and disk cache is cute_compile.py's, under this kernel's own fingerprint)
 
 @functools.cache
 def _source_fingerprint() -> str:
@@ -163,25 +131,16 @@ def _source_fingerprint() -> str:
     spells its configuration), the DSL version and the target arch."""
     import inspect
 
+    from k3compile.ops.skinny_gemm import cute_compile
+
     h = hashlib.sha256()
     with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "cute_wgmma_kernel.py"), "rb") as fh:
         h.update(fh.read())
-    for obj in (WgmmaConfig, m_pad, _fake_args, _variant_name, _load_or_compile, compile_kernel):
+    for obj in (WgmmaConfig, m_pad, _fake_args, _variant_name, _build, compile_kernel):
         h.update(inspect.getsource(obj).encode())
     h.update(repr((VEC, SMEM_LIMIT, EVICT_FIRST_POLICY, EVICT_LAST_POLICY)).encode())
-    import cutlass
-    h.update(str(getattr(cutlass, "__version__", "?")).encode())
-    arch = os.environ.get("CUTE_DSL_ARCH", "")
-    if not arch and torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        arch = "sm_%d%d%s" % (major, minor, "a" if major >= 9 else "")
-    h.update(arch.encode())
+    h.update(cute_compile.dsl_and_arch().encode())
     return "wg" + h.hexdigest()[:14]
-
-
-def _cache_dir() -> Optional[str]:
-    d = os.environ.get("K3_CUTE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "k3compile", "cute"))
-    return None if d == "0" else os.path.join(d, _source_fingerprint())
 
 
 def _variant_name(key) -> str:
@@ -194,7 +153,9 @@ def _fake_args(dtype: torch.dtype, m: int, has_bias: bool, has_res: bool):
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
-    cd = _cute_dtype(dtype)
+    from k3compile.ops.skinny_gemm.cute_compile import cute_dtype
+
+    cd = cute_dtype(dtype)
     n, k = cute.sym_int(), cute.sym_int(divisibility=VEC)
     lda, ldw = cute.sym_int64(divisibility=VEC), cute.sym_int64(divisibility=VEC)
     # A's row count is left dynamic: a static extent of 1 collapses its TMA to 1-D (an illegal instruction on the
@@ -208,11 +169,6 @@ def _fake_args(dtype: torch.dtype, m: int, has_bias: bool, has_res: bool):
     return a, w, c, bias, res, None, make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
-def _cute_dtype(dtype: torch.dtype):
-    import cutlass
-    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
-
-
 def compile_kernel(dtype: torch.dtype, m: int, cfg: WgmmaConfig, has_bias: bool, has_res: bool,
                    static_weight: bool = False, norm_eps: Optional[float] = None):
     """The compiled kernel for this variant: from memory, else from disk, else compiled (and saved). It is called as
@@ -220,48 +176,26 @@ def compile_kernel(dtype: torch.dtype, m: int, cfg: WgmmaConfig, has_bias: bool,
     ``WgmmaConfig`` here). ``norm_eps`` must be None: this kernel has no fused RMSNorm (a fused latent-MoE tail was
     measured slower than the Triton tail and taken out; see the WG6 report).
     """
+    from k3compile.ops.skinny_gemm.cute_compile import cached_kernel
+
     if norm_eps is not None:
         raise ValueError("the wgmma skinny GEMM has no fused-norm (latent-MoE tail) form; use the mma.sync kernel")
     key = (dtype, m, cfg, has_bias, has_res, static_weight)
-    fn = _compiled.get(key)
-    if fn is not None:
-        return fn
-    with _compile_lock:  # cute.compile is not thread-safe
-        fn = _compiled.get(key)
-        if fn is None:
-            fn = _load_or_compile(key)
-            _compiled[key] = fn
-    return fn
+    return cached_kernel(key, _variant_name(key), _source_fingerprint(), lambda: _build(key))
 
 
-def _load_or_compile(key):
+def _build(key):
     import cutlass.cute as cute
 
-    name = _variant_name(key)
-    cdir = _cache_dir()
-    path = os.path.join(cdir, name + ".o") if cdir else None
-    if path and os.path.exists(path):
-        try:
-            return cute.runtime.load_module(path, enable_tvm_ffi=True)[name]
-        except Exception:  # a stale or torn file: recompile below and overwrite it
-            pass
+    from k3compile.ops.skinny_gemm.cute_compile import cute_dtype
+    from k3compile.ops.skinny_gemm.cute_wgmma_kernel import kernel_class
+
     dtype, m, cfg, has_bias, has_res, static_w = key
     bad = cfg.invalid()
     if bad:
         raise ValueError(f"WgmmaConfig {cfg.tag()}: {bad}")
-    from k3compile.ops.skinny_gemm.cute_wgmma_kernel import kernel_class
-
-    kern = kernel_class()(_cute_dtype(dtype), m, cfg, has_bias, has_res, static_w)
-    fn = cute.compile(kern, *_fake_args(dtype, m, has_bias, has_res), options="--enable-tvm-ffi")
-    if path:
-        try:
-            os.makedirs(cdir, exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            fn.export_to_c(object_file_path=tmp, function_name=name)
-            os.replace(tmp, path)
-        except Exception:
-            pass  # the cache is an optimisation
-    return fn
+    kern = kernel_class()(cute_dtype(dtype), m, cfg, has_bias, has_res, static_w)
+    return cute.compile(kern, *_fake_args(dtype, m, has_bias, has_res), options="--enable-tvm-ffi")
 
 
 # --------------------------------------------------------------------------------------------------
