@@ -10,6 +10,22 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
+def check_chain_replays(graph, x: torch.Tensor, out: torch.Tensor, weights: list, max_rel: float,
+                        replays: int = 3) -> None:
+    """Replay a captured chain of skinny products (each reading the one before: ``x @ w0ᵀ @ w1ᵀ …``) on fresh
+    ``x``, ``out`` NaN-poisoned before each replay; it must match the chain rounded to x's dtype after every
+    product, as the kernels round (a PDL kernel that read its input before the previous one wrote it fails here)."""
+    for _ in range(replays):
+        x.copy_(torch.randn_like(x))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = x.double()
+        for w in weights:
+            ref = (ref @ w.double().T).to(x.dtype).double()
+        assert rel_err(out, ref) < max_rel
+
+
 def latent_moe_tail_inputs(m: int, l: int, d: int, dtype: torch.dtype, seed: int = 0, scale: float = 1.0):
     """Random (latent [m, l], shared [m, d], norm weight [l], up weight [d, l]) for the latent-MoE tail, drawn
     on the CPU from ``seed``; ``scale`` multiplies the latent (large values probe fp16 overflow)."""

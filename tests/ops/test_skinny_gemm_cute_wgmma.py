@@ -14,7 +14,7 @@ from hypothesis import example, given, settings, strategies as st
 
 from k3compile.ops.skinny_gemm import config as cfgmod, cute_wgmma as wg
 from k3compile.ops.skinny_gemm.reference import skinny_gemm_reference
-from k3compile.testing import rel_err
+from k3compile.testing import check_chain_replays, rel_err
 
 HAS_CUTLASS = importlib.util.find_spec("cutlass") is not None
 needs_cutlass = pytest.mark.skipif(not HAS_CUTLASS, reason="CuTe DSL (nvidia-cutlass-dsl) not installed")
@@ -225,12 +225,4 @@ def test_cuda_graph_chained_products(static_weight):
         with torch.cuda.graph(g):
             out = chain()
     torch.cuda.current_stream().wait_stream(s)
-    for _ in range(3):
-        x.copy_(torch.randn_like(x))
-        out.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        ref = x.double()
-        for w in ws:
-            ref = (ref @ w.double().T).to(dtype).double()
-        assert rel_err(out, ref) < 2 * tol(dtype)
+    check_chain_replays(g, x, out, ws, 2 * tol(dtype))
