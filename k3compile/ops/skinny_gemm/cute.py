@@ -97,23 +97,13 @@ def profitable(a, w, bias=None, residual=None) -> Optional[str]:
     return None
 
 
-def _wgmma():
-    """The wgmma kernel's module (``cute_wgmma.py``), imported where a table entry names it."""
-    from k3compile.ops.skinny_gemm import cute_wgmma
-    return cute_wgmma
-
-
 def pick(a: torch.Tensor, w: torch.Tensor, bias=None, residual=None,
          static_weight: bool = False) -> _config.KernelConfig:
     """The configuration (and so the kernel) ``skinny_gemm_cute`` runs for these tensors: the table's or the
-    heuristic's; a wgmma entry whose kernel declines these tensors gives way to the mma.sync heuristic. (The two
-    kernels take the same tensors today, which ``supports`` checks, so ``profitable`` reads shapes only.)"""
+    heuristic's. Both kernels take the same tensors (``supports``), so the choice reads shapes only."""
     m, k = a.shape
     n = w.shape[0]
-    cfg = _config.choose(m, n, k, static_weight) or _config.heuristic(m, n, k, static_weight)
-    if not isinstance(cfg, _config.SkinnyConfig) and _wgmma().supports(a, w, bias, residual) is not None:
-        cfg = _config.heuristic(m, n, k, static_weight)
-    return cfg
+    return _config.choose(m, n, k, static_weight) or _config.heuristic(m, n, k, static_weight)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -111,18 +111,6 @@ def heuristic(m: int, n: int, k: int, sms: int = 132) -> WgmmaConfig:
 
 
 # --------------------------------------------------------------------------------------------------
-# predicates (no cutlass needed)
-
-def supports(a, w, bias=None, residual=None) -> Optional[str]:
-    """None when this kernel handles these shapes/dtypes/strides, else the reason: the same tensors as the mma.sync
-    kernel's (``cute.supports``: M ≤ 16, bf16/fp16, row-major with 16-byte aligned rows, which TMA needs as much
-    as 128-bit loads do). Kept as this kernel's own predicate so ``cute.pick`` asks the kernel it is about to run."""
-    from k3compile.ops.skinny_gemm import cute   # imports config, which imports this module
-
-    return cute.supports(a, w, bias, residual)
-
-
-# --------------------------------------------------------------------------------------------------
 # compiling (the memory and disk cache is cute_compile.py's, under this kernel's own fingerprint)
 
 @functools.cache
@@ -204,20 +192,13 @@ def _build(key):
 def skinny_gemm_wgmma(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
                       residual: Optional[torch.Tensor] = None, *, cfg: Optional[WgmmaConfig] = None,
                       static_weight: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``a @ w.T (+ bias) (+ residual)`` on the current CUDA stream; returns a new [M, N] tensor (or ``out``).
+    """``a @ w.T (+ bias) (+ residual)`` by this kernel: ``cute.skinny_gemm_cute`` with ``cfg`` (default ``pick``'s:
+    the table's wgmma entry, else this kernel's heuristic). Call ``cute.available`` / ``cute.supports`` first (the
+    two kernels take the same tensors)."""
+    from k3compile.ops.skinny_gemm import cute
 
-    Call ``available``/``supports`` first. ``cfg`` overrides the table's pick (benchmarks). ``static_weight=True``
-    promises no kernel writes ``w``: its first tiles are then requested before the PDL wait.
-    """
-    m, k = a.shape
-    n = w.shape[0]
-    if cfg is None:
-        cfg = pick(m, n, k, static_weight)
-    fn = compile_kernel(a.dtype, m, cfg, bias is not None, residual is not None, static_weight)
-    if out is None:
-        out = torch.empty((m, n), dtype=a.dtype, device=a.device)
-    fn(a, w, out, bias, residual, None)
-    return out
+    cfg = cfg or pick(a.shape[0], w.shape[0], a.shape[1], static_weight)
+    return cute.skinny_gemm_cute(a, w, bias, residual, cfg=cfg, out=out, static_weight=static_weight)
 
 
 def warmup(dtype: torch.dtype, m: int, n: int, k: int, has_bias: bool = False, has_residual: bool = False,
