@@ -1,8 +1,9 @@
 """The CuTe latent-MoE tail (skinny GEMM with the RMSNorm fused) against the reference.
 
-CPU (CI): the module imports without cutlass, its predicates give reasons, and (when CuTe DSL is
-installed) the fused variants compile for sm_90a. GPU (`-m gpu` on the H200): random shapes with
-NaN-poisoned outputs, every work division (incl. split-K clusters), CUDA-graph capture and replay.
+CPU (CI): the module imports without cutlass, its predicates give reasons, the tables' wgmma entries fit
+their shapes, and (when CuTe DSL is installed) the fused variants of both kernels compile for sm_90a. GPU
+(`-m gpu` on the H200): random shapes with NaN-poisoned outputs for both kernels' forms, every work division
+(incl. split-K clusters), static weight on and off, CUDA-graph capture and replay.
 """
 import importlib.util
 import os
@@ -15,11 +16,17 @@ from k3compile.ops.latent_moe_tail import cute as tc
 from k3compile.ops.latent_moe_tail.reference import latent_moe_tail_ref
 from k3compile.ops.skinny_gemm import config as cfgmod
 from k3compile.ops.skinny_gemm import cute as kc
+from k3compile.ops.skinny_gemm.cute_wgmma import WgmmaConfig as WG
 from k3compile.testing import rel_err
 
 HAS_CUTLASS = importlib.util.find_spec("cutlass") is not None
 needs_cutlass = pytest.mark.skipif(not HAS_CUTLASS, reason="CuTe DSL (nvidia-cutlass-dsl) not installed")
 TOL = 1e-2  # bf16: x·g is rounded before normalising, ~1 ulp from the model's order
+
+# the wgmma form: one block per row tile, a split-K cluster (the rows' sums of squares meet through DSMEM too), the
+# producer warp, 64-wide K tiles
+WGMMA_FORMS = [WG(64, 128, 6, 1, evict_hints=True), WG(64, 64, 8, 2, evict_hints=True),
+               WG(64, 128, 4, 4, producer_warp=True, evict_hints=True), WG(128, 64, 6, 1, producer_warp=True)]
 
 
 def _inputs(m, l, d, dtype=torch.bfloat16, device="cpu", scale=1.0):
@@ -88,11 +95,33 @@ def test_tail_config_static_table_first(monkeypatch):
 
 
 def test_tail_config_never_takes_a_wgmma_entry_of_the_gemm_table(monkeypatch):
-    """The skinny GEMM's table may name the wgmma kernel, which has no fused norm: the tail then takes the mma.sync
-    heuristic."""
-    from k3compile.ops.skinny_gemm import cute_wgmma
-    monkeypatch.setitem(cfgmod.TABLE, (16, 512, 256), cute_wgmma.WgmmaConfig(64, 64, 8, 1))
+    """The skinny GEMM's table may name the wgmma kernel, measured without the norm warps: the tail then takes the
+    mma.sync heuristic."""
+    monkeypatch.setitem(cfgmod.TABLE, (16, 512, 256), WG(64, 64, 8, 1))
     assert isinstance(tc.tail_config(16, 512, 256), cfgmod.SkinnyConfig)
+
+
+def test_tail_tables_wgmma_entries_fit_their_shapes():
+    """Every wgmma entry of the tail's tables holds its block's share of the latent in shared memory."""
+    entries = [(key, cfg) for table in (tc.TAIL_TABLE, tc.TAIL_TABLE_STATIC) for key, cfg in table.items()
+               if isinstance(cfg, WG)]
+    assert entries
+    for (mb, d, l), cfg in entries:
+        assert cfg.invalid() is None and tc.wgmma_fits(cfg, mb, l), (mb, d, l, cfg.tag())
+        assert tc.tail_config(mb, d, l) == tc.TAIL_TABLE[(mb, d, l)]
+
+
+def test_tail_config_skips_a_wgmma_entry_too_small_for_the_latent(monkeypatch):
+    """A wgmma entry whose resident A cannot hold the latent's K share is passed over for the mma.sync choice;
+    forcing it raises rather than overrunning shared memory."""
+    cfg = WG(64, 128, 6, 1)
+    fits = 128 * cfg.norm_a_tiles(16)
+    for l in (fits, fits + 8):
+        monkeypatch.setitem(tc.TAIL_TABLE, (16, 1024, l), cfg)
+    assert tc.tail_config(16, 1024, fits) == cfg
+    assert isinstance(tc.tail_config(16, 1024, fits + 8), cfgmod.SkinnyConfig)
+    with pytest.raises(ValueError, match="does not fit"):
+        tc.latent_moe_tail_cute(*_inputs(16, fits + 8, 64), 1e-6, cfg=cfg)
 
 
 @needs_cutlass
@@ -100,11 +129,13 @@ def test_compiles_for_sm90a_without_gpu(monkeypatch, tmp_path):
     monkeypatch.setenv("CUTE_DSL_ARCH", os.environ.get("CUTE_DSL_ARCH", "sm_90a"))
     monkeypatch.setenv("K3_CUTE_CACHE_DIR", str(tmp_path))
     variants = [(1, tc.tail_config(1, 7168, 3584)), (9, cfgmod.SkinnyConfig(2, 2, 2, 1, stages=3)),
-                (16, cfgmod.SkinnyConfig(1, 1, 4, 2, stages=4, split_k=2))]
+                (16, cfgmod.SkinnyConfig(1, 1, 4, 2, stages=4, split_k=2)), (16, tc.tail_config(16, 7168, 3584, True)),
+                (5, WG(64, 64, 8, 2, evict_hints=True))]
     for m, cfg in variants:
         assert kc.compile_kernel(torch.bfloat16, m, cfg, False, True, False, 1e-6) is not None
     names = sorted(p.name for p in tmp_path.rglob("*.o"))
-    assert len(names) == 3 and all("_norm" in n for n in names)
+    assert len(names) == len(variants) and all("_norm" in n for n in names)
+    assert sum("wgmma" in n for n in names) == 3
 
 
 # ---------------------------------------------------------------------------------------- GPU tests
@@ -146,11 +177,22 @@ def _same_rounding(lat, sh, g, w, eps):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,l,d", [(1, 8, 1), (5, 24, 3), (16, 520, 7), (9, 1032, 9), (2, 4096, 5)],
                          ids=["M1-L8-D1", "M5-L24-D3", "M16-L520-D7", "M9-L1032-D9", "M2-L4096-D5"])
-def test_small_d_matches_same_rounding(m, l, d):
+@pytest.mark.parametrize("cfg", [None, WGMMA_FORMS[1]], ids=["table", "wgmma"])
+def test_small_d_matches_same_rounding(m, l, d, cfg):
     lat, sh, g, w = _inputs(m, l, d, device="cuda")
     out = torch.full((m, d), float("nan"), device="cuda", dtype=torch.bfloat16)
-    tc.latent_moe_tail_cute(lat, sh, g, w, 1e-6, out=out)
+    tc.latent_moe_tail_cute(lat, sh, g, w, 1e-6, cfg=cfg, out=out)
     assert rel_err(out, _same_rounding(lat, sh, g, w, 1e-6)) < TOL
+
+
+@pytest.mark.gpu
+@settings(deadline=None)
+@given(m=st.integers(1, 16), l=st.integers(1, 448).map(lambda x: 8 * x), d=st.integers(64, 3000),
+       form=st.sampled_from(WGMMA_FORMS), static_weight=st.booleans(), scale=st.sampled_from([1e-3, 1.0, 300.0]))
+@example(m=16, l=3584, d=7168, form=WGMMA_FORMS[0], static_weight=False, scale=1.0)
+@example(m=3, l=3584, d=7168, form=WGMMA_FORMS[2], static_weight=True, scale=1.0)
+def test_wgmma_form_matches_reference_random_shapes(m, l, d, form, static_weight, scale):
+    _run(m, l, d, 1e-6, cfg=form, static_weight=static_weight, scale=scale)
 
 
 @pytest.mark.gpu
@@ -159,7 +201,7 @@ def test_small_d_matches_same_rounding(m, l, d):
                                  cfgmod.SkinnyConfig(1, 1, 4, 2, stages=4, split_k=2),
                                  cfgmod.SkinnyConfig(1, 1, 2, 4, split_k=4),
                                  cfgmod.SkinnyConfig(1, 2, 4, 2, stages=3, a_ring=True, a_share=True),
-                                 cfgmod.SkinnyConfig(1, 1, 4, 2, stages=4, a_l1=True)],
+                                 cfgmod.SkinnyConfig(1, 1, 4, 2, stages=4, a_l1=True)] + WGMMA_FORMS,
                          ids=lambda c: c.tag())
 @pytest.mark.parametrize("m", [1, 8, 9, 16], ids=lambda m: f"M{m}")
 @pytest.mark.parametrize("static_weight", [False, True], ids=["dynamic_w", "static_w"])

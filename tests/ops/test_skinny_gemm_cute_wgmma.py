@@ -108,9 +108,24 @@ def test_compiles_for_sm90a_without_gpu(monkeypatch, tmp_path):
     assert any(p.suffix == ".o" for p in tmp_path.rglob("*"))
 
 
-def test_compile_kernel_rejects_a_fused_norm():
-    with pytest.raises(ValueError, match="no fused-norm"):
-        wg.compile_kernel(torch.bfloat16, 4, C(), False, True, False, 1e-5)
+@settings(deadline=None, max_examples=200)
+@given(bn=st.sampled_from([64, 128]), bk=st.sampled_from([64, 128]), stages=st.integers(2, 16),
+       split=st.integers(1, 8), m=st.integers(1, 16))
+def test_fused_tail_budget_fits_shared_memory(bn, bk, stages, split, m):
+    """The fused tail's layout (ring of weight tiles, resident A tiles with their g and barriers) fits wherever the
+    plain kernel's does, with room for at least one A tile, and never more than 64."""
+    c = C(bn, bk, stages, split)
+    if c.invalid() is not None:
+        return
+    assert 1 <= c.norm_a_tiles(m) <= 64
+    assert c.smem_bytes(m, norm=True) <= wg.SMEM_LIMIT
+    assert c.smem_bytes(m, norm=True) + c._norm_per_tile(m) > wg.SMEM_LIMIT or c.norm_a_tiles(m) == 64
+
+
+def test_fused_tail_variant_name_spells_the_exact_eps():
+    key = (torch.bfloat16, 4, C(), False, True, False)
+    plain, norm5, norm6 = (wg._variant_name(key + (e,)) for e in (None, 1e-5, 1e-6))
+    assert "_norm" not in plain and len({plain, norm5, norm6}) == 3
 
 
 # ---------------------------------------------------------------------------------------- GPU tests

@@ -2,28 +2,37 @@
 
     out[M, D] = RMSNorm_eps(latent[M, L]) · norm_weight[L] @ up_weight[D, L]ᵀ + shared[M, D]
 
-The CuTe skinny GEMM (``k3compile/ops/skinny_gemm/cute.py``) splits K across the warps of a block
-(or the blocks of a cluster), so every block sees all of K for its rows of the weight. With the norm
-fused, each 16-byte vector of ``latent`` is multiplied by ``norm_weight`` as it is loaded (rounded to
-the input dtype: it is the MMA's operand), the rows' sums of squares of the raw latent accumulate in
-fp32 beside it, and the epilogue scales the fp32 dot products by ``rsqrt(ss / L + eps)`` before adding
-``shared`` and rounding once. The model rounds differently (normalise, round, times the weight,
-round): the two differ by about one bf16 ulp of the normalised activation, inside the op's tolerance.
+Either CuTe skinny GEMM carries the norm (``k3compile/ops/skinny_gemm/``; the table entry's type picks it):
+
+- the mma.sync kernel (``cute.py``, a ``SkinnyConfig``) splits K across the warps of a block (or the blocks
+  of a cluster), so every block sees all of K for its rows of the weight; each 16-byte vector of ``latent``
+  is multiplied by ``norm_weight`` as it is loaded;
+- the wgmma kernel (``cute_wgmma.py``, a ``WgmmaConfig``) keeps the block's K share of ``latent`` resident
+  in shared memory, and its norm warps scale each tile by ``norm_weight`` as it lands while the MMA warps
+  stream the weight.
+
+Both round x·g to the input dtype (it is the MMA's operand), sum the raw latent's squares per row in fp32
+beside it, and scale the fp32 dot products by ``rsqrt(ss / L + eps)`` in the epilogue before adding
+``shared`` and rounding once. The model rounds differently (normalise, round, times the weight, round):
+the two differ by about one bf16 ulp of the normalised activation, inside the op's tolerance.
 
 bf16 only: x·g is rounded before the normalisation, so fp16 could overflow on large latents (the
 model's order normalises first). fp16 takes the op's other implementations.
 
-cutlass is imported only inside functions (through the skinny GEMM module): CI has no CuTe DSL.
+cutlass is imported only inside functions (through the skinny GEMM modules): CI has no CuTe DSL.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from k3compile.backends import cute_can_run_on
 from k3compile.ops.skinny_gemm import config as _config
 from k3compile.ops.skinny_gemm import cute as _skinny
+from k3compile.ops.skinny_gemm.cute_wgmma import WgmmaConfig
+
+TailKernelConfig = Union[_config.SkinnyConfig, WgmmaConfig]
 
 MAX_M = _skinny.MAX_M
 VEC = _skinny.VEC
@@ -48,8 +57,9 @@ def supports(latent, shared, norm_weight, up_weight, eps) -> Optional[str]:
     return _skinny.supports(latent, up_weight, None, shared)
 
 
-# Measured on one H200 (L 3584, D 7168, bf16, eps 1e-5; CUDA-graph medians, 14 weights rotated out of L2,
-# benchmarks/moe_tail.py's harness, copy ceiling 4.22 TB/s).
+# The mma.sync kernel's form, measured on one H200 (L 3584, D 7168, bf16, eps 1e-5; CUDA-graph medians, 14 weights
+# rotated out of L2, benchmarks/moe_tail.py's harness, copy ceiling 4.22 TB/s), sixth session (these entries were
+# replaced by the wgmma form's below):
 # - First sweep (M 1, 4, 16): rg2-wn1-wk4-u2-s4 best at M 1 and 4; split-K clusters, 8 K-warps and the
 #   register path slower at every M.
 # - Sweep at M 8 and 16 (29 configurations, static weight off and on): at M 8 a 3-stage ring beat the 4-stage
@@ -60,51 +70,52 @@ def supports(latent, shared, norm_weight, up_weight, eps) -> Optional[str]:
 # - Then s3 against s4 at every M, both ways (static off / on, µs):
 #     M 1: 15.54 / 14.95 vs 16.22 / 15.18     M 2: 14.94 / 14.63 vs 15.65 / 14.85
 #     M 4: 15.37 / 15.04 vs 16.18 / 15.37     M 8: 16.25, 17.01 / 15.86 vs 17.13, 17.74 / 16.32
-#   so s3 both ways at M <= 8 (static weight does not change the winner: one table). Unfused torch.compile
-#   in earlier runs of the same harness: 21.5-22.9 µs at M <= 8, 18.9-19.2 at M 16.
-# Other shapes use the skinny GEMM's choice.
-TAIL_TABLE: dict[tuple[int, int, int], _config.SkinnyConfig] = {
-    (1, 7168, 3584): _config.SkinnyConfig(2, 1, 4, 2, stages=3),
-    (2, 7168, 3584): _config.SkinnyConfig(2, 1, 4, 2, stages=3),
-    (4, 7168, 3584): _config.SkinnyConfig(2, 1, 4, 2, stages=3),
-    (8, 7168, 3584): _config.SkinnyConfig(2, 1, 4, 2, stages=3),
-    (16, 7168, 3584): _config.SkinnyConfig(1, 1, 4, 2, stages=4),   # only where forced: Triton / split run M 16
-}
-# With ``static_weight=True`` (the first weight stages copied before the PDL wait): entries where another
-# configuration measured faster than TAIL_TABLE's (none at K3's widths: see above); elsewhere TAIL_TABLE's.
-TAIL_TABLE_STATIC: dict[tuple[int, int, int], _config.SkinnyConfig] = {}
-# Above this many rows the fused kernel did not beat unfused torch.compile on the H200 (M = 16: 22.8-23.5 µs
-# against 19).
-PROFITABLE_MAX_M = 8
+# The wgmma kernel's form (eighth session, .scratch/s8 runs 2-7 on one H200, the same harness, every candidate timed
+# in 3 interleaved passes, medians; unfused torch.compile ran 19.2-22.3 µs in the seventh session's final run):
+# - The MMA warps scaling A one tile ahead (WG6, seventh session): 15.9 / 19.9 µs at M 8 / 16.
+# - Norm warps of their own, scalar shared-memory accesses: M 1-8 static 13.3-13.6 µs, but M 16 17.0-17.8 whatever
+#   the stages, the producer warp, 4 or 8 norm warps or A's requests spread over the stream: 2-byte accesses (4-way
+#   bank conflicts) took as many shared-memory wavefronts per tile as the ring's TMA writes and wgmma reads together.
+# - 16-byte accesses (run 6): M16 13.30 static, 14.96 not; M 1-8 13.03-13.30 / 14.34-14.59.
+# - Run 7, not static: the producer warp with 5 stages and the first 6 weight tiles prefetched into L2 before the PDL
+#   wait (l2_tiles=6) led at every M: 14.14 / 14.18 / 14.32 / 14.32 / 14.67 µs at M 1 / 2 / 4 / 8 / 16 (without the
+#   prefetch 14.32-14.86; 12 tiles 14.8-15.1, 28 tiles 18.0-18.3). Static: the producer warp with 6 stages,
+#   13.03-13.30 µs (8 stages within 0.1 µs at M <= 8). The plain GEMM (no norm, residual) ran 13.21-13.30 µs beside.
+# Other shapes use the skinny GEMM's mma.sync choice.
+_WG = dict(producer_warp=True, evict_hints=True)
+TAIL_TABLE: dict[tuple[int, int, int], TailKernelConfig] = {
+    (m, 7168, 3584): WgmmaConfig(64, 128, 5, 1, l2_tiles=6, **_WG) for m in (1, 2, 4, 8, 16)}
+# With ``static_weight=True`` (the first weight stages requested before the PDL wait): where another configuration
+# measured faster than TAIL_TABLE's; elsewhere TAIL_TABLE's.
+TAIL_TABLE_STATIC: dict[tuple[int, int, int], TailKernelConfig] = {
+    (m, 7168, 3584): WgmmaConfig(64, 128, 6, 1, **_WG) for m in (1, 2, 4, 8, 16)}
 
 
-def tail_config(m: int, d: int, l: int, static_weight: bool = False) -> _config.SkinnyConfig:
-    """The configuration for this tail: its own table (with ``static_weight``: TAIL_TABLE_STATIC first),
-    else the skinny GEMM's mma.sync choice or heuristic.
+def wgmma_fits(cfg: WgmmaConfig, m: int, l: int) -> bool:
+    """Whether a block's K share of the latent fits the wgmma tail's resident A (its shared memory)."""
+    tiles = -(-l // cfg.block_k)
+    return -(-tiles // cfg.split_k) <= cfg.norm_a_tiles(m)
+
+
+def tail_config(m: int, d: int, l: int, static_weight: bool = False) -> TailKernelConfig:
+    """The configuration for this tail: its own table (with ``static_weight``: TAIL_TABLE_STATIC first; a wgmma
+    entry only where the block's share of the latent fits its shared memory), else the skinny GEMM's mma.sync
+    choice or heuristic.
 
     The skinny table's "cuBLAS is faster" entries do not apply here: the fused norm saves a launch. Nor do its
-    wgmma entries: that kernel has no fused norm (a fused form measured 15.9 / 19.9 µs at M 8 / 16 against the
-    Triton tail's 15.4, so it was not kept)."""
+    wgmma entries: they were measured without the norm warps, and their stages leave the resident A no room."""
     key = (_config.m_bucket(m), d, l)
-    if static_weight and key in TAIL_TABLE_STATIC:
-        return TAIL_TABLE_STATIC[key]
-    if key in TAIL_TABLE:
-        return TAIL_TABLE[key]
+    for table in ((TAIL_TABLE_STATIC, TAIL_TABLE) if static_weight else (TAIL_TABLE,)):
+        cfg = table.get(key)
+        if cfg is not None and (isinstance(cfg, _config.SkinnyConfig) or wgmma_fits(cfg, m, l)):
+            return cfg
     cfg = _config.choose(m, d, l)
     return cfg if isinstance(cfg, _config.SkinnyConfig) else _config.heuristic(m, d, l)
 
 
-def profitable(latent, shared, norm_weight, up_weight, eps) -> Optional[str]:
-    """None where the H200 measured the fused kernel ahead of the unfused sequence, else the reason."""
-    m = latent.shape[0]
-    if m > PROFITABLE_MAX_M:
-        return f"M={m} > {PROFITABLE_MAX_M}: the fused CuTe tail measured x0.93 of unfused torch.compile at M=16"
-    return None
-
-
 def latent_moe_tail_cute(latent: torch.Tensor, shared: torch.Tensor, norm_weight: torch.Tensor,
                          up_weight: torch.Tensor, eps: float,
-                         cfg: Optional[_config.SkinnyConfig] = None,
+                         cfg: Optional[TailKernelConfig] = None,
                          out: Optional[torch.Tensor] = None, static_weight: bool = False) -> torch.Tensor:
     """The fused tail on the current CUDA stream; returns a new [M, D] tensor (or fills ``out``).
 
@@ -116,6 +127,9 @@ def latent_moe_tail_cute(latent: torch.Tensor, shared: torch.Tensor, norm_weight
     d = up_weight.shape[0]
     if cfg is None:
         cfg = tail_config(m, d, l, static_weight)
+    elif isinstance(cfg, WgmmaConfig) and not wgmma_fits(cfg, m, l):
+        raise ValueError(f"{cfg.tag()}: a block's share of L={l} does not fit its resident A "
+                         f"({cfg.norm_a_tiles(m)} tiles of {cfg.block_k})")
     fn = _skinny.compile_kernel(latent.dtype, m, cfg, False, True, static_weight, float(eps))
     if out is None:
         out = torch.empty((m, d), dtype=latent.dtype, device=latent.device)

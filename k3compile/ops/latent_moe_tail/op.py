@@ -37,18 +37,12 @@ from .triton import (
 
 _CUTE_MODULE = "k3compile.ops.latent_moe_tail.cute"
 
-# (M bucket, D, L) where the CuTe tail (default configuration, bf16) measured faster on one H200 than the
-# op's Triton path there (norm + skinny_gemm): same run, CUDA graphs, rotated weights (the CuTe helper's
-# run of 2026-11-30 02:16): M=1 16.22 vs 18.58 µs, M=2 15.55 vs 21.54, M=4 15.86 vs 18.95, M=8 17.08 vs
-# 19.33 (unfused torch.compile 22.31 / 21.52 / 21.81 / 22.04). With its 3-stage ring (04:47 and 05:03
-# runs, static weight off / on): 15.54 / 14.95, 14.94 / 14.63, 15.37 / 15.04, 16.25-17.01 / 15.86 µs. Not at
-# M=16, static weight or not: best CuTe 23.38 / 22.83 µs against 19.8-20.0 for the split path and the
-# Triton tail, so Triton runs there under ``auto``. Against the Triton grid form with all tiles by TMA
-# (triton.TUNED, 2026-11-30 07:46 run, medians of 2): M=1 15.65 vs 16.89, M=2 15.11 vs 16.71, M=4 15.54 vs
-# 16.56, but M=8 16.52 vs 15.70: Triton runs M 5-16. TAIL5 runs (09:48 / 10:02, medians of 3 fresh captures,
-# Triton with `shared` read before its loop): M=1 15.59 / 15.46 vs 16.72 / 16.75, M=2 15.05 vs 16.34, M=4
-# 15.62 / 15.39 vs 16.80 / 16.64; M=8 CuTe 16.43 vs Triton 15.31.
-CUTE_FASTER: frozenset[tuple[int, int, int]] = frozenset({(1, 7168, 3584), (2, 7168, 3584), (4, 7168, 3584)})
+# (M bucket, D, L) where the CuTe tail measured faster on one H200 than the op's Triton path there (same run, CUDA
+# graphs, rotated weights, interleaved passes). Sixth and seventh sessions, the mma.sync form: M 1-4 (e.g. TAIL5's
+# runs, medians of 3 captures: M=1 15.59 vs 16.72 µs, M=2 15.05 vs 16.34, M=4 15.62 vs 16.80), not M 8 (16.43 vs
+# 15.31) nor M 16 (23.4 vs 19.8-20.0). Eighth session, the wgmma form with norm warps (latent_moe_tail/cute.py's
+# tables): every M, see the comment above its tables.
+CUTE_FASTER: frozenset[tuple[int, int, int]] = frozenset((m, 7168, 3584) for m in (1, 2, 4, 8, 16))
 
 
 def _cute():

@@ -2,7 +2,9 @@
 
 a: [M, K] (M ≤ 16), w: [N, K], bias: [N] or None, residual: [M, N] or None, all bf16 or all fp16, fp32
 accumulation, one rounding at the end (as ``reference.py``). One kernel per (dtype, M, configuration, bias?,
-residual?, static weight?); N, K and the row strides are run-time values.
+residual?, static weight?, fused-norm eps); N, K and the row strides are run-time values. With a fused-norm eps
+it is the latent-MoE tail, ``C = rsqrt(mean(A², K) + eps) · ((A·g) · Wᵀ) + residual`` (g a norm weight [K]; the
+kernel module says how; ``k3compile/ops/latent_moe_tail/cute.py`` calls it).
 
 Why a second CuTe kernel: the mma.sync kernel (``cute.py``) loads A's fragment per warp, so above M = 4 A's traffic
 past L1 sets its speed (NOTE6). Here the operands swap sides (swap-AB): the weight tile is wgmma's M side
@@ -29,6 +31,7 @@ only inside functions: CI has no CuTe DSL and must still import this module.
 import functools
 import hashlib
 import os
+import struct
 from dataclasses import dataclass
 from typing import Optional
 
@@ -55,12 +58,15 @@ class WgmmaConfig:
     evict_hints: bool = False    # TMA L2 policies: the weight (read once) evict-first, A (read by every block) evict-last
     early: bool = False          # PDL: let the next kernel launch right after our wait, not after our K loop
     early_w: bool = True         # static_weight: request the first weight tiles before the PDL wait (False: never)
+    l2_tiles: int = 0            # not static_weight: prefetch this many of the block's weight tiles into L2 before the
+    #                              PDL wait (coherent whatever the previous kernel writes: L2 is where writes land, and
+    #                              nothing reaches the block before the wait)
 
     def tag(self) -> str:
         return (f"wg-n{self.block_n}-k{self.block_k}-s{self.stages}-c{self.split_k}"
                 + ("-pw" if self.producer_warp else "") + ("-h" if self.evict_hints else "")
                 + ("-e" if self.early else "")
-                + ("" if self.early_w else "-nw"))
+                + ("" if self.early_w else "-nw") + (f"-l{self.l2_tiles}" if self.l2_tiles else ""))
 
     def invalid(self) -> Optional[str]:
         """None when the kernel can be built with this configuration, else why not."""
@@ -72,15 +78,31 @@ class WgmmaConfig:
             return f"stages={self.stages}: must be 2..16"
         if not 1 <= self.split_k <= 8:
             return f"split_k={self.split_k}: must be 1..8 (portable cluster size)"
+        if not 0 <= self.l2_tiles <= 64:
+            return f"l2_tiles={self.l2_tiles}: must be 0..64"
         if self.smem_bytes(16) > SMEM_LIMIT:
             return f"needs {self.smem_bytes(16)} B of shared memory > {SMEM_LIMIT}"
         return None
 
-    def smem_bytes(self, m: int) -> int:
+    def smem_bytes(self, m: int, norm: bool = False) -> int:
         """Dynamic shared memory of one block at this M (2-byte elements): barriers, the ring (1 KB aligned), the
-        partial tile (rows padded by one word)."""
-        ring = self.stages * (self.block_n + m_pad(m)) * self.block_k * 2
-        return 1024 + ring + 1024 + self.block_n * (m_pad(m) + 1) * 4 + 1024
+        partial tile (rows padded by one word); ``norm`` (the fused tail): the ring carries only the weight, and A's
+        resident tiles, their two barriers each and the block's share of g come on top."""
+        if not norm:
+            ring = self.stages * (self.block_n + m_pad(m)) * self.block_k * 2
+            return 1024 + ring + 1024 + self.block_n * (m_pad(m) + 1) * 4 + 1024
+        return self._norm_fixed(m) + self.norm_a_tiles(m) * self._norm_per_tile(m)
+
+    def _norm_fixed(self, m: int) -> int:
+        return 1024 + self.stages * self.block_n * self.block_k * 2 + 1024 + self.block_n * (m_pad(m) + 1) * 4 + 1024
+
+    def _norm_per_tile(self, m: int) -> int:
+        return m_pad(m) * self.block_k * 2 + self.block_k * 2 + 16   # A tile, g, two barriers
+
+    def norm_a_tiles(self, m: int) -> int:
+        """(fused tail) K tiles of A a block keeps resident: what shared memory leaves beside the ring, at most 64;
+        a block's K share must fit (``cute_wgmma.tail_supports``)."""
+        return max(0, min(64, (SMEM_LIMIT - self._norm_fixed(m)) // self._norm_per_tile(m)))
 
     def blocks(self, n: int) -> int:
         return -(-n // self.block_n) * self.split_k
@@ -132,12 +154,13 @@ def _source_fingerprint() -> str:
 
 
 def _variant_name(key) -> str:
-    dtype, m, cfg, has_bias, has_res, static_w = key
+    dtype, m, cfg, has_bias, has_res, static_w, eps = key
+    norm = "" if eps is None else "_norm" + struct.pack(">d", eps).hex()   # the exact eps, name-safe
     return (f"k3_wgmma_{str(dtype).split('.')[-1]}_m{m}_{cfg.tag().replace('-', '_')}"
-            f"_b{int(has_bias)}_r{int(has_res)}_s{int(static_w)}")
+            f"_b{int(has_bias)}_r{int(has_res)}_s{int(static_w)}{norm}")
 
 
-def _fake_args(dtype: torch.dtype, m: int, has_bias: bool, has_res: bool):
+def _fake_args(dtype: torch.dtype, m: int, has_bias: bool, has_res: bool, has_norm: bool = False):
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
@@ -153,22 +176,18 @@ def _fake_args(dtype: torch.dtype, m: int, has_bias: bool, has_res: bool):
     c = make_fake_tensor(cd, (m, n), (cute.sym_int64(), 1), assumed_align=2)
     bias = make_fake_tensor(cd, (n,), (1,), assumed_align=2) if has_bias else None
     res = make_fake_tensor(cd, (m, n), (cute.sym_int64(), 1), assumed_align=2) if has_res else None
-    # the sixth argument (a norm weight for the mma.sync kernel's fused tail) is always None here
-    return a, w, c, bias, res, None, make_fake_stream(use_tvm_ffi_env_stream=True)
+    g = make_fake_tensor(cd, (k,), (1,), assumed_align=16) if has_norm else None   # the fused tail's norm weight
+    return a, w, c, bias, res, g, make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
 def compile_kernel(dtype: torch.dtype, m: int, cfg: WgmmaConfig, has_bias: bool, has_res: bool,
                    static_weight: bool = False, norm_eps: Optional[float] = None):
     """The compiled kernel for this variant: from memory, else from disk, else compiled (and saved). It is called as
-    ``fn(a, w, out, bias, residual, None)``, like the mma.sync kernel (``cute_compile.compile_kernel`` forwards a
-    ``WgmmaConfig`` here). ``norm_eps`` must be None: this kernel has no fused RMSNorm (a fused latent-MoE tail was
-    measured slower than the Triton tail and taken out; see the WG6 report).
-    """
+    ``fn(a, w, out, bias, residual, g)``, like the mma.sync kernel (``cute_compile.compile_kernel`` forwards a
+    ``WgmmaConfig`` here); ``norm_eps``: the fused latent-MoE tail (``g`` the norm weight, else None)."""
     from k3compile.ops.skinny_gemm.cute_compile import cached_kernel
 
-    if norm_eps is not None:
-        raise ValueError("the wgmma skinny GEMM has no fused-norm (latent-MoE tail) form; use the mma.sync kernel")
-    key = (dtype, m, cfg, has_bias, has_res, static_weight)
+    key = (dtype, m, cfg, has_bias, has_res, static_weight, None if norm_eps is None else float(norm_eps))
     return cached_kernel(key, _variant_name(key), _source_fingerprint(), lambda: _build(key))
 
 
@@ -178,12 +197,12 @@ def _build(key):
     from k3compile.ops.skinny_gemm.cute_compile import cute_dtype
     from k3compile.ops.skinny_gemm.cute_wgmma_kernel import kernel_class
 
-    dtype, m, cfg, has_bias, has_res, static_w = key
+    dtype, m, cfg, has_bias, has_res, static_w, eps = key
     bad = cfg.invalid()
     if bad:
         raise ValueError(f"WgmmaConfig {cfg.tag()}: {bad}")
-    kern = kernel_class()(cute_dtype(dtype), m, cfg, has_bias, has_res, static_w)
-    return cute.compile(kern, *_fake_args(dtype, m, has_bias, has_res), options="--enable-tvm-ffi")
+    kern = kernel_class()(cute_dtype(dtype), m, cfg, has_bias, has_res, static_w, eps)
+    return cute.compile(kern, *_fake_args(dtype, m, has_bias, has_res, eps is not None), options="--enable-tvm-ffi")
 
 
 # --------------------------------------------------------------------------------------------------
