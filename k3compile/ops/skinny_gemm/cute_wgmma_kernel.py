@@ -271,20 +271,21 @@ def kernel_class():
         @cute.jit
         def copy_w(self, tma, k, stage, bar):
             tma_w, tWg, tWs, _, _, _ = tma
-            if cutlass.const_expr(self.hints):  # the weight is read once: do not let it push A out of L2
-                cute.copy(tma_w, tWg[(None, k)], tWs[(None, stage)], tma_bar_ptr=bar,
-                          cache_policy=cutlass.Int64(EVICT_FIRST_POLICY))
-            else:
-                cute.copy(tma_w, tWg[(None, k)], tWs[(None, stage)], tma_bar_ptr=bar)
+            # the weight is read once: do not let it push A out of L2
+            self.tma_copy(tma_w, tWg[(None, k)], tWs[(None, stage)], bar, EVICT_FIRST_POLICY)
 
         @cute.jit
         def copy_a(self, tma, k, stage, bar):
             _, _, _, tma_a, tAg, tAs = tma
-            if cutlass.const_expr(self.hints):  # every block reads A: keep it in L2
-                cute.copy(tma_a, tAg[(None, k)], tAs[(None, stage)], tma_bar_ptr=bar,
-                          cache_policy=cutlass.Int64(EVICT_LAST_POLICY))
+            self.tma_copy(tma_a, tAg[(None, k)], tAs[(None, stage)], bar, EVICT_LAST_POLICY)  # every block reads A
+
+        @cute.jit
+        def tma_copy(self, atom, src, dst, bar, policy: cutlass.Constexpr):
+            """One TMA copy onto barrier ``bar``, with the L2 policy ``policy`` where the configuration asks for hints."""
+            if cutlass.const_expr(self.hints):
+                cute.copy(atom, src, dst, tma_bar_ptr=bar, cache_policy=cutlass.Int64(policy))
             else:
-                cute.copy(tma_a, tAg[(None, k)], tAs[(None, stage)], tma_bar_ptr=bar)
+                cute.copy(atom, src, dst, tma_bar_ptr=bar)
 
         @cute.jit
         def load_stage(self, pipe, prod, tma, k):
