@@ -98,21 +98,13 @@ def ring_mixin():
                 if cutlass.const_expr(self.prefetch and self.l2_kb == 0):
                     for st in cutlass.range_constexpr(S - 1):
                         if st < count:
-                            kvp = (wk + st * WK) * CHV + t
-                            for u in cutlass.range_constexpr(U):
-                                for r in cutlass.range_constexpr(RG):
-                                    v = gB[rows[r], (None, kvp + 4 * u)]
-                                    cute.arch.prefetch(v.iterator.llvm_ptr, cache_level="L2")
+                            self.copy_w_chunk(atom, gB, rows, (wk + st * WK) * CHV + t, sW, lane, st, warp, True)
                 self.wait_previous()
 
             for st in cutlass.range_constexpr(S - 1):
                 if st < count:
                     kv0 = (wk + st * WK) * CHV + t
-                    for u in cutlass.range_constexpr(U):
-                        for r in cutlass.range_constexpr(RG):
-                            src = gB[rows[r], (None, kv0 + 4 * u)]
-                            cute.copy(atom, cute.make_tensor(src.iterator.align(16), src.layout),
-                                      sW[None, lane, r * U + u, st, warp])
+                    self.copy_w_chunk(atom, gB, rows, kv0, sW, lane, st, warp, False)
                     if cutlass.const_expr(self.a_ring and not self.static_weight):
                         self.copy_a_chunk(atom, gA, g, kv0, sA, lane, st, warp)
                 cute.arch.cp_async_commit_group()
@@ -175,11 +167,7 @@ def ring_mixin():
             if nxt < count:
                 kvn = (wk + nxt * WK) * CHV + t
                 stn = nxt % S
-                for u in cutlass.range_constexpr(U):
-                    for r in cutlass.range_constexpr(RG):
-                        src = gB[rows[r], (None, kvn + 4 * u)]
-                        cute.copy(atom, cute.make_tensor(src.iterator.align(16), src.layout),
-                                  sW[None, lane, r * U + u, stn, warp])
+                self.copy_w_chunk(atom, gB, rows, kvn, sW, lane, stn, warp, False)
                 if cutlass.const_expr(self.a_ring):
                     self.copy_a_chunk(atom, gA, g, kvn, sA, lane, stn, warp)
             cute.arch.cp_async_commit_group()
@@ -203,6 +191,21 @@ def ring_mixin():
                     self.norm_a_step(gG, kvi + 4 * u, rA, u, ss)
             for u in cutlass.range_constexpr(U):
                 self.mma_step(acc, rA32, rB32, u, u, U)
+
+        @cute.jit
+        def copy_w_chunk(self, atom, gB: cute.Tensor, rows, kv0, sW: cute.Tensor, lane, st, warp,
+                         l2_only: cutlass.Constexpr):
+            """cp.async of this lane's weight vectors of one chunk (vector index kv0 along K, each of its row
+            groups) into ring stage st; with ``l2_only`` an L2 prefetch of the same vectors instead."""
+            U: cutlass.Constexpr = self.unroll
+            for u in cutlass.range_constexpr(U):
+                for r in cutlass.range_constexpr(self.rg):
+                    src = gB[rows[r], (None, kv0 + 4 * u)]
+                    if cutlass.const_expr(l2_only):
+                        cute.arch.prefetch(src.iterator.llvm_ptr, cache_level="L2")
+                    else:
+                        cute.copy(atom, cute.make_tensor(src.iterator.align(16), src.layout),
+                                  sW[None, lane, r * U + u, st, warp])
 
         @cute.jit
         def copy_a_chunk(self, atom, gA: cute.Tensor, g, kv0, sA: cute.Tensor, lane, st, warp):
