@@ -89,11 +89,11 @@ class WgmmaConfig:
         partial tile (rows padded by one word); ``norm`` (the fused tail): the ring carries only the weight, and A's
         resident tiles, their two barriers each and the block's share of g come on top."""
         if not norm:
-            ring = self.stages * (self.block_n + m_pad(m)) * self.block_k * 2
-            return 1024 + ring + 1024 + self.block_n * (m_pad(m) + 1) * 4 + 1024
-        return self._norm_fixed(m) + self.norm_a_tiles(m) * self._norm_per_tile(m)
+            return self._weight_ring_and_rest(m) + self.stages * m_pad(m) * self.block_k * 2   # A rides the ring
+        return self._weight_ring_and_rest(m) + self.norm_a_tiles(m) * self._norm_per_tile(m)
 
-    def _norm_fixed(self, m: int) -> int:
+    def _weight_ring_and_rest(self, m: int) -> int:
+        """The weight's ring stages, the partial tile and the barriers and alignment around them."""
         return 1024 + self.stages * self.block_n * self.block_k * 2 + 1024 + self.block_n * (m_pad(m) + 1) * 4 + 1024
 
     def _norm_per_tile(self, m: int) -> int:
@@ -102,7 +102,7 @@ class WgmmaConfig:
     def norm_a_tiles(self, m: int) -> int:
         """(fused tail) K tiles of A a block keeps resident: what shared memory leaves beside the ring, at most 64;
         a block's K share must fit (``cute_wgmma.tail_supports``)."""
-        return max(0, min(64, (SMEM_LIMIT - self._norm_fixed(m)) // self._norm_per_tile(m)))
+        return max(0, min(64, (SMEM_LIMIT - self._weight_ring_and_rest(m)) // self._norm_per_tile(m)))
 
     def blocks(self, n: int) -> int:
         return -(-n // self.block_n) * self.split_k
