@@ -24,9 +24,10 @@ needs_cutlass = pytest.mark.skipif(not HAS_CUTLASS, reason="CuTe DSL (nvidia-cut
 TOL = 1e-2  # bf16: x·g is rounded before normalising, ~1 ulp from the model's order
 
 # the wgmma form: one block per row tile, a split-K cluster (the rows' sums of squares meet through DSMEM too), the
-# producer warp, 64-wide K tiles
+# producer warp, 64-wide K tiles, the MMA warps alone letting the next kernel launch
 WGMMA_FORMS = [WG(64, 128, 6, 1, evict_hints=True), WG(64, 64, 8, 2, evict_hints=True),
-               WG(64, 128, 4, 4, producer_warp=True, evict_hints=True), WG(128, 64, 6, 1, producer_warp=True)]
+               WG(64, 128, 4, 4, producer_warp=True, evict_hints=True), WG(128, 64, 6, 1, producer_warp=True),
+               WG(64, 128, 6, 1, producer_warp=True, evict_hints=True, mma_trigger=True)]
 
 
 def _inputs(m, l, d, dtype=torch.bfloat16, device="cpu", scale=1.0):

@@ -46,15 +46,18 @@ def test_config_tag_spells_every_field():
     assert C(128, 64, 6, 3).tag() == "wg-n128-k64-s6-c3"
     assert C(64, 64, 8, 1, True, True, True).tag() == "wg-n64-k64-s8-c1-pw-h-e"
     assert C(64, 64, 8, 1, early_w=False).tag() == "wg-n64-k64-s8-c1-nw"
+    assert C(64, 64, 8, 1, True, mma_trigger=True).tag() == "wg-n64-k64-s8-c1-pw-tm"
     variants = [(64, 64, 8, 1), (128, 64, 8, 1), (64, 128, 8, 1), (64, 64, 4, 1), (64, 64, 8, 2),
                 (64, 64, 8, 1, True), (64, 64, 8, 1, False, True), (64, 64, 8, 1, False, False, True),
-                (64, 64, 8, 1, False, False, False, False)]
+                (64, 64, 8, 1, False, False, False, True), (64, 64, 8, 1, False, False, False, False, False),
+                (64, 64, 8, 1, False, False, False, False, True, 4)]
     assert len({C(*v).tag() for v in variants}) == len(variants)
 
 
 @pytest.mark.parametrize("cfg,why", [(C(32), "block_n"), (C(64, 32), "block_k"), (C(stages=1), "stages"),
-                                     (C(split_k=9), "split_k"), (C(128, 128, 16), "shared memory")],
-                         ids=["n32", "k32", "s1", "c9", "smem"])
+                                     (C(split_k=9), "split_k"), (C(128, 128, 16), "shared memory"),
+                                     (C(early=True, mma_trigger=True), "not both")],
+                         ids=["n32", "k32", "s1", "c9", "smem", "early-and-mma-trigger"])
 def test_config_rejects_unlaunchable(cfg, why):
     assert why in cfg.invalid()
 
@@ -147,7 +150,7 @@ def _run(m, n, k, dtype, bias, residual, cfg=None, static_weight=False):
 
 
 GPU_CONFIGS = [C(64, 64, 4, 1), C(64, 64, 8, 3), C(128, 64, 6, 2), C(64, 128, 4, 4), C(128, 128, 3, 1),
-               C(64, 64, 4, 1, True), C(128, 64, 6, 3, True, True, True)]
+               C(64, 64, 4, 1, True), C(128, 64, 6, 3, True, True, True), C(64, 64, 6, 2, True, mma_trigger=True)]
 
 
 @pytest.mark.gpu

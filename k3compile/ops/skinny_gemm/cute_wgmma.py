@@ -21,7 +21,8 @@ issues the TMA loads, L2 eviction hints on them, and the PDL trigger right after
 
 Programmatic dependent launch: everything before ``griddepcontrol.wait`` is setup; with ``static_weight`` (no
 kernel writes W: module parameters) the weight tiles of the first stages are already requested by TMA before the
-wait, A's after it. The next kernel may launch once our K loop is done.
+wait, A's after it. The next kernel may launch once our K loop is done: a block's first trigger counts, so with a
+producer warp or norm warps that is when theirs is, stages earlier, unless ``mma_trigger`` leaves it to the MMA warps.
 
 This module is the host side (configuration, predicates, compile cache, entry points; the measured picks are in
 ``config.py``'s tables beside the mma.sync kernel's); the kernel is ``cute_wgmma_kernel.py``. cutlass is imported
@@ -57,6 +58,9 @@ class WgmmaConfig:
     producer_warp: bool = False  # a fifth warp issues the TMA loads, so refills never wait behind the MMAs
     evict_hints: bool = False    # TMA L2 policies: the weight (read once) evict-first, A (read by every block) evict-last
     early: bool = False          # PDL: let the next kernel launch right after our wait, not after our K loop
+    mma_trigger: bool = False    # PDL: only the MMA warps let the next kernel launch, after their K loop. Otherwise a
+    #                              block's first call counts (PTX: later calls in the block do nothing more), and with a
+    #                              producer warp or norm warps that is theirs, stages before the K loop ends
     early_w: bool = True         # static_weight: request the first weight tiles before the PDL wait (False: never)
     l2_tiles: int = 0            # not static_weight: prefetch this many of the block's weight tiles into L2 before the
     #                              PDL wait (coherent whatever the previous kernel writes: L2 is where writes land, and
@@ -65,7 +69,7 @@ class WgmmaConfig:
     def tag(self) -> str:
         return (f"wg-n{self.block_n}-k{self.block_k}-s{self.stages}-c{self.split_k}"
                 + ("-pw" if self.producer_warp else "") + ("-h" if self.evict_hints else "")
-                + ("-e" if self.early else "")
+                + ("-e" if self.early else "") + ("-tm" if self.mma_trigger else "")
                 + ("" if self.early_w else "-nw") + (f"-l{self.l2_tiles}" if self.l2_tiles else ""))
 
     def invalid(self) -> Optional[str]:
@@ -78,6 +82,8 @@ class WgmmaConfig:
             return f"stages={self.stages}: must be 2..16"
         if not 1 <= self.split_k <= 8:
             return f"split_k={self.split_k}: must be 1..8 (portable cluster size)"
+        if self.early and self.mma_trigger:
+            return "early and mma_trigger: the next kernel launches after our wait or after our K loop, not both"
         if not 0 <= self.l2_tiles <= 64:
             return f"l2_tiles={self.l2_tiles}: must be 0..64"
         if self.smem_bytes(16) > SMEM_LIMIT:

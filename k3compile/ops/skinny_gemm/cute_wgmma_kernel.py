@@ -3,7 +3,7 @@
 One warpgroup streams a block's weight rows (wgmma's M side) through a TMA + mbarrier ring against A (wgmma's N side,
 8 or 16 rows) and keeps the fp32 accumulator tile in registers; the blocks of a split-K cluster sum their partial tiles
 through distributed shared memory in the epilogue, which adds bias / residual and stores C along N. Options (see
-``WgmmaConfig``): a producer warp, L2 eviction hints, the early PDL trigger, the static-weight early requests, the
+``WgmmaConfig``): a producer warp, L2 eviction hints, the PDL trigger's place, the static-weight early requests, the
 L2 prefetch of the first weight tiles before the wait.
 
 With ``norm_eps`` (the latent-MoE tail: ``C = rsqrt(mean(A², K) + eps) · ((A·g) · Wᵀ) + R``) the ring carries only
@@ -58,7 +58,8 @@ def kernel_class():
             self.m = m
             self.mp = m_pad(m)
             self.bn, self.bk, self.stages, self.ks = cfg.block_n, cfg.block_k, cfg.stages, cfg.split_k
-            self.pw, self.hints, self.early = cfg.producer_warp, cfg.evict_hints, cfg.early
+            self.pw, self.hints, self.early, self.mma_trigger = (cfg.producer_warp, cfg.evict_hints, cfg.early,
+                                                                  cfg.mma_trigger)
             self.l2_tiles = cfg.l2_tiles
             self.has_bias, self.has_res = has_bias, has_res
             self.static_weight = static_weight and cfg.early_w
@@ -247,8 +248,13 @@ def kernel_class():
                                     prod.advance()
                 cute.nvgpu.warpgroup.wait_group(0)
             if cutlass.const_expr(not self.early):
-                # our reads of the previous kernel's outputs are done: the next kernel may launch
-                cute.arch.griddepcontrol_launch_dependents()
+                # our reads of the previous kernel's outputs are done: the next kernel may launch (the block's first
+                # call counts: with ``mma_trigger`` the MMA warps', else whichever warp gets here first)
+                if cutlass.const_expr(self.mma_trigger):
+                    if warp < 4:
+                        cute.arch.griddepcontrol_launch_dependents()
+                else:
+                    cute.arch.griddepcontrol_launch_dependents()
 
             # partial tile -> shared memory [BN, MP] fp32 (row n_local, column m; rows padded by one word so the
             # epilogue's reads along n hit distinct banks)
