@@ -49,8 +49,7 @@ def test_config_tag_spells_every_field():
     assert C(64, 64, 8, 1, True, mma_trigger=True).tag() == "wg-n64-k64-s8-c1-pw-tm"
     variants = [(64, 64, 8, 1), (128, 64, 8, 1), (64, 128, 8, 1), (64, 64, 4, 1), (64, 64, 8, 2),
                 (64, 64, 8, 1, True), (64, 64, 8, 1, False, True), (64, 64, 8, 1, False, False, True),
-                (64, 64, 8, 1, False, False, False, True), (64, 64, 8, 1, False, False, False, False, False),
-                (64, 64, 8, 1, False, False, False, False, True, 4)]
+                (64, 64, 8, 1, False, False, False, True), (64, 64, 8, 1, False, False, False, False, False)]
     assert len({C(*v).tag() for v in variants}) == len(variants)
 
 

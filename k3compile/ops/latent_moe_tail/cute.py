@@ -78,8 +78,9 @@ def supports(latent, shared, norm_weight, up_weight, eps) -> Optional[str]:
 #   bank conflicts) took as many shared-memory wavefronts per tile as the ring's TMA writes and wgmma reads together.
 # - 16-byte accesses (run 6): M16 13.30 static, 14.96 not; M 1-8 13.03-13.30 / 14.34-14.59.
 # - Run 7, not static: the producer warp with 5 stages and the first 6 weight tiles prefetched into L2 before the PDL
-#   wait (l2_tiles=6) led at every M: 14.14 / 14.18 / 14.32 / 14.32 / 14.67 µs at M 1 / 2 / 4 / 8 / 16 (without the
-#   prefetch 14.32-14.86; 12 tiles 14.8-15.1, 28 tiles 18.0-18.3). Static: the producer warp with 6 stages,
+#   wait (an l2_tiles option, removed in the ninth session once no entry used it) led at every M: 14.14 / 14.18 /
+#   14.32 / 14.32 / 14.67 µs at M 1 / 2 / 4 / 8 / 16 (without the prefetch 14.32-14.86; 12 tiles 14.8-15.1, 28 tiles
+#   18.0-18.3). Static: the producer warp with 6 stages,
 #   13.03-13.30 µs (8 stages within 0.1 µs at M <= 8). The plain GEMM (no norm, residual) ran 13.21-13.30 µs beside.
 # - Ninth session (.scratch/s9, same harness): a block's first PDL trigger is the one that counts, and the norm warps
 #   and the producer warp reach theirs stages before the MMA warps finish. With the MMA warps alone triggering, after

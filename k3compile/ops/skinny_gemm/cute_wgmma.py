@@ -62,15 +62,12 @@ class WgmmaConfig:
     #                              block's first call counts (PTX: later calls in the block do nothing more), and with a
     #                              producer warp or norm warps that is theirs, stages before the K loop ends
     early_w: bool = True         # static_weight: request the first weight tiles before the PDL wait (False: never)
-    l2_tiles: int = 0            # not static_weight: prefetch this many of the block's weight tiles into L2 before the
-    #                              PDL wait (coherent whatever the previous kernel writes: L2 is where writes land, and
-    #                              nothing reaches the block before the wait)
 
     def tag(self) -> str:
         return (f"wg-n{self.block_n}-k{self.block_k}-s{self.stages}-c{self.split_k}"
                 + ("-pw" if self.producer_warp else "") + ("-h" if self.evict_hints else "")
                 + ("-e" if self.early else "") + ("-tm" if self.mma_trigger else "")
-                + ("" if self.early_w else "-nw") + (f"-l{self.l2_tiles}" if self.l2_tiles else ""))
+                + ("" if self.early_w else "-nw"))
 
     def invalid(self) -> Optional[str]:
         """None when the kernel can be built with this configuration, else why not."""
@@ -84,8 +81,6 @@ class WgmmaConfig:
             return f"split_k={self.split_k}: must be 1..8 (portable cluster size)"
         if self.early and self.mma_trigger:
             return "early and mma_trigger: the next kernel launches after our wait or after our K loop, not both"
-        if not 0 <= self.l2_tiles <= 64:
-            return f"l2_tiles={self.l2_tiles}: must be 0..64"
         if self.smem_bytes(16) > SMEM_LIMIT:
             return f"needs {self.smem_bytes(16)} B of shared memory > {SMEM_LIMIT}"
         return None

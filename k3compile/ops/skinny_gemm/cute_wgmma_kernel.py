@@ -3,8 +3,7 @@
 One warpgroup streams a block's weight rows (wgmma's M side) through a TMA + mbarrier ring against A (wgmma's N side,
 8 or 16 rows) and keeps the fp32 accumulator tile in registers; the blocks of a split-K cluster sum their partial tiles
 through distributed shared memory in the epilogue, which adds bias / residual and stores C along N. Options (see
-``WgmmaConfig``): a producer warp, L2 eviction hints, the PDL trigger's place, the static-weight early requests, the
-L2 prefetch of the first weight tiles before the wait.
+``WgmmaConfig``): a producer warp, L2 eviction hints, the PDL trigger's place, the static-weight early requests.
 
 With ``norm_eps`` (the latent-MoE tail: ``C = rsqrt(mean(A², K) + eps) · ((A·g) · Wᵀ) + R``) the ring carries only
 the weight. The block's whole K share of A is brought by TMA right after the PDL wait, one barrier per tile, and kept
@@ -60,7 +59,6 @@ def kernel_class():
             self.bn, self.bk, self.stages, self.ks = cfg.block_n, cfg.block_k, cfg.stages, cfg.split_k
             self.pw, self.hints, self.early, self.mma_trigger = (cfg.producer_warp, cfg.evict_hints, cfg.early,
                                                                   cfg.mma_trigger)
-            self.l2_tiles = cfg.l2_tiles
             self.has_bias, self.has_res = has_bias, has_res
             self.static_weight = static_weight and cfg.early_w
             self.norm = norm_eps is not None
@@ -185,13 +183,6 @@ def kernel_class():
                             self.copy_a(tma, k_lo + i, fill.index, pipe.producer_get_barrier(fill))
                             fill.advance()
                 else:
-                    if cutlass.const_expr(self.l2_tiles > 0):
-                        # the weight may not be read before the wait, but it may be fetched into L2: the loads after
-                        # the wait then find it there
-                        tma_w, tWg, _, _, _, _ = tma
-                        with cute.arch.elect_one():   # unlike the TMA copies, a prefetch is not elected for us
-                            for i in cutlass.range(cutlass.min(self.l2_tiles, count), unroll=1):
-                                cute.prefetch(tma_w, tWg[(None, k_lo + i)])
                     self.wait_previous()
                     if cutlass.const_expr(self.norm):
                         self.load_a_tile(tma, k_lo, 0, count, a_landed)   # the first MMA's, ahead of the weight
