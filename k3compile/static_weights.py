@@ -6,10 +6,15 @@ the kernel P before it in the stream triggers (``griddepcontrol.launch_dependent
 P's blocks exit). C must then ``griddepcontrol.wait`` before reading anything P may write. With
 ``static_weight`` C issues its first weight loads before that wait. Why that is safe:
 
-1. Every PDL kernel triggers only after its own wait (ours: after the K loop), and a kernel launched
-   without PDL starts only once everything before it has completed. So when C starts, P has passed its
-   wait (or started after its predecessors completed): every kernel before P has completed and its
-   writes are visible, and only P can still be writing.
+1. Every PDL kernel triggers only after its own wait (ours: after the K loop), except a k3 GEMM called
+   with ``static_weight`` whose configuration has ``trigger_first`` (it triggers as its blocks start, so that
+   several products' weights stream at once), and a kernel launched without PDL starts only once everything
+   before it has completed. So when C starts, the kernels that may still be writing are P and, where P
+   triggers first, the unbroken run of trigger-first kernels before it back to the first kernel Q of the
+   run that does not: every kernel before Q has completed and its writes are visible. Each trigger-first
+   kernel is a static call proven by this same proof, so by 2 (a) below its activation, and with it Q, comes
+   from its own graph; and by induction that is C's graph (the run cannot reach back past the first kernel
+   of C's graph, which no static call can be). Q..P are then kernels of C's graph.
 2. (a) C's activation (skinny_gemm ``a``, the tail's ``latent``), walked back through views and through
    ops Inductor may drop or turn into aliases (clone, ``_to_copy``, its registered no-ops), comes from a
    node of this graph that launches a kernel (an ATen/prims compute op, a k3 op, a collective whose own
@@ -18,7 +23,8 @@ P's blocks exit). C must then ``griddepcontrol.wait`` before reading anything P 
    (b) The weight, walked back through views that never copy, is a placeholder or ``get_attr``,
    and no node of this graph writes it or any view of it: no schema argument marked written
    (``Tensor(a!)``: in-place ops, ``copy_`` into an input), no higher-order or unknown op taking it.
-   Then P cannot write the weight. Residual, shared, bias and the norm weight are read after the wait.
+   Then none of Q..P (kernels of this graph) writes the weight. Residual, shared, bias and the norm
+   weight are read after the wait.
 
 The graph is functional at our pass time (input mutations are ``copy_`` into placeholders, mutating
 custom ops are ``auto_functionalized``), and Inductor's later passes add no writes to graph inputs.

@@ -92,6 +92,48 @@ def test_compiles_for_sm90a_without_gpu(monkeypatch, tmp_path):
     assert len([p for p in tmp_path.rglob("*.o")]) == 5  # the on-disk cache a second process loads
 
 
+_PTX_ORDER = """
+import glob, json, os, sys, torch
+from k3compile.ops.skinny_gemm import cute as kc
+from k3compile.ops.skinny_gemm.config import SkinnyConfig
+from k3compile.ops.skinny_gemm.cute_wgmma import WgmmaConfig
+cfg, static = eval(sys.argv[1]), sys.argv[2] == "1"
+kc.compile_kernel(torch.bfloat16, 3, cfg, False, True, static)
+(ptx,) = glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx"))
+lines = [ln.strip() for ln in open(ptx)]
+print(json.dumps([ln.rstrip(";") for ln in lines if ln.startswith("griddepcontrol.")]))
+"""
+
+
+@needs_cutlass
+@pytest.mark.parametrize("cfg", [cfgmod.SkinnyConfig(1, 1, 4, 2, stages=3, split_k=2, a_ring=True, trigger_first=True),
+                                 cfgmod.SkinnyConfig(1, 1, 4, 4, trigger_first=True),
+                                 cfgmod.WgmmaConfig(64, 64, 4, 2, True, True, trigger_first=True)],
+                         ids=lambda c: c.tag())
+@pytest.mark.parametrize("static_weight", [False, True], ids=["dynamic_w", "static_w"])
+def test_trigger_first_only_with_a_static_weight(tmp_path, cfg, static_weight):
+    """The PDL instructions in PTX order (sm_90a, compiled here): with ``trigger_first`` and a static weight a block
+    triggers before it waits; without a static weight, as without the flag, no trigger comes before the first wait
+    (what step 1 of the static-weight proof rests on: k3compile/static_weights.py)."""
+    import dataclasses
+    import json
+    import subprocess
+    import sys
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", K3_CUTE_CACHE_DIR="0", CUTE_DSL_KEEP="ptx",
+               CUTE_DSL_DUMP_DIR=str(tmp_path))
+    order = {}
+    for tf in (False, True):
+        out = subprocess.run([sys.executable, "-c", _PTX_ORDER, repr(dataclasses.replace(cfg, trigger_first=tf)),
+                              str(int(static_weight))], env=env, capture_output=True, text=True, check=True).stdout
+        order[tf] = json.loads(out.splitlines()[-1])
+        for p in tmp_path.glob("*.ptx"):
+            p.unlink()
+    for tf, ops in order.items():
+        assert "griddepcontrol.wait" in ops and "griddepcontrol.launch_dependents" in ops, ops
+        first_trigger = tf and static_weight
+        assert (ops[0] == "griddepcontrol.launch_dependents") == first_trigger, (tf, ops)
+
+
 @pytest.mark.parametrize("kwargs", [dict(split_k=0), dict(split_k=9), dict(stages=0), dict(warps_k=64)],
                          ids=["split_k0", "split_k9", "stages0", "threads2048"])
 def test_config_rejects_unlaunchable(kwargs):
@@ -121,6 +163,7 @@ def test_config_tag_names_a_l1():
 
 def test_config_tag_names_pdl_options():
     assert cfgmod.SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=112).tag() == "rg1-wn1-wk8-u2-s3-e-l112"
+    assert cfgmod.SkinnyConfig(1, 1, 8, 2, stages=3, trigger_first=True).tag() == "rg1-wn1-wk8-u2-s3-tf"
     assert cfgmod.SkinnyConfig(1, 1, 4, 2, stages=8, a_ring=True).tag() == "rg1-wn1-wk4-u2-s8-a"
     with pytest.raises(ValueError):
         cfgmod.SkinnyConfig(1, 1, 4, 4, a_ring=True)  # A rides the cp.async ring: needs one
@@ -238,7 +281,10 @@ def test_matches_reference_random_shapes(m, n, k, dtype, bias, residual):
                                  cfgmod.SkinnyConfig(2, 4, 2, 1, stages=4, split_k=2, a_ring=True, a_share=True),
                                  cfgmod.SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16, a_l1=True),
                                  cfgmod.SkinnyConfig(1, 1, 4, 4, a_l1=True),
-                                 cfgmod.SkinnyConfig(2, 2, 2, 2, stages=4, split_k=2, a_ring=True, a_share=True, a_l1=True)],
+                                 cfgmod.SkinnyConfig(2, 2, 2, 2, stages=4, split_k=2, a_ring=True, a_share=True, a_l1=True),
+                                 cfgmod.SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16, trigger_first=True),
+                                 cfgmod.SkinnyConfig(2, 1, 4, 2, stages=4, split_k=4, early=True, a_ring=True,
+                                                     a_l1=True, trigger_first=True)],
                          ids=lambda c: c.tag())
 @pytest.mark.parametrize("m", [1, 8, 9, 16], ids=lambda m: f"M{m}")
 @pytest.mark.parametrize("static_weight", [False, True], ids=["dynamic_w", "static_w"])
@@ -281,11 +327,15 @@ def test_cuda_graph_capture_and_replay(m, n, k):
                                  cfgmod.SkinnyConfig(1, 1, 4, 2, stages=4, split_k=2, early=True, l2_kb=16),
                                  cfgmod.SkinnyConfig(1, 1, 4, 2, stages=8, split_k=4, early=True, a_ring=True),
                                  cfgmod.SkinnyConfig(1, 1, 8, 2, stages=5, early=True, l2_kb=16, a_pipe=True),
-                                 cfgmod.SkinnyConfig(1, 4, 2, 2, stages=4, early=True, a_ring=True, a_share=True)],
+                                 cfgmod.SkinnyConfig(1, 4, 2, 2, stages=4, early=True, a_ring=True, a_share=True),
+                                 cfgmod.SkinnyConfig(1, 1, 8, 2, stages=4, a_ring=True, a_l1=True, trigger_first=True),
+                                 cfgmod.SkinnyConfig(2, 1, 4, 2, stages=4, split_k=4, early=True, a_ring=True,
+                                                     trigger_first=True)],
                          ids=lambda c: c.tag())
 @pytest.mark.parametrize("static_weight", [False, True], ids=["dynamic_w", "static_w"])
 def test_chained_products_under_graph_replay(cfg, static_weight):
-    """Each product reads the one before (PDL with the early trigger must still wait for its input)."""
+    """Each product reads the one before (PDL with the early trigger, or the trigger first, must still wait for
+    its input)."""
     dtype, m, d = torch.bfloat16, 4, 2048
     ws = [torch.randn(d, d, device="cuda", dtype=dtype) / d ** 0.5 for _ in range(4)]
     x = torch.randn(m, d, device="cuda", dtype=dtype)

@@ -47,9 +47,11 @@ def test_config_tag_spells_every_field():
     assert C(64, 64, 8, 1, True, True, True).tag() == "wg-n64-k64-s8-c1-pw-h-e"
     assert C(64, 64, 8, 1, early_w=False).tag() == "wg-n64-k64-s8-c1-nw"
     assert C(64, 64, 8, 1, True, mma_trigger=True).tag() == "wg-n64-k64-s8-c1-pw-tm"
+    assert C(64, 128, 6, 1, evict_hints=True, trigger_first=True).tag() == "wg-n64-k128-s6-c1-h-tf"
     variants = [(64, 64, 8, 1), (128, 64, 8, 1), (64, 128, 8, 1), (64, 64, 4, 1), (64, 64, 8, 2),
                 (64, 64, 8, 1, True), (64, 64, 8, 1, False, True), (64, 64, 8, 1, False, False, True),
-                (64, 64, 8, 1, False, False, False, True), (64, 64, 8, 1, False, False, False, False, False)]
+                (64, 64, 8, 1, False, False, False, True), (64, 64, 8, 1, False, False, False, False, False),
+                (64, 64, 8, 1, False, False, False, False, True, True)]
     assert len({C(*v).tag() for v in variants}) == len(variants)
 
 
@@ -149,7 +151,8 @@ def _run(m, n, k, dtype, bias, residual, cfg=None, static_weight=False):
 
 
 GPU_CONFIGS = [C(64, 64, 4, 1), C(64, 64, 8, 3), C(128, 64, 6, 2), C(64, 128, 4, 4), C(128, 128, 3, 1),
-               C(64, 64, 4, 1, True), C(128, 64, 6, 3, True, True, True), C(64, 64, 6, 2, True, mma_trigger=True)]
+               C(64, 64, 4, 1, True), C(128, 64, 6, 3, True, True, True), C(64, 64, 6, 2, True, mma_trigger=True),
+               C(64, 128, 6, 1, evict_hints=True, trigger_first=True), C(64, 64, 6, 3, True, True, trigger_first=True)]
 
 
 @pytest.mark.gpu
@@ -196,7 +199,8 @@ def compiled_variants():
     out += [(bf, 16, C(64, 64, 8, 3), False, r, False) for r in (False, True)]
     out += [(bf, m, wg.pick(m, n, k), False, True, False)
             for m, n, k in [(16, 7168, 3584), (8, 3584, 7168), (16, 896, 7168), (12, 4608, 7168)]]
-    out += [(bf, 16, C(64, 64, 8, 2), False, False, st) for st in (False, True)]
+    out += [(bf, 16, c, False, False, st) for c in (C(64, 64, 8, 2), C(64, 128, 6, 2, True, True, trigger_first=True))
+            for st in (False, True)]
     out += [(bf, mb, cfg, False, True, st) for st in (False, True) for (mb, n, k), cfg in table_picks(st).items()]
     return list(dict.fromkeys(out))
 
@@ -210,11 +214,13 @@ def test_table_picks_match_reference(static_weight):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [C(64, 64, 8, 2), C(64, 128, 6, 2, True, True, trigger_first=True)],
+                         ids=lambda c: c.tag())
 @pytest.mark.parametrize("static_weight", [False, True], ids=["dynamic_w", "static_w"])
-def test_cuda_graph_chained_products(static_weight):
-    """Each product reads the one before (PDL: the wait must hold A's loads), captured once, replayed on fresh data."""
+def test_cuda_graph_chained_products(cfg, static_weight):
+    """Each product reads the one before (PDL: the wait must hold A's loads, however early the trigger), captured
+    once, replayed on fresh data."""
     dtype, m, d = torch.bfloat16, 16, 2048
-    cfg = C(64, 64, 8, 2)
     ws = [torch.randn(d, d, device="cuda", dtype=dtype) * d ** -0.5 for _ in range(3)]
     x = torch.randn(m, d, device="cuda", dtype=dtype)
     wg.warmup(dtype, m, d, d, cfg=cfg, static_weight=static_weight)

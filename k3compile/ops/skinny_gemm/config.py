@@ -46,6 +46,15 @@ prefetched while the previous product runs); for big weights a 2 KB-per-row pref
 the early trigger mostly a loss (the next kernel's waiting blocks crowd the SMs: a timeline of 4608x7168 with it
 showed this grid's 576 blocks spread 1 to 6 per SM, a 6-8 µs tail; benchmarks/results/skinny_gemm_h200_cute4_probe.json).
 
+``trigger_first`` (both kernels; a static weight only, else it does nothing) lets the next kernel launch as our blocks
+start, before our own wait, so several products' weights stream at once. A Triton probe that only reads each weight
+once (benchmarks/probe_weight_stream.py; benchmarks/results/probe_weight_stream_h200.log) ran back to back at 97-107%
+of the copy ceiling on 11-30 MB with its trigger first and its loads before the wait, against 47-61% (11-13 MB) and
+74-89% (22-30 MB) with the trigger after its wait, where ``early`` puts it. The GEMMs gain less: after the wait each block
+still loads A, runs its MMAs, sums the split-K partials and stores, a chain that no overlap hides (the router stays near
+4.8 µs for a 3.05 µs floor). The gain is largest where a block holds its whole weight share before the wait (7168x768,
+96 KB rings on 112 blocks: 4.13 -> 3.22 µs); grids of ~100 KB blocks two to an SM lose with it (2112x7168 M8/16).
+
 A table entry names the kernel as well as its configuration: a ``SkinnyConfig`` runs ``cute.py``'s mma.sync
 kernel, a ``WgmmaConfig`` (``cute_wgmma.py``) the warpgroup-MMA kernel; both sit behind the op's one "cute" backend
 (``cute.skinny_gemm_cute``, ``cute.profitable``, ``cute.warmup`` and ``cute_compile.compile_kernel`` follow the
@@ -79,6 +88,7 @@ class SkinnyConfig:
     a_pipe: bool = False  # (stages > 1, not a_ring) A's plain loads run one chunk ahead, in registers
     a_share: bool = False  # (a_ring) one A ring per K slice, shared by its warps_n warps: A read once per block
     a_l1: bool = False    # keep A in L1 (ring copies .ca, plain loads evict_last; register weight loads evict_first)
+    trigger_first: bool = False  # PDL, static weight only: the next kernel may launch as soon as our blocks start
 
     def __post_init__(self):
         if self.row_groups < 1 or self.warps_n < 1 or self.warps_k < 1 or self.unroll < 1:
@@ -120,12 +130,14 @@ class SkinnyConfig:
                 + ("" if self.prefetch else "-nopf") + (f"-s{self.stages}" if self.stages > 1 else "")
                 + (f"-c{self.split_k}" if self.split_k > 1 else "") + ("-e" if self.early else "")
                 + (f"-l{self.l2_kb}" if self.l2_kb else "") + ("-a" if self.a_ring else "")
-                + ("-sh" if self.a_share else "") + ("-ca" if self.a_l1 else "") + ("-p" if self.a_pipe else ""))
+                + ("-sh" if self.a_share else "") + ("-ca" if self.a_l1 else "") + ("-p" if self.a_pipe else "")
+                + ("-tf" if self.trigger_first else ""))
 
 
 KernelConfig = Union[SkinnyConfig, WgmmaConfig]  # a table entry: which CuTe kernel, and how it divides the work
 _H = dict(evict_hints=True)  # WgmmaConfig: TMA L2 hints (the weight evict-first, A evict-last)
 _PH = dict(producer_warp=True, evict_hints=True)  # ... and a producer warp issuing the TMA loads
+_HF, _PHF = dict(_H, trigger_first=True), dict(_PH, trigger_first=True)  # ... and (static weight) the trigger first
 
 
 # Measured on one H200 (bf16, 2026-11-30, fourth session, copy ceilings 4.218-4.244 TB/s): sweeps of
@@ -203,34 +215,47 @@ TABLE: dict[tuple[int, int, int], Optional[KernelConfig]] = {
 # > 2% in sweeps 1-2, > 3% in sweep 4).
 TABLE_STATIC: dict[tuple[int, int, int], KernelConfig] = {
     (2, 1536, 7168): SkinnyConfig(2, 1, 4, 2, stages=4, split_k=4, early=True, a_ring=True),  # 7.53 µs vs 7.83 (c4 r1)
-    (4, 1536, 7168): SkinnyConfig(2, 1, 4, 2, stages=4, split_k=4, early=True, a_ring=True),  # 7.84 µs vs 8.78 (c4 r1)
     (8, 1536, 7168): WgmmaConfig(128, 64, 8, 8, **_PH),  # 7.52 µs vs op+st 8.05 (wg r3)
-    (1, 896, 7168): SkinnyConfig(1, 1, 4, 2, stages=5, split_k=4, early=True, a_ring=True),  # 5.12 µs vs 5.83 (sweep 4)
     (4, 896, 7168): SkinnyConfig(1, 1, 4, 2, stages=5, split_k=4, early=True, a_ring=True, a_l1=True),  # 5.13 vs 5.66 (c5 r4)
-    (1, 7168, 768): SkinnyConfig(2, 1, 4, 2, stages=3, early=True, l2_kb=24),  # 4.07 µs vs 4.45
-    (4, 7168, 768): SkinnyConfig(2, 1, 4, 2, stages=3, early=True, l2_kb=24),  # 4.10 µs vs 4.51
-    (8, 7168, 768): SkinnyConfig(2, 1, 4, 2, stages=3, early=True, l2_kb=24),  # 4.23 µs vs 4.55
     (2, 896, 7168): SkinnyConfig(1, 1, 4, 2, stages=5, split_k=4, early=True, a_ring=True, a_l1=True),  # 5.00 vs 5.27 (c5 r4)
-    (1, 1536, 7168): SkinnyConfig(2, 1, 4, 2, stages=4, split_k=4, early=True, a_ring=True),  # 7.01 µs vs 7.44 (c4 r3)
     (2, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, split_k=2, early=True, a_ring=True, a_l1=True),  # 9.00 vs 9.50 (c5 r4)
     (4, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, split_k=2, early=True, a_ring=True, a_l1=True),  # 9.26 vs 10.01 (c5 r4)
-    (1, 7168, 1536): SkinnyConfig(2, 1, 4, 2, stages=4, early=True, a_ring=True, a_l1=True),  # 6.23 µs vs 6.61 (c5 r4)
-    (2, 7168, 1536): SkinnyConfig(2, 1, 4, 2, stages=3),  # 7.08 µs vs 7.66 (c4 r2)
-    (4, 7168, 1536): SkinnyConfig(2, 1, 4, 2, stages=3, a_pipe=True),  # 7.32 µs vs 7.73 (c4 r2)
-    (8, 7168, 1536): WgmmaConfig(64, 64, 8, 1, early_w=False, **_H),  # 7.18 µs vs op+st 7.60 (wg r3)
-    (2, 7168, 768): SkinnyConfig(2, 1, 4, 2, stages=4, early=True, a_ring=True, a_l1=True),  # 3.95 µs vs 4.32 (c5 r4)
     (16, 2304, 1536): SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=24),  # 4.36 µs vs 4.59 (c5 r2)
     # the wgmma kernel, static weight (wg r2-r3; c6 r3): where it differs from TABLE's entry
     # 7168x3584: the weight requested after the PDL wait (early_w=False) measured faster, 13.5-13.6 µs (with it
     # 14.0-14.1) vs op+st 13.88-14.42
-    **{(m, 7168, 3584): WgmmaConfig(64, 128, 6, 1, early_w=False, **_H) for m in (1, 2, 4, 8, 16)},
+    **{(m, 7168, 3584): WgmmaConfig(64, 128, 6, 1, early_w=False, **_H) for m in (1, 2, 4, 8)},
     **{(m, 3584, 7168): WgmmaConfig(128, 64, 8, 4, **_PH) for m in (1, 2, 4, 8)},  # 13.04/13.08/13.30/13.73 µs vs
     #                                                                              op+st 14.05/14.11/14.42/14.82
     (16, 1536, 7168): WgmmaConfig(64, 64, 12, 2, **_PH),  # 8.33 µs vs TABLE's 9.39 (c6 r3)
-    # 8 x 896: with the weight requested before the PDL wait 6.29-6.38 µs against 5.75 without (c6 r4, wg r3)
-    (8, 896, 7168): WgmmaConfig(64, 128, 6, 8, early_w=False, **_PH),
-    (16, 7168, 1536): WgmmaConfig(64, 64, 8, 1, early_w=False, **_H),  # 7.17 µs vs op+st 8.67 (wg r3)
-    (16, 7168, 768): WgmmaConfig(64, 64, 6, 1, **_PH),  # 4.37 µs vs op+st 5.02 (wg r3)
+    # The tenth session's trigger_first (the next product may launch as our blocks start; static weight only), from
+    # its tuning runs 1-4 (benchmarks/results/skinny_gemm_h200_s10_sweeps.log): µs, the mean of the runs that timed
+    # the pick, against the entry it replaced in the same runs (those entries: the c4-c6 and wg picks of the earlier
+    # sessions, or TABLE's)
+    **{(m, 7168, 768): cfg for m, cfg in (  # a ring holding the block's whole 96 KB share, 112 blocks
+        (1, WgmmaConfig(64, 64, 12, 1, **_HF)),    # 3.22 µs vs 4.13 (r1-r4)
+        (2, WgmmaConfig(64, 128, 6, 1, **_PHF)),   # 3.38 vs 3.92 (r2-r4)
+        (4, WgmmaConfig(64, 128, 6, 1, **_PHF)),   # 3.36 vs 4.14 (r2-r4)
+        (8, WgmmaConfig(64, 128, 6, 1, **_HF)),    # 3.59 vs 4.25 (r1-r4)
+        (16, WgmmaConfig(64, 128, 6, 1, **_HF)))},  # 3.92 vs 4.38 (r1-r4)
+    **{(m, 7168, 1536): SkinnyConfig(2, 1, 4, 2, stages=4, early=True, a_ring=True, a_l1=True, trigger_first=True)
+       for m in (1, 2, 4)},  # 6.11 / 6.23 / 6.37 µs vs 6.18 / 7.16 / 7.15 (r1-r4, r2-r4)
+    (8, 7168, 1536): WgmmaConfig(64, 128, 6, 1, **_HF),   # 6.43 µs vs 7.13 (r3-r4)
+    (16, 7168, 1536): WgmmaConfig(64, 128, 6, 1, **_HF),  # 6.44 µs vs 7.13 (r3-r4)
+    (1, 896, 7168): WgmmaConfig(64, 128, 7, 8, **_PHF),   # 4.82 µs vs 4.89 (r1-r4, ahead in each)
+    (8, 896, 7168): WgmmaConfig(64, 128, 7, 8, **_PHF),   # 5.43 µs vs 5.75 (r1-r4)
+    (1, 1536, 7168): WgmmaConfig(64, 128, 5, 8, **_PHF),  # 6.89 µs vs 7.02 (r3-r4)
+    (4, 1536, 7168): SkinnyConfig(2, 1, 4, 2, stages=4, split_k=4, early=True, a_ring=True, a_l1=True,
+                                  trigger_first=True),     # 7.15 µs vs 7.39 (r3-r4)
+    (1, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16, trigger_first=True),  # 8.73 µs vs 9.26 (r1-r4)
+    # 8 / 16 x 2112: a seventh ring stage, trigger after the K loop (-tf measured slower here: 9.6-10.2 µs)
+    (8, 2112, 7168): WgmmaConfig(64, 128, 7, 2, **_PH),   # 8.97 µs vs 11.15, s6 9.17 (r4)
+    (16, 2112, 7168): WgmmaConfig(64, 128, 7, 2, **_PH),  # 9.12 µs vs 9.52, s6 9.46 (r4)
+    **{(m, 2304, 1536): SkinnyConfig(1, 1, 8, 2, stages=4, a_ring=True, a_l1=True, trigger_first=True)
+       for m in (1, 2, 4, 8)},  # 2.83 / 2.95 / 3.13 / 3.58 µs vs 3.44 / 3.36 / 3.77 / 3.88 (r3-r4)
+    (1, 4608, 7168): WgmmaConfig(128, 64, 10, 3, **_PHF),  # 16.34 µs vs 16.70 (r2-r4)
+    (2, 4608, 7168): WgmmaConfig(128, 64, 10, 3, **_PHF),  # 16.43 µs vs 16.74 (r2-r4)
+    (16, 7168, 3584): WgmmaConfig(64, 128, 6, 1, **_HF),   # 13.09 µs vs 13.51 (r2-r4)
 }
 
 

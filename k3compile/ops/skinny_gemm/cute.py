@@ -22,7 +22,8 @@ block may bulk-prefetch the first ``config.l2_kb`` KB of its weight into L2 (``c
 one instruction per row; L2 is coherent with the previous kernel's stores, so any weight may be
 prefetched), and under ``static_weight`` also fill its cp.async ring. With ``config.early`` it lets the
 next kernel launch right after its own wait instead of after its K loop, so the next product's blocks
-can settle on the SMs beside ours and start their own prefetch while ours still streams.
+can settle on the SMs beside ours and start their own prefetch while ours still streams; with
+``config.trigger_first`` and a static weight, as its blocks start (see ``launch_next_first``).
 
 Split-K across a cluster (``config.split_k``): the blocks of a cluster take interleaved K chunks of the
 same rows, fold their K-warps in shared memory, and after a cluster barrier each block reduces its
@@ -190,6 +191,7 @@ def _kernel_class():
             self.is_fp16 = dtype is cutlass.Float16
             self.ks = cfg.split_k
             self.early = cfg.early
+            self.trigger_first = cfg.trigger_first and static_weight   # see launch_next_first
             self.l2_kb = cfg.l2_kb
             # RMSNorm of A fused in (the latent-MoE tail): A is scaled by g as it is loaded, the rows'
             # sums of squares accumulate beside, and the epilogue applies rsqrt(ss / K + eps)
@@ -235,6 +237,7 @@ def _kernel_class():
             WK: cutlass.Constexpr = self.wk
             BN: cutlass.Constexpr = self.block_n
 
+            self.launch_next_first()
             tidx, _, _ = cute.arch.thread_idx()
             bidx, q, _ = cute.arch.block_idx()  # q: this block's rank in its split-K cluster
             warp = tidx // 32
@@ -431,10 +434,20 @@ def _kernel_class():
             cute.arch.cluster_wait()
 
         @cute.jit
+        def launch_next_first(self):
+            """PDL, ``trigger_first`` under ``static_weight``: let the next kernel launch as our blocks start (a
+            block's first trigger counts; the later calls then do nothing), so that several products' weights are
+            in flight at once (the next kernel's blocks settle beside ours and stream their weight before their
+            wait). Only a call whose weight is proven static may do so: static_weights.py says why that is safe."""
+            if cutlass.const_expr(self.trigger_first):
+                cute.arch.griddepcontrol_launch_dependents()
+
+        @cute.jit
         def wait_previous(self):
             """PDL: wait for the previous kernel (its stores are then visible); with ``early`` let the next
-            kernel launch right away. Triggering stays after our own wait: the static-weight proof
-            (k3compile/static_weights.py) relies on no kernel of ours letting its successor in before then."""
+            kernel launch right away. Without ``trigger_first`` triggering stays after our own wait, so that a
+            kernel of ours launched without a static weight never lets its successor in before then
+            (k3compile/static_weights.py)."""
             cute.arch.griddepcontrol_wait()
             if cutlass.const_expr(self.early):
                 cute.arch.griddepcontrol_launch_dependents()
@@ -486,7 +499,9 @@ def skinny_gemm_cute(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tens
     ``WgmmaConfig`` (from the table or given) runs ``cute_wgmma.py``'s kernel (``pick``).
     ``out`` (a contiguous [M, N] tensor of a's dtype) receives the result instead of a new tensor.
     ``static_weight=True`` promises that no kernel writes ``w`` (a module parameter): the kernel then
-    starts streaming it before waiting on the previous kernel (PDL), which is unsafe otherwise.
+    starts streaming it before waiting on the previous kernel (PDL), which is unsafe otherwise; and with a
+    ``trigger_first`` configuration it lets the next kernel launch before its own wait (the op's docstring says
+    what a caller then vouches for).
     """
     m, k = a.shape
     n = w.shape[0]

@@ -22,7 +22,8 @@ issues the TMA loads, L2 eviction hints on them, and the PDL trigger right after
 Programmatic dependent launch: everything before ``griddepcontrol.wait`` is setup; with ``static_weight`` (no
 kernel writes W: module parameters) the weight tiles of the first stages are already requested by TMA before the
 wait, A's after it. The next kernel may launch once our K loop is done: a block's first trigger counts, so with a
-producer warp or norm warps that is when theirs is, stages earlier, unless ``mma_trigger`` leaves it to the MMA warps.
+producer warp or norm warps that is when theirs is, stages earlier, unless ``mma_trigger`` leaves it to the MMA warps;
+with ``trigger_first`` and a static weight, as the block starts (several products' weights then stream at once).
 
 This module is the host side (configuration, predicates, compile cache, entry points; the measured picks are in
 ``config.py``'s tables beside the mma.sync kernel's); the kernel is ``cute_wgmma_kernel.py``. cutlass is imported
@@ -62,12 +63,15 @@ class WgmmaConfig:
     #                              block's first call counts (PTX: later calls in the block do nothing more), and with a
     #                              producer warp or norm warps that is theirs, stages before the K loop ends
     early_w: bool = True         # static_weight: request the first weight tiles before the PDL wait (False: never)
+    trigger_first: bool = False  # PDL, static weight only: the next kernel may launch as soon as our blocks start,
+    #                              so several products' weights stream at once (the other trigger places then do
+    #                              nothing; without a static weight this flag does nothing)
 
     def tag(self) -> str:
         return (f"wg-n{self.block_n}-k{self.block_k}-s{self.stages}-c{self.split_k}"
                 + ("-pw" if self.producer_warp else "") + ("-h" if self.evict_hints else "")
                 + ("-e" if self.early else "") + ("-tm" if self.mma_trigger else "")
-                + ("" if self.early_w else "-nw"))
+                + ("" if self.early_w else "-nw") + ("-tf" if self.trigger_first else ""))
 
     def invalid(self) -> Optional[str]:
         """None when the kernel can be built with this configuration, else why not."""

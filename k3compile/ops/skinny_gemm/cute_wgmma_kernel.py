@@ -61,6 +61,9 @@ def kernel_class():
                                                                   cfg.mma_trigger)
             self.has_bias, self.has_res = has_bias, has_res
             self.static_weight = static_weight and cfg.early_w
+            # PDL: the next kernel may launch as our blocks start, only where the weight is proven static
+            # (static_weights.py says why that is safe); a block's first trigger counts, later ones do nothing
+            self.trigger_first = cfg.trigger_first and static_weight
             self.norm = norm_eps is not None
             self.eps = 0.0 if norm_eps is None else float(norm_eps)
             # warps 0-3 the MMA warpgroup, (norm) the norm warps, then (pw) the producer warp. A norm thread takes 8
@@ -117,6 +120,8 @@ def kernel_class():
             S: cutlass.Constexpr = self.stages
             PROD: cutlass.Constexpr = self.prod_warp  # the warp that issues the TMA loads
             AT: cutlass.Constexpr = self.a_tiles
+            if cutlass.const_expr(self.trigger_first):
+                cute.arch.griddepcontrol_launch_dependents()
             tidx, _, _ = cute.arch.thread_idx()
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             bidx, _, _ = cute.arch.block_idx()

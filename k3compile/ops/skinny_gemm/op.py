@@ -6,9 +6,12 @@ fallbacks); more rows (possible only when M is symbolic) go to ``torch.addmm`` (
 which is recorded too.
 
 ``static_weight`` (set by ``k3compile.static_weights`` where the graph proves that no kernel which may
-still run writes ``w``) lets the CuTe and Triton kernels stream ``w`` before their PDL wait. It is a
-launch detail: the choice of kernel and its key are the same either way; the reference and cuBLAS
-paths ignore it.
+still run writes ``w``) lets the CuTe and Triton kernels stream ``w`` before their PDL wait, and the CuTe
+configurations with ``trigger_first`` let the next kernel launch before their own wait. A caller passing it by
+hand vouches for what that proof shows: no kernel still running writes ``w``, counting back through every
+static call before this one to the last kernel that was not one, and this call's ``a`` is made by a kernel
+launched after that kernel (static_weights.py, step 1). It is a launch detail: the choice of kernel and its
+key are the same either way; the reference and cuBLAS paths ignore it.
 """
 from __future__ import annotations
 
