@@ -48,9 +48,9 @@ showed this grid's 576 blocks spread 1 to 6 per SM, a 6-8 µs tail; benchmarks/r
 
 ``trigger_first`` (both kernels; a static weight only, else it does nothing) lets the next kernel launch as our blocks
 start, before our own wait, so several products' weights stream at once. A Triton probe that only reads each weight
-once (benchmarks/probe_weight_stream.py; benchmarks/results/probe_weight_stream_h200.log) ran back to back at 97-107%
-of the copy ceiling on 11-30 MB with its trigger first and its loads before the wait, against 47-61% (11-13 MB) and
-74-89% (22-30 MB) with the trigger after its wait, where ``early`` puts it. The GEMMs gain less: after the wait each block
+once (benchmarks/probe_weight_stream.py; benchmarks/results/probe_weight_stream_h200.log) ran back to back at 96-104%
+of the copy ceiling on 11-30 MB with its trigger first and its loads before the wait, against 46-61% (11-13 MB) and
+73-87% (22-30 MB) with the trigger after its wait, where ``early`` puts it. The GEMMs gain less: after the wait each block
 still loads A, runs its MMAs, sums the split-K partials and stores, a chain that no overlap hides (the router stays near
 4.8 µs for a 3.05 µs floor). The gain is largest where a block holds its whole weight share before the wait (7168x768,
 96 KB rings on 112 blocks: 4.13 -> 3.22 µs); grids of ~100 KB blocks two to an SM lose with it (2112x7168 M8/16).
