@@ -108,7 +108,8 @@ print(json.dumps([ln.rstrip(";") for ln in lines if ln.startswith("griddepcontro
 @needs_cutlass
 @pytest.mark.parametrize("cfg", [cfgmod.SkinnyConfig(1, 1, 4, 2, stages=3, split_k=2, a_ring=True, trigger_first=True),
                                  cfgmod.SkinnyConfig(1, 1, 4, 4, trigger_first=True),
-                                 cfgmod.WgmmaConfig(64, 64, 4, 2, True, True, trigger_first=True)],
+                                 cfgmod.WgmmaConfig(64, 64, 4, 2, True, True, trigger_first=True),
+                                 cfgmod.WgmmaConfig(64, 64, 4, 4, True, True, trigger_first=True, push_partials=True)],
                          ids=lambda c: c.tag())
 @pytest.mark.parametrize("static_weight", [False, True], ids=["dynamic_w", "static_w"])
 def test_trigger_first_only_with_a_static_weight(tmp_path, cfg, static_weight):

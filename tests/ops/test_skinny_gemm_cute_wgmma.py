@@ -48,17 +48,20 @@ def test_config_tag_spells_every_field():
     assert C(64, 64, 8, 1, early_w=False).tag() == "wg-n64-k64-s8-c1-nw"
     assert C(64, 64, 8, 1, True, mma_trigger=True).tag() == "wg-n64-k64-s8-c1-pw-tm"
     assert C(64, 128, 6, 1, evict_hints=True, trigger_first=True).tag() == "wg-n64-k128-s6-c1-h-tf"
+    assert C(64, 128, 6, 8, True, True, push_partials=True).tag() == "wg-n64-k128-s6-c8-pw-h-pp"
     variants = [(64, 64, 8, 1), (128, 64, 8, 1), (64, 128, 8, 1), (64, 64, 4, 1), (64, 64, 8, 2),
                 (64, 64, 8, 1, True), (64, 64, 8, 1, False, True), (64, 64, 8, 1, False, False, True),
                 (64, 64, 8, 1, False, False, False, True), (64, 64, 8, 1, False, False, False, False, False),
-                (64, 64, 8, 1, False, False, False, False, True, True)]
+                (64, 64, 8, 1, False, False, False, False, True, True),
+                (64, 64, 8, 2, False, False, False, False, True, False, True)]
     assert len({C(*v).tag() for v in variants}) == len(variants)
 
 
 @pytest.mark.parametrize("cfg,why", [(C(32), "block_n"), (C(64, 32), "block_k"), (C(stages=1), "stages"),
                                      (C(split_k=9), "split_k"), (C(128, 128, 16), "shared memory"),
-                                     (C(early=True, mma_trigger=True), "not both")],
-                         ids=["n32", "k32", "s1", "c9", "smem", "early-and-mma-trigger"])
+                                     (C(early=True, mma_trigger=True), "not both"),
+                                     (C(split_k=1, push_partials=True), "split_k=1")],
+                         ids=["n32", "k32", "s1", "c9", "smem", "early-and-mma-trigger", "push-without-split"])
 def test_config_rejects_unlaunchable(cfg, why):
     assert why in cfg.invalid()
 
@@ -67,6 +70,10 @@ def test_smem_budget_counts_ring_and_partial_tile():
     c = C(64, 64, 8, 1)
     assert c.smem_bytes(16) == 1024 + 8 * (64 + 16) * 64 * 2 + 1024 + 64 * 17 * 4 + 1024
     assert c.smem_bytes(8) < c.smem_bytes(9) == c.smem_bytes(16)
+    # push_partials: the other blocks' partials of our outputs, [split_k, outputs per thread, threads] fp32
+    pushed, read = C(64, 64, 8, 8, True, push_partials=True), C(64, 64, 8, 8, True)
+    assert pushed.smem_bytes(16) - read.smem_bytes(16) == 8 * 1 * 160 * 4      # 64 x 16 outputs <= 160 x 8
+    assert C(128, 64, 4, 2, push_partials=True).smem_bytes(16) - C(128, 64, 4, 2).smem_bytes(16) == 2 * 8 * 128 * 4
 
 
 @pytest.mark.parametrize("m,n,k", [(16, 7168, 3584), (8, 3584, 7168), (16, 4608, 7168), (8, 896, 7168),
@@ -152,7 +159,9 @@ def _run(m, n, k, dtype, bias, residual, cfg=None, static_weight=False):
 
 GPU_CONFIGS = [C(64, 64, 4, 1), C(64, 64, 8, 3), C(128, 64, 6, 2), C(64, 128, 4, 4), C(128, 128, 3, 1),
                C(64, 64, 4, 1, True), C(128, 64, 6, 3, True, True, True), C(64, 64, 6, 2, True, mma_trigger=True),
-               C(64, 128, 6, 1, evict_hints=True, trigger_first=True), C(64, 64, 6, 3, True, True, trigger_first=True)]
+               C(64, 128, 6, 1, evict_hints=True, trigger_first=True), C(64, 64, 6, 3, True, True, trigger_first=True),
+               C(64, 64, 6, 3, True, True, push_partials=True), C(128, 64, 4, 2, push_partials=True),
+               C(64, 128, 4, 8, True, True, trigger_first=True, push_partials=True)]
 
 
 @pytest.mark.gpu
@@ -199,7 +208,8 @@ def compiled_variants():
     out += [(bf, 16, C(64, 64, 8, 3), False, r, False) for r in (False, True)]
     out += [(bf, m, wg.pick(m, n, k), False, True, False)
             for m, n, k in [(16, 7168, 3584), (8, 3584, 7168), (16, 896, 7168), (12, 4608, 7168)]]
-    out += [(bf, 16, c, False, False, st) for c in (C(64, 64, 8, 2), C(64, 128, 6, 2, True, True, trigger_first=True))
+    out += [(bf, 16, c, False, False, st) for c in (C(64, 64, 8, 2), C(64, 128, 6, 2, True, True, trigger_first=True),
+                                                     C(64, 128, 4, 8, True, True, trigger_first=True, push_partials=True))
             for st in (False, True)]
     out += [(bf, mb, cfg, False, True, st) for st in (False, True) for (mb, n, k), cfg in table_picks(st).items()]
     return list(dict.fromkeys(out))
@@ -214,7 +224,8 @@ def test_table_picks_match_reference(static_weight):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [C(64, 64, 8, 2), C(64, 128, 6, 2, True, True, trigger_first=True)],
+@pytest.mark.parametrize("cfg", [C(64, 64, 8, 2), C(64, 128, 6, 2, True, True, trigger_first=True),
+                                 C(64, 128, 4, 8, True, True, trigger_first=True, push_partials=True)],
                          ids=lambda c: c.tag())
 @pytest.mark.parametrize("static_weight", [False, True], ids=["dynamic_w", "static_w"])
 def test_cuda_graph_chained_products(cfg, static_weight):

@@ -55,6 +55,16 @@ still loads A, runs its MMAs, sums the split-K partials and stores, a chain that
 4.8 µs for a 3.05 µs floor). The gain is largest where a block holds its whole weight share before the wait (7168x768,
 96 KB rings on 112 blocks: 4.13 -> 3.22 µs); grids of ~100 KB blocks two to an SM lose with it (2112x7168 M8/16).
 
+What that chain costs (benchmarks/results/skinny_gemm_h200_s10_chain_diag.log, timing-only variants of the wgmma
+picks): in the router's split-K cluster (8 blocks) the reduction through distributed shared memory took 0.85 µs at
+M1 and 1.3 µs at M8 of 4.8 / 5.5, the MMAs 0.3, A's loads after the wait 0.15; in 7168x768's single blocks A's loads
+after the wait took 0.7 of 3.5 µs. ``push_partials`` (the wgmma kernel, ``cute_wgmma.py``) replaces the reduction's
+barriers and remote loads by one-way pushes: the router went to 4.36-4.66 µs at M1-8 with a static weight (4.76-5.38
+before), 1536x7168 to 6.1-6.4 (6.9-7.4), and every split-K wgmma pick gained 2-15% (.scratch/s10 run 6;
+benchmarks/results/skinny_gemm_h200_s10_push.log). With the reduction cheap, split-K also pays where K is short (run 7:
+7168x768 and 7168x1536 in clusters of 2, blocks of 48-96 KB that hold their whole share, several to an SM) and
+2112x7168 takes clusters of 3 (8.2-8.7 µs against 8.8-9.0).
+
 A table entry names the kernel as well as its configuration: a ``SkinnyConfig`` runs ``cute.py``'s mma.sync
 kernel, a ``WgmmaConfig`` (``cute_wgmma.py``) the warpgroup-MMA kernel; both sit behind the op's one "cute" backend
 (``cute.skinny_gemm_cute``, ``cute.profitable``, ``cute.warmup`` and ``cute_compile.compile_kernel`` follow the
@@ -138,6 +148,7 @@ KernelConfig = Union[SkinnyConfig, WgmmaConfig]  # a table entry: which CuTe ker
 _H = dict(evict_hints=True)  # WgmmaConfig: TMA L2 hints (the weight evict-first, A evict-last)
 _PH = dict(producer_warp=True, evict_hints=True)  # ... and a producer warp issuing the TMA loads
 _HF, _PHF = dict(_H, trigger_first=True), dict(_PH, trigger_first=True)  # ... and (static weight) the trigger first
+_PPH, _PPHF = dict(_PH, push_partials=True), dict(_PHF, push_partials=True)  # ... split-K partials pushed to their owner
 
 
 # Measured on one H200 (bf16, 2026-11-30, fourth session, copy ceilings 4.218-4.244 TB/s): sweeps of
@@ -160,44 +171,18 @@ TABLE: dict[tuple[int, int, int], Optional[KernelConfig]] = {
     (4, 20480, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=16),  # 71.99 µs vs cuBLAS 78.45
     (8, 20480, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=16),  # 75.69 µs vs cuBLAS 82.37
     (16, 20480, 7168): None,  # cuBLAS 79.02 µs vs CuTe 87.62 (static 84.26)
-    (1, 4608, 7168): WgmmaConfig(128, 64, 10, 3, **_PH),  # 17.51 µs vs op 18.43 (wg r3)
-    (2, 4608, 7168): WgmmaConfig(128, 64, 10, 3, **_PH),  # 17.65 µs vs op 17.76 (wg r3)
-    (4, 4608, 7168): WgmmaConfig(128, 64, 10, 3, **_PH),  # 18.12 µs vs op 18.20 (wg r3)
-    (8, 4608, 7168): WgmmaConfig(128, 64, 10, 3, **_PH),  # 18.48 µs vs op 18.72 (wg r3)
-    # 16 x 4608: 19.48 µs vs op (Triton) 19.33, a tie; with static weight 17.86 vs 19.39 (wg r3)
-    (16, 4608, 7168): WgmmaConfig(128, 64, 10, 3, **_PH),
-    (1, 3584, 7168): WgmmaConfig(128, 64, 8, 4, **_PH),  # 13.99 µs vs op 14.21 (wg r2)
-    (2, 3584, 7168): WgmmaConfig(128, 64, 8, 4, **_PH),  # 14.07 µs vs op 14.29 (wg r2)
-    (4, 3584, 7168): WgmmaConfig(128, 64, 8, 4, **_PH),  # 14.32 µs vs op 14.69 (wg r2)
-    (8, 3584, 7168): WgmmaConfig(64, 64, 12, 2, **_PH),  # 14.47 µs vs op 14.96 (wg r2)
-    (16, 3584, 7168): WgmmaConfig(64, 64, 12, 2, **_PH),  # 15.94 µs vs Triton 16.30, cuBLAS 17.90 (c6 r3)
     (1, 7168, 3584): WgmmaConfig(64, 128, 6, 1, **_H),  # 13.52 µs vs op 14.58 (wg r2)
     (2, 7168, 3584): WgmmaConfig(64, 128, 6, 1, **_H),  # 13.54 µs vs op 14.81 (wg r2)
     (4, 7168, 3584): WgmmaConfig(64, 128, 6, 1, **_H),  # 13.60 µs vs op 15.09 (wg r2)
     (8, 7168, 3584): WgmmaConfig(64, 128, 6, 1, **_H),  # 13.62 µs vs op 14.59 (Triton) (wg r2)
     (16, 7168, 3584): WgmmaConfig(64, 128, 6, 1, **_H),  # 13.51 µs vs op 14.43 (Triton) (wg r2)
-    (1, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 9.25 µs vs cuBLAS 13.36
-    (2, 2112, 7168): SkinnyConfig(2, 1, 4, 2, stages=3, split_k=2, a_ring=True, a_l1=True),  # 9.72 µs vs 10.09 (c5 r4)
-    (4, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 10.70 µs vs cuBLAS 13.37
-    (8, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16),  # 11.20 µs vs cuBLAS 13.44
-    (16, 2112, 7168): WgmmaConfig(64, 64, 12, 2, **_PH),  # 10.98 µs vs Triton 11.15, cuBLAS 13.38 (c6 r3)
     (1, 1536, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16, a_ring=True, a_l1=True),  # 7.15 µs vs 7.58 (c5 r4)
     (2, 1536, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16, a_ring=True, a_l1=True),  # 7.32 µs vs 7.81 (c5 r4)
-    (4, 1536, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16, a_ring=True, a_l1=True),  # 7.61 µs vs 8.68 (c5 r4)
-    # 8 / 16 x 1536 (c6 r3): rg2-wn1-wk8 with A through the ring 7.67 µs (a_l1) / 9.26 against the c5 picks
-    # (rg2-wn1-wk4-c2-a-ca) 8.37 / 10.54, Triton 10.02 / 10.19, cuBLAS 10.80 / 10.89
-    (8, 1536, 7168): SkinnyConfig(2, 1, 8, 2, stages=3, l2_kb=16, a_ring=True, a_l1=True),
-    (16, 1536, 7168): SkinnyConfig(2, 1, 8, 2, stages=3, l2_kb=16, a_ring=True),
     (1, 7168, 1536): SkinnyConfig(1, 1, 4, 4),  # 7.68 µs vs cuBLAS 8.29
     (2, 7168, 1536): SkinnyConfig(1, 1, 4, 4),  # 7.75 µs vs cuBLAS 8.35
     (4, 7168, 1536): SkinnyConfig(1, 1, 4, 4),  # 7.88 µs vs cuBLAS 8.41
     (8, 7168, 1536): WgmmaConfig(64, 64, 8, 1, **_H),  # 7.18 µs vs op 8.25 (wg r3)
     (16, 7168, 1536): WgmmaConfig(64, 64, 8, 1, **_H),  # 7.17 µs vs op 8.66 (wg r3)
-    (1, 896, 7168): SkinnyConfig(1, 1, 8, 2, stages=4, a_ring=True, a_l1=True),  # 5.22 µs vs 5.32, cuBLAS 8.72 (c5 r4)
-    (2, 896, 7168): SkinnyConfig(1, 1, 8, 2, stages=4, a_ring=True, a_l1=True),  # 5.33 µs vs 5.46, cuBLAS 8.80 (c5 r4)
-    (4, 896, 7168): SkinnyConfig(1, 1, 8, 2, stages=4, a_ring=True, a_l1=True),  # 5.52 µs vs 5.81, cuBLAS 8.74 (c5 r4)
-    (8, 896, 7168): WgmmaConfig(64, 128, 6, 8, **_PH),  # 5.75-5.86 µs vs op 6.03-6.21 (wg r2-r3)
-    (16, 896, 7168): WgmmaConfig(64, 128, 6, 8, **_PH),  # 6.43-6.58 µs vs op 6.96-7.16 (wg r2-r3)
     (1, 7168, 768): SkinnyConfig(1, 1, 4, 4, early=True, l2_kb=12),  # 4.46 µs vs cuBLAS 5.53
     (2, 7168, 768): SkinnyConfig(1, 1, 4, 4, early=True, l2_kb=12),  # 4.48 µs vs cuBLAS 5.53
     (4, 7168, 768): SkinnyConfig(1, 1, 4, 4, early=True, l2_kb=12),  # 4.51 µs vs cuBLAS 5.56
@@ -208,54 +193,59 @@ TABLE: dict[tuple[int, int, int], Optional[KernelConfig]] = {
     (4, 2304, 1536): SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=24),  # 3.81 µs vs cuBLAS 5.43
     (8, 2304, 1536): SkinnyConfig(1, 1, 4, 4, early=True, l2_kb=24),  # 3.93 µs vs cuBLAS 5.44
     (16, 2304, 1536): SkinnyConfig(1, 1, 4, 4, early=True, l2_kb=24),  # 4.43 µs vs cuBLAS 5.51
+    # The tenth session's push_partials (split-K partials sent to their owner block, no cluster barrier; run 6 of
+    # .scratch/s10, benchmarks/results/skinny_gemm_h200_s10_push.log): µs against the entry it replaced, same run
+    **{(m, 896, 7168): WgmmaConfig(64, 128, 6, 8, **_PPH) for m in (1, 2, 4, 8, 16)},  # 4.97 / 4.96 / 5.02 / 5.13 /
+    #                                                                       5.18 vs 5.15 / 5.33 / 5.43 / 5.76 / 6.37
+    **{(m, 1536, 7168): WgmmaConfig(64, 128, 4, 8, **_PPH) for m in (4, 8, 16)},  # 7.27 / 7.41 / 7.63 vs 7.57 / 7.62 /
+    #                                                                              9.84
+    **{(m, 2112, 7168): WgmmaConfig(64, 128, 7, 2, **_PPH) for m in (1, 2, 4, 8, 16)},  # 9.14 / 9.18 / 9.21 / 9.22 /
+    #                                                                       9.40 vs 9.29 / 9.54 / 10.66 / 11.55 / 10.86
+    **{(m, 3584, 7168): WgmmaConfig(128, 64, 8, 4, **_PPH) for m in (1, 2, 4, 8, 16)},  # 13.94 / 13.98 / 14.05 /
+    #                                                               14.39 / 14.42 vs 14.21 / 14.35 / 14.55 / 14.87 / 16.02
+    **{(m, 4608, 7168): WgmmaConfig(128, 64, 10, 3, **_PPH) for m in (1, 2, 4, 8, 16)},  # 17.80 / 17.96 / 18.12 /
+    #                                                               18.12 / 18.56 vs 18.15 / 18.32 / 18.67 / 18.98 / 20.32
 }
 
 
 # Where a proven-static weight (``static_weight=True``) measured faster with another configuration (same sweeps:
 # > 2% in sweeps 1-2, > 3% in sweep 4).
 TABLE_STATIC: dict[tuple[int, int, int], KernelConfig] = {
-    (2, 1536, 7168): SkinnyConfig(2, 1, 4, 2, stages=4, split_k=4, early=True, a_ring=True),  # 7.53 µs vs 7.83 (c4 r1)
-    (8, 1536, 7168): WgmmaConfig(128, 64, 8, 8, **_PH),  # 7.52 µs vs op+st 8.05 (wg r3)
-    (4, 896, 7168): SkinnyConfig(1, 1, 4, 2, stages=5, split_k=4, early=True, a_ring=True, a_l1=True),  # 5.13 vs 5.66 (c5 r4)
-    (2, 896, 7168): SkinnyConfig(1, 1, 4, 2, stages=5, split_k=4, early=True, a_ring=True, a_l1=True),  # 5.00 vs 5.27 (c5 r4)
-    (2, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, split_k=2, early=True, a_ring=True, a_l1=True),  # 9.00 vs 9.50 (c5 r4)
-    (4, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, split_k=2, early=True, a_ring=True, a_l1=True),  # 9.26 vs 10.01 (c5 r4)
     (16, 2304, 1536): SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=24),  # 4.36 µs vs 4.59 (c5 r2)
     # the wgmma kernel, static weight (wg r2-r3; c6 r3): where it differs from TABLE's entry
     # 7168x3584: the weight requested after the PDL wait (early_w=False) measured faster, 13.5-13.6 µs (with it
     # 14.0-14.1) vs op+st 13.88-14.42
     **{(m, 7168, 3584): WgmmaConfig(64, 128, 6, 1, early_w=False, **_H) for m in (1, 2, 4, 8)},
-    **{(m, 3584, 7168): WgmmaConfig(128, 64, 8, 4, **_PH) for m in (1, 2, 4, 8)},  # 13.04/13.08/13.30/13.73 µs vs
-    #                                                                              op+st 14.05/14.11/14.42/14.82
-    (16, 1536, 7168): WgmmaConfig(64, 64, 12, 2, **_PH),  # 8.33 µs vs TABLE's 9.39 (c6 r3)
     # The tenth session's trigger_first (the next product may launch as our blocks start; static weight only), from
     # its tuning runs 1-4 (benchmarks/results/skinny_gemm_h200_s10_sweeps.log): µs, the mean of the runs that timed
     # the pick, against the entry it replaced in the same runs (those entries: the c4-c6 and wg picks of the earlier
     # sessions, or TABLE's)
-    **{(m, 7168, 768): cfg for m, cfg in (  # a ring holding the block's whole 96 KB share, 112 blocks
-        (1, WgmmaConfig(64, 64, 12, 1, **_HF)),    # 3.22 µs vs 4.13 (r1-r4)
-        (2, WgmmaConfig(64, 128, 6, 1, **_PHF)),   # 3.38 vs 3.92 (r2-r4)
-        (4, WgmmaConfig(64, 128, 6, 1, **_PHF)),   # 3.36 vs 4.14 (r2-r4)
-        (8, WgmmaConfig(64, 128, 6, 1, **_HF)),    # 3.59 vs 4.25 (r1-r4)
-        (16, WgmmaConfig(64, 128, 6, 1, **_HF)))},  # 3.92 vs 4.38 (r1-r4)
-    **{(m, 7168, 1536): SkinnyConfig(2, 1, 4, 2, stages=4, early=True, a_ring=True, a_l1=True, trigger_first=True)
-       for m in (1, 2, 4)},  # 6.11 / 6.23 / 6.37 µs vs 6.18 / 7.16 / 7.15 (r1-r4, r2-r4)
+    # 7168x768 M 1 / 2: a ring holding the block's whole 96 KB share, 112 blocks (M 4-16: run 7 below)
+    (1, 7168, 768): WgmmaConfig(64, 64, 12, 1, **_HF),    # 3.22 µs vs 4.13 (r1-r4)
+    (2, 7168, 768): WgmmaConfig(64, 128, 6, 1, **_PHF),   # 3.38 vs 3.92 (r2-r4)
     (8, 7168, 1536): WgmmaConfig(64, 128, 6, 1, **_HF),   # 6.43 µs vs 7.13 (r3-r4)
     (16, 7168, 1536): WgmmaConfig(64, 128, 6, 1, **_HF),  # 6.44 µs vs 7.13 (r3-r4)
-    (1, 896, 7168): WgmmaConfig(64, 128, 7, 8, **_PHF),   # 4.82 µs vs 4.89 (r1-r4, ahead in each)
-    (8, 896, 7168): WgmmaConfig(64, 128, 7, 8, **_PHF),   # 5.43 µs vs 5.75 (r1-r4)
-    (1, 1536, 7168): WgmmaConfig(64, 128, 5, 8, **_PHF),  # 6.89 µs vs 7.02 (r3-r4)
-    (4, 1536, 7168): SkinnyConfig(2, 1, 4, 2, stages=4, split_k=4, early=True, a_ring=True, a_l1=True,
-                                  trigger_first=True),     # 7.15 µs vs 7.39 (r3-r4)
-    (1, 2112, 7168): SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16, trigger_first=True),  # 8.73 µs vs 9.26 (r1-r4)
-    # 8 / 16 x 2112: a seventh ring stage, trigger after the K loop (-tf measured slower here: 9.6-10.2 µs)
-    (8, 2112, 7168): WgmmaConfig(64, 128, 7, 2, **_PH),   # 8.97 µs vs 11.15, s6 9.17 (r4)
-    (16, 2112, 7168): WgmmaConfig(64, 128, 7, 2, **_PH),  # 9.12 µs vs 9.52, s6 9.46 (r4)
     **{(m, 2304, 1536): SkinnyConfig(1, 1, 8, 2, stages=4, a_ring=True, a_l1=True, trigger_first=True)
        for m in (1, 2, 4, 8)},  # 2.83 / 2.95 / 3.13 / 3.58 µs vs 3.44 / 3.36 / 3.77 / 3.88 (r3-r4)
-    (1, 4608, 7168): WgmmaConfig(128, 64, 10, 3, **_PHF),  # 16.34 µs vs 16.70 (r2-r4)
-    (2, 4608, 7168): WgmmaConfig(128, 64, 10, 3, **_PHF),  # 16.43 µs vs 16.74 (r2-r4)
     (16, 7168, 3584): WgmmaConfig(64, 128, 6, 1, **_HF),   # 13.09 µs vs 13.51 (r2-r4)
+    # push_partials with the trigger first (run 6, as TABLE's): µs against the entry it replaced, same run
+    **{(m, 896, 7168): WgmmaConfig(64, 128, 7, 8, **_PPHF) for m in (1, 2, 4, 8, 16)},  # 4.36 / 4.46 / 4.51 / 4.66 /
+    #                                                                       5.00 vs 4.76 / 4.94 / 5.04 / 5.38 / 6.05
+    **{(m, 1536, 7168): WgmmaConfig(64, 128, 5, 8, **_PPHF) for m in (1, 2, 4, 8, 16)},  # 6.13 / 6.10 / 6.24 / 6.39
+    #                                                                       / 7.05 vs 6.88 / 7.19 / 7.19 / 7.37 / 8.37
+    **{(m, 3584, 7168): WgmmaConfig(128, 64, 8, 4, **_PPHF) for m in (1, 2, 4, 8, 16)},  # 12.74 / 12.90 / 13.34 /
+    #                                                               13.46 / 13.56 vs 13.23 / 13.33 / 13.68 / 14.17 / 14.17
+    **{(m, 4608, 7168): WgmmaConfig(128, 64, 10, 3, **_PPHF) for m in (1, 2, 4, 8, 16)},  # 16.28 / 16.58 / 16.79 /
+    #                                                               16.99 / 17.41 vs 16.77 / 16.86 / 17.26 / 17.66 / 18.62
+    # run 7: with the partials pushed, split-K pays on the short-K shapes too (small blocks holding their whole
+    # share, several to an SM), and 2112x7168 takes a cluster of 3 (99 blocks); µs against the picks of runs 1-6
+    (4, 7168, 768): WgmmaConfig(64, 128, 3, 2, **_PPHF),   # 3.44 vs 3.57
+    (8, 7168, 768): WgmmaConfig(64, 128, 3, 2, **_HF, push_partials=True),   # 3.44 vs 3.58
+    (16, 7168, 768): WgmmaConfig(64, 128, 3, 2, **_HF, push_partials=True),  # 3.67 vs 3.92
+    **{(m, 7168, 1536): WgmmaConfig(64, 128, 6, 2, **_PPHF) for m in (1, 2, 4)},  # 6.00 / 5.95 / 6.17 vs 6.19 / 6.21
+    #                                                                              / 6.41 (rg2-wn1-wk4-u2-s4-e-a-ca-tf)
+    **{(m, 2112, 7168): WgmmaConfig(64, 128, 7, 3, **_PPHF) for m in (1, 2, 4, 8, 16)},  # 8.17 / 8.21 / 8.40 / 8.50
+    #                                                                       / 8.73 vs 8.78 / 8.80 / 8.95 / 8.78 / 8.99
 }
 
 

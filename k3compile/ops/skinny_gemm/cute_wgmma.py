@@ -16,6 +16,10 @@ thread), so the kernel is one warpgroup that streams; its only job is to keep en
 Split-K across a thread-block cluster (``split_k``): the cluster's blocks take contiguous K ranges of the same
 rows; each writes its partial tile to shared memory, and after a cluster barrier each block sums its share of the
 outputs over every block's tile through distributed shared memory (no workspace, no L2 round trip, CUDA-graph safe).
+With ``push_partials`` each block instead sends every other block the partial sums of that block's outputs
+(``st.async`` into its shared memory, counted on one mbarrier there) and sums what it received: the cluster barrier,
+the round trip of remote loads and the closing barrier (our shared memory must outlive the others' reads) all go,
+and the barrier that checks the cluster is up is arrived at the kernel's start and waited on at the end of the K loop.
 The epilogue adds bias / residual and stores C coalesced along N. Options (``WgmmaConfig``): a fifth warp that only
 issues the TMA loads, L2 eviction hints on them, and the PDL trigger right after the wait.
 
@@ -66,12 +70,15 @@ class WgmmaConfig:
     trigger_first: bool = False  # PDL, static weight only: the next kernel may launch as soon as our blocks start,
     #                              so several products' weights stream at once (the other trigger places then do
     #                              nothing; without a static weight this flag does nothing)
+    push_partials: bool = False  # (split_k > 1) each block sends the others their outputs' partial sums (st.async
+    #                              into their shared memory) instead of reading everyone's after a cluster barrier
 
     def tag(self) -> str:
         return (f"wg-n{self.block_n}-k{self.block_k}-s{self.stages}-c{self.split_k}"
                 + ("-pw" if self.producer_warp else "") + ("-h" if self.evict_hints else "")
                 + ("-e" if self.early else "") + ("-tm" if self.mma_trigger else "")
-                + ("" if self.early_w else "-nw") + ("-tf" if self.trigger_first else ""))
+                + ("" if self.early_w else "-nw") + ("-pp" if self.push_partials else "")
+                + ("-tf" if self.trigger_first else ""))
 
     def invalid(self) -> Optional[str]:
         """None when the kernel can be built with this configuration, else why not."""
@@ -83,6 +90,8 @@ class WgmmaConfig:
             return f"stages={self.stages}: must be 2..16"
         if not 1 <= self.split_k <= 8:
             return f"split_k={self.split_k}: must be 1..8 (portable cluster size)"
+        if self.push_partials and self.split_k == 1:
+            return "push_partials: a single block has no partial sums to send (split_k=1)"
         if self.early and self.mma_trigger:
             return "early and mma_trigger: the next kernel launches after our wait or after our K loop, not both"
         if self.smem_bytes(16) > SMEM_LIMIT:
@@ -98,8 +107,14 @@ class WgmmaConfig:
         return self._weight_ring_and_rest(m) + self.norm_a_tiles(m) * self._norm_per_tile(m)
 
     def _weight_ring_and_rest(self, m: int) -> int:
-        """The weight's ring stages, the partial tile and the barriers and alignment around them."""
-        return 1024 + self.stages * self.block_n * self.block_k * 2 + 1024 + self.block_n * (m_pad(m) + 1) * 4 + 1024
+        """The weight's ring stages, the partial tile and the barriers and alignment around them; (push_partials) the
+        other blocks' partials of our outputs."""
+        recv = 0
+        if self.push_partials:
+            threads = 128 + (32 if self.producer_warp else 0)
+            recv = self.split_k * -(-(self.block_n * m) // (threads * self.split_k)) * threads * 4
+        return (1024 + self.stages * self.block_n * self.block_k * 2 + 1024 + self.block_n * (m_pad(m) + 1) * 4 + 1024
+                + recv)
 
     def _norm_per_tile(self, m: int) -> int:
         return m_pad(m) * self.block_k * 2 + self.block_k * 2 + 16   # A tile, g, two barriers

@@ -47,6 +47,19 @@ def kernel_class():
         )
         return cutlass.Float32(res)
 
+    @dsl_user_op
+    def st_async_f32(addr, value, rank, bar, *, loc=None, ip=None):
+        """Store fp32 ``value`` at shared address ``addr`` of the cluster's block ``rank`` and count its 4 bytes on
+        that block's mbarrier ``bar`` (the same shared addresses as ours: the blocks share one layout)."""
+        llvm.inline_asm(
+            None, [addr.ir_value(loc=loc, ip=ip), value.ir_value(loc=loc, ip=ip), rank.ir_value(loc=loc, ip=ip),
+                   bar.ir_value(loc=loc, ip=ip)],
+            "{ .reg .b32 ra, rb; mapa.shared::cluster.u32 ra, $0, $2; mapa.shared::cluster.u32 rb, $3, $2; "
+            "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [ra], $1, [rb]; }",
+            "r,f,r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+            loc=loc, ip=ip,
+        )
+
     class WgmmaSkinnyGemm:
         """C[M, N] = A[M, K] · W[N, K]ᵀ (+ bias[N]) (+ R[M, N]), weight rows on wgmma's M side; with ``norm_eps``
         C = rsqrt(mean(A², K) + eps) · ((A·g) · Wᵀ) + R."""
@@ -64,6 +77,9 @@ def kernel_class():
             # PDL: the next kernel may launch as our blocks start, only where the weight is proven static
             # (static_weights.py says why that is safe); a block's first trigger counts, later ones do nothing
             self.trigger_first = cfg.trigger_first and static_weight
+            self.push = cfg.push_partials and cfg.split_k > 1
+            if self.push and norm_eps is not None:
+                raise ValueError("push_partials: the fused-norm tail sums its row norms across the cluster by reads")
             self.norm = norm_eps is not None
             self.eps = 0.0 if norm_eps is None else float(norm_eps)
             # warps 0-3 the MMA warpgroup, (norm) the norm warps, then (pw) the producer warp. A norm thread takes 8
@@ -74,6 +90,8 @@ def kernel_class():
             # (norm) A's K share stays resident, so the ring carries only the weight
             self.a_tiles = cfg.norm_a_tiles(m) if self.norm else self.stages
             self.tx_bytes = (self.bn + (0 if self.norm else self.mp)) * self.bk * dtype.width // 8
+            # outputs a thread stores: q·threads + tidx + j·threads·ks, j < iters (the epilogue's order)
+            self.iters = -(-(self.bn * m) // (self.threads * self.ks))
 
         @cute.jit
         def __call__(self, mA: cute.Tensor, mW: cute.Tensor, mC: cute.Tensor, mBias, mRes, mG, stream):
@@ -101,6 +119,10 @@ def kernel_class():
                 a_bars: cute.struct.MemRange[cutlass.Int64, 2 * self.a_tiles if self.norm else 1]
                 sG: cute.struct.Align[cute.struct.MemRange[self.dtype, self.a_tiles * self.bk if self.norm else 8], 16]
                 ssq: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 16], 16]
+                # (push_partials) the other blocks' partials of our outputs, [rank, j, thread], and their mbarrier
+                recv: cute.struct.Align[cute.struct.MemRange[
+                    cutlass.Float32, self.ks * self.iters * self.threads if self.push else 4], 16]
+                recv_bar: cute.struct.MemRange[cutlass.Int64, 1]
 
             self.storage = Storage
             n = mW.shape[0]
@@ -135,6 +157,10 @@ def kernel_class():
             st = smem.allocate(self.storage)
             a_landed = st.a_bars.data_ptr()        # (norm) tile t: a_landed + t, a_scaled + t
             a_scaled = a_landed + AT
+            if cutlass.const_expr(self.push):
+                if tidx == 0:  # one arrival: ours, with the bytes the other blocks will push
+                    cute.arch.mbarrier_init(st.recv_bar.data_ptr(), 1)
+                    cute.arch.mbarrier_init_fence()
             if cutlass.const_expr(self.norm):
                 if tidx == 0:  # initialised before the pipeline's own fence and barrier
                     for t in cutlass.range_constexpr(AT):
@@ -145,6 +171,10 @@ def kernel_class():
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),  # one arrive per MMA warp
                 tx_count=self.tx_bytes)
+            if cutlass.const_expr(self.push):
+                # the cluster's blocks are running and their mbarriers initialised once every block has arrived here;
+                # the matching wait sits just before the pushes, so this barrier hides under the K loop
+                cute.arch.cluster_arrive()
             sW = st.sW.get_tensor(w_layout.outer, swizzle=w_layout.inner)
             sA = st.sA.get_tensor(a_layout.outer, swizzle=a_layout.inner)
 
@@ -259,7 +289,8 @@ def kernel_class():
                 tCred = thr.partition_C(red)
                 for j in cutlass.range_constexpr(cute.size(acc)):
                     tCred[j] = acc[j]
-            self.epilogue(mC, mBias, mRes, red, ssq, tidx, q, rb * BN, K)
+            recv = cute.make_tensor(st.recv.data_ptr(), cute.make_layout((KS * self.iters * self.threads,)))
+            self.epilogue(mC, mBias, mRes, red, ssq, recv, st.recv_bar.data_ptr(), tidx, q, rb * BN, K)
 
         @cute.jit
         def wait_previous(self):
@@ -371,7 +402,8 @@ def kernel_class():
                 ssq[r] = ss
 
         @cute.jit
-        def epilogue(self, mC: cute.Tensor, mBias, mRes, red: cute.Tensor, ssq: cute.Tensor, tidx, q, n0, K):
+        def epilogue(self, mC: cute.Tensor, mBias, mRes, red: cute.Tensor, ssq: cute.Tensor, recv: cute.Tensor,
+                     recv_bar, tidx, q, n0, K):
             """Sum the cluster's partial tiles (this block: outputs q, q + KS, ... in C's row-major order) and store;
             (norm) the rows' Σx² are summed over the cluster the same way."""
             M: cutlass.Constexpr = self.m
@@ -379,23 +411,14 @@ def kernel_class():
             KS: cutlass.Constexpr = self.ks
             NT: cutlass.Constexpr = self.threads
             N = mC.shape[1]
-            if cutlass.const_expr(self.has_bias or self.has_res):
+            if cutlass.const_expr(self.push):
+                self.epilogue_pushed(mC, mBias, mRes, red, recv, recv_bar, tidx, q, n0, N)
+            elif cutlass.const_expr(self.has_bias or self.has_res):
                 # this thread's outputs: q·NT + tidx + j·NT·KS in C's row-major order over the block's [M, BN]
-                ITER: cutlass.Constexpr = -(-(BN * M) // (NT * KS))
-                # bias and residual for all of them first, before the barrier: issued together, one memory latency
-                # (loaded inside the store loop they cost one each, ~2 µs at M16)
+                ITER: cutlass.Constexpr = self.iters
                 bv = cute.make_rmem_tensor((ITER,), cutlass.Float32)
                 rv = cute.make_rmem_tensor((ITER,), cutlass.Float32)
-                for j in cutlass.range_constexpr(ITER):
-                    idx = q * NT + tidx + j * NT * KS
-                    n = n0 + idx % BN
-                    bv[j] = cutlass.Float32(0.0)
-                    rv[j] = cutlass.Float32(0.0)
-                    if idx < BN * M and n < N:
-                        if cutlass.const_expr(self.has_bias):
-                            bv[j] = mBias[n].to(cutlass.Float32)
-                        if cutlass.const_expr(self.has_res):
-                            rv[j] = mRes[idx // BN, n].to(cutlass.Float32)
+                self.load_bias_residual(bv, rv, mBias, mRes, tidx, q, n0, N)
                 self.partials_ready()
                 for j in cutlass.range_constexpr(ITER):
                     idx = q * NT + tidx + j * NT * KS
@@ -406,10 +429,75 @@ def kernel_class():
                 self.partials_ready()
                 for idx in cutlass.range(q * NT + tidx, BN * M, NT * KS, unroll=1):
                     self.store_output(mC, red, ssq, idx, n0, N, K, cutlass.Float32(0.0), cutlass.Float32(0.0))
-            if cutlass.const_expr(KS > 1):
+            if cutlass.const_expr(KS > 1 and not self.push):
                 # keep our shared memory alive until every block of the cluster has read it
                 cute.arch.cluster_arrive_relaxed()
                 cute.arch.cluster_wait()
+
+        @cute.jit
+        def load_bias_residual(self, bv: cute.Tensor, rv: cute.Tensor, mBias, mRes, tidx, q, n0, N):
+            """bias and residual of this thread's outputs (q·threads + tidx + j·threads·ks of the block's [M, BN], j <
+            iters) into bv / rv, all issued together before the cluster's partials are summed: one memory latency
+            (loaded inside the store loop they cost one each, ~2 µs at M16); zeros where there is none."""
+            M: cutlass.Constexpr = self.m
+            BN: cutlass.Constexpr = self.bn
+            KS: cutlass.Constexpr = self.ks
+            NT: cutlass.Constexpr = self.threads
+            for j in cutlass.range_constexpr(self.iters):
+                idx = q * NT + tidx + j * NT * KS
+                n = n0 + idx % BN
+                bv[j] = cutlass.Float32(0.0)
+                rv[j] = cutlass.Float32(0.0)
+                if idx < BN * M and n < N:
+                    if cutlass.const_expr(self.has_bias):
+                        bv[j] = mBias[n].to(cutlass.Float32)
+                    if cutlass.const_expr(self.has_res):
+                        rv[j] = mRes[idx // BN, n].to(cutlass.Float32)
+
+        @cute.jit
+        def epilogue_pushed(self, mC: cute.Tensor, mBias, mRes, red: cute.Tensor, recv: cute.Tensor, recv_bar, tidx,
+                            q, n0, N):
+            """(push_partials) Each block sends every other block the partial sums of that block's outputs
+            (st.async into its ``recv``, counted on its mbarrier), then sums the ones it received for its own: one
+            way through the cluster instead of a barrier, a round trip of remote loads and a second barrier."""
+            M: cutlass.Constexpr = self.m
+            BN: cutlass.Constexpr = self.bn
+            KS: cutlass.Constexpr = self.ks
+            NT: cutlass.Constexpr = self.threads
+            IT: cutlass.Constexpr = self.iters
+            bv = cute.make_rmem_tensor((IT,), cutlass.Float32)
+            rv = cute.make_rmem_tensor((IT,), cutlass.Float32)
+            self.load_bias_residual(bv, rv, mBias, mRes, tidx, q, n0, N)   # under the pushes
+            cute.arch.sync_threads()   # our partial tile is whole
+            cute.arch.cluster_wait()   # every block of the cluster runs, its mbarrier initialised (kernel start)
+            bar = recv_bar.toint()
+            for d in cutlass.range_constexpr(1, KS):
+                dst = (q + d) % KS
+                for j in cutlass.range_constexpr(IT):
+                    idx = dst * NT + tidx + j * NT * KS
+                    if idx < BN * M:
+                        slot = recv.iterator + ((q * IT + j) * NT + tidx)
+                        st_async_f32(slot.toint(), red[idx % BN, idx // BN], cutlass.Int32(dst), bar)
+            if tidx == 0:
+                # the bytes the other KS - 1 blocks send us: 4 for each of our outputs below BN * M
+                owned = cutlass.Int32(0)
+                for j in cutlass.range_constexpr(IT):
+                    owned = owned + cutlass.max(cutlass.min(BN * M - (q * NT + j * NT * KS), NT), 0)
+                cute.arch.mbarrier_arrive_and_expect_tx(recv_bar, owned * (4 * (KS - 1)))
+            cute.arch.mbarrier_wait(recv_bar, 0)
+            for j in cutlass.range_constexpr(IT):
+                idx = q * NT + tidx + j * NT * KS
+                n = n0 + idx % BN
+                if idx < BN * M and n < N:
+                    s = red[idx % BN, idx // BN]
+                    for r in cutlass.range_constexpr(KS):
+                        if r != q:
+                            s = s + recv[(r * IT + j) * NT + tidx]
+                    if cutlass.const_expr(self.has_bias):
+                        s = s + bv[j]
+                    if cutlass.const_expr(self.has_res):
+                        s = s + rv[j]
+                    mC[idx // BN, n] = s.to(self.dtype)
 
         @cute.jit
         def partials_ready(self):
