@@ -109,19 +109,23 @@ class WgmmaConfig:
     def _weight_ring_and_rest(self, m: int) -> int:
         """The weight's ring stages, the partial tile and the barriers and alignment around them; (push_partials) the
         other blocks' partials of our outputs."""
-        recv = 0
-        if self.push_partials:
-            threads = 128 + (32 if self.producer_warp else 0)
-            recv = self.split_k * -(-(self.block_n * m) // (threads * self.split_k)) * threads * 4
         return (1024 + self.stages * self.block_n * self.block_k * 2 + 1024 + self.block_n * (m_pad(m) + 1) * 4 + 1024
-                + recv)
+                + self.push_slots(m) * 4)
+
+    def push_slots(self, m: int) -> int:
+        """(push_partials) fp32 slots of a block's receive buffer, [rank, j, thread]: a thread stores the outputs
+        q·threads + tidx + j·threads·split_k of the block's [M, block_n] (the epilogue's order); 0 without it."""
+        if not self.push_partials:
+            return 0
+        threads = 128 + (32 if self.producer_warp else 0)   # no norm warps: the fused tail does not push
+        return self.split_k * -(-(self.block_n * m) // (threads * self.split_k)) * threads
 
     def _norm_per_tile(self, m: int) -> int:
         return m_pad(m) * self.block_k * 2 + self.block_k * 2 + 16   # A tile, g, two barriers
 
     def norm_a_tiles(self, m: int) -> int:
         """(fused tail) K tiles of A a block keeps resident: what shared memory leaves beside the ring, at most 64;
-        a block's K share must fit (``cute_wgmma.tail_supports``)."""
+        a block's K share must fit (``latent_moe_tail.cute.wgmma_fits``)."""
         return max(0, min(64, (SMEM_LIMIT - self._weight_ring_and_rest(m)) // self._norm_per_tile(m)))
 
     def blocks(self, n: int) -> int:

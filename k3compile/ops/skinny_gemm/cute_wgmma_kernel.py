@@ -92,6 +92,7 @@ def kernel_class():
             self.tx_bytes = (self.bn + (0 if self.norm else self.mp)) * self.bk * dtype.width // 8
             # outputs a thread stores: q·threads + tidx + j·threads·ks, j < iters (the epilogue's order)
             self.iters = -(-(self.bn * m) // (self.threads * self.ks))
+            self.recv_slots = cfg.push_slots(m) if self.push else 0   # (push_partials) the receive buffer
 
         @cute.jit
         def __call__(self, mA: cute.Tensor, mW: cute.Tensor, mC: cute.Tensor, mBias, mRes, mG, stream):
@@ -120,8 +121,7 @@ def kernel_class():
                 sG: cute.struct.Align[cute.struct.MemRange[self.dtype, self.a_tiles * self.bk if self.norm else 8], 16]
                 ssq: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 16], 16]
                 # (push_partials) the other blocks' partials of our outputs, [rank, j, thread], and their mbarrier
-                recv: cute.struct.Align[cute.struct.MemRange[
-                    cutlass.Float32, self.ks * self.iters * self.threads if self.push else 4], 16]
+                recv: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, max(4, self.recv_slots)], 16]
                 recv_bar: cute.struct.MemRange[cutlass.Int64, 1]
 
             self.storage = Storage
@@ -289,7 +289,7 @@ def kernel_class():
                 tCred = thr.partition_C(red)
                 for j in cutlass.range_constexpr(cute.size(acc)):
                     tCred[j] = acc[j]
-            recv = cute.make_tensor(st.recv.data_ptr(), cute.make_layout((KS * self.iters * self.threads,)))
+            recv = cute.make_tensor(st.recv.data_ptr(), cute.make_layout((max(4, self.recv_slots),)))
             self.epilogue(mC, mBias, mRes, red, ssq, recv, st.recv_bar.data_ptr(), tidx, q, rb * BN, K)
 
         @cute.jit
