@@ -49,19 +49,24 @@ def test_config_tag_spells_every_field():
     assert C(64, 64, 8, 1, True, mma_trigger=True).tag() == "wg-n64-k64-s8-c1-pw-tm"
     assert C(64, 128, 6, 1, evict_hints=True, trigger_first=True).tag() == "wg-n64-k128-s6-c1-h-tf"
     assert C(64, 128, 6, 8, True, True, push_partials=True).tag() == "wg-n64-k128-s6-c8-pw-h-pp"
+    assert C(64, 64, 7, 16, push_partials=True, owners=4).tag() == "wg-n64-k64-s7-c16-pp-o4"
     variants = [(64, 64, 8, 1), (128, 64, 8, 1), (64, 128, 8, 1), (64, 64, 4, 1), (64, 64, 8, 2),
                 (64, 64, 8, 1, True), (64, 64, 8, 1, False, True), (64, 64, 8, 1, False, False, True),
                 (64, 64, 8, 1, False, False, False, True), (64, 64, 8, 1, False, False, False, False, False),
                 (64, 64, 8, 1, False, False, False, False, True, True),
-                (64, 64, 8, 2, False, False, False, False, True, False, True)]
+                (64, 64, 8, 2, False, False, False, False, True, False, True),
+                (64, 64, 8, 2, False, False, False, False, True, False, True, 1)]
     assert len({C(*v).tag() for v in variants}) == len(variants)
 
 
 @pytest.mark.parametrize("cfg,why", [(C(32), "block_n"), (C(64, 32), "block_k"), (C(stages=1), "stages"),
-                                     (C(split_k=9), "split_k"), (C(128, 128, 16), "shared memory"),
+                                     (C(split_k=17), "split_k"), (C(128, 128, 16), "shared memory"),
                                      (C(early=True, mma_trigger=True), "not both"),
-                                     (C(split_k=1, push_partials=True), "split_k=1")],
-                         ids=["n32", "k32", "s1", "c9", "smem", "early-and-mma-trigger", "push-without-split"])
+                                     (C(split_k=1, push_partials=True), "split_k=1"),
+                                     (C(split_k=4, owners=2), "owners=2"),
+                                     (C(split_k=4, push_partials=True, owners=5), "owners=5")],
+                         ids=["n32", "k32", "s1", "c17", "smem", "early-and-mma-trigger", "push-without-split",
+                              "owners-without-push", "more-owners-than-blocks"])
 def test_config_rejects_unlaunchable(cfg, why):
     assert why in cfg.invalid()
 
@@ -70,10 +75,16 @@ def test_smem_budget_counts_ring_and_partial_tile():
     c = C(64, 64, 8, 1)
     assert c.smem_bytes(16) == 1024 + 8 * (64 + 16) * 64 * 2 + 1024 + 64 * 17 * 4 + 1024
     assert c.smem_bytes(8) < c.smem_bytes(9) == c.smem_bytes(16)
-    # push_partials: the other blocks' partials of our outputs, [split_k, outputs per thread, threads] fp32
+    # push_partials: no partial tile (a 4-float stub), but the other blocks' fragments of our outputs,
+    # [split_k, threads of an owner group (⌈128 / split_k⌉), block_n · M padded / 128] fp32
     pushed, read = C(64, 64, 8, 8, True, push_partials=True), C(64, 64, 8, 8, True)
-    assert pushed.smem_bytes(16) - read.smem_bytes(16) == 8 * 1 * 160 * 4      # 64 x 16 outputs <= 160 x 8
-    assert C(128, 64, 4, 2, push_partials=True).smem_bytes(16) - C(128, 64, 4, 2).smem_bytes(16) == 2 * 8 * 128 * 4
+    assert pushed.smem_bytes(16) - read.smem_bytes(16) == (4 - 64 * 17 + 8 * 16 * 8) * 4
+    assert pushed.smem_bytes(1) - read.smem_bytes(1) == (4 - 64 * 9 + 8 * 16 * 4) * 4
+    assert C(128, 64, 4, 3, push_partials=True).push_slots(16) == 3 * 43 * 16
+    assert C(64, 64, 7, 16, push_partials=True).push_slots(16) == 16 * 8 * 8
+    # owners: R owner groups of ⌈128 / R⌉ threads; owners=split_k is the default's layout
+    assert C(64, 128, 7, 8, push_partials=True, owners=1).push_slots(16) == 8 * 128 * 8
+    assert C(64, 64, 7, 16, push_partials=True, owners=16).push_slots(8) == C(64, 64, 7, 16, push_partials=True).push_slots(8)
 
 
 @pytest.mark.parametrize("m,n,k", [(16, 7168, 3584), (8, 3584, 7168), (16, 4608, 7168), (8, 896, 7168),
@@ -161,7 +172,9 @@ GPU_CONFIGS = [C(64, 64, 4, 1), C(64, 64, 8, 3), C(128, 64, 6, 2), C(64, 128, 4,
                C(64, 64, 4, 1, True), C(128, 64, 6, 3, True, True, True), C(64, 64, 6, 2, True, mma_trigger=True),
                C(64, 128, 6, 1, evict_hints=True, trigger_first=True), C(64, 64, 6, 3, True, True, trigger_first=True),
                C(64, 64, 6, 3, True, True, push_partials=True), C(128, 64, 4, 2, push_partials=True),
-               C(64, 128, 4, 8, True, True, trigger_first=True, push_partials=True)]
+               C(64, 128, 4, 8, True, True, trigger_first=True, push_partials=True),
+               C(64, 64, 3, 16, True, True, trigger_first=True, push_partials=True, owners=4),
+               C(64, 64, 6, 3, True, True, push_partials=True, owners=1)]
 
 
 @pytest.mark.gpu
@@ -198,6 +211,11 @@ def test_decode_shapes_chosen_config(m, n, k):
     _run(m, n, k, torch.bfloat16, False, True)
 
 
+CHAINED_CONFIGS = [C(64, 64, 8, 2), C(64, 128, 6, 2, True, True, trigger_first=True),
+                   C(64, 128, 4, 8, True, True, trigger_first=True, push_partials=True),
+                   C(64, 64, 2, 16, True, True, trigger_first=True, push_partials=True, owners=2)]
+
+
 def compiled_variants():
     """Every (dtype, M, config, bias?, residual?, static?) the GPU tests run: precompiled on the CPU host for
     sm_90a (.scratch/wg6/precompile.py) so the GPU run loads them instead of compiling."""
@@ -208,9 +226,7 @@ def compiled_variants():
     out += [(bf, 16, C(64, 64, 8, 3), False, r, False) for r in (False, True)]
     out += [(bf, m, wg.pick(m, n, k), False, True, False)
             for m, n, k in [(16, 7168, 3584), (8, 3584, 7168), (16, 896, 7168), (12, 4608, 7168)]]
-    out += [(bf, 16, c, False, False, st) for c in (C(64, 64, 8, 2), C(64, 128, 6, 2, True, True, trigger_first=True),
-                                                     C(64, 128, 4, 8, True, True, trigger_first=True, push_partials=True))
-            for st in (False, True)]
+    out += [(bf, 16, c, False, False, st) for c in CHAINED_CONFIGS for st in (False, True)]
     out += [(bf, mb, cfg, False, True, st) for st in (False, True) for (mb, n, k), cfg in table_picks(st).items()]
     return list(dict.fromkeys(out))
 
@@ -224,9 +240,7 @@ def test_table_picks_match_reference(static_weight):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [C(64, 64, 8, 2), C(64, 128, 6, 2, True, True, trigger_first=True),
-                                 C(64, 128, 4, 8, True, True, trigger_first=True, push_partials=True)],
-                         ids=lambda c: c.tag())
+@pytest.mark.parametrize("cfg", CHAINED_CONFIGS, ids=lambda c: c.tag())
 @pytest.mark.parametrize("static_weight", [False, True], ids=["dynamic_w", "static_w"])
 def test_cuda_graph_chained_products(cfg, static_weight):
     """Each product reads the one before (PDL: the wait must hold A's loads, however early the trigger), captured

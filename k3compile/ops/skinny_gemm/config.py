@@ -65,6 +65,17 @@ benchmarks/results/skinny_gemm_h200_s10_push.log). With the reduction cheap, spl
 7168x768 and 7168x1536 in clusters of 2, blocks of 48-96 KB that hold their whole share, several to an SM) and
 2112x7168 takes clusters of 3 (8.2-8.7 µs against 8.8-9.0).
 
+The eleventh session made the pushes leave from the accumulator registers (each thread's fragment in 16-byte
+``st.async``, no partial tile in shared memory, no block barrier) and found what the tenth session's scalar pushes had
+by accident: at M1-2 the router's outputs all fell to the cluster's first block, so the seven others pushed and
+exited, and their SMs took the next product's blocks. With every block owning an eighth the router ran 4.6-5.3 µs
+(4.4-5.0 before); ``owners`` gives the outputs to the first one or two blocks and lets the rest exit once pushed:
+4.26-4.40 µs at M1-8 and 4.78 at M16 (cuBLAS 8.7-8.9), and every push pick with a static weight gained 2-10%
+(.scratch/s11 runs 2-3; benchmarks/results/skinny_gemm_h200_s11_owners.log). The owners' receive buffer grows as
+they get fewer (split_k · ⌈128 / owners⌉ · fragment floats), and where that leaves one block to an SM instead of two
+(1536x7168 M16, 7168x1536 M1-4) more owners win. Clusters of 12-16 blocks (non-portable, 56-80 KB blocks two or three
+to an SM) measured 4.5-4.6 µs at M1-8 and 5.6-6.1 at M16 (run 1).
+
 A table entry names the kernel as well as its configuration: a ``SkinnyConfig`` runs ``cute.py``'s mma.sync
 kernel, a ``WgmmaConfig`` (``cute_wgmma.py``) the warpgroup-MMA kernel; both sit behind the op's one "cute" backend
 (``cute.skinny_gemm_cute``, ``cute.profitable``, ``cute.warmup`` and ``cute_compile.compile_kernel`` follow the
@@ -149,6 +160,7 @@ _H = dict(evict_hints=True)  # WgmmaConfig: TMA L2 hints (the weight evict-first
 _PH = dict(producer_warp=True, evict_hints=True)  # ... and a producer warp issuing the TMA loads
 _HF, _PHF = dict(_H, trigger_first=True), dict(_PH, trigger_first=True)  # ... and (static weight) the trigger first
 _PPH, _PPHF = dict(_PH, push_partials=True), dict(_PHF, push_partials=True)  # ... split-K partials pushed to their owner
+_O1, _O2 = dict(owners=1), dict(owners=2)  # ... owned by the cluster's first block(s), the others exit once pushed
 
 
 # Measured on one H200 (bf16, 2026-11-30, fourth session, copy ceilings 4.218-4.244 TB/s): sweeps of
@@ -199,6 +211,9 @@ TABLE: dict[tuple[int, int, int], Optional[KernelConfig]] = {
     #                                                                       5.18 vs 5.15 / 5.33 / 5.43 / 5.76 / 6.37
     **{(m, 1536, 7168): WgmmaConfig(64, 128, 4, 8, **_PPH) for m in (4, 8, 16)},  # 7.27 / 7.41 / 7.63 vs 7.57 / 7.62 /
     #                                                                              9.84
+    # the eleventh session's owners (run 2 of .scratch/s11, benchmarks/results/skinny_gemm_h200_s11_owners.log): M4
+    # 7.29 µs vs 7.69 with every block an owner (M16 8.17 vs 8.18)
+    **{(m, 1536, 7168): WgmmaConfig(64, 128, 4, 8, **_PPH, **_O2) for m in (4, 8)},
     **{(m, 2112, 7168): WgmmaConfig(64, 128, 7, 2, **_PPH) for m in (1, 2, 4, 8, 16)},  # 9.14 / 9.18 / 9.21 / 9.22 /
     #                                                                       9.40 vs 9.29 / 9.54 / 10.66 / 11.55 / 10.86
     **{(m, 3584, 7168): WgmmaConfig(128, 64, 8, 4, **_PPH) for m in (1, 2, 4, 8, 16)},  # 13.94 / 13.98 / 14.05 /
@@ -229,23 +244,33 @@ TABLE_STATIC: dict[tuple[int, int, int], KernelConfig] = {
        for m in (1, 2, 4, 8)},  # 2.83 / 2.95 / 3.13 / 3.58 µs vs 3.44 / 3.36 / 3.77 / 3.88 (r3-r4)
     (16, 7168, 3584): WgmmaConfig(64, 128, 6, 1, **_HF),   # 13.09 µs vs 13.51 (r2-r4)
     # push_partials with the trigger first (run 6, as TABLE's): µs against the entry it replaced, same run
-    **{(m, 896, 7168): WgmmaConfig(64, 128, 7, 8, **_PPHF) for m in (1, 2, 4, 8, 16)},  # 4.36 / 4.46 / 4.51 / 4.66 /
-    #                                                                       5.00 vs 4.76 / 4.94 / 5.04 / 5.38 / 6.05
-    **{(m, 1536, 7168): WgmmaConfig(64, 128, 5, 8, **_PPHF) for m in (1, 2, 4, 8, 16)},  # 6.13 / 6.10 / 6.24 / 6.39
-    #                                                                       / 7.05 vs 6.88 / 7.19 / 7.19 / 7.37 / 8.37
-    **{(m, 3584, 7168): WgmmaConfig(128, 64, 8, 4, **_PPHF) for m in (1, 2, 4, 8, 16)},  # 12.74 / 12.90 / 13.34 /
-    #                                                               13.46 / 13.56 vs 13.23 / 13.33 / 13.68 / 14.17 / 14.17
-    **{(m, 4608, 7168): WgmmaConfig(128, 64, 10, 3, **_PPHF) for m in (1, 2, 4, 8, 16)},  # 16.28 / 16.58 / 16.79 /
-    #                                                               16.99 / 17.41 vs 16.77 / 16.86 / 17.26 / 17.66 / 18.62
+    # (tenth session, scalar pushes: 4.36 / 4.46 / 4.51 / 4.66 / 5.00 vs 4.76 / 4.94 / 5.04 / 5.38 / 6.05); the
+    # eleventh session's fragment pushes with owners (run 2 of .scratch/s11, benchmarks/results/
+    # skinny_gemm_h200_s11_owners.log; µs against the same configuration with every block an owner, same run):
+    # 4.27 / 4.34 / 4.38 / 4.41 / 4.79 vs 4.69 / 4.77 / 4.80 / 4.82 / 5.27
+    **{(m, 896, 7168): WgmmaConfig(64, 128, 7, 8, **_PPHF, **_O2) for m in (1, 2, 4, 8, 16)},
+    # (tenth: 6.13 / 6.10 / 6.24 / 6.39 / 7.05 vs 6.88 / 7.19 / 7.19 / 7.37 / 8.37); owners=2 at M 1 / 4: 6.04 / 6.16
+    # vs 6.54 / 6.65; at M16 it measured 8.92 against 7.28 (its receive buffer leaves one block to an SM, not two)
+    **{(m, 1536, 7168): WgmmaConfig(64, 128, 5, 8, **_PPHF, **_O2) for m in (1, 2, 4, 8)},
+    (16, 1536, 7168): WgmmaConfig(64, 128, 5, 8, **_PPHF),
+    # (tenth: 12.74 / 12.90 / 13.34 / 13.46 / 13.56 vs 13.23 / 13.33 / 13.68 / 14.17 / 14.17); owners=2 at M 1 / 4 /
+    # 16: 13.27 / 13.35 / 13.85 vs 13.60 / 13.75 / 14.21
+    **{(m, 3584, 7168): WgmmaConfig(128, 64, 8, 4, **_PPHF, **_O2) for m in (1, 2, 4, 8, 16)},
+    # (tenth: 16.28 / 16.58 / 16.79 / 16.99 / 17.41 vs 16.77 / 16.86 / 17.26 / 17.66 / 18.62); owners=1 at M 1 / 4 /
+    # 16: 16.36 / 16.56 / 16.99 vs 16.74 / 17.17 / 17.44
+    **{(m, 4608, 7168): WgmmaConfig(128, 64, 10, 3, **_PPHF, **_O1) for m in (1, 2, 4, 8, 16)},
     # run 7: with the partials pushed, split-K pays on the short-K shapes too (small blocks holding their whole
     # share, several to an SM), and 2112x7168 takes a cluster of 3 (99 blocks); µs against the picks of runs 1-6
-    (4, 7168, 768): WgmmaConfig(64, 128, 3, 2, **_PPHF),   # 3.44 vs 3.57
-    (8, 7168, 768): WgmmaConfig(64, 128, 3, 2, **_HF, push_partials=True),   # 3.44 vs 3.58
-    (16, 7168, 768): WgmmaConfig(64, 128, 3, 2, **_HF, push_partials=True),  # 3.67 vs 3.92
+    # (owners=1, s11 run 2: M 4 / 16 3.40 / 3.71 vs 3.41 / 3.76)
+    (4, 7168, 768): WgmmaConfig(64, 128, 3, 2, **_PPHF, **_O1),   # 3.44 vs 3.57
+    (8, 7168, 768): WgmmaConfig(64, 128, 3, 2, **_HF, push_partials=True, **_O1),   # 3.44 vs 3.58
+    (16, 7168, 768): WgmmaConfig(64, 128, 3, 2, **_HF, push_partials=True, **_O1),  # 3.67 vs 3.92
+    # (owners=1 measured 7.05 / 7.22 against 6.07 / 6.29 at M 1 / 4: its receive buffer leaves one block to an SM)
     **{(m, 7168, 1536): WgmmaConfig(64, 128, 6, 2, **_PPHF) for m in (1, 2, 4)},  # 6.00 / 5.95 / 6.17 vs 6.19 / 6.21
     #                                                                              / 6.41 (rg2-wn1-wk4-u2-s4-e-a-ca-tf)
-    **{(m, 2112, 7168): WgmmaConfig(64, 128, 7, 3, **_PPHF) for m in (1, 2, 4, 8, 16)},  # 8.17 / 8.21 / 8.40 / 8.50
-    #                                                                       / 8.73 vs 8.78 / 8.80 / 8.95 / 8.78 / 8.99
+    # (tenth: 8.17 / 8.21 / 8.40 / 8.50 / 8.73 vs 8.78 / 8.80 / 8.95 / 8.78 / 8.99); owners=1 at M 1 / 4 / 16: 8.23 /
+    # 8.35 / 8.77 vs 8.57 / 8.64 / 8.95
+    **{(m, 2112, 7168): WgmmaConfig(64, 128, 7, 3, **_PPHF, **_O1) for m in (1, 2, 4, 8, 16)},
 }
 
 

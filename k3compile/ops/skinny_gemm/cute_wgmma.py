@@ -16,12 +16,15 @@ thread), so the kernel is one warpgroup that streams; its only job is to keep en
 Split-K across a thread-block cluster (``split_k``): the cluster's blocks take contiguous K ranges of the same
 rows; each writes its partial tile to shared memory, and after a cluster barrier each block sums its share of the
 outputs over every block's tile through distributed shared memory (no workspace, no L2 round trip, CUDA-graph safe).
-With ``push_partials`` each block instead sends every other block the partial sums of that block's outputs
-(``st.async`` into its shared memory, counted on one mbarrier there) and sums what it received: the cluster barrier,
-the round trip of remote loads and the closing barrier (our shared memory must outlive the others' reads) all go,
-and the barrier that checks the cluster is up is arrived at the kernel's start and waited on at the end of the K loop.
-The epilogue adds bias / residual and stores C coalesced along N. Options (``WgmmaConfig``): a fifth warp that only
-issues the TMA loads, L2 eviction hints on them, and the PDL trigger right after the wait.
+With ``push_partials`` the partial sums go one way instead: the MMA thread t of every block holds the same outputs'
+partials (its accumulator fragment), and owner block ⌊t · owners / 128⌋ sums them; the other blocks' thread t sends
+its fragment from registers (``st.async``) into the owner's shared memory, counted on one mbarrier there. The
+cluster barrier, the round trip of remote loads and the closing barrier (our shared memory must outlive the others'
+reads) all go; the barrier that checks the cluster is up is arrived at the kernel's start and waited on at the end of
+the K loop; with ``owners`` below ``split_k`` the blocks that own nothing exit as soon as they have pushed, so their
+SMs go to the next kernel's blocks (what most of the router's gain is). The epilogue adds bias / residual and stores
+C (on the read path coalesced along N). Options (``WgmmaConfig``): a fifth warp that only issues the TMA loads, L2
+eviction hints on them, and the PDL trigger right after the wait.
 
 Programmatic dependent launch: everything before ``griddepcontrol.wait`` is setup; with ``static_weight`` (no
 kernel writes W: module parameters) the weight tiles of the first stages are already requested by TMA before the
@@ -59,7 +62,7 @@ class WgmmaConfig:
     block_n: int = 64   # weight rows per block: 64 (one m64 wgmma tile) or 128 (two)
     block_k: int = 64   # K per pipeline stage (64 = one 128-byte swizzle row of bf16)
     stages: int = 8     # pipeline stages in shared memory (weight + A tile each)
-    split_k: int = 1    # blocks per cluster splitting K; partial tiles meet through distributed shared memory
+    split_k: int = 1    # blocks per cluster splitting K (1-16); partial tiles meet through distributed shared memory
     producer_warp: bool = False  # a fifth warp issues the TMA loads, so refills never wait behind the MMAs
     evict_hints: bool = False    # TMA L2 policies: the weight (read once) evict-first, A (read by every block) evict-last
     early: bool = False          # PDL: let the next kernel launch right after our wait, not after our K loop
@@ -70,14 +73,18 @@ class WgmmaConfig:
     trigger_first: bool = False  # PDL, static weight only: the next kernel may launch as soon as our blocks start,
     #                              so several products' weights stream at once (the other trigger places then do
     #                              nothing; without a static weight this flag does nothing)
-    push_partials: bool = False  # (split_k > 1) each block sends the others their outputs' partial sums (st.async
-    #                              into their shared memory) instead of reading everyone's after a cluster barrier
+    push_partials: bool = False  # (split_k > 1) each block sends the owners of its outputs their partial sums
+    #                              (st.async into their shared memory) instead of reading everyone's after a cluster
+    #                              barrier
+    owners: int = 0              # (push_partials) the cluster's blocks 0..owners-1 own (sum and store) the outputs;
+    #                              the others push and exit at once, so their SMs go to the next kernel. 0: all
 
     def tag(self) -> str:
         return (f"wg-n{self.block_n}-k{self.block_k}-s{self.stages}-c{self.split_k}"
                 + ("-pw" if self.producer_warp else "") + ("-h" if self.evict_hints else "")
                 + ("-e" if self.early else "") + ("-tm" if self.mma_trigger else "")
                 + ("" if self.early_w else "-nw") + ("-pp" if self.push_partials else "")
+                + (f"-o{self.owners}" if self.owners else "")
                 + ("-tf" if self.trigger_first else ""))
 
     def invalid(self) -> Optional[str]:
@@ -88,10 +95,12 @@ class WgmmaConfig:
             return f"block_k={self.block_k}: must be 64 or 128"
         if not 2 <= self.stages <= 16:
             return f"stages={self.stages}: must be 2..16"
-        if not 1 <= self.split_k <= 8:
-            return f"split_k={self.split_k}: must be 1..8 (portable cluster size)"
+        if not 1 <= self.split_k <= 16:
+            return f"split_k={self.split_k}: must be 1..16 (a cluster above 8 is non-portable: sm_90 allows 16)"
         if self.push_partials and self.split_k == 1:
             return "push_partials: a single block has no partial sums to send (split_k=1)"
+        if self.owners and not (self.push_partials and 1 <= self.owners <= self.split_k):
+            return f"owners={self.owners}: push_partials only, 1..split_k"
         if self.early and self.mma_trigger:
             return "early and mma_trigger: the next kernel launches after our wait or after our K loop, not both"
         if self.smem_bytes(16) > SMEM_LIMIT:
@@ -109,16 +118,25 @@ class WgmmaConfig:
     def _weight_ring_and_rest(self, m: int) -> int:
         """The weight's ring stages, the partial tile and the barriers and alignment around them; (push_partials) the
         other blocks' partials of our outputs."""
-        return (1024 + self.stages * self.block_n * self.block_k * 2 + 1024 + self.block_n * (m_pad(m) + 1) * 4 + 1024
-                + self.push_slots(m) * 4)
+        return (1024 + self.stages * self.block_n * self.block_k * 2 + 1024
+                + (self.red_slots(m) + self.push_slots(m)) * 4 + 1024)
+
+    def red_slots(self, m: int) -> int:
+        """fp32 slots of the partial tile in shared memory, [block_n, M padded + 1]; with push_partials the
+        fragments go from registers to the owners (a 4-slot stub)."""
+        return 4 if self.push_partials else self.block_n * (m_pad(m) + 1)
+
+    def push_owners(self) -> int:
+        """(push_partials) how many of the cluster's blocks own outputs: ``owners``, else all."""
+        return self.owners or self.split_k
 
     def push_slots(self, m: int) -> int:
-        """(push_partials) fp32 slots of a block's receive buffer, [rank, j, thread]: a thread stores the outputs
-        q·threads + tidx + j·threads·split_k of the block's [M, block_n] (the epilogue's order); 0 without it."""
+        """(push_partials) fp32 slots of a block's receive buffer, [rank, thread of its group, fragment]: the MMA
+        warpgroup's 128 threads fall into ``push_owners()`` groups of at most ⌈128 / owners⌉, and a thread's fragment
+        is block_n · M padded / 128 floats; 0 without it."""
         if not self.push_partials:
             return 0
-        threads = 128 + (32 if self.producer_warp else 0)   # no norm warps: the fused tail does not push
-        return self.split_k * -(-(self.block_n * m) // (threads * self.split_k)) * threads
+        return self.split_k * -(-128 // self.push_owners()) * (self.block_n * m_pad(m) // 128)
 
     def _norm_per_tile(self, m: int) -> int:
         return m_pad(m) * self.block_k * 2 + self.block_k * 2 + 16   # A tile, g, two barriers

@@ -2,8 +2,9 @@
 
 One warpgroup streams a block's weight rows (wgmma's M side) through a TMA + mbarrier ring against A (wgmma's N side,
 8 or 16 rows) and keeps the fp32 accumulator tile in registers; the blocks of a split-K cluster sum their partial tiles
-through distributed shared memory in the epilogue, which adds bias / residual and stores C along N. Options (see
-``WgmmaConfig``): a producer warp, L2 eviction hints, the PDL trigger's place, the static-weight early requests.
+through distributed shared memory in the epilogue (read after a cluster barrier, or pushed from registers to their
+owners: ``push_partials``), which adds bias / residual and stores C. Options (see ``WgmmaConfig``): a producer warp,
+L2 eviction hints, the PDL trigger's place, the static-weight early requests, the pushes' owners.
 
 With ``norm_eps`` (the latent-MoE tail: ``C = rsqrt(mean(A², K) + eps) · ((A·g) · Wᵀ) + R``) the ring carries only
 the weight. The block's whole K share of A is brought by TMA right after the PDL wait, one barrier per tile, and kept
@@ -48,15 +49,15 @@ def kernel_class():
         return cutlass.Float32(res)
 
     @dsl_user_op
-    def st_async_f32(addr, value, rank, bar, *, loc=None, ip=None):
-        """Store fp32 ``value`` at shared address ``addr`` of the cluster's block ``rank`` and count its 4 bytes on
-        that block's mbarrier ``bar`` (the same shared addresses as ours: the blocks share one layout)."""
+    def st_async_v4_f32(addr, v0, v1, v2, v3, rank, bar, *, loc=None, ip=None):
+        """Store 4 fp32 at the 16-byte aligned shared address ``addr`` of the cluster's block ``rank`` and count their
+        16 bytes on that block's mbarrier ``bar`` (the same shared addresses as ours: the blocks share one layout)."""
         llvm.inline_asm(
-            None, [addr.ir_value(loc=loc, ip=ip), value.ir_value(loc=loc, ip=ip), rank.ir_value(loc=loc, ip=ip),
-                   bar.ir_value(loc=loc, ip=ip)],
-            "{ .reg .b32 ra, rb; mapa.shared::cluster.u32 ra, $0, $2; mapa.shared::cluster.u32 rb, $3, $2; "
-            "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [ra], $1, [rb]; }",
-            "r,f,r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+            None, [addr.ir_value(loc=loc, ip=ip)] + [v.ir_value(loc=loc, ip=ip) for v in (v0, v1, v2, v3)]
+            + [rank.ir_value(loc=loc, ip=ip), bar.ir_value(loc=loc, ip=ip)],
+            "{ .reg .b32 ra, rb; mapa.shared::cluster.u32 ra, $0, $5; mapa.shared::cluster.u32 rb, $6, $5; "
+            "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [ra], {$1, $2, $3, $4}, [rb]; }",
+            "r,f,f,f,f,r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
             loc=loc, ip=ip,
         )
 
@@ -78,6 +79,7 @@ def kernel_class():
             # (static_weights.py says why that is safe); a block's first trigger counts, later ones do nothing
             self.trigger_first = cfg.trigger_first and static_weight
             self.push = cfg.push_partials and cfg.split_k > 1
+            self.owners = cfg.push_owners()
             if self.push and norm_eps is not None:
                 raise ValueError("push_partials: the fused-norm tail sums its row norms across the cluster by reads")
             self.norm = norm_eps is not None
@@ -93,6 +95,7 @@ def kernel_class():
             # outputs a thread stores: q·threads + tidx + j·threads·ks, j < iters (the epilogue's order)
             self.iters = -(-(self.bn * m) // (self.threads * self.ks))
             self.recv_slots = cfg.push_slots(m) if self.push else 0   # (push_partials) the receive buffer
+            self.red_slots = cfg.red_slots(m)                          # the partial tile (none with push_partials)
 
         @cute.jit
         def __call__(self, mA: cute.Tensor, mW: cute.Tensor, mC: cute.Tensor, mBias, mRes, mG, stream):
@@ -115,12 +118,13 @@ def kernel_class():
                 bars: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
                 sW: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.w_layout)], 1024]
                 sA: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.a_layout)], 1024]
-                red: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.bn * (self.mp + 1)], 16]
+                red: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.red_slots], 16]
                 # (norm) per resident A tile: landed (TMA), scaled; the block's share of g; the rows' sums of squares
                 a_bars: cute.struct.MemRange[cutlass.Int64, 2 * self.a_tiles if self.norm else 1]
                 sG: cute.struct.Align[cute.struct.MemRange[self.dtype, self.a_tiles * self.bk if self.norm else 8], 16]
                 ssq: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 16], 16]
-                # (push_partials) the other blocks' partials of our outputs, [rank, j, thread], and their mbarrier
+                # (push_partials) the other blocks' fragments of our outputs, [rank, thread of the group, F], and
+                # their mbarrier
                 recv: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, max(4, self.recv_slots)], 16]
                 recv_bar: cute.struct.MemRange[cutlass.Int64, 1]
 
@@ -282,15 +286,19 @@ def kernel_class():
                 else:
                     cute.arch.griddepcontrol_launch_dependents()
 
-            # partial tile -> shared memory [BN, MP] fp32 (row n_local, column m; rows padded by one word so the
-            # epilogue's reads along n hit distinct banks)
-            red = cute.make_tensor(st.red.data_ptr(), cute.make_layout((BN, MP), stride=(MP + 1, 1)))
-            if warp < 4:
-                tCred = thr.partition_C(red)
-                for j in cutlass.range_constexpr(cute.size(acc)):
-                    tCred[j] = acc[j]
-            recv = cute.make_tensor(st.recv.data_ptr(), cute.make_layout((max(4, self.recv_slots),)))
-            self.epilogue(mC, mBias, mRes, red, ssq, recv, st.recv_bar.data_ptr(), tidx, q, rb * BN, K)
+            if cutlass.const_expr(self.push):
+                if warp < 4:
+                    recv = cute.make_tensor(st.recv.data_ptr(), cute.make_layout((self.recv_slots,)))
+                    self.epilogue_pushed(acc, thr, mC, mBias, mRes, recv, st.recv_bar.data_ptr(), tidx, q, rb * BN)
+            else:
+                # partial tile -> shared memory [BN, MP] fp32 (row n_local, column m; rows padded by one word so the
+                # epilogue's reads along n hit distinct banks)
+                red = cute.make_tensor(st.red.data_ptr(), cute.make_layout((BN, MP), stride=(MP + 1, 1)))
+                if warp < 4:
+                    tCred = thr.partition_C(red)
+                    for j in cutlass.range_constexpr(cute.size(acc)):
+                        tCred[j] = acc[j]
+                self.epilogue(mC, mBias, mRes, red, ssq, tidx, q, rb * BN, K)
 
         @cute.jit
         def wait_previous(self):
@@ -402,8 +410,7 @@ def kernel_class():
                 ssq[r] = ss
 
         @cute.jit
-        def epilogue(self, mC: cute.Tensor, mBias, mRes, red: cute.Tensor, ssq: cute.Tensor, recv: cute.Tensor,
-                     recv_bar, tidx, q, n0, K):
+        def epilogue(self, mC: cute.Tensor, mBias, mRes, red: cute.Tensor, ssq: cute.Tensor, tidx, q, n0, K):
             """Sum the cluster's partial tiles (this block: outputs q, q + KS, ... in C's row-major order) and store;
             (norm) the rows' Σx² are summed over the cluster the same way."""
             M: cutlass.Constexpr = self.m
@@ -411,9 +418,7 @@ def kernel_class():
             KS: cutlass.Constexpr = self.ks
             NT: cutlass.Constexpr = self.threads
             N = mC.shape[1]
-            if cutlass.const_expr(self.push):
-                self.epilogue_pushed(mC, mBias, mRes, red, recv, recv_bar, tidx, q, n0, N)
-            elif cutlass.const_expr(self.has_bias or self.has_res):
+            if cutlass.const_expr(self.has_bias or self.has_res):
                 # this thread's outputs: q·NT + tidx + j·NT·KS in C's row-major order over the block's [M, BN]
                 ITER: cutlass.Constexpr = self.iters
                 bv = cute.make_rmem_tensor((ITER,), cutlass.Float32)
@@ -429,7 +434,7 @@ def kernel_class():
                 self.partials_ready()
                 for idx in cutlass.range(q * NT + tidx, BN * M, NT * KS, unroll=1):
                     self.store_output(mC, red, ssq, idx, n0, N, K, cutlass.Float32(0.0), cutlass.Float32(0.0))
-            if cutlass.const_expr(KS > 1 and not self.push):
+            if cutlass.const_expr(KS > 1):
                 # keep our shared memory alive until every block of the cluster has read it
                 cute.arch.cluster_arrive_relaxed()
                 cute.arch.cluster_wait()
@@ -455,49 +460,71 @@ def kernel_class():
                         rv[j] = mRes[idx // BN, n].to(cutlass.Float32)
 
         @cute.jit
-        def epilogue_pushed(self, mC: cute.Tensor, mBias, mRes, red: cute.Tensor, recv: cute.Tensor, recv_bar, tidx,
-                            q, n0, N):
-            """(push_partials) Each block sends every other block the partial sums of that block's outputs
-            (st.async into its ``recv``, counted on its mbarrier), then sums the ones it received for its own: one
-            way through the cluster instead of a barrier, a round trip of remote loads and a second barrier."""
+        def epilogue_pushed(self, acc: cute.Tensor, thr, mC: cute.Tensor, mBias, mRes, recv: cute.Tensor, recv_bar,
+                            tidx, q, n0):
+            """(push_partials; the MMA warpgroup) Thread t's accumulator fragment covers the same F outputs in every
+            block of the cluster, and block owner(t) = t·R // 128 (R = ``push_owners``) sums them: every other block's
+            thread t sends it theirs straight from registers (16-byte ``st.async`` into its ``recv``, counted on its
+            mbarrier), its own thread t adds what arrived (in rank order) to its own fragment, then bias / residual,
+            and stores. No partial tile in shared memory, no block barrier, one way through the cluster; blocks R and
+            up only push, and exit."""
             M: cutlass.Constexpr = self.m
-            BN: cutlass.Constexpr = self.bn
             KS: cutlass.Constexpr = self.ks
-            NT: cutlass.Constexpr = self.threads
-            IT: cutlass.Constexpr = self.iters
-            bv = cute.make_rmem_tensor((IT,), cutlass.Float32)
-            rv = cute.make_rmem_tensor((IT,), cutlass.Float32)
-            self.load_bias_residual(bv, rv, mBias, mRes, tidx, q, n0, N)   # under the pushes
-            cute.arch.sync_threads()   # our partial tile is whole
+            R: cutlass.Constexpr = self.owners
+            F: cutlass.Constexpr = cute.size(acc)
+            G: cutlass.Constexpr = -(-128 // R)   # threads per owner, at most
+            N = mC.shape[1]
+            owner = tidx * R // 128
+            first = (owner * 128 + R - 1) // R   # the owner's first thread
+            tl = tidx - first
+            # (n_local, m) of each fragment element
+            coord = thr.partition_C(cute.make_identity_tensor((self.bn, self.mp)))
+            mine = owner == q
+            extra = cute.make_rmem_tensor((F,), cutlass.Float32)
+            if mine:
+                # bias and residual of our outputs, issued before anything waits: one memory latency, under the pushes
+                for f in cutlass.range_constexpr(F):
+                    extra[f] = cutlass.Float32(0.0)
+                    c = coord[f]
+                    n = n0 + c[0]
+                    if c[1] < M and n < N:
+                        if cutlass.const_expr(self.has_bias):
+                            extra[f] = extra[f] + mBias[n].to(cutlass.Float32)
+                        if cutlass.const_expr(self.has_res):
+                            extra[f] = extra[f] + mRes[c[1], n].to(cutlass.Float32)
             cute.arch.cluster_wait()   # every block of the cluster runs, its mbarrier initialised (kernel start)
-            bar = recv_bar.toint()
-            for d in cutlass.range_constexpr(1, KS):
-                dst = (q + d) % KS
-                for j in cutlass.range_constexpr(IT):
-                    idx = dst * NT + tidx + j * NT * KS
-                    if idx < BN * M:
-                        slot = recv.iterator + ((q * IT + j) * NT + tidx)
-                        st_async_f32(slot.toint(), red[idx % BN, idx // BN], cutlass.Int32(dst), bar)
-            if tidx == 0:
-                # the bytes the other KS - 1 blocks send us: 4 for each of our outputs below BN * M
-                owned = cutlass.Int32(0)
-                for j in cutlass.range_constexpr(IT):
-                    owned = owned + cutlass.max(cutlass.min(BN * M - (q * NT + j * NT * KS), NT), 0)
-                cute.arch.mbarrier_arrive_and_expect_tx(recv_bar, owned * (4 * (KS - 1)))
-            cute.arch.mbarrier_wait(recv_bar, 0)
-            for j in cutlass.range_constexpr(IT):
-                idx = q * NT + tidx + j * NT * KS
-                n = n0 + idx % BN
-                if idx < BN * M and n < N:
-                    s = red[idx % BN, idx // BN]
-                    for r in cutlass.range_constexpr(KS):
-                        if r != q:
-                            s = s + recv[(r * IT + j) * NT + tidx]
-                    if cutlass.const_expr(self.has_bias):
-                        s = s + bv[j]
-                    if cutlass.const_expr(self.has_res):
-                        s = s + rv[j]
-                    mC[idx // BN, n] = s.to(self.dtype)
+            if not mine:
+                slot = recv.iterator + (q * G + tl) * F   # ours, at the same address in the owner's buffer
+                bar = recv_bar.toint()
+                for v in cutlass.range_constexpr(F // 4):
+                    st_async_v4_f32((slot + 4 * v).toint(), acc[4 * v], acc[4 * v + 1], acc[4 * v + 2],
+                                    acc[4 * v + 3], owner, bar)
+            # an owner group may share its warp with pushers: every lane of the warp has pushed before any spins on
+            # the mbarrier below (a spinning lane must not keep its warp's pushers, and so the cluster, waiting)
+            cute.arch.sync_warp()
+            if mine:
+                if tl == 0:
+                    # one arrival (ours) and the bytes the other KS - 1 blocks send our group's threads
+                    group = ((owner + 1) * 128 + R - 1) // R - first
+                    cute.arch.mbarrier_arrive_and_expect_tx(recv_bar, group * (F * 4 * (KS - 1)))
+                cute.arch.mbarrier_wait(recv_bar, 0)
+                # every slot read before the first add (our own, never written, is read and skipped): one latency
+                got = cute.make_rmem_tensor((F, KS), cutlass.Float32)
+                for r in cutlass.range_constexpr(KS):
+                    src = cute.make_tensor((recv.iterator + (r * G + tl) * F).align(16), cute.make_layout((F,)))
+                    cute.autovec_copy(src, got[(None, r)])
+                for r in cutlass.range_constexpr(KS):
+                    if r != q:
+                        for f in cutlass.range_constexpr(F):
+                            acc[f] = acc[f] + got[f, r]
+                for f in cutlass.range_constexpr(F):
+                    c = coord[f]
+                    n = n0 + c[0]
+                    if c[1] < M and n < N:
+                        s = acc[f]
+                        if cutlass.const_expr(self.has_bias or self.has_res):
+                            s = s + extra[f]
+                        mC[c[1], n] = s.to(self.dtype)
 
         @cute.jit
         def partials_ready(self):
