@@ -196,8 +196,8 @@ def kernel_class():
             tCrA = tiled_mma.make_fragment_B(thr.partition_B(sA))
             acc = cute.make_rmem_tensor(thr.partition_shape_C((BN, MP)), cutlass.Float32)
             acc.fill(0.0)
-            # the odd k16 steps accumulate apart: two independent wgmma chains (1-3% faster than one at M 1-16, .scratch/
-            # s11 run 4), summed after the K loop
+            # the odd k16 steps accumulate apart: two independent wgmma chains, summed after the K loop (1-3% faster
+            # than one at M 1-16: run 4 of benchmarks/results/skinny_gemm_h200_s11_owners.log)
             acc_odd = cute.make_rmem_tensor(thr.partition_shape_C((BN, MP)), cutlass.Float32)
             acc_odd.fill(0.0)
 
