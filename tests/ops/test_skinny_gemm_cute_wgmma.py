@@ -89,6 +89,26 @@ def test_smem_budget_counts_ring_and_partial_tile():
     assert dataclasses.replace(every, owners=16).push_slots(8) == every.push_slots(8)
 
 
+
+@settings(max_examples=60, deadline=None)
+@given(block_n=st.sampled_from([64, 128]), m=st.integers(1, 16), split_k=st.integers(2, 16), data=st.data())
+def test_push_slots_tile_the_receive_buffer_and_a_warps_stores_are_contiguous(block_n, m, split_k, data):
+    """Every (rank, quarter, thread) 16-byte piece an owner group receives has its own place inside ``push_slots``,
+    and one st.async of a warp (fixed rank and quarter, consecutive threads of a group) writes consecutive 16 bytes
+    (the [rank, thread, fragment] layout wrote every other 16 bytes with 8-float fragments)."""
+    cfg = C(block_n, 128, 4, split_k, push_partials=True, owners=data.draw(st.integers(0, split_k), label="owners"))
+    owners, frag = cfg.push_owners(), block_n * wg.m_pad(m) // 128
+    group = -(-128 // owners)
+    sizes = {((o + 1) * 128 + owners - 1) // owners - (o * 128 + owners - 1) // owners for o in range(owners)}
+    assert max(sizes) == group   # the kernel's groups (thread t -> owner t·R // 128) are at most ⌈128 / R⌉ threads
+    offsets = [wg.push_slot(r, v, t, group, frag) for r in range(split_k) for v in range(frag // 4)
+               for t in range(group)]
+    assert len(set(offsets)) == len(offsets)
+    assert all(o % 4 == 0 and 0 <= o <= cfg.push_slots(m) - 4 for o in offsets)
+    r, v = data.draw(st.integers(0, split_k - 1), label="rank"), data.draw(st.integers(0, frag // 4 - 1), label="v")
+    warp = [wg.push_slot(r, v, t, group, frag) for t in range(min(group, 32))]
+    assert warp == list(range(warp[0], warp[0] + 4 * len(warp), 4))
+
 @pytest.mark.parametrize("m,n,k", [(16, 7168, 3584), (8, 3584, 7168), (16, 4608, 7168), (8, 896, 7168),
                                    (1, 100, 64), (16, 20480, 7168)],
                          ids=["M16-N7168-K3584", "M8-N3584-K7168", "M16-N4608-K7168", "M8-N896-K7168",
@@ -154,14 +174,16 @@ def test_fused_tail_variant_name_spells_the_exact_eps():
 
 # ---------------------------------------------------------------------------------------- GPU tests
 
-def _run(m, n, k, dtype, bias, residual, cfg=None, static_weight=False):
+def _run(m, n, k, dtype, bias, residual, cfg=None, static_weight=False, out_shift=0):
+    """One product against the float64 reference, into a NaN-poisoned ``out`` (contiguous, its start ``out_shift``
+    elements past a 256-byte aligned one)."""
     torch.manual_seed(m * 7 + n + k)
     a = torch.randn(m, k, device="cuda", dtype=dtype)
     w = torch.randn(n, k, device="cuda", dtype=dtype) * k ** -0.5
     b = torch.randn(n, device="cuda", dtype=dtype) if bias else None
     r = torch.randn(m, n, device="cuda", dtype=dtype) if residual else None
     assert kc.available(a, w, b, r) is None and kc.supports(a, w, b, r) is None
-    out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+    out = torch.full((m * n + 8,), float("nan"), device="cuda", dtype=dtype)[out_shift:out_shift + m * n].view(m, n)
     wg.skinny_gemm_wgmma(a, w, b, r, cfg=cfg, static_weight=static_weight, out=out)
     torch.cuda.synchronize()
     ref = skinny_gemm_reference(a.double(), w.double(), None if b is None else b.double(),
@@ -186,6 +208,18 @@ GPU_CONFIGS = [C(64, 64, 4, 1), C(64, 64, 8, 3), C(128, 64, 6, 2), C(64, 128, 4,
 def test_every_config_matches_reference(cfg, m, static_weight):
     # N = 1000: not a multiple of 64/128 rows; K = 2056: a partial last K tile
     _run(m, 1000, 2056, torch.bfloat16, True, True, cfg=cfg, static_weight=static_weight)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [C(128, 64, 4, 2, push_partials=True),
+                                 C(64, 64, 3, 16, True, True, trigger_first=True, push_partials=True, owners=4),
+                                 C(64, 64, 6, 3, True, True, push_partials=True, owners=1)], ids=lambda c: c.tag())
+@pytest.mark.parametrize("n,out_shift", [(1000, 0), (1000, 1), (1003, 0)], ids=["N1000", "N1000-C+2B", "N1003"])
+@pytest.mark.parametrize("m", [5, 16], ids=lambda m: f"M{m}")
+def test_owner_stores_any_c_alignment(cfg, n, out_shift, m):
+    """Owner groups of whole warps store C in 16-byte pieces: where C's start or row stride (N = 1003) is not
+    16-byte aligned, and at the N tail, they take 2-byte stores; every element written (NaN-poisoned)."""
+    _run(m, n, 2056, torch.bfloat16, True, True, cfg=cfg, out_shift=out_shift)
 
 
 @pytest.mark.gpu

@@ -76,6 +76,17 @@ they get fewer (split_k · ⌈128 / owners⌉ · fragment floats), and where tha
 (1536x7168 M16, 7168x1536 M1-4) more owners win. Clusters of 12-16 blocks (non-portable, 56-80 KB blocks two or three
 to an SM) measured 4.5-4.6 µs at M1-8 and 5.6-6.1 at M16 (run 1).
 
+The twelfth session timed the router's M16 chain (timing-only variants; benchmarks/results/skinny_gemm_h200_s12.log):
+the pushes cost 0.30 µs at M16 and 0.09 at M8, because an 8-float fragment (M16, or block_n 128) was laid out
+[rank, thread, 8], so each st.async of a warp wrote half of every 32-byte segment. Laid out [rank, quarter, thread, 4]
+(``cute_wgmma.push_slot``) the router's M16 went from 4.71 to 4.52 µs, and the 8-float push picks gained 0.6-2.7%.
+The owners' outputs, staged in shared memory and stored in 16-byte pieces (``store_owned``: whole 32-byte segments of
+C, where the fragments' 2-byte stores wrote halves), gained 0.6-2.8% more at M16. What is left at M16 is the latency
+of A's 28 KB per block, requested from L2 right after the wait (0.38 µs; 0.29 of it went when a probe requested A
+before the wait), and the MMAs (0.31 µs, by instruction count: 56 m64 k16 steps a block). Neither register-sourced
+MMAs with 3-6 stages of the weight copied to registers before the wait, nor two MMA warpgroups, nor 3-4 stage rings
+(two blocks to an SM), nor clusters of 7 paid.
+
 A table entry names the kernel as well as its configuration: a ``SkinnyConfig`` runs ``cute.py``'s mma.sync
 kernel, a ``WgmmaConfig`` (``cute_wgmma.py``) the warpgroup-MMA kernel; both sit behind the op's one "cute" backend
 (``cute.skinny_gemm_cute``, ``cute.profitable``, ``cute.warmup`` and ``cute_compile.compile_kernel`` follow the
@@ -247,7 +258,8 @@ TABLE_STATIC: dict[tuple[int, int, int], KernelConfig] = {
     # (tenth session, scalar pushes: 4.36 / 4.46 / 4.51 / 4.66 / 5.00 vs 4.76 / 4.94 / 5.04 / 5.38 / 6.05); the
     # eleventh session's fragment pushes with owners (run 2 of .scratch/s11, benchmarks/results/
     # skinny_gemm_h200_s11_owners.log; µs against the same configuration with every block an owner, same run):
-    # 4.27 / 4.34 / 4.38 / 4.41 / 4.79 vs 4.69 / 4.77 / 4.80 / 4.82 / 5.27
+    # 4.27 / 4.34 / 4.38 / 4.41 / 4.79 vs 4.69 / 4.77 / 4.80 / 4.82 / 5.27; the twelfth session's push layout: M16 4.52
+    # vs 4.71 (skinny_gemm_h200_s12.log, run 2)
     **{(m, 896, 7168): WgmmaConfig(64, 128, 7, 8, **_PPHF, **_O2) for m in (1, 2, 4, 8, 16)},
     # (tenth: 6.13 / 6.10 / 6.24 / 6.39 / 7.05 vs 6.88 / 7.19 / 7.19 / 7.37 / 8.37); owners=2 at M 1 / 4: 6.04 / 6.16
     # vs 6.54 / 6.65; at M16 it measured 8.92 against 7.28 (its receive buffer leaves one block to an SM, not two)

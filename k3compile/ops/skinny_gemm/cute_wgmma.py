@@ -131,9 +131,9 @@ class WgmmaConfig:
         return self.owners or self.split_k
 
     def push_slots(self, m: int) -> int:
-        """(push_partials) fp32 slots of a block's receive buffer, [rank, thread of its group, fragment]: the MMA
-        warpgroup's 128 threads fall into ``push_owners()`` groups of at most ⌈128 / owners⌉, and a thread's fragment
-        is block_n · M padded / 128 floats; 0 without it."""
+        """(push_partials) fp32 slots of a block's receive buffer, [rank, fragment quarter, thread of its group, 4]:
+        the MMA warpgroup's 128 threads fall into ``push_owners()`` groups of at most ⌈128 / owners⌉, and a thread's
+        fragment is block_n · M padded / 128 floats (4, 8 or 16); 0 without it."""
         if not self.push_partials:
             return 0
         return self.split_k * -(-128 // self.push_owners()) * (self.block_n * m_pad(m) // 128)
@@ -148,6 +148,16 @@ class WgmmaConfig:
 
     def blocks(self, n: int) -> int:
         return -(-n // self.block_n) * self.split_k
+
+
+def push_slot(rank, quarter, thread, group: int, frag: int):
+    """(push_partials) Offset in floats, in an owner's receive buffer, of the ``quarter``-th 4 floats of the fragment
+    (``frag`` floats) that thread ``thread`` of an owner group (``group`` threads at most) of cluster rank ``rank``
+    sends: the buffer is [rank, quarter, thread, 4], so one st.async of a warp writes contiguous bytes. As [rank,
+    thread, fragment], an 8-float fragment (M16, or block_n 128) left each 32-byte segment half written and cost the
+    router 0.19 µs at M16 (benchmarks/results/skinny_gemm_h200_s12.log, run 2). Plain arithmetic: the kernel calls it
+    on its run-time values."""
+    return ((rank * (frag // 4) + quarter) * group + thread) * 4
 
 
 def m_pad(m: int) -> int:
@@ -188,7 +198,7 @@ def _source_fingerprint() -> str:
     h = hashlib.sha256()
     with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "cute_wgmma_kernel.py"), "rb") as fh:
         h.update(fh.read())
-    for obj in (WgmmaConfig, m_pad, _fake_args, _variant_name, _build, compile_kernel):
+    for obj in (WgmmaConfig, m_pad, push_slot, _fake_args, _variant_name, _build, compile_kernel):
         h.update(inspect.getsource(obj).encode())
     h.update(repr((VEC, SMEM_LIMIT, EVICT_FIRST_POLICY, EVICT_LAST_POLICY)).encode())
     h.update(cute_compile.dsl_and_arch().encode())

@@ -20,7 +20,8 @@ cutlass is imported only inside ``kernel_class``: CI has no CuTe DSL.
 import functools
 from typing import Optional
 
-from k3compile.ops.skinny_gemm.cute_wgmma import EVICT_FIRST_POLICY, EVICT_LAST_POLICY, WgmmaConfig, m_pad
+from k3compile.ops.skinny_gemm.cute_wgmma import (EVICT_FIRST_POLICY, EVICT_LAST_POLICY, WgmmaConfig, m_pad,
+                                                  push_slot)
 
 
 @functools.cache
@@ -501,11 +502,11 @@ def kernel_class():
                             extra[f] = extra[f] + mRes[c[1], n].to(cutlass.Float32)
             cute.arch.cluster_wait()   # every block of the cluster runs, its mbarrier initialised (kernel start)
             if not mine:
-                slot = recv.iterator + (q * G + tl) * F   # ours, at the same address in the owner's buffer
                 bar = recv_bar.toint()
                 for v in cutlass.range_constexpr(F // 4):
-                    st_async_v4_f32((slot + 4 * v).toint(), acc[4 * v], acc[4 * v + 1], acc[4 * v + 2],
-                                    acc[4 * v + 3], owner, bar)
+                    slot = recv.iterator + push_slot(q, v, tl, G, F)   # ours, at the same address in the owner's
+                    st_async_v4_f32(slot.toint(), acc[4 * v], acc[4 * v + 1], acc[4 * v + 2], acc[4 * v + 3], owner,
+                                    bar)
             # an owner group may share its warp with pushers: every lane of the warp has pushed before any spins on
             # the mbarrier below (a spinning lane must not keep its warp's pushers, and so the cluster, waiting)
             cute.arch.sync_warp()
@@ -516,22 +517,70 @@ def kernel_class():
                     cute.arch.mbarrier_arrive_and_expect_tx(recv_bar, group * (F * 4 * (KS - 1)))
                 cute.arch.mbarrier_wait(recv_bar, 0)
                 # every slot read before the first add (our own, never written, is read and skipped): one latency
-                got = cute.make_rmem_tensor((F, KS), cutlass.Float32)
+                got = cute.make_rmem_tensor((4, F // 4, KS), cutlass.Float32)
                 for r in cutlass.range_constexpr(KS):
-                    src = cute.make_tensor((recv.iterator + (r * G + tl) * F).align(16), cute.make_layout((F,)))
-                    cute.autovec_copy(src, got[(None, r)])
+                    for v in cutlass.range_constexpr(F // 4):
+                        src = recv.iterator + push_slot(r, v, tl, G, F)
+                        cute.autovec_copy(cute.make_tensor(src.align(16), cute.make_layout((4,))), got[(None, v, r)])
                 for r in cutlass.range_constexpr(KS):
                     if r != q:
                         for f in cutlass.range_constexpr(F):
-                            acc[f] = acc[f] + got[f, r]
-                for f in cutlass.range_constexpr(F):
-                    c = coord[f]
-                    n = n0 + c[0]
-                    if c[1] < M and n < N:
-                        s = acc[f]
-                        if cutlass.const_expr(self.has_bias or self.has_res):
-                            s = s + extra[f]
-                        mC[c[1], n] = s.to(self.dtype)
+                            acc[f] = acc[f] + got[f % 4, f // 4, r]
+                if cutlass.const_expr(G % 32 == 0):
+                    self.store_owned(acc, extra, coord, mC, recv, q, tl, first, n0)
+                else:   # an owner group that shares warps with another: 2-byte stores from the fragments
+                    for f in cutlass.range_constexpr(F):
+                        c = coord[f]
+                        n = n0 + c[0]
+                        if c[1] < M and n < N:
+                            s = acc[f]
+                            if cutlass.const_expr(self.has_bias or self.has_res):
+                                s = s + extra[f]
+                            mC[c[1], n] = s.to(self.dtype)
+
+        @cute.jit
+        def store_owned(self, acc: cute.Tensor, extra: cute.Tensor, coord: cute.Tensor, mC: cute.Tensor,
+                        recv: cute.Tensor, q, tl, first, n0):
+            """(push_partials, an owner group of whole warps) Stage the group's sums (+ bias / residual) in C's dtype
+            in our own rank's receive slots (nobody pushes there) as [m, the group's n], then store them along n in
+            16-byte pieces: whole 32-byte segments of C. The fragments' 2-byte stores wrote half segments and cost 0.6-
+            2.8% at M16 (benchmarks/results/skinny_gemm_h200_s12.log, run 8). A C row not 16-byte aligned, or the N
+            tail, takes 2-byte stores."""
+            M: cutlass.Constexpr = self.m
+            MP: cutlass.Constexpr = self.mp
+            G: cutlass.Constexpr = 128 // self.owners
+            NW: cutlass.Constexpr = G // 32                   # the group's warps: 16 rows of each m64 tile apiece
+            ROWW: cutlass.Constexpr = self.bn // 64 * 16 * NW   # the group's n per row of C
+            VPR: cutlass.Constexpr = ROWW // 8                 # 16-byte pieces per row
+            V: cutlass.Constexpr = MP * VPR
+            w0 = first // 32
+            stage = cute.recast_ptr(recv.iterator + push_slot(q, 0, 0, G, cute.size(acc)), dtype=self.dtype)
+            sT = cute.make_tensor(stage, cute.make_layout((MP, ROWW), stride=(ROWW, 1)))
+            for f in cutlass.range_constexpr(cute.size(acc)):
+                c = coord[f]
+                s = acc[f]
+                if cutlass.const_expr(self.has_bias or self.has_res):
+                    s = s + extra[f]
+                sT[c[1], c[0] // 64 * (16 * NW) + c[0] % 64 - 16 * w0] = s.to(self.dtype)
+            cute.arch.barrier(barrier_id=2, number_of_threads=G)   # the group's warps only (1: the norm warps')
+            N = mC.shape[1]
+            ldc = mC.layout.stride[0]
+            aligned = mC.iterator.toint() % 16 == 0 and ldc % 8 == 0
+            for i in cutlass.range_constexpr(-(-V // G)):
+                idx = tl + i * G
+                if idx < V:
+                    m = idx // VPR
+                    col = idx % VPR * 8
+                    n = n0 + col // (16 * NW) * 64 + 16 * w0 + col % (16 * NW)
+                    if m < M:
+                        if aligned and n + 8 <= N:
+                            src = cute.make_tensor((sT.iterator + m * ROWW + col).align(16), cute.make_layout((8,)))
+                            dst = cute.make_tensor((mC.iterator + m * ldc + n).align(16), cute.make_layout((8,)))
+                            cute.autovec_copy(src, dst)
+                        else:
+                            for e in cutlass.range_constexpr(8):
+                                if n + e < N:
+                                    mC[m, n + e] = sT[m, col + e]
 
         @cute.jit
         def partials_ready(self):
