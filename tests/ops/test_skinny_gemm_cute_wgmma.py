@@ -89,7 +89,6 @@ def test_smem_budget_counts_ring_and_partial_tile():
     assert dataclasses.replace(every, owners=16).push_slots(8) == every.push_slots(8)
 
 
-
 @settings(max_examples=60, deadline=None)
 @given(block_n=st.sampled_from([64, 128]), m=st.integers(1, 16), split_k=st.integers(2, 16), data=st.data())
 def test_push_slots_tile_the_receive_buffer_and_a_warps_stores_are_contiguous(block_n, m, split_k, data):
@@ -108,6 +107,7 @@ def test_push_slots_tile_the_receive_buffer_and_a_warps_stores_are_contiguous(bl
     r, v = data.draw(st.integers(0, split_k - 1), label="rank"), data.draw(st.integers(0, frag // 4 - 1), label="v")
     warp = [wg.push_slot(r, v, t, group, frag) for t in range(min(group, 32))]
     assert warp == list(range(warp[0], warp[0] + 4 * len(warp), 4))
+
 
 @pytest.mark.parametrize("m,n,k", [(16, 7168, 3584), (8, 3584, 7168), (16, 4608, 7168), (8, 896, 7168),
                                    (1, 100, 64), (16, 20480, 7168)],
