@@ -124,8 +124,8 @@ def kernel_class():
                 a_bars: cute.struct.MemRange[cutlass.Int64, 2 * self.a_tiles if self.norm else 1]
                 sG: cute.struct.Align[cute.struct.MemRange[self.dtype, self.a_tiles * self.bk if self.norm else 8], 16]
                 ssq: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 16], 16]
-                # (push_partials) the other blocks' fragments of our outputs, [rank, thread of the group, F], and
-                # their mbarrier
+                # (push_partials) the other blocks' fragments of our outputs, [rank, quarter, thread of the group, 4]
+                # (cute_wgmma.push_slot), and their mbarrier
                 recv: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, max(4, self.recv_slots)], 16]
                 recv_bar: cute.struct.MemRange[cutlass.Int64, 1]
 
@@ -526,25 +526,25 @@ def kernel_class():
                     if r != q:
                         for f in cutlass.range_constexpr(F):
                             acc[f] = acc[f] + got[f % 4, f // 4, r]
+                if cutlass.const_expr(self.has_bias or self.has_res):
+                    for f in cutlass.range_constexpr(F):
+                        acc[f] = acc[f] + extra[f]
                 if cutlass.const_expr(G % 32 == 0):
-                    self.store_owned(acc, extra, coord, mC, recv, q, tl, first, n0)
+                    self.store_owned(acc, coord, mC, recv, q, tl, first, n0)
                 else:   # an owner group that shares warps with another: 2-byte stores from the fragments
                     for f in cutlass.range_constexpr(F):
                         c = coord[f]
                         n = n0 + c[0]
                         if c[1] < M and n < N:
-                            s = acc[f]
-                            if cutlass.const_expr(self.has_bias or self.has_res):
-                                s = s + extra[f]
-                            mC[c[1], n] = s.to(self.dtype)
+                            mC[c[1], n] = acc[f].to(self.dtype)
 
         @cute.jit
-        def store_owned(self, acc: cute.Tensor, extra: cute.Tensor, coord: cute.Tensor, mC: cute.Tensor,
-                        recv: cute.Tensor, q, tl, first, n0):
-            """(push_partials, an owner group of whole warps) Stage the group's sums (+ bias / residual) in C's dtype
-            in our own rank's receive slots (nobody pushes there) as [m, the group's n], then store them along n in
-            16-byte pieces: whole 32-byte segments of C. The fragments' 2-byte stores wrote half segments and cost 0.6-
-            2.8% at M16 (benchmarks/results/skinny_gemm_h200_s12.log, run 8). A C row not 16-byte aligned, or the N
+        def store_owned(self, acc: cute.Tensor, coord: cute.Tensor, mC: cute.Tensor, recv: cute.Tensor, q, tl, first,
+                        n0):
+            """(push_partials, an owner group of whole warps) Stage the group's outputs (acc, bias / residual added) in
+            C's dtype in our own rank's receive slots (nobody pushes there) as [m, the group's n], then store them along
+            n in 16-byte pieces: whole 32-byte segments of C. The fragments' 2-byte stores wrote half segments and cost
+            0.6-2.8% at M16 (benchmarks/results/skinny_gemm_h200_s12.log, run 8). A C row not 16-byte aligned, or the N
             tail, takes 2-byte stores."""
             M: cutlass.Constexpr = self.m
             MP: cutlass.Constexpr = self.mp
@@ -558,10 +558,7 @@ def kernel_class():
             sT = cute.make_tensor(stage, cute.make_layout((MP, ROWW), stride=(ROWW, 1)))
             for f in cutlass.range_constexpr(cute.size(acc)):
                 c = coord[f]
-                s = acc[f]
-                if cutlass.const_expr(self.has_bias or self.has_res):
-                    s = s + extra[f]
-                sT[c[1], c[0] // 64 * (16 * NW) + c[0] % 64 - 16 * w0] = s.to(self.dtype)
+                sT[c[1], c[0] // 64 * (16 * NW) + c[0] % 64 - 16 * w0] = acc[f].to(self.dtype)
             cute.arch.barrier(barrier_id=2, number_of_threads=G)   # the group's warps only (1: the norm warps')
             N = mC.shape[1]
             ldc = mC.layout.stride[0]
