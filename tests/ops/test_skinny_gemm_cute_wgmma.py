@@ -51,12 +51,14 @@ def test_config_tag_spells_every_field():
     assert C(64, 128, 6, 1, evict_hints=True, trigger_first=True).tag() == "wg-n64-k128-s6-c1-h-tf"
     assert C(64, 128, 6, 8, True, True, push_partials=True).tag() == "wg-n64-k128-s6-c8-pw-h-pp"
     assert C(64, 64, 7, 16, push_partials=True, owners=4).tag() == "wg-n64-k64-s7-c16-pp-o4"
+    assert C(64, 128, 4, 8, True, push_partials=True, reg_stages=3).tag() == "wg-n64-k128-s4-c8-pw-pp-r3"
     variants = [(64, 64, 8, 1), (128, 64, 8, 1), (64, 128, 8, 1), (64, 64, 4, 1), (64, 64, 8, 2),
                 (64, 64, 8, 1, True), (64, 64, 8, 1, False, True), (64, 64, 8, 1, False, False, True),
                 (64, 64, 8, 1, False, False, False, True), (64, 64, 8, 1, False, False, False, False, False),
                 (64, 64, 8, 1, False, False, False, False, True, True),
                 (64, 64, 8, 2, False, False, False, False, True, False, True),
-                (64, 64, 8, 2, False, False, False, False, True, False, True, 1)]
+                (64, 64, 8, 2, False, False, False, False, True, False, True, 1),
+                (64, 64, 8, 2, True, False, False, False, True, False, True, 1, 2)]
     assert len({C(*v).tag() for v in variants}) == len(variants)
 
 
@@ -65,9 +67,12 @@ def test_config_tag_spells_every_field():
                                      (C(early=True, mma_trigger=True), "not both"),
                                      (C(split_k=1, push_partials=True), "split_k=1"),
                                      (C(split_k=4, owners=2), "owners=2"),
-                                     (C(split_k=4, push_partials=True, owners=5), "owners=5")],
+                                     (C(split_k=4, push_partials=True, owners=5), "owners=5"),
+                                     (C(64, 128, 4, 8, reg_stages=3), "producer warp"),
+                                     (C(64, 128, 4, 8, True, reg_stages=9), "reg_stages=9")],
                          ids=["n32", "k32", "s1", "c17", "smem", "early-and-mma-trigger", "push-without-split",
-                              "owners-without-push", "more-owners-than-blocks"])
+                              "owners-without-push", "more-owners-than-blocks", "reg-stages-without-producer-warp",
+                              "reg-stages-9"])
 def test_config_rejects_unlaunchable(cfg, why):
     assert why in cfg.invalid()
 
@@ -87,6 +92,37 @@ def test_smem_budget_counts_ring_and_partial_tile():
     assert C(64, 128, 7, 8, push_partials=True, owners=1).push_slots(16) == 8 * 128 * 8
     every = C(64, 64, 7, 16, push_partials=True)
     assert dataclasses.replace(every, owners=16).push_slots(8) == every.push_slots(8)
+    # reg_stages: A leaves the ring for resident tiles of its own, one per tile of the share (stages + reg_stages),
+    # each with its barrier
+    ring = C(64, 128, 4, 8, True, push_partials=True, owners=2)
+    reg = dataclasses.replace(ring, reg_stages=3)
+    assert reg.a_tiles() == 7
+    assert reg.smem_bytes(16) - ring.smem_bytes(16) == 7 * (16 * 128 * 2 + 8) - 4 * 16 * 128 * 2
+    assert reg.smem_bytes(1) - ring.smem_bytes(1) == 7 * (8 * 128 * 2 + 8) - 4 * 8 * 128 * 2
+    # the router's M16 pick: two blocks fit an SM (228 KB, 1 KB reserved a block), where the 7-slot ring's did not
+    whole_ring = dataclasses.replace(ring, stages=7)
+    assert 2 * (reg.smem_bytes(16) + 1024) <= 228 * 1024 < 2 * (whole_ring.smem_bytes(16) + 1024)
+
+
+@settings(max_examples=200, deadline=None)
+@given(bk=st.sampled_from([64, 128]), stages=st.integers(2, 8), reg=st.integers(0, 8), split=st.integers(1, 16),
+       k=st.integers(1, 4000).map(lambda x: 8 * x))
+def test_share_fits_means_every_block_has_its_register_tiles_and_resident_a(bk, stages, reg, split, k):
+    """share_fits(k) holds exactly when every block's K share (the kernel's split: k_lo = q·kt // KS) has at least
+    reg_stages tiles (its register tiles are waited on) and at most a_tiles() (A's resident slots)."""
+    cfg = C(64, bk, stages, split, True, reg_stages=reg)
+    kt = -(-k // bk)
+    counts = [(q + 1) * kt // split - q * kt // split for q in range(split)]
+    want = reg == 0 or all(reg <= c <= stages + reg for c in counts)
+    assert cfg.share_fits(k) == want
+
+
+def test_a_share_that_does_not_fit_is_refused_before_compiling():
+    a, w = torch.randn(4, 7168, dtype=torch.bfloat16), torch.randn(896, 7168, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="share of K=7168"):   # 56 tiles over 8 blocks: 7 a block, 2 + 3 hold 5
+        kc.skinny_gemm_cute(a, w, cfg=C(64, 128, 2, 8, True, reg_stages=3), static_weight=True)
+    with pytest.raises(ValueError, match="share of K=1024"):   # 8 tiles over 8 blocks: 1 a block, 2 register tiles
+        kc.skinny_gemm_cute(a[:, :1024], w[:, :1024], cfg=C(64, 128, 2, 8, True, reg_stages=2))
 
 
 @settings(max_examples=60, deadline=None)
@@ -123,7 +159,7 @@ def test_table_entries_are_valid():
     assert table_picks(False) and table_picks(True)
     for static_weight in (False, True):
         for (mb, n, k), cfg in table_picks(static_weight).items():
-            assert mb in (1, 2, 4, 8, 16) and cfg.invalid() is None, (mb, n, k, cfg)
+            assert mb in (1, 2, 4, 8, 16) and cfg.invalid() is None and cfg.share_fits(k), (mb, n, k, cfg)
             assert n >= 1 and k % 8 == 0
 
 
@@ -198,7 +234,12 @@ GPU_CONFIGS = [C(64, 64, 4, 1), C(64, 64, 8, 3), C(128, 64, 6, 2), C(64, 128, 4,
                C(64, 64, 6, 3, True, True, push_partials=True), C(128, 64, 4, 2, push_partials=True),
                C(64, 128, 4, 8, True, True, trigger_first=True, push_partials=True),
                C(64, 64, 3, 16, True, True, trigger_first=True, push_partials=True, owners=4),
-               C(64, 64, 6, 3, True, True, push_partials=True, owners=1)]
+               C(64, 64, 6, 3, True, True, push_partials=True, owners=1),
+               # register tiles: K 2056 gives shares of 2-3 tiles of 128 (a block with no ring MMAs, and one with)
+               # and of 4-5 tiles of 64; block_n 128 (two m64 tiles) with the partial tiles read, not pushed
+               C(64, 128, 2, 8, True, True, trigger_first=True, push_partials=True, owners=2, reg_stages=2),
+               C(64, 64, 3, 8, True, True, push_partials=True, reg_stages=2),
+               C(128, 64, 3, 8, True, True, reg_stages=2)]
 
 
 @pytest.mark.gpu
@@ -249,7 +290,8 @@ def test_decode_shapes_chosen_config(m, n, k):
 
 CHAINED_CONFIGS = [C(64, 64, 8, 2), C(64, 128, 6, 2, True, True, trigger_first=True),
                    C(64, 128, 4, 8, True, True, trigger_first=True, push_partials=True),
-                   C(64, 64, 2, 16, True, True, trigger_first=True, push_partials=True, owners=2)]
+                   C(64, 64, 2, 16, True, True, trigger_first=True, push_partials=True, owners=2),
+                   C(64, 128, 2, 8, True, True, trigger_first=True, push_partials=True, owners=4, reg_stages=1)]
 
 
 def compiled_variants():

@@ -87,6 +87,18 @@ before the wait), and the MMAs (0.31 µs, by instruction count: 56 m64 k16 steps
 MMAs with 3-6 stages of the weight copied to registers before the wait, nor two MMA warpgroups, nor 3-4 stage rings
 (two blocks to an SM), nor clusters of 7 paid.
 
+The thirteenth session found what held the router: a block's ring (its whole 114 KB share, A beside it) left one
+block to an SM, so the next product's block on that SM could not start streaming until ours had run its whole chain
+after the wait; the period was the stream plus the chain. ``reg_stages`` copies a block's first R weight tiles from
+the ring to registers (ldmatrix, before the wait) and frees their slots, so a ring of 3-4 slots holds a share of 7
+tiles and two blocks fit an SM (A's share gets resident tiles of its own). The router went from 4.14-4.49 µs to
+3.39-3.86 at M1-16 (x2.3-2.5 of cuBLAS), and every shape whose share fits gained 5-15%: 1536x7168, 7168x1536 and
+7168x768; 2304x1536 left the mma.sync kernel (2.8-4.4 µs to 2.4-2.6). Where the share does not fit (2112x7168 in
+clusters of 8: 264 blocks fill both slots of every SM) it lost (.scratch/s13 runs 1-4, benchmarks/results/
+skinny_gemm_h200_s13.log). At M16 four register tiles (170
+registers, 97 KB: two blocks still fit) ran 4.55-4.58 µs against three's 3.82-3.86, on 1536x7168 8.4 against 5.95;
+the cause was not found.
+
 A table entry names the kernel as well as its configuration: a ``SkinnyConfig`` runs ``cute.py``'s mma.sync
 kernel, a ``WgmmaConfig`` (``cute_wgmma.py``) the warpgroup-MMA kernel; both sit behind the op's one "cute" backend
 (``cute.skinny_gemm_cute``, ``cute.profitable``, ``cute.warmup`` and ``cute_compile.compile_kernel`` follow the
@@ -237,7 +249,8 @@ TABLE: dict[tuple[int, int, int], Optional[KernelConfig]] = {
 # Where a proven-static weight (``static_weight=True``) measured faster with another configuration (same sweeps:
 # > 2% in sweeps 1-2, > 3% in sweep 4).
 TABLE_STATIC: dict[tuple[int, int, int], KernelConfig] = {
-    (16, 2304, 1536): SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=24),  # 4.36 µs vs 4.59 (c5 r2)
+    # (2304x1536 M16: SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=24), 4.36 µs vs 4.59, c5 r2; replaced by
+    # the register-tile entry at the end)
     # the wgmma kernel, static weight (wg r2-r3; c6 r3): where it differs from TABLE's entry
     # 7168x3584: the weight requested after the PDL wait (early_w=False) measured faster, 13.5-13.6 µs (with it
     # 14.0-14.1) vs op+st 13.88-14.42
@@ -246,13 +259,11 @@ TABLE_STATIC: dict[tuple[int, int, int], KernelConfig] = {
     # its tuning runs 1-4 (benchmarks/results/skinny_gemm_h200_s10_sweeps.log): µs, the mean of the runs that timed
     # the pick, against the entry it replaced in the same runs (those entries: the c4-c6 and wg picks of the earlier
     # sessions, or TABLE's)
-    # 7168x768 M 1 / 2: a ring holding the block's whole 96 KB share, 112 blocks (M 4-16: run 7 below)
-    (1, 7168, 768): WgmmaConfig(64, 64, 12, 1, **_HF),    # 3.22 µs vs 4.13 (r1-r4)
-    (2, 7168, 768): WgmmaConfig(64, 128, 6, 1, **_PHF),   # 3.38 vs 3.92 (r2-r4)
-    (8, 7168, 1536): WgmmaConfig(64, 128, 6, 1, **_HF),   # 6.43 µs vs 7.13 (r3-r4)
-    (16, 7168, 1536): WgmmaConfig(64, 128, 6, 1, **_HF),  # 6.44 µs vs 7.13 (r3-r4)
-    **{(m, 2304, 1536): SkinnyConfig(1, 1, 8, 2, stages=4, a_ring=True, a_l1=True, trigger_first=True)
-       for m in (1, 2, 4, 8)},  # 2.83 / 2.95 / 3.13 / 3.58 µs vs 3.44 / 3.36 / 3.77 / 3.88 (r3-r4)
+    # (7168x768 M 1 / 2, a ring holding the block's whole 96 KB share, 112 blocks: 3.22 / 3.38 µs, r1-r4, with
+    # WgmmaConfig(64, 64, 12, 1, **_HF) / (64, 128, 6, 1, **_PHF); 7168x1536 M 8 / 16: WgmmaConfig(64, 128, 6, 1,
+    # **_HF), 6.43 / 6.44 µs vs 7.13, r3-r4; 2304x1536 M 1-8: SkinnyConfig(1, 1, 8, 2, stages=4, a_ring=True,
+    # a_l1=True, trigger_first=True), 2.83 / 2.95 / 3.13 / 3.58 µs vs 3.44 / 3.36 / 3.77 / 3.88, r3-r4; the
+    # register-tile entries at the end replace them all)
     (16, 7168, 3584): WgmmaConfig(64, 128, 6, 1, **_HF),   # 13.09 µs vs 13.51 (r2-r4)
     # push_partials with the trigger first (run 6, as TABLE's): µs against the entry it replaced, same run
     # (tenth session, scalar pushes: 4.36 / 4.46 / 4.51 / 4.66 / 5.00 vs 4.76 / 4.94 / 5.04 / 5.38 / 6.05); the
@@ -260,11 +271,9 @@ TABLE_STATIC: dict[tuple[int, int, int], KernelConfig] = {
     # skinny_gemm_h200_s11_owners.log; µs against the same configuration with every block an owner, same run):
     # 4.27 / 4.34 / 4.38 / 4.41 / 4.79 vs 4.69 / 4.77 / 4.80 / 4.82 / 5.27; the twelfth session's push layout: M16 4.52
     # vs 4.71 (skinny_gemm_h200_s12.log, run 2)
-    **{(m, 896, 7168): WgmmaConfig(64, 128, 7, 8, **_PPHF, **_O2) for m in (1, 2, 4, 8, 16)},
+    # (the router's entries are replaced by the thirteenth session's register tiles at the end)
     # (tenth: 6.13 / 6.10 / 6.24 / 6.39 / 7.05 vs 6.88 / 7.19 / 7.19 / 7.37 / 8.37); owners=2 at M 1 / 4: 6.04 / 6.16
     # vs 6.54 / 6.65; at M16 it measured 8.92 against 7.28 (its receive buffer leaves one block to an SM, not two)
-    **{(m, 1536, 7168): WgmmaConfig(64, 128, 5, 8, **_PPHF, **_O2) for m in (1, 2, 4, 8)},
-    (16, 1536, 7168): WgmmaConfig(64, 128, 5, 8, **_PPHF),
     # (tenth: 12.74 / 12.90 / 13.34 / 13.46 / 13.56 vs 13.23 / 13.33 / 13.68 / 14.17 / 14.17); owners=2 at M 1 / 4 /
     # 16: 13.27 / 13.35 / 13.85 vs 13.60 / 13.75 / 14.21
     **{(m, 3584, 7168): WgmmaConfig(128, 64, 8, 4, **_PPHF, **_O2) for m in (1, 2, 4, 8, 16)},
@@ -274,15 +283,37 @@ TABLE_STATIC: dict[tuple[int, int, int], KernelConfig] = {
     # run 7: with the partials pushed, split-K pays on the short-K shapes too (small blocks holding their whole
     # share, several to an SM), and 2112x7168 takes a cluster of 3 (99 blocks); µs against the picks of runs 1-6
     # (owners=1, s11 run 2: M 4 / 16 3.40 / 3.71 vs 3.41 / 3.76)
-    (4, 7168, 768): WgmmaConfig(64, 128, 3, 2, **_PPHF, **_O1),   # 3.44 vs 3.57
-    (8, 7168, 768): WgmmaConfig(64, 128, 3, 2, **_HF, push_partials=True, **_O1),   # 3.44 vs 3.58
-    (16, 7168, 768): WgmmaConfig(64, 128, 3, 2, **_HF, push_partials=True, **_O1),  # 3.67 vs 3.92
-    # (owners=1 measured 7.05 / 7.22 against 6.07 / 6.29 at M 1 / 4: its receive buffer leaves one block to an SM)
-    **{(m, 7168, 1536): WgmmaConfig(64, 128, 6, 2, **_PPHF) for m in (1, 2, 4)},  # 6.00 / 5.95 / 6.17 vs 6.19 / 6.21
-    #                                                                              / 6.41 (rg2-wn1-wk4-u2-s4-e-a-ca-tf)
+    # (7168x768 M 4 / 8 / 16: WgmmaConfig(64, 128, 3, 2, ..., push_partials, owners=1), 3.44 / 3.44 / 3.67 vs 3.57 /
+    # 3.58 / 3.92; 7168x1536 M 1-4: WgmmaConfig(64, 128, 6, 2, **_PPHF), 6.00 / 5.95 / 6.17 vs 6.19 / 6.21 / 6.41,
+    # where owners=1 measured 7.05 / 7.22 at M 1 / 4: its receive buffer left one block to an SM; all replaced below)
     # (tenth: 8.17 / 8.21 / 8.40 / 8.50 / 8.73 vs 8.78 / 8.80 / 8.95 / 8.78 / 8.99); owners=1 at M 1 / 4 / 16: 8.23 /
     # 8.35 / 8.77 vs 8.57 / 8.64 / 8.95
     **{(m, 2112, 7168): WgmmaConfig(64, 128, 7, 3, **_PPHF, **_O1) for m in (1, 2, 4, 8, 16)},
+    # The thirteenth session's register tiles (``reg_stages``): a block's first R weight tiles go to registers before
+    # the PDL wait and their slots take the rest of its share, so the block holds its whole share in ~60-110 KB of
+    # shared memory and two fit an SM: the next product's blocks then stream their weight beside ours while ours
+    # finish (.scratch/s13 runs 1-4, benchmarks/results/skinny_gemm_h200_s13.log; µs, the mean of the runs that
+    # timed the pick, against the entry above it replaced, same runs)
+    **{(m, 896, 7168): WgmmaConfig(64, 128, 3, 8, reg_stages=4, **_PPHF, owners=4) for m in (1, 2, 4, 8)},
+    #                                                   3.39 / 3.45 / 3.45 / 3.56 vs 4.14 / 4.18 / 4.21 / 4.32
+    (16, 896, 7168): WgmmaConfig(64, 128, 4, 8, reg_stages=3, **_PPHF, **_O2),   # 3.84 vs 4.48
+    (1, 1536, 7168): WgmmaConfig(64, 128, 3, 8, reg_stages=4, **_PPHF, **_O2),   # 5.57 vs 5.97
+    **{(m, 1536, 7168): WgmmaConfig(64, 128, 4, 8, reg_stages=3, **_PPHF, **_O2) for m in (2, 4)},  # 5.51 / 5.58
+    #                                                                                                vs 5.96 / 5.99
+    (8, 1536, 7168): WgmmaConfig(64, 128, 3, 8, reg_stages=4, **_PPHF, **_O2),   # 5.61 vs 6.12
+    (16, 1536, 7168): WgmmaConfig(64, 128, 4, 8, reg_stages=3, **_PPHF, **_O2),  # 5.96 vs 7.00
+    **{(m, 7168, 1536): WgmmaConfig(64, 128, 2, 2, reg_stages=4, **_PPHF) for m in (1, 2, 8)},  # M 1 / 8: 5.59 /
+    #                                                                                            5.59 vs 6.05 / 6.38
+    (4, 7168, 1536): WgmmaConfig(64, 128, 2, 2, reg_stages=4, **_PPHF, **_O1),   # 5.62 vs 6.12
+    (16, 7168, 1536): WgmmaConfig(64, 128, 3, 2, reg_stages=3, **_PPHF),         # 6.00 vs 6.50
+    **{(m, 7168, 768): WgmmaConfig(64, 64, 3, 2, reg_stages=3, **_PPHF, **_O1) for m in (1, 2, 16)},  # 2.98 / 2.99
+    #                                                                                    / 3.20 vs 3.17 / 3.18 / 3.54
+    **{(m, 7168, 768): WgmmaConfig(64, 128, 2, 2, reg_stages=1, **_PPHF, **_O1) for m in (4, 8)},  # 3.02 / 2.93
+    #                                                                                               vs 3.41 / 3.39
+    # 2304x1536 (7 MB) leaves the mma.sync kernel with a static weight (runs 3-4; µs against its entries above)
+    **{(m, 2304, 1536): WgmmaConfig(64, 64, 3, 4, reg_stages=3, **_PPHF, **_O2) for m in (1, 2, 4, 8)},  # 2.41 /
+    #                                                                   2.41 / 2.46 / 2.41 vs 2.78 / 2.95 / 3.11 / 3.53
+    (16, 2304, 1536): WgmmaConfig(64, 128, 3, 2, reg_stages=3, **_PPHF),   # 2.62 vs 4.35
 }
 
 

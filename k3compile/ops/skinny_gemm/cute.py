@@ -507,6 +507,9 @@ def skinny_gemm_cute(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tens
     n = w.shape[0]
     if cfg is None:
         cfg = pick(a, w, bias, residual, static_weight)
+    if not isinstance(cfg, _config.SkinnyConfig) and not cfg.share_fits(k):
+        raise ValueError(f"{cfg.tag()}: a block's share of K={k} does not suit its register tiles / resident A "
+                         f"({cfg.reg_stages}..{cfg.a_tiles()} tiles of {cfg.block_k})")
     fn = compile_kernel(a.dtype, m, cfg, bias is not None, residual is not None, static_weight)
     if out is None:
         out = torch.empty((m, n), dtype=a.dtype, device=a.device)

@@ -26,6 +26,11 @@ SMs go to the next kernel's blocks (what most of the router's gain is). The epil
 C (on the read path coalesced along N). Options (``WgmmaConfig``): a fifth warp that only issues the TMA loads, L2
 eviction hints on them, and the PDL trigger right after the wait.
 
+Register tiles (``reg_stages``): a block's first weight tiles go from the ring to registers before the PDL wait and
+their slots take the rest of its share, so a block holds its whole share in less shared memory. Where that lets two
+blocks share an SM, the next product's blocks stream their weight while ours finish (the router: 4.1-4.5 µs to
+3.4-3.9; ``config.py`` has the measurements).
+
 Programmatic dependent launch: everything before ``griddepcontrol.wait`` is setup; with ``static_weight`` (no
 kernel writes W: module parameters) the weight tiles of the first stages are already requested by TMA before the
 wait, A's after it. The next kernel may launch once our K loop is done: a block's first trigger counts, so with a
@@ -78,6 +83,10 @@ class WgmmaConfig:
     #                              barrier
     owners: int = 0              # (push_partials) the cluster's blocks 0..owners-1 own (sum and store) the outputs;
     #                              the others push and exit at once, so their SMs go to the next kernel. 0: all
+    reg_stages: int = 0          # (producer warp) a block's first K tiles go from the ring to registers (ldmatrix) as
+    #                              they land, and their slots take the next tiles, so ``stages`` slots hold a share of
+    #                              stages + reg_stages tiles (all requested before the PDL wait with a static weight) in
+    #                              less shared memory; A gets resident tiles of its own (``share_fits``)
 
     def tag(self) -> str:
         return (f"wg-n{self.block_n}-k{self.block_k}-s{self.stages}-c{self.split_k}"
@@ -85,7 +94,7 @@ class WgmmaConfig:
                 + ("-e" if self.early else "") + ("-tm" if self.mma_trigger else "")
                 + ("" if self.early_w else "-nw") + ("-pp" if self.push_partials else "")
                 + (f"-o{self.owners}" if self.owners else "")
-                + ("-tf" if self.trigger_first else ""))
+                + ("-tf" if self.trigger_first else "") + (f"-r{self.reg_stages}" if self.reg_stages else ""))
 
     def invalid(self) -> Optional[str]:
         """None when the kernel can be built with this configuration, else why not."""
@@ -103,6 +112,9 @@ class WgmmaConfig:
             return f"owners={self.owners}: push_partials only, 1..split_k"
         if self.early and self.mma_trigger:
             return "early and mma_trigger: the next kernel launches after our wait or after our K loop, not both"
+        if self.reg_stages and not (self.producer_warp and 1 <= self.reg_stages <= 8):
+            return (f"reg_stages={self.reg_stages}: 1..8, with a producer warp (the MMA warps free the slots it "
+                    "refills before the wait)")
         if self.smem_bytes(16) > SMEM_LIMIT:
             return f"needs {self.smem_bytes(16)} B of shared memory > {SMEM_LIMIT}"
         return None
@@ -111,6 +123,8 @@ class WgmmaConfig:
         """Dynamic shared memory of one block at this M (2-byte elements): barriers, the ring (1 KB aligned), the
         partial tile (rows padded by one word); ``norm`` (the fused tail): the ring carries only the weight, and A's
         resident tiles, their two barriers each and the block's share of g come on top."""
+        if self.reg_stages and not norm:   # A's resident tiles (the block's whole share) and a barrier each
+            return self._weight_ring_and_rest(m) + self.a_tiles() * (m_pad(m) * self.block_k * 2 + 8)
         if not norm:
             return self._weight_ring_and_rest(m) + self.stages * m_pad(m) * self.block_k * 2   # A rides the ring
         return self._weight_ring_and_rest(m) + self.norm_a_tiles(m) * self._norm_per_tile(m)
@@ -145,6 +159,18 @@ class WgmmaConfig:
         """(fused tail) K tiles of A a block keeps resident: what shared memory leaves beside the ring, at most 64;
         a block's K share must fit (``latent_moe_tail.cute.wgmma_fits``)."""
         return max(0, min(64, (SMEM_LIMIT - self._weight_ring_and_rest(m)) // self._norm_per_tile(m)))
+
+    def a_tiles(self) -> int:
+        """(reg_stages) K tiles of A a block keeps resident: its whole share."""
+        return self.stages + self.reg_stages
+
+    def share_fits(self, k: int) -> bool:
+        """Whether every block's K share suits the kernel at this K: with ``reg_stages``, at least that many tiles
+        and at most ``a_tiles()`` (the ring's slots are refilled only before the MMAs start)."""
+        if not self.reg_stages:
+            return True
+        tiles = -(-k // self.block_k)
+        return tiles // self.split_k >= self.reg_stages and -(-tiles // self.split_k) <= self.a_tiles()
 
     def blocks(self, n: int) -> int:
         return -(-n // self.block_n) * self.split_k

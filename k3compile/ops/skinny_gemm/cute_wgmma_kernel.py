@@ -4,7 +4,12 @@ One warpgroup streams a block's weight rows (wgmma's M side) through a TMA + mba
 8 or 16 rows) and keeps the fp32 accumulator tile in registers; the blocks of a split-K cluster sum their partial tiles
 through distributed shared memory in the epilogue (read after a cluster barrier, or pushed from registers to their
 owners: ``push_partials``), which adds bias / residual and stores C. Options (see ``WgmmaConfig``): a producer warp,
-L2 eviction hints, the PDL trigger's place, the static-weight early requests, the pushes' owners.
+L2 eviction hints, the PDL trigger's place, the static-weight early requests, the pushes' owners, the register tiles.
+
+With ``reg_stages`` R the MMA warps copy a block's first R weight tiles from the ring to registers (ldmatrix) as
+they land, before the PDL wait, and free their slots at once, so the producer warp requests the rest of the share
+into them before the wait too; the R tiles' MMAs then take the weight from registers (RS wgmma). A ring of S slots so
+holds a share of S + R tiles in less shared memory, and A's share gets resident tiles of its own (as the norm's).
 
 With ``norm_eps`` (the latent-MoE tail: ``C = rsqrt(mean(A², K) + eps) · ((A·g) · Wᵀ) + R``) the ring carries only
 the weight. The block's whole K share of A is brought by TMA right after the PDL wait, one barrier per tile, and kept
@@ -90,9 +95,14 @@ def kernel_class():
             self.norm_warps = (self.mp * self.bk // (8 * 32) if self.bk == 128 else 4) if self.norm else 0
             self.prod_warp = 4 + self.norm_warps if self.pw else 0
             self.threads = 128 + 32 * self.norm_warps + (32 if self.pw else 0)
-            # (norm) A's K share stays resident, so the ring carries only the weight
-            self.a_tiles = cfg.norm_a_tiles(m) if self.norm else self.stages
-            self.tx_bytes = (self.bn + (0 if self.norm else self.mp)) * self.bk * dtype.width // 8
+            self.reg = cfg.reg_stages
+            if self.reg and self.norm:
+                raise ValueError("reg_stages: not with the fused norm (its norm warps scale A in place)")
+            # (norm, reg_stages) A's K share stays resident, so the ring carries only the weight
+            self.sep_a = self.norm or self.reg > 0
+            self.a_tiles = cfg.norm_a_tiles(m) if self.norm else cfg.a_tiles() if self.reg else self.stages
+            self.a_bars = (2 if self.norm else 1) * self.a_tiles if self.sep_a else 1   # barriers of A's resident tiles
+            self.tx_bytes = (self.bn + (0 if self.sep_a else self.mp)) * self.bk * dtype.width // 8
             # outputs a thread stores: q·threads + tidx + j·threads·ks, j < iters (the epilogue's order)
             self.iters = -(-(self.bn * m) // (self.threads * self.ks))
             self.recv_slots = cfg.push_slots(m) if self.push else 0   # (push_partials) the receive buffer
@@ -120,8 +130,9 @@ def kernel_class():
                 sW: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.w_layout)], 1024]
                 sA: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.a_layout)], 1024]
                 red: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.red_slots], 16]
-                # (norm) per resident A tile: landed (TMA), scaled; the block's share of g; the rows' sums of squares
-                a_bars: cute.struct.MemRange[cutlass.Int64, 2 * self.a_tiles if self.norm else 1]
+                # (norm) per resident A tile: landed (TMA), scaled; the block's share of g; the rows' sums of squares.
+                # (reg_stages) per resident A tile: landed
+                a_bars: cute.struct.MemRange[cutlass.Int64, self.a_bars]
                 sG: cute.struct.Align[cute.struct.MemRange[self.dtype, self.a_tiles * self.bk if self.norm else 8], 16]
                 ssq: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 16], 16]
                 # (push_partials) the other blocks' fragments of our outputs, [rank, quarter, thread of the group, 4]
@@ -160,17 +171,18 @@ def kernel_class():
 
             smem = cutlass.utils.SmemAllocator()
             st = smem.allocate(self.storage)
-            a_landed = st.a_bars.data_ptr()        # (norm) tile t: a_landed + t, a_scaled + t
+            a_landed = st.a_bars.data_ptr()        # (norm, reg_stages) tile t: a_landed + t; (norm) a_scaled + t
             a_scaled = a_landed + AT
             if cutlass.const_expr(self.push):
                 if tidx == 0:  # one arrival: ours, with the bytes the other blocks will push
                     cute.arch.mbarrier_init(st.recv_bar.data_ptr(), 1)
                     cute.arch.mbarrier_init_fence()
-            if cutlass.const_expr(self.norm):
+            if cutlass.const_expr(self.sep_a):
                 if tidx == 0:  # initialised before the pipeline's own fence and barrier
                     for t in cutlass.range_constexpr(AT):
                         cute.arch.mbarrier_init(a_landed + t, 1)
-                        cute.arch.mbarrier_init(a_scaled + t, 32 * self.norm_warps)  # every norm thread arrives
+                        if cutlass.const_expr(self.norm):
+                            cute.arch.mbarrier_init(a_scaled + t, 32 * self.norm_warps)  # every norm thread arrives
             pipe = pipeline.PipelineTmaAsync.create(
                 barrier_storage=st.bars.data_ptr(), num_stages=S,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
@@ -207,7 +219,8 @@ def kernel_class():
             kt = cute.size(gW, mode=[2])
             k_lo = q * kt // KS
             count = (q + 1) * kt // KS - k_lo
-            pre = cutlass.min(S, count)
+            # (reg_stages) the MMA warps free the first R slots before the wait, so S + R tiles go out before it
+            pre = cutlass.min(S + self.reg, count)
 
             prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, S)
             if warp == PROD:
@@ -221,6 +234,9 @@ def kernel_class():
                     if cutlass.const_expr(self.norm):
                         for i in cutlass.range(pre + S, unroll=1):
                             self.load_a_tile(tma, k_lo, i, count, a_landed)
+                    elif cutlass.const_expr(self.reg):
+                        for i in cutlass.range(count, unroll=1):   # the whole share (the host checks it fits)
+                            self.load_a_tile(tma, k_lo, i, count, a_landed)
                     else:
                         fill = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, S)
                         for i in cutlass.range(pre, unroll=1):
@@ -230,6 +246,9 @@ def kernel_class():
                     self.wait_previous()
                     if cutlass.const_expr(self.norm):
                         self.load_a_tile(tma, k_lo, 0, count, a_landed)   # the first MMA's, ahead of the weight
+                    if cutlass.const_expr(self.reg):
+                        for i in cutlass.range(count, unroll=1):
+                            self.load_a_tile(tma, k_lo, i, count, a_landed)
                     for i in cutlass.range(pre, unroll=1):
                         self.load_stage(pipe, prod, tma, k_lo + i)
                         prod.advance()
@@ -242,8 +261,8 @@ def kernel_class():
                         if cutlass.const_expr(self.norm):
                             self.load_a_tile(tma, k_lo, i + S, count, a_landed)
                         prod.advance()
-            else:
-                self.wait_previous()
+            elif cutlass.const_expr(not self.reg):
+                self.wait_previous()   # (reg_stages) the MMA warps wait once their register tiles are loaded
 
             ssq = cute.make_tensor(st.ssq.data_ptr(), cute.make_layout((16,)))
             if cutlass.const_expr(self.norm):
@@ -256,12 +275,17 @@ def kernel_class():
                 release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, S)
                 kblocks = cute.size(tCrW, mode=[2])
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                for i in cutlass.range(count, unroll=1):
+                if cutlass.const_expr(self.reg):
+                    self.mma_reg_stages(sW, tCrA, acc, acc_odd, pipe, read, release, a_landed, tidx)
+                for i in cutlass.range(self.reg, count, unroll=1):
                     pipe.consumer_wait(read)
                     a_tile = read.index
                     if cutlass.const_expr(self.norm):
                         a_tile = i  # the resident A's i-th tile, once the norm warps have scaled it
                         cute.arch.mbarrier_wait(a_scaled + i, 0)
+                    if cutlass.const_expr(self.reg):
+                        a_tile = i
+                        cute.arch.mbarrier_wait(a_landed + i, 0)
                     cute.nvgpu.warpgroup.fence()
                     for kb in cutlass.range_constexpr(kblocks):
                         chain = acc if kb % 2 == 0 else acc_odd
@@ -271,7 +295,7 @@ def kernel_class():
                     # the previous stage's MMAs are done once at most this one is pending: free its slot
                     cute.nvgpu.warpgroup.wait_group(1)
                     read.advance()
-                    if i > 0:
+                    if i > self.reg:   # (reg_stages) the register tiles' slots were freed as they were copied
                         pipe.consumer_release(release)
                         release.advance()
                         if cutlass.const_expr(not self.pw):
@@ -309,6 +333,40 @@ def kernel_class():
                 self.epilogue(mC, mBias, mRes, red, ssq, tidx, q, rb * BN, K)
 
         @cute.jit
+        def mma_reg_stages(self, sW: cute.Tensor, tCrA: cute.Tensor, acc: cute.Tensor, acc_odd: cute.Tensor, pipe,
+                           read, release, a_landed, tidx):
+            """(reg_stages, the MMA warps) Copy the block's first R weight tiles from their ring slots to registers
+            (ldmatrix) as they land and free each slot at once, so the producer refills it before the PDL wait; then
+            wait, and run their MMAs with the weight from registers (RS wgmma) against A's resident tiles 0..R-1."""
+            R: cutlass.Constexpr = self.reg
+            tiled_rs = sm90.make_trivial_tiled_mma(
+                self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
+                cutlass.Float32, (1, 1, 1), tiler_mn=(64, self.mp), a_source=cute.nvgpu.warpgroup.OperandSource.RMEM)
+            tiled_rs.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            thr_rs = tiled_rs.get_slice(tidx % 128)
+            ldsm = cute.make_tiled_copy_A(
+                cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), self.dtype), tiled_rs)
+            thr_ld = ldsm.get_slice(tidx % 128)
+            tWs = thr_ld.partition_S(sW)
+            tiles = []
+            for j in cutlass.range_constexpr(R):
+                tiles.append(tiled_rs.make_fragment_A(thr_rs.partition_A(sW[(None, None, 0)])))
+            for j in cutlass.range_constexpr(R):
+                pipe.consumer_wait(read)
+                cute.copy(ldsm, tWs[(None, None, None, read.index)], thr_ld.retile(tiles[j]))
+                read.advance()
+                pipe.consumer_release(release)   # the arrive orders our ldmatrix reads before the refill
+                release.advance()
+            self.wait_previous()
+            for j in cutlass.range_constexpr(R):
+                cute.arch.mbarrier_wait(a_landed + j, 0)
+                cute.nvgpu.warpgroup.fence()
+                for kb in cutlass.range_constexpr(cute.size(tiles[j], mode=[2])):
+                    chain = acc if kb % 2 == 0 else acc_odd
+                    cute.gemm(tiled_rs, chain, tiles[j][(None, None, kb)], tCrA[(None, None, kb, j)], chain)
+                cute.nvgpu.warpgroup.commit_group()
+
+        @cute.jit
         def wait_previous(self):
             """PDL: wait for the previous kernel (its stores are then visible); with ``early`` let the next kernel
             launch now, so its blocks settle beside ours and (static weight) start streaming while ours drain.
@@ -341,14 +399,14 @@ def kernel_class():
             pipe.producer_acquire(prod)
             bar = pipe.producer_get_barrier(prod)
             self.copy_w(tma, k, prod.index, bar)
-            if cutlass.const_expr(not self.norm):
+            if cutlass.const_expr(not self.sep_a):
                 self.copy_a(tma, k, prod.index, bar)
 
         @cute.jit
         def load_a_tile(self, tma, k_lo, i, count, a_landed):
-            """(norm) Request tile i of the block's K share of A (if i < count) into resident slot i, on barrier
-            a_landed + i. Tile i goes out with the weight's tile i - stages, so A's traffic is spread over the
-            stream as in the ring (the whole share at once, 112 blocks × 114 KB from L2 at M16, held the weight
+            """(norm, reg_stages) Request tile i of the block's K share of A (if i < count) into resident slot i, on
+            barrier a_landed + i. (norm) Tile i goes out with the weight's tile i - stages, so A's traffic is spread
+            over the stream as in the ring (the whole share at once, 112 blocks × 114 KB from L2 at M16, held the weight
             stream back ~3 µs) and each tile is scaled well before its MMA."""
             if i < count:
                 with cute.arch.elect_one():
