@@ -272,6 +272,17 @@ def test_dtypes_and_epilogues(dtype, bias, residual, m):
     _run(m, 300, 520, dtype, bias, residual, cfg=C(64, 64, 4, 2))
 
 
+REGISTER_TILES = C(64, 128, 2, 8, True, True, trigger_first=True, push_partials=True, owners=2, reg_stages=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("m", [5, 16], ids=lambda m: f"M{m}")
+def test_register_tiles_in_either_dtype(dtype, m):
+    """The register tiles' path (ldmatrix, then the weight from registers in RS wgmma) in fp16 as in bf16."""
+    _run(m, 1000, 2056, dtype, True, True, cfg=REGISTER_TILES, static_weight=True)
+
+
 @pytest.mark.gpu
 @settings(deadline=None)
 @given(n=st.integers(1, 5000), k=st.integers(1, 1200).map(lambda x: 8 * x), residual=st.booleans())
@@ -302,6 +313,7 @@ def compiled_variants():
     out += [(dt, m, C(64, 64, 4, 2), b, r, False) for dt in (bf, torch.float16)
             for b, r in ((False, False), (True, False), (False, True), (True, True)) for m in (8, 16)]
     out += [(bf, 16, C(64, 64, 8, 3), False, r, False) for r in (False, True)]
+    out += [(dt, m, REGISTER_TILES, True, True, True) for dt in (bf, torch.float16) for m in (5, 16)]
     out += [(bf, m, wg.pick(m, n, k), False, True, False)
             for m, n, k in [(16, 7168, 3584), (8, 3584, 7168), (16, 896, 7168), (12, 4608, 7168)]]
     out += [(bf, 16, c, False, False, st) for c in CHAINED_CONFIGS for st in (False, True)]

@@ -95,9 +95,11 @@ tiles and two blocks fit an SM (A's share gets resident tiles of its own). The r
 3.39-3.86 at M1-16 (x2.3-2.5 of cuBLAS), and every shape whose share fits gained 5-15%: 1536x7168, 7168x1536 and
 7168x768; 2304x1536 left the mma.sync kernel (2.8-4.4 µs to 2.4-2.6). Where the share does not fit (2112x7168 in
 clusters of 8: 264 blocks fill both slots of every SM) it lost (.scratch/s13 runs 1-4, benchmarks/results/
-skinny_gemm_h200_s13.log). At M16 four register tiles (170
-registers, 97 KB: two blocks still fit) ran 4.55-4.58 µs against three's 3.82-3.86, on 1536x7168 8.4 against 5.95;
-the cause was not found.
+skinny_gemm_h200_s13.log). At M16 four register tiles (97 KB)
+ran 4.55-4.58 µs against three's 3.82-3.86, on 1536x7168 8.4 against 5.95. The likely cause (arithmetic, not measured):
+ptxas gives that variant 170 registers, 176 a thread once rounded; an SM's registers are four sub-partitions of 16384,
+and two blocks of five warps put three warps on one of them, 3 · 176 · 32 = 16896 > 16384, so the second block does
+not fit. At M1 four tiles take 162 (168 rounded: 16128 fits) and won; three tiles at M16 take 138.
 
 A table entry names the kernel as well as its configuration: a ``SkinnyConfig`` runs ``cute.py``'s mma.sync
 kernel, a ``WgmmaConfig`` (``cute_wgmma.py``) the warpgroup-MMA kernel; both sit behind the op's one "cute" backend
