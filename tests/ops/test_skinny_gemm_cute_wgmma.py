@@ -117,6 +117,42 @@ def test_share_fits_means_every_block_has_its_register_tiles_and_resident_a(bk, 
     assert cfg.share_fits(k) == want
 
 
+@settings(max_examples=300, deadline=None)
+@given(m=st.integers(1, 16), n=st.integers(1, 30000), k=st.integers(1, 4000).map(lambda x: 8 * x))
+def test_register_tile_heuristic_only_names_configs_that_fit_two_to_an_sm(m, n, k):
+    """Where it names a configuration: launchable, every block's share fits its register tiles and resident A,
+    two blocks fit an SM's shared memory, at most 1.7 blocks an SM, three register tiles at most above M = 8 (four
+    overflow a register sub-partition there), a weight of 4 MB or more."""
+    cfg = cfgmod.register_tile_heuristic(m, n, k)
+    if cfg is None:
+        return
+    assert cfg.invalid() is None and cfg.share_fits(k) and cfg.reg_stages >= 1
+    assert 2 * (cfg.smem_bytes(m) + 1024) <= 228 * 1024
+    assert cfg.blocks(n) <= 1.7 * 132 and n * k * 2 >= 4e6
+    assert m <= 8 or cfg.reg_stages * cfg.block_k <= 3 * 128
+
+
+def test_register_tile_heuristic_gives_the_measured_forms():
+    """On the shapes the thirteenth session measured, the rule lands on (or next to) the measured picks."""
+    h = cfgmod.register_tile_heuristic
+    for key in [(16, 896, 7168), (8, 1536, 7168), (16, 1536, 7168), (1, 7168, 1536), (16, 7168, 1536),
+                (1, 2304, 1536), (16, 7168, 768)]:
+        pick = cfgmod.TABLE_STATIC[key]
+        got = h(*key)
+        assert (got.block_k, got.stages, got.split_k, got.reg_stages) == \
+            (pick.block_k, pick.stages, pick.split_k, pick.reg_stages), key
+    assert h(16, 2112, 7168) is None      # 264 blocks in clusters of 8 lost; fewer leave shares of 10+ tiles
+    assert h(1, 512, 1024) is None        # 1 MB: not measured
+
+
+def test_choose_takes_register_tiles_for_unlisted_static_weights_only():
+    assert cfgmod.choose(1, 1024, 7168, static_weight=True) == cfgmod.register_tile_heuristic(1, 1024, 7168)
+    assert isinstance(cfgmod.choose(1, 1024, 7168), cfgmod.SkinnyConfig)      # not static: the mma.sync kernel
+    assert cfgmod.choose(1, 20480, 7168, static_weight=True) == cfgmod.TABLE[(1, 20480, 7168)]   # listed
+    assert cfgmod.choose(16, 20480, 7168, static_weight=True) is None         # cuBLAS stays cuBLAS
+    assert cfgmod.choose(16, 7168, 2048, static_weight=True) == cfgmod.heuristic(16, 7168, 2048)   # nothing fits
+
+
 def test_a_share_that_does_not_fit_is_refused_before_compiling():
     a, w = torch.randn(4, 7168, dtype=torch.bfloat16), torch.randn(896, 7168, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="share of K=7168"):   # 56 tiles over 8 blocks: 7 a block, 2 + 3 hold 5
@@ -292,6 +328,19 @@ def test_random_shapes_table_config(n, k, residual):
     _run(16, n, k, torch.bfloat16, False, residual, cfg=C(64, 64, 8, 3))
 
 
+UNLISTED = [(1024, 7168), (384, 7168), (3000, 1000)]   # 3000x1000: a partial row tile and a partial K tile of 64
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", UNLISTED, ids=lambda nk: f"{nk}")
+@pytest.mark.parametrize("m", [1, 9, 16], ids=lambda m: f"M{m}")
+def test_unlisted_static_shapes_take_register_tiles(n, k, m):
+    """Shapes no table lists, with a static weight: the register-tile heuristic's configuration, end to end."""
+    cfg = wg.pick(m, n, k, static_weight=True)
+    assert cfg.reg_stages and cfg == cfgmod.register_tile_heuristic(m, n, k)
+    _run(m, n, k, torch.bfloat16, True, True, static_weight=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(16, 7168, 3584), (8, 3584, 7168), (16, 896, 7168), (12, 4608, 7168)],
                          ids=["M16-N7168-K3584", "M8-N3584-K7168", "M16-N896-K7168", "M12-N4608-K7168"])
@@ -314,6 +363,7 @@ def compiled_variants():
             for b, r in ((False, False), (True, False), (False, True), (True, True)) for m in (8, 16)]
     out += [(bf, 16, C(64, 64, 8, 3), False, r, False) for r in (False, True)]
     out += [(dt, m, REGISTER_TILES, True, True, True) for dt in (bf, torch.float16) for m in (5, 16)]
+    out += [(bf, m, wg.pick(m, n, k, True), True, True, True) for n, k in UNLISTED for m in (1, 9, 16)]
     out += [(bf, m, wg.pick(m, n, k), False, True, False)
             for m, n, k in [(16, 7168, 3584), (8, 3584, 7168), (16, 896, 7168), (12, 4608, 7168)]]
     out += [(bf, 16, c, False, False, st) for c in CHAINED_CONFIGS for st in (False, True)]

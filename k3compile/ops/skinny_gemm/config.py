@@ -104,7 +104,8 @@ not fit. At M1 four tiles take 162 (168 rounded: 16128 fits) and won; three tile
 A table entry names the kernel as well as its configuration: a ``SkinnyConfig`` runs ``cute.py``'s mma.sync
 kernel, a ``WgmmaConfig`` (``cute_wgmma.py``) the warpgroup-MMA kernel; both sit behind the op's one "cute" backend
 (``cute.skinny_gemm_cute``, ``cute.profitable``, ``cute.warmup`` and ``cute_compile.compile_kernel`` follow the
-entry's type). The heuristic always names the mma.sync kernel.
+entry's type). ``heuristic`` names the mma.sync kernel; with a static weight, ``register_tile_heuristic`` names the
+wgmma kernel with register tiles where a block's share fits (``choose``).
 
 Nothing here imports cutlass: the dispatch reads this table on any machine.
 """
@@ -366,6 +367,40 @@ def heuristic(m: int, n: int, k: int, static_weight: bool = False) -> SkinnyConf
                         early=early, l2_kb=l2_kb)
 
 
+def register_tile_heuristic(m: int, n: int, k: int, sms: int = 132) -> Optional[WgmmaConfig]:
+    """(static weight) The wgmma kernel with register tiles for a shape the tables do not list, where a block can
+    hold its whole K share with two blocks to an SM; None elsewhere. Read off the thirteenth session's picks:
+
+    - row tiles of 64; the most split-K blocks (a cluster of 1, 2, 4 or 8) that keep at most 1.7 blocks an SM (2112x7168's
+      264 blocks, two on every SM, left the next product nowhere to go and lost) and a share of at least 3 tiles
+      of 128, at most 8;
+    - a share of 5-8 tiles of 128: R = share - 2 register tiles, at most 4 (3 above M = 8: four need 176 registers
+      there, too many for two blocks); a share of 3-4: tiles of 64, half of them in registers;
+    - the partials pushed to 2 owners in clusters of 4-8 (every block owns in clusters of 2-3);
+    - only weights of 4 MB or more (nothing smaller was measured), and only where two blocks fit an SM.
+
+    On eight shapes no table lists (.scratch/s13 run 6, benchmarks/results/skinny_gemm_h200_s13.log; 384-7168 x
+    1024-7168, 4-28 MB) it ran 1.3-2.1x faster than ``heuristic``'s pick and x1.4-3.3 of cuBLAS at M 1 / 8 / 16; it
+    gives nothing for 7168x2048 at M16 (two blocks do not fit), where ``heuristic``'s pick ran x0.95 of cuBLAS."""
+    if n * k * 2 < 4e6:
+        return None
+    rows, kt = -(-n // 64), -(-k // 128)
+    splits = [s for s in (1, 2, 4, 8) if rows * s <= 1.7 * sms and 3 <= -(-kt // s) <= 8]
+    if not splits:
+        return None
+    split = max(splits)
+    share = -(-kt // split)
+    if share >= 5:
+        bk, reg = 128, min(share - 2, 4 if m <= 8 else 3)
+    else:
+        bk, share = 64, -(-(-(-k // 64)) // split)
+        reg = share // 2
+    cfg = WgmmaConfig(64, bk, share - reg, split, producer_warp=True, evict_hints=True, trigger_first=True,
+                      push_partials=split > 1, owners=2 if split >= 4 else 0, reg_stages=reg)
+    two_fit = cfg.smem_bytes(m) + 1024 <= 228 * 1024 // 2   # 1 KB of every block's shared memory is the system's
+    return cfg if cfg.invalid() is None and cfg.share_fits(k) and two_fit else None
+
+
 def cublas_preferred(m: int, n: int, k: int) -> bool:
     """True where the H200 measurements found cuBLAS faster than (or within 3% of) the CuTe kernel."""
     return choose(m, n, k) is None
@@ -375,9 +410,11 @@ def choose(m: int, n: int, k: int, static_weight: bool = False) -> Optional[Kern
     """The configuration for this shape; None when cuBLAS is the better choice (measured).
 
     Whether cuBLAS wins is decided without ``static_weight`` (the op's dispatch does not see it); where
-    the weight is proven static, ``TABLE_STATIC`` may name a different configuration."""
+    the weight is proven static, ``TABLE_STATIC`` may name a different configuration, and a shape the tables do not
+    list takes ``register_tile_heuristic``'s where it gives one."""
     key = (m_bucket(m), n, k)
     cfg = TABLE[key] if key in TABLE else heuristic(m, n, k, static_weight)
     if cfg is not None and static_weight:
-        cfg = TABLE_STATIC.get(key, cfg)
+        listed = key in TABLE or key in TABLE_STATIC
+        cfg = TABLE_STATIC.get(key) or (None if listed else register_tile_heuristic(m, n, k)) or cfg
     return cfg
