@@ -111,6 +111,7 @@ Nothing here imports cutlass: the dispatch reads this table on any machine.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -367,6 +368,7 @@ def heuristic(m: int, n: int, k: int, static_weight: bool = False) -> SkinnyConf
                         early=early, l2_kb=l2_kb)
 
 
+@functools.lru_cache(maxsize=4096)   # choose() runs it on every dispatch of an unlisted static shape: ~9 µs a call
 def register_tile_heuristic(m: int, n: int, k: int, sms: int = 132) -> Optional[WgmmaConfig]:
     """(static weight) The wgmma kernel with register tiles for a shape the tables do not list, where a block can
     hold its whole K share with two blocks to an SM; None elsewhere. Read off the thirteenth session's picks:

@@ -122,7 +122,8 @@ class WgmmaConfig:
     def smem_bytes(self, m: int, norm: bool = False) -> int:
         """Dynamic shared memory of one block at this M (2-byte elements): barriers, the ring (1 KB aligned), the
         partial tile (rows padded by one word); ``norm`` (the fused tail): the ring carries only the weight, and A's
-        resident tiles, their two barriers each and the block's share of g come on top."""
+        resident tiles, their two barriers each and the block's share of g come on top; ``reg_stages``: A's resident
+        tiles, a barrier each, instead of A's place in the ring."""
         if self.reg_stages and not norm:   # A's resident tiles (the block's whole share) and a barrier each
             return self._weight_ring_and_rest(m) + self.a_tiles() * (m_pad(m) * self.block_k * 2 + 8)
         if not norm:
@@ -166,7 +167,7 @@ class WgmmaConfig:
 
     def share_fits(self, k: int) -> bool:
         """Whether every block's K share suits the kernel at this K: with ``reg_stages``, at least that many tiles
-        and at most ``a_tiles()`` (the ring's slots are refilled only before the MMAs start)."""
+        (each register tile is waited for) and at most ``a_tiles()`` (A's resident slots)."""
         if not self.reg_stages:
             return True
         tiles = -(-k // self.block_k)
