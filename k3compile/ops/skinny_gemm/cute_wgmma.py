@@ -162,7 +162,8 @@ class WgmmaConfig:
         return max(0, min(64, (SMEM_LIMIT - self._weight_ring_and_rest(m)) // self._norm_per_tile(m)))
 
     def a_tiles(self) -> int:
-        """(reg_stages) K tiles of A a block keeps resident: its whole share."""
+        """A's K tiles in a block's shared memory (outside the fused norm): its ring slots, or (reg_stages) its whole
+        share, resident."""
         return self.stages + self.reg_stages
 
     def share_fits(self, k: int) -> bool:

@@ -100,7 +100,7 @@ def kernel_class():
                 raise ValueError("reg_stages: not with the fused norm (its norm warps scale A in place)")
             # (norm, reg_stages) A's K share stays resident, so the ring carries only the weight
             self.sep_a = self.norm or self.reg > 0
-            self.a_tiles = cfg.norm_a_tiles(m) if self.norm else cfg.a_tiles() if self.reg else self.stages
+            self.a_tiles = cfg.norm_a_tiles(m) if self.norm else cfg.a_tiles()
             self.a_bars = (2 if self.norm else 1) * self.a_tiles if self.sep_a else 1   # barriers of A's resident tiles
             self.tx_bytes = (self.bn + (0 if self.sep_a else self.mp)) * self.bk * dtype.width // 8
             # outputs a thread stores: q·threads + tidx + j·threads·ks, j < iters (the epilogue's order)
