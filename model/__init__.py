@@ -5,6 +5,7 @@ from .config import KimiK3Config, KimiK3TextConfig, KimiK3VisionConfig
 from .modeling import KimiDecoderLayer, KimiK3ForCausalLM, KimiK3ForConditionalGeneration, KimiK3TextModel
 from .mtp import KimiK3MultiTokenPredictor, SpeculativeResult, speculative_generate
 from .parallel import TPContext
+from .plan import MemoryPlan, memory_plan
 from .processing import KimiK3ImageProcessor, KimiK3Processor
 from .vision import MoonViT, PatchMergerV2
 from .auto import register as _register_auto
@@ -15,5 +16,5 @@ __all__ = [
     "KimiK3Config", "KimiK3TextConfig", "KimiK3VisionConfig", "KimiK3ForConditionalGeneration",
     "KimiK3ForCausalLM", "KimiK3TextModel", "KimiDecoderLayer", "KimiK3Cache", "KDAState", "MLAState", "TPContext",
     "MoonViT", "PatchMergerV2", "KimiK3Processor", "KimiK3ImageProcessor", "KimiK3MultiTokenPredictor",
-    "SpeculativeResult", "speculative_generate",
+    "SpeculativeResult", "speculative_generate", "memory_plan", "MemoryPlan",
 ]
