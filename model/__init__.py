@@ -5,7 +5,6 @@ from .config import KimiK3Config, KimiK3TextConfig, KimiK3VisionConfig
 from .modeling import KimiDecoderLayer, KimiK3ForCausalLM, KimiK3ForConditionalGeneration, KimiK3TextModel
 from .mtp import KimiK3MultiTokenPredictor, SpeculativeResult, speculative_generate
 from .parallel import TPContext
-from .plan import MemoryPlan, memory_plan
 from .processing import KimiK3ImageProcessor, KimiK3Processor
 from .vision import MoonViT, PatchMergerV2
 from .auto import register as _register_auto
@@ -18,3 +17,11 @@ __all__ = [
     "MoonViT", "PatchMergerV2", "KimiK3Processor", "KimiK3ImageProcessor", "KimiK3MultiTokenPredictor",
     "SpeculativeResult", "speculative_generate", "memory_plan", "MemoryPlan",
 ]
+
+
+def __getattr__(name: str):
+    # the memory plan loads on first use, so that ``python -m k3compile.model.plan`` runs the module fresh
+    if name in ("memory_plan", "MemoryPlan"):
+        from . import plan
+        return getattr(plan, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from k3compile.model import KimiK3Config, KimiK3ForConditionalGeneration
+from k3compile.model import KimiK3Config, KimiK3ForConditionalGeneration, TPContext
 from k3compile.model.loading import INDEX_NAME, SINGLE_NAME, CheckpointError
 from k3compile.model.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
@@ -179,8 +179,27 @@ def test_save_writes_the_published_names_from_either_form(packed, ids, tmp_path)
                                                                          torch.float32))
     from_float = load(tmp_path / "float", progress=False)
     assert not from_float.experts_packed and torch.equal(from_float(ids), logits)
+    quantised_on_load = load(tmp_path / "float", experts="mxfp4", progress=False)
+    assert quantised_on_load.experts_packed and torch.equal(quantised_on_load(ids), logits)
     from_float.save_pretrained(tmp_path / "requantized", quantize_experts=True)  # float -> packed: same values
     assert torch.equal(load(tmp_path / "requantized", progress=False)(ids), logits)
+
+
+@torch.no_grad()
+def test_tp_slices_inside_a_scale_group_load_as_floats(tmp_path):
+    """moe_intermediate_size 96 at TP 2: 48 of w2's columns a rank, not whole MXFP4 groups. The float form
+    dequantises the groups that cover them and keeps its columns; the packed form is refused."""
+    torch.manual_seed(0)
+    model = KimiK3ForConditionalGeneration(KimiK3Config.micro(moe_intermediate_size=96)).convert_experts("mxfp4")
+    model.save_pretrained(tmp_path)
+    full = load(tmp_path, experts="float32", progress=False).text_model.layers[2].block_sparse_moe.experts
+    for rank in (0, 1):
+        part = load(tmp_path, experts="float32", tp=TPContext(rank, 2), progress=False)
+        ex = part.text_model.layers[2].block_sparse_moe.experts
+        assert torch.equal(ex.w2, full.w2[..., rank * 48:(rank + 1) * 48])
+        assert torch.equal(ex.w1, full.w1[:, rank * 48:(rank + 1) * 48])
+    with pytest.raises(ValueError, match="multiple of 32"):
+        load(tmp_path, tp=TPContext(0, 2))
 
 
 @torch.no_grad()
@@ -218,7 +237,7 @@ def _drop(name, also_index=True):
             index = json.loads((path / INDEX_NAME).read_text())
             del index["weight_map"][name]
             (path / INDEX_NAME).write_text(json.dumps(index))
-        return str(path) if also_index and not name.endswith("_scale") else file
+        return str(path) if also_index and not name.endswith(("_scale", "_packed")) else file
     return corrupt
 
 
@@ -226,6 +245,17 @@ def _replace(name, make):
     def corrupt(path):
         file = weight_map(path)[name]
         rewrite(path, file, lambda t: t.update({name: make(t[name])}))
+        return file
+    return corrupt
+
+
+def _add(name):
+    def corrupt(path):
+        file = "model-00002-of-00004.safetensors"
+        rewrite(path, file, lambda t: t.update({name: torch.zeros(3)}))
+        index = json.loads((path / INDEX_NAME).read_text())
+        index["weight_map"][name] = file
+        (path / INDEX_NAME).write_text(json.dumps(index))
         return file
     return corrupt
 
@@ -292,6 +322,10 @@ BAD = {
     "scale-nan-byte": (_scale_255, f"{EXPERT}.w2.weight_scale holds the E8M0 scale 255"),
     "nan-bytes-in-file": (_nan_bytes("language_model.model.layers.3.self_attn.q_b_proj.weight"),
                           "language_model.model.layers.3.self_attn.q_b_proj.weight holds NaN or inf"),
+    "unexpected-tensor": (_add("language_model.model.layers.2.self_attn.bogus.weight"),
+                          "tensor language_model.model.layers.2.self_attn.bogus.weight has no place"),
+    "missing-codes": (_drop(f"{EXPERT}.w1.weight_packed"), f"{EXPERT}.w1.weight_scale has no matching "
+                                                            f"{EXPERT}.w1.weight_packed"),
     "unknown-quantization": (_config(lambda c: c.update(quantization_config={"quant_method": "fp8"})),
                              "quantization_config .* is not understood"),
     "wrong-model-type": (_config(lambda c: c.update(model_type="bert")), "model_type is 'bert'"),
@@ -323,10 +357,27 @@ def test_damaged_floats_load_when_the_check_is_off(packed, tmp_path):
     assert model.get_parameter("language_model.model.layers.3.self_attn.q_b_proj.weight").isnan().any()
 
 
+def test_non_finite_float_expert_is_named_within_its_run(tiny, tmp_path):
+    """Float experts are checked a run of consecutive experts at a time; the error still names the one."""
+    tiny.save_pretrained(tmp_path, max_shard_size=400_000)
+    name = "language_model.model.layers.2.block_sparse_moe.experts.7.w2.weight"
+    file = _nan_bytes(name)(tmp_path)
+    with pytest.raises(CheckpointError, match=f"{file}: tensor {name} holds NaN"):
+        load(tmp_path, progress=False)
+
+
+def test_float16_overflow_of_mxfp4_values_is_caught(packed, tmp_path):
+    path = copy_of(packed, tmp_path)
+    _replace(f"{EXPERT}.w1.weight_scale", lambda t: t.index_fill(0, torch.tensor([3]), 145))(path)   # x 2^18
+    load(path, progress=False)                                                   # fine as MXFP4
+    with pytest.raises(CheckpointError, match=f"{EXPERT}.w1.weight_packed holds NaN or inf.*overflow"):
+        load(path, experts="float16", progress=False)
+
+
 def _live_tensor_bytes() -> int:
     seen, total = set(), 0
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and not obj.is_meta and obj.untyped_storage().data_ptr() not in seen:
+        if issubclass(type(obj), torch.Tensor) and not obj.is_meta and obj.untyped_storage().data_ptr() not in seen:
             seen.add(obj.untyped_storage().data_ptr())
             total += obj.untyped_storage().nbytes()
     return total
