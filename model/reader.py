@@ -68,6 +68,23 @@ def _index_file(path: Path, index: Path) -> dict[str, list[str]]:
     return by_file
 
 
+def _diagnose(file: Path) -> str:
+    """Why a file safetensors refuses is broken, naming the tensors its header places beyond its end."""
+    try:
+        with open(file, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        data = file.stat().st_size - 8 - n
+        cut = sorted((meta["data_offsets"][1], name) for name, meta in header.items()
+                     if name != "__metadata__" and meta["data_offsets"][1] > data)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return "the file is damaged (its header cannot be read)"
+    if not cut:
+        return "the file is truncated or damaged"
+    return (f"the file is truncated: tensor {cut[0][1]}{f' and {len(cut) - 1} more' if len(cut) > 1 else ''} "
+            f"end(s) past its {data} bytes of data")
+
+
 class FileSource:
     """The tensors of a checkpoint directory, file by file (sorted by name)."""
 
@@ -89,8 +106,8 @@ class FileSource:
                     held = {name: f.get_slice(name) for name in f.keys()}
                     found = {name: (tuple(s.get_shape()), s.get_dtype()) for name, s in held.items()}
             except Exception as e:      # safetensors raises its own SafetensorError (not exported stably) or OSError
-                raise CheckpointError(f"{self.path / file}: cannot be read as safetensors ({e}); the file is "
-                                      f"truncated or damaged") from None
+                raise CheckpointError(f"{self.path / file}: cannot be read as safetensors ({e}); "
+                                      f"{_diagnose(self.path / file)}") from None
             names = by_file[file] if by_file[file] is not None else sorted(found)
             for name in names:
                 if name not in found:

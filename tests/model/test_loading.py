@@ -4,6 +4,7 @@ import gc
 import json
 import shutil
 import struct
+import sys
 
 import pytest
 import torch
@@ -213,12 +214,18 @@ def test_padded_A_log_is_trimmed(tiny, ids, tmp_path):
         load(tmp_path)
 
 
-def test_progress_goes_to_stderr(packed, capfd):
+def test_progress_goes_to_stderr(packed, capfd, monkeypatch):
     load(packed[0])
     err = capfd.readouterr().err
     assert "loading file 1/4 model-00001-of-00004.safetensors" in err and "loaded 4 file(s)" in err
     load(packed[0], progress=False)
     assert capfd.readouterr().err == ""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)                 # a terminal: a tqdm bar over bytes
+    load(packed[0])
+    assert "file 4/4 model-00004-of-00004.safetensors" in capfd.readouterr().err
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)                      # no tqdm: lines again
+    load(packed[0])
+    assert "loading file 1/4" in capfd.readouterr().err
 
 
 def test_device_map_takes_one_device(packed):
@@ -303,7 +310,7 @@ def _config(edit):
 
 
 BAD = {
-    "truncated-shard": (_truncate, "truncated or damaged"),
+    "truncated-shard": (_truncate, "the file is truncated: tensor language_model"),
     "missing-scale": (_drop(f"{EXPERT}.w2.weight_scale"), f"{EXPERT}.w2.weight_packed has no matching "
                                                            f"{EXPERT}.w2.weight_scale"),
     "missing-tensor": (_drop("language_model.model.layers.2.self_attn.b_proj.weight"),
@@ -375,9 +382,11 @@ def test_float16_overflow_of_mxfp4_values_is_caught(packed, tmp_path):
 
 
 def _live_tensor_bytes() -> int:
+    """Bytes of the plain tensors alive (fake tensors other tests' compiles left behind have no storage)."""
     seen, total = set(), 0
     for obj in gc.get_objects():
-        if issubclass(type(obj), torch.Tensor) and not obj.is_meta and obj.untyped_storage().data_ptr() not in seen:
+        if type(obj) in (torch.Tensor, torch.nn.Parameter) and not obj.is_meta \
+                and obj.untyped_storage().data_ptr() not in seen:
             seen.add(obj.untyped_storage().data_ptr())
             total += obj.untyped_storage().nbytes()
     return total
