@@ -186,7 +186,7 @@ class Experts(nn.Module):
         self.w3 = mark_shard(nn.Parameter(torch.empty(E, I, L)), TP_DIM["w3"])
         self.w2 = mark_shard(nn.Parameter(torch.empty(E, L, I)), TP_DIM["w2"])
         if packed:
-            self.to_mxfp4()
+            self.to_mxfp4(values=False)
         self.register_state_dict_post_hook(_split_experts)
         self.register_load_state_dict_pre_hook(_stack_experts)
 
@@ -207,17 +207,18 @@ class Experts(nn.Module):
                 f"of {GROUP}, or float experts")
 
     @torch.no_grad()
-    def to_mxfp4(self) -> "Experts":
-        """Quantise the float stacks in place (exact for values MXFP4 holds; on meta, only the shapes change)."""
+    def to_mxfp4(self, values: bool = True) -> "Experts":
+        """Quantise the float stacks in place (exact for values MXFP4 holds). On meta, or with ``values=False``,
+        only the shapes change (uninitialised codes and scales)."""
         if self.packed:
             return self
         self.check_mxfp4()
         for w in PROJECTIONS:
             full = self._parameters.pop(w)
-            if full.is_meta:
+            if full.is_meta or not values:
                 E, R, C = full.shape
-                codes = torch.empty(E, R, C // 2, dtype=torch.uint8, device="meta")
-                scale = torch.empty(E, R, C // GROUP, dtype=torch.uint8, device="meta")
+                codes = torch.empty(E, R, C // 2, dtype=torch.uint8, device=full.device)
+                scale = torch.empty(E, R, C // GROUP, dtype=torch.uint8, device=full.device)
             else:
                 codes, scale = quantize_mxfp4(full)
             for part, t in (("_packed", codes), ("_scale", scale)):
