@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -76,7 +75,8 @@ def main() -> None:
                   seconds_check_alone=alone, check_alone_over_load=alone / off,
                   all_seconds={"off": times[False], "on": times[True], "check_alone": check_alone})
     print(f"checkpoint {size / 1e6:.0f} MB ({float_mb:.0f} MB of floats, experts {args.experts}), {args.threads} "
-          f"thread(s), fastest of {args.runs}: load {off:.3f} s without the check, {on:.3f} s with it (x{on / off:.3f}); "
+          f"thread(s), fastest of {args.runs}: load {off:.3f} s without the check, {on:.3f} s with it "
+          f"(x{on / off:.3f}); "
           f"the check alone {alone * 1e3:.1f} ms ({alone / off:.1%} of the load)")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))

@@ -57,7 +57,8 @@ class MemoryPlan:
         return max(0, int(room // self.cache_per_sequence)) if self.cache_per_sequence else 0
 
     def table(self, device_gb: Optional[float] = None) -> str:
-        lines = [f"one rank of {self.tp}: experts {self.experts}, other weights {str(self.dtype).replace('torch.', '')}",
+        other = str(self.dtype).replace("torch.", "")
+        lines = [f"one rank of {self.tp}: experts {self.experts}, other weights {other}",
                  f"  {'component':<34}{'parameters':>16}{'GB':>10}"]
         for name, nbytes in self.params.items():
             lines.append(f"  {name:<34}{self.param_counts[name] / 1e9:>14.3f} G{nbytes / GB:>10.2f}")

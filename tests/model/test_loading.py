@@ -405,3 +405,31 @@ def test_failed_load_leaves_nothing_behind(packed, tmp_path):
     gc.collect()
     assert _live_tensor_bytes() - before < 100_000                       # the model's weights are ~6 MB
     assert info.value.__traceback__ is not None
+
+
+# -- on a GPU --------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@torch.no_grad()
+def test_load_straight_to_the_gpu(packed, ids, tmp_path):
+    """Parameters are allocated and filled on the device; the packed and float forms agree bitwise there too (the
+    prefill's dense form is one chunk here, the decode's gathered form the same shapes in both); a failed load
+    gives all device memory back."""
+    from k3compile.testing import rel_err
+    path, logits = packed
+    as_shipped = load(path, device="cuda", progress=False)
+    floats = load(path, device="cuda", experts="float32", progress=False)
+    assert as_shipped.experts_packed and all(p.is_cuda for p in as_shipped.parameters())
+    caches = [m.allocate_cache(2, 8) for m in (as_shipped, floats)]
+    prefill = [m(ids.cuda(), cache=c) for m, c in zip((as_shipped, floats), caches)]
+    step = [m(ids[:, :1].cuda(), cache=c) for m, c in zip((as_shipped, floats), caches)]
+    assert torch.equal(prefill[0], prefill[1]) and torch.equal(step[0], step[1])
+    assert rel_err(prefill[0].cpu(), logits) < 1e-4
+    del as_shipped, floats, caches, prefill, step
+    broken = copy_of(packed, tmp_path)
+    _nan_bytes("mm_projector.proj.2.weight")(broken)                             # in the last file
+    gc.collect()
+    before = torch.cuda.memory_allocated()
+    with pytest.raises(CheckpointError, match="mm_projector"):
+        load(broken, device="cuda", progress=False)
+    gc.collect()
+    assert torch.cuda.memory_allocated() == before

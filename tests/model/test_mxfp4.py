@@ -59,8 +59,8 @@ def test_dequantize_hand_computed():
     tiny = dequantize_mxfp4(torch.tensor([[0x01] + [0] * 15], dtype=torch.uint8), torch.zeros(1, 1, dtype=torch.uint8),
                             torch.float32)
     assert tiny[0, 0].item() == 2.0 ** -128
-    big = dequantize_mxfp4(torch.tensor([[0x31] + [0] * 15], dtype=torch.uint8), torch.full((1, 1), 254, dtype=torch.uint8),
-                           torch.float32)
+    big = dequantize_mxfp4(torch.tensor([[0x31] + [0] * 15], dtype=torch.uint8),
+                           torch.full((1, 1), 254, dtype=torch.uint8), torch.float32)
     assert big[0, :2].tolist() == [2.0 ** 126, 1.5 * 2.0 ** 127]
 
 
