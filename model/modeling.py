@@ -21,7 +21,7 @@ from .config import KimiK3Config, KimiK3TextConfig
 from .kda import KimiDeltaAttention
 from .layers import KimiMLP, RMSNorm
 from .mla import KimiMLAAttention
-from .moe import KimiLatentMoE
+from .moe import Experts, KimiLatentMoE, experts_dtype
 from .parallel import SINGLE, TPContext
 from .vision import MoonViT, PatchMergerV2, grid_list, image_features, merge_image_features
 
@@ -220,8 +220,25 @@ class KimiK3ForConditionalGeneration(nn.Module):
         """Cast to ``dtype`` except the tensors the checkpoint keeps in fp32 (:data:`FP32_PARAMS`).
         Vision norm weights follow ``dtype`` (as published); the vision norms and RoPE compute in fp32."""
         for name, p in self.named_parameters():
+            if p.dtype == torch.uint8:  # MXFP4 expert codes and scales: dequantised to the activations' dtype
+                continue
             p.data = p.data.to(torch.float32 if name.endswith(FP32_PARAMS) else dtype)
         return self
+
+    def convert_experts(self, form) -> "KimiK3ForConditionalGeneration":
+        """Hold every routed expert in ``form``: ``"mxfp4"`` (packed codes + E8M0 scales, quantised if float:
+        exact only for values MXFP4 holds), or a float form (``"bf16"``, ``"float32"``, a torch dtype; dequantised
+        if packed). The forward then runs the matching expert functions of :mod:`.moe`."""
+        dtype = experts_dtype(form)
+        for module in self.modules():
+            if isinstance(module, Experts):
+                module.to_mxfp4() if dtype is None else module.to_float(dtype)
+        return self
+
+    @property
+    def experts_packed(self) -> bool:
+        """Whether the routed experts are held as MXFP4."""
+        return any(m.packed for m in self.modules() if isinstance(m, Experts))
 
     @property
     def tp_size(self) -> int:
