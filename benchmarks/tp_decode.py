@@ -230,11 +230,31 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 # ---------------------------------------------------------------------------------------------
 # one rank
 
-def worker(rank: int, world: int, port: int, args, result_path: str) -> None:
+def launch(run, world: int, backend: str, *run_args) -> dict:
+    """``run(rank, world, device, *run_args)`` in ``world`` processes of one process group (``nccl``: one GPU a
+    rank, NVLink multicast off; ``gloo``: CPU processes); returns what rank 0's ``run`` returned (JSON)."""
+    import torch.multiprocessing as mp
+
+    os.environ.update(NO_MULTICAST)
+    if backend == "nccl":
+        if torch.cuda.device_count() < world:
+            raise SystemExit(f"{world} ranks with nccl need as many GPUs, found {torch.cuda.device_count()}")
+    else:
+        os.environ.setdefault("TRITON_INTERPRET", "1")        # k3 Triton kernels, if chosen, on CPU
+        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")   # no compile pools per rank
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = Path(tempfile.mkdtemp(prefix="tp_ranks_")) / "rank0.json"
+    mp.spawn(_rank_process, args=(world, port, backend, run, run_args, str(result)), nprocs=world, join=True)
+    return json.loads(result.read_text())
+
+
+def _rank_process(rank: int, world: int, port: int, backend: str, run, run_args, result_path: str) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **NO_MULTICAST)
-    if args.backend == "nccl":
+    if backend == "nccl":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
         dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
@@ -243,12 +263,17 @@ def worker(rank: int, world: int, port: int, args, result_path: str) -> None:
         device = torch.device("cpu")
         dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        rows, ok = run_rank(rank, world, args, device)
+        out = run(rank, world, device, *run_args)
         if rank == 0:
-            Path(result_path).write_text(json.dumps(dict(rows=rows, ok=ok)))
+            Path(result_path).write_text(json.dumps(out, default=str))
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def decode_rank(rank: int, world: int, device, args) -> dict:
+    rows, ok = run_rank(rank, world, args, device)
+    return dict(rows=rows, ok=ok)
 
 
 def run_rank(rank, world, args, device):
@@ -368,24 +393,9 @@ def table(rows: list[dict], world: int) -> str:
 # ---------------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
-    import torch.multiprocessing as mp
-
     args = parse_args(argv)
-    os.environ.update(NO_MULTICAST)
-    if args.backend == "nccl":
-        if torch.cuda.device_count() < args.world_size:
-            raise SystemExit(f"--world-size {args.world_size} with nccl needs as many GPUs, "
-                             f"found {torch.cuda.device_count()}")
-    else:
-        os.environ.setdefault("TRITON_INTERPRET", "1")        # k3 Triton kernels, if chosen, on CPU
-        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")   # no compile pools per rank
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    result = Path(tempfile.mkdtemp(prefix="tp_decode_")) / "rows.json"
     t0 = time.time()
-    mp.spawn(worker, args=(args.world_size, port, args, str(result)), nprocs=args.world_size, join=True)
-    out = json.loads(result.read_text())
+    out = launch(decode_rank, args.world_size, args.backend, args)
     if args.json:
         meta = dict(argv=sys.argv[1:] if argv is None else list(argv), world_size=args.world_size,
                     backend=args.backend, config=args.config, dtype=args.dtype, k3_backend=args.k3_backend,
