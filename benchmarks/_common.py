@@ -77,3 +77,31 @@ def interleaved_passes(timers: dict, passes: int) -> dict:
         for key, timer in timers.items():
             samples[key].append(timer())
     return samples
+
+
+# Teacher-forced checks (every decode benchmark): each step's logits against a reference's for the same given tokens.
+# Free-running greedy tokens would fail at bf16 ties and hide real errors behind them. bf16 / fp16: a token's top-k
+# may pick another expert at a near-tie of router scores, which moves its logits by a few percent.
+LOGITS_TOLERANCE = {torch.bfloat16: 5e-2, torch.float16: 5e-2, torch.float32: 1e-4}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; NaN unless ``out`` is finite."""
+    if not torch.isfinite(out).all():
+        return float("nan")
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def compare_logits(logits: torch.Tensor, ref: torch.Tensor, tol: float) -> dict:
+    """logits, ref [steps, M, V]: the relative error of each step over [M, V] (``rel_err`` its max, NaN if any is),
+    the share of (step, row) whose top-1 equals the reference's, and ``ok``: every step within ``tol``."""
+    errs = [rel_err(a, b) for a, b in zip(logits, ref)]
+    worst = float("nan") if any(e != e for e in errs) else max(errs)
+    top1 = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    return dict(rel_err=worst, rel_err_steps=errs, top1_agree=top1, ok=bool(worst <= tol))
+
+
+def decode_call(model, token: torch.Tensor, cache) -> torch.Tensor:
+    """One decode step through ``nn.Module.__call__`` (the compiled path where the model was compiled in place),
+    skipping the K3 model's own ``__call__``: it checks the ids on the host, a sync no CUDA graph can hold."""
+    return torch.nn.Module.__call__(model, token, cache=cache, logits_to_keep=1)

@@ -66,10 +66,10 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 from _breakdown import CATEGORIES, KernelOrigins, ShapeTable, breakdown, device_kernels  # noqa: E402
+from _common import LOGITS_TOLERANCE, compare_logits, decode_call  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PROVIDERS = ("eager", "compile", "max-autotune", "optimize")
-TOLERANCE = {torch.bfloat16: 5e-2, torch.float16: 5e-2, torch.float32: 1e-4}
 
 
 def _ints(text: str) -> list[int]:
@@ -179,16 +179,10 @@ def fill_cache(cache, context: int, seed: int) -> None:
     cache.pos.fill_(context)
 
 
-def decode(model, token, cache):
-    """One step through ``nn.Module.__call__`` (the compiled path where compiled): the model's own ``__call__``
-    checks the ids on the host, a sync a CUDA graph cannot hold."""
-    return torch.nn.Module.__call__(model, token, cache=cache, logits_to_keep=1)
-
-
 def run_steps(model, columns, cache) -> torch.Tensor:
     """Teacher-forced steps: columns[s] [M, 1] -> logits [steps, M, V] fp32."""
     with torch.no_grad():
-        return torch.stack([decode(model, c, cache)[:, -1].float() for c in columns])
+        return torch.stack([decode_call(model, c, cache)[:, -1].float() for c in columns])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -282,7 +276,7 @@ def time_step(model, columns, cache, context: int, replays: int) -> tuple[float,
     where the capture fails, CUDA events around the steps un-graphed. CPU: the median wall time of the steps."""
     def steps():
         for c in columns:
-            decode(model, c, cache)
+            decode_call(model, c, cache)
 
     def rewind():
         cache.pos.fill_(context)
@@ -325,7 +319,7 @@ def profile_kernels(model, columns, cache, context: int, steps: int, eager: bool
     cache.pos.fill_(context)
     with torch.no_grad(), profile(activities=activities, record_shapes=True, with_stack=eager) as prof:
         for c in columns[:steps]:
-            decode(model, c, cache)
+            decode_call(model, c, cache)
         if on_device:
             torch.cuda.synchronize()
     return device_kernels(prof.events(), on_device)
@@ -334,23 +328,10 @@ def profile_kernels(model, columns, cache, context: int, steps: int, eager: bool
 # ---------------------------------------------------------------------------------------------------------------
 # one rank
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    if not torch.isfinite(out).all():
-        return float("nan")
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
-def compare(logits: torch.Tensor, ref: torch.Tensor, tol: float) -> dict:
-    errs = [rel_err(a, b) for a, b in zip(logits, ref)]
-    worst = max(errs)
-    same_top1 = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    return dict(rel_err=worst, rel_err_steps=errs, top1_agree=same_top1, ok=bool(worst <= tol))
-
-
 def run_point(M: int, context: int, base, models: dict, args, device, origins: KernelOrigins, ceiling) -> list:
     """Every provider at one (M, context): a row each."""
     dtype = DTYPES[args.dtype]
-    tol = args.tol if args.tol is not None else TOLERANCE[dtype]
+    tol = args.tol if args.tol is not None else LOGITS_TOLERANCE[dtype]
     lo, hi = vocab_slice(base)
     g = torch.Generator().manual_seed(args.seed + 7919 * M + context)
     tokens = torch.randint(lo, hi, (M, args.steps), generator=g).to(device)
@@ -365,7 +346,7 @@ def run_point(M: int, context: int, base, models: dict, args, device, origins: K
     with torch.no_grad():
         for s, c in enumerate(columns):
             with distinct_experts(base) as counts:
-                eager_logits.append(decode(base, c, cache)[:, -1].float())
+                eager_logits.append(decode_call(base, c, cache)[:, -1].float())
             per_step.append(step_bytes(base, cache, M, context + s, counts))
     eager_logits = torch.stack(eager_logits)
     eager_s = time.perf_counter() - t0
@@ -391,7 +372,7 @@ def run_point(M: int, context: int, base, models: dict, args, device, origins: K
                 ref_logits = logits
                 row["check"] = dict(rel_err=0.0, top1_agree=1.0, ok=bool(torch.isfinite(logits).all()), reference=True)
             else:
-                row["check"] = compare(logits, ref_logits, tol)
+                row["check"] = compare_logits(logits, ref_logits, tol)
             if name not in args.providers:
                 rows.append(row)
                 continue

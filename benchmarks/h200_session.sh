@@ -30,6 +30,10 @@ step moe_tail     ${T_MOE:-110}   python3 benchmarks/moe_tail.py --m 1 2 4 8 16 
 step skinny       ${T_SKINNY:-240} python3 benchmarks/skinny_gemm.py --sweep --json "$OUT/skinny_sweep.json"
 step decode_tp1   ${T_DECODE:-120} python3 benchmarks/tp_decode.py --world-size 1 --backend nccl --config slice \
                                   --batch 1,16 --steps 3 --json "$OUT/decode_tp1.json"
+# not in the default STEPS (about 6 minutes): STEPS=decode_step
+step decode_step  ${T_STEP:-460}  python3 benchmarks/decode_step.py --tp 8 --layers 4 --batch 1,8 --context 1024 \
+                                  --providers eager,compile,optimize --json "$OUT/decode_step.json" \
+                                  --plot "$OUT/decode_step.svg"
 for f in $STEPS; do
     [ -f "$OUT/$f.log" ] && { echo "----- $f (tail)"; tail -n ${TAIL:-22} "$OUT/$f.log"; }
 done

@@ -83,7 +83,7 @@ def test_distinct_experts_one_count_per_moe_layer(micro):
     text = model.config.text_config
     decode_step.fill_cache(cache, 6, 0)
     with decode_step.distinct_experts(model) as counts:
-        decode_step.decode(model, torch.tensor([[1], [2], [3]]), cache)
+        decode_step.decode_call(model, torch.tensor([[1], [2], [3]]), cache)
     moe_layers = sum(text.is_moe_layer(i) for i in range(text.num_hidden_layers))
     assert len(counts) == moe_layers
     assert all(text.num_experts_per_token <= c <= min(3 * text.num_experts_per_token, text.num_experts)
