@@ -40,6 +40,12 @@ def split_count(batch: int, row_blocks: int, alloc: int, sms: int, config: Trito
     return max(1, min(most, -(-target // (batch * row_blocks))))
 
 
+def default_config(rows: int) -> TritonConfig:
+    """Where no measured pick exists: 4 warps for 16 query rows, 8 above (a [64, Lk] fp32 accumulator needs two
+    warpgroups; with one, ptxas spills: tests/ops/test_mla_decode.py compiles both for sm_90a)."""
+    return TritonConfig() if row_block(rows) <= 16 else TritonConfig(num_warps=8)
+
+
 def row_block(rows: int) -> int:
     """Query rows (T x H) per program: a power of two from 16 (the smallest tensor-core tile) to 64."""
     return max(16, min(64, 1 << max(0, rows - 1).bit_length()))

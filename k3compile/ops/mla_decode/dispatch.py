@@ -6,7 +6,7 @@ twice, the kernel the valid prefix once, so the kernel is never the slower one w
 
 The Triton layout (``config.TritonConfig``) is data: ``tables/<gpu>.json``, written by
 ``benchmarks/tune_mla_decode.py``, maps (cache dtype, query rows T*H bucket, batch bucket) to the configuration that
-measured fastest there; without a table, or for a key it lacks, the defaults of ``TritonConfig``.
+measured fastest there; without a table, or for a key it lacks, ``config.default_config``.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 
 from k3compile.backends import Impl, OpImpls, Reason, register_op_impls, triton_can_run_on
 
-from .config import TritonConfig, decode_dtype_ok, row_block
+from .config import TritonConfig, default_config, row_block
 from .reference import mla_decode_ref
 
 TABLES = Path(__file__).resolve().parent / "tables"
@@ -53,11 +53,11 @@ def load_table(device_name: str) -> dict[str, TritonConfig]:
 
 
 def triton_config(c_kv: torch.Tensor, rows: int, batch: int) -> TritonConfig:
-    """The measured pick for this GPU and shape class, else the defaults."""
+    """The measured pick for this GPU and shape class, else ``config.default_config``."""
     if c_kv.device.type != "cuda":
-        return TritonConfig()
+        return default_config(rows)
     table = load_table(torch.cuda.get_device_name(c_kv.device))
-    return table.get(table_key(c_kv.dtype, rows, batch), TritonConfig())
+    return table.get(table_key(c_kv.dtype, rows, batch), default_config(rows))
 
 
 # The predicates and implementations get the op's arguments: (q_nope, q_pe, c_kv, k_pe, w_kv_b, pos, scale, start).

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from k3compile.backends import sm_count, triton_interpret
 
-from .config import TritonConfig, row_block, split_count
+from .config import TritonConfig, default_config, row_block, split_count
 
 LOG2E = 1.4426950408889634
 SPLIT_TILE = 32        # splits the combine loads at once
@@ -208,14 +208,16 @@ def per_head_matmul(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
 
 def mla_decode_triton(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
                       w_kv_b: torch.Tensor, pos: torch.Tensor, scale: float, start: Optional[torch.Tensor] = None,
-                      config: TritonConfig = TritonConfig()) -> torch.Tensor:
-    """See ``k3compile.ops.mla_decode.mla_decode``; ``config`` lays out the split kernel (``dispatch.py`` picks it)."""
+                      config: Optional[TritonConfig] = None) -> torch.Tensor:
+    """See ``k3compile.ops.mla_decode.mla_decode``; ``config`` lays out the split kernel (``dispatch.py`` picks it;
+    None: ``config.default_config``)."""
     B, T, H, N = q_nope.shape
     S, LK = c_kv.shape[1:]
     R = k_pe.shape[-1]
     VD = w_kv_b.shape[1] - N
     TH = T * H
     dtype = c_kv.dtype
+    config = config or default_config(TH)
     # Triton launches on the current device: make it the tensors' (TP ranks, a model on cuda:1)
     on_device = torch.cuda.device(c_kv.device) if c_kv.device.type == "cuda" else contextlib.nullcontext()
     with on_device:
