@@ -8,6 +8,7 @@ Every buffer the kernels write (scratch and output) is NaN-poisoned first, and e
 from __future__ import annotations
 
 import contextlib
+import json
 from unittest import mock
 
 import pytest
@@ -174,6 +175,27 @@ def test_mixed_dtypes_run_the_reference_recorded():
     (choice,) = MLA_DECODE.choices()
     assert choice.impl == "reference" and "mixed dtypes" in choice.reason
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+
+
+def test_table_picks_are_read_by_gpu_name(tmp_path, monkeypatch):
+    """tables/<gpu>.json (benchmarks/tune_mla_decode.py's output) applies to a device whose name holds <gpu>, keyed by
+    dtype, query-rows bucket and batch bucket; any other key or device takes the default layout."""
+    from k3compile.ops.mla_decode import dispatch
+    from k3compile.ops.mla_decode.config import TritonConfig, default_config
+
+    pick = TritonConfig(block_s=64, min_split_tiles=2, programs_per_sm=4, num_warps=8, num_stages=3)
+    key = dispatch.table_key(torch.bfloat16, 12, 9)
+    (tmp_path / "h200.json").write_text(json.dumps({"picks": {key: pick.to_json()}}))
+    monkeypatch.setattr(dispatch, "TABLES", tmp_path)
+    dispatch.load_table.cache_clear()
+    try:
+        assert key == "bfloat16 rows=16 batch=8"
+        assert dispatch.load_table("NVIDIA H200") == {key: pick}
+        assert dispatch.load_table("NVIDIA H100 80GB HBM3") == {}
+        assert [dispatch.batch_bucket(b) for b in (1, 3, 8, 15, 64, 500)] == [1, 2, 8, 8, 64, 64]
+        assert default_config(48).num_warps == 8 and default_config(12).num_warps == 4
+    finally:
+        dispatch.load_table.cache_clear()
 
 
 @pytest.mark.parametrize("what", ["q_pe heads", "cache batch", "w_kv_b width", "pos shape", "start shape", "int q"])
