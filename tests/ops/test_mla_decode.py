@@ -2,8 +2,9 @@
 own ``mla_attend``, nothing read outside each row's valid keys, fallbacks and errors; GPU tests at K3 shapes in a
 128K allocation, under a CUDA graph whose replays change the length on the device.
 
-Every buffer the kernels write (scratch and output) is NaN-poisoned first, and every cache row outside
-``[start_b, pos + T)`` holds NaN: an unwritten element or a read past the valid prefix cannot pass.
+Every buffer the kernels write (scratch and output) is NaN-poisoned first, and every cache row no query sees (outside
+``[start_b, pos + T)``, or ``[min(start_b, pos), pos + T)`` with padding queries) holds NaN: an unwritten element or a
+read past the valid prefix cannot pass.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def make_inputs(B, T, H, N, R, Vd, Lk, S, pos, dtype, start=None, seed=0, device
 
 
 def poison_outside_valid(inputs: dict) -> dict:
-    """The same inputs with NaN in every cache row outside each row's keys ``[start_b, pos + T)``."""
+    """The same inputs with NaN in every cache row that no query of its sequence sees."""
     c_kv, k_pe = inputs["c_kv"], inputs["k_pe"]
     B, S = c_kv.shape[:2]
     T = inputs["q_nope"].shape[1]
@@ -102,8 +103,8 @@ def test_triton_matches_reference_property(B, T, H, dims, S, where, padded, data
     pos = round(where * (S - T))                                   # valid length pos + T: from T to S
     start = None
     if padded:
-        starts = st.lists(st.integers(0, pos + T - 1), min_size=B, max_size=B)
-        start = data.draw(starts) if data is not None else [min(b * 7, pos + T - 1) for b in range(B)]
+        starts = st.lists(st.integers(0, pos + T + 1), min_size=B, max_size=B)   # past pos: padding queries
+        start = data.draw(starts) if data is not None else [b * 7 for b in range(B)]
     inputs = make_inputs(B, T, H, N, R, Vd, Lk, S, pos, DTYPES[dtype], start, seed)
     check_kernel(inputs, TritonConfig(block_s=block_s, min_split_tiles=min_tiles))
 
@@ -116,12 +117,15 @@ def test_triton_k3_widths_read_only_the_valid_prefix(T, H, start):
     check_kernel(inputs, TritonConfig(block_s=16, min_split_tiles=1))
 
 
-def test_row_that_sees_no_key_returns_zero():
-    """start_b beyond pos + t leaves query t of row b no key: 0 (the plain softmax would give NaN)."""
-    inputs = make_inputs(2, 2, 3, *DIMS[0], S=20, pos=5, dtype=torch.float32, start=[0, 6])
+def test_query_before_its_row_start_sees_its_own_key():
+    """A left-padding query of a prompt (pos + t < start_b) sees its own key alone, as the model's rule has it: its
+    output is its own value read back, w_v c_kv[pos + t]."""
+    inputs = make_inputs(2, 3, 3, *DIMS[0], S=20, pos=5, dtype=torch.float32, start=[0, 7])
     out = check_kernel(inputs, TritonConfig(block_s=16, min_split_tiles=1))
-    assert torch.equal(out[1, 0], torch.zeros_like(out[1, 0]))     # row 1, query 0 sees [6, 5]: nothing
-    assert out[1, 1].abs().sum() > 0                                # query 1 sees key 6
+    N = inputs["q_nope"].shape[-1]
+    for t in (0, 1):                                                # positions 5, 6 < start 7
+        own = torch.einsum("l,hvl->hv", inputs["c_kv"][1, 5 + t], inputs["w_kv_b"][:, N:])
+        assert rel_err(out[1, t], own) < TOL[torch.float32]
 
 
 def test_length_is_read_on_the_device():

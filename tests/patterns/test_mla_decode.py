@@ -2,8 +2,8 @@
 write) becomes ``k3::mla_decode`` and the step equals eager; a near miss beside them stays as it is.
 
 Caches are off (a hit would skip the pass). Each case compiles one small step (Inductor's CPU code generation);
-the micro K3 (a prefill graph left alone, a decode graph rewritten) is in
-tests/compiler/test_mla_decode_k3.py.
+the micro K3 (a prefill graph left alone, a decode graph rewritten) shares
+tests/compiler/test_tiny_k3.py's compiled model.
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_p
                w_kv_b: torch.Tensor, pos: torch.Tensor, scale: float, start: Optional[torch.Tensor] = None,
                backend: str = "auto") -> torch.Tensor:
     """Causal attention of T new queries over the latent cache, absorbed (``model/mla.py`` ``mla_attend``), reading
-    only each row's valid keys ``[start[b], pos + T)``: the step's cost follows the valid length, not the allocation.
+    only each row's valid keys (``[start[b], pos + T)``): the step's cost follows the valid length, not the allocation.
 
     Legend: B batch, T new tokens (a decode step: 1, or a few when verifying drafts), H heads of this TP rank,
     S cache allocation, N = qk_nope_head_dim, R = qk_rope_head_dim, Vd = v_head_dim, Lk = kv_lora_rank.
@@ -31,11 +31,13 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_p
         start: optional ``[B]`` int64 (or int32): row b's first valid key (left padding); None: 0.
         backend: "auto" | "triton" | "reference" (see ``k3compile.backends``).
 
-    Key s of row b is visible to query t iff ``start[b] <= s <= pos + t``. All tensors share one device; q_nope,
-    q_pe, c_kv, k_pe, w_kv_b are fp32, bf16 or fp16 (the kernel takes one dtype for all; mixed runs the reference).
+    Key s of row b is visible to query t iff ``min(start[b], pos + t) <= s <= pos + t``: from the row's first real
+    position, or, for a query before it (left padding in a prompt), its own key alone -- the model's rule
+    (``model/mla.py``). All tensors share one device; q_nope, q_pe, c_kv, k_pe, w_kv_b are fp32, bf16 or fp16 (the
+    kernel takes one dtype for all; mixed runs the reference).
 
     Returns:
-        ``[B, T, H, Vd]`` in q_nope's dtype; a query that sees no key returns 0.
+        ``[B, T, H, Vd]`` in q_nope's dtype.
 
     Limits: the Triton kernel takes Lk <= 1024 and R <= 256; beyond, the reference runs (recorded).
 

@@ -5,8 +5,10 @@ R = qk_rope_head_dim, Vd = v_head_dim, Lk = kv_lora_rank.
 
 In fp32 throughout: the query absorbed into the latent space, scores against c_kv and k_pe, the mask, the softmax,
 the latent output and its projection through w_v; the result is cast to q_nope's dtype. Key s of row b is visible
-to query t iff ``start[b] <= s <= pos + t`` (``start`` None: 0). Cache rows outside ``[start[b], pos + T)`` are
-never read (zeroed before use), so whatever they hold cannot reach the output; a query that sees no key returns 0.
+to query t iff ``min(start[b], pos + t) <= s <= pos + t`` (``start`` None: 0): a row's keys start at its first real
+position, and a query before it (a left-padding query of a prompt) sees its own key only, as the model's
+``mla_attend`` with ``start`` has it. Cache rows no query sees are never read (zeroed before use), so whatever they
+hold cannot reach the output.
 """
 from __future__ import annotations
 
@@ -18,9 +20,11 @@ import torch
 def valid_keys(pos: torch.Tensor, start: Optional[torch.Tensor], B: int, T: int, S: int) -> torch.Tensor:
     """[B, T, S] bool: key s visible to query t of row b."""
     s = torch.arange(S, device=pos.device)
-    visible = s[None, None, :] <= (pos + torch.arange(T, device=pos.device))[None, :, None]   # [1, T, S]
+    query_pos = pos + torch.arange(T, device=pos.device)                       # [T]
+    visible = s[None, None, :] <= query_pos[None, :, None]                      # [1, T, S]
     if start is not None:
-        visible = visible & (s[None, None, :] >= start[:, None, None])
+        first = torch.minimum(start[:, None], query_pos[None, :])               # [B, T]
+        visible = visible & (s[None, None, :] >= first[..., None])
     return visible.expand(B, T, S)
 
 
@@ -39,7 +43,6 @@ def mla_decode_ref(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor,
     q_lat = torch.einsum("bthn,hnl->bthl", q_nope.float(), w_k)                 # [B, T, H, Lk]
     scores = torch.einsum("bthl,bsl->bhts", q_lat, c) + torch.einsum("bthr,bsr->bhts", q_pe.float(), kp)
     scores = (scores * scale).masked_fill(~visible[:, None], float("-inf"))     # [B, H, T, S]
-    probs = torch.softmax(scores, dim=-1)
-    probs = probs.masked_fill(~visible.any(-1)[:, None, :, None], 0)            # a query with no key: 0, not NaN
+    probs = torch.softmax(scores, dim=-1)                                       # every query sees its own key
     o_lat = torch.einsum("bhts,bsl->bthl", probs, c)                            # [B, T, H, Lk]
     return torch.einsum("bthl,hvl->bthv", o_lat, w_v).to(q_nope.dtype).contiguous()   # the fake's layout

@@ -5,7 +5,7 @@ Four launches, their sizes fixed by shapes alone (CUDA-graph capturable; the val
 1. ``_per_head_matmul``: the query absorbed into the latent space, ``q_lat[b, t, h] = q_nope[b, t, h] @ w_k[h]``
    (``[B, T*H, Lk]`` in the cache dtype, as the model rounds it). Each program reads one tile of ``w_k`` once.
 2. ``_mla_split``: grid (B, splits, row blocks). A program owns up to 64 query rows ``(t, h)`` of one sequence -- all
-   heads of the rank for T x H <= 64 -- and one split of the keys ``[start_b, pos + T)`` (its length derived on the
+   heads of the rank for T x H <= 64 -- and one split of the keys ``[min(start_b, pos), pos + T)`` (its length on the
    device from ``pos`` and ``start``: programs past the valid length exit at once). It walks its split in tiles of
    ``block_s`` keys; each ``c_kv`` / ``k_pe`` tile is loaded once and serves every row twice: the scores
    ``q_lat c_kvᵀ + q_pe k_peᵀ`` and the latent output ``p c_kv``. Online softmax in fp32 (base 2, the scale folded
@@ -59,13 +59,13 @@ def _split_len(n, N_SPLIT, BS: tl.constexpr, MIN_TILES: tl.constexpr):
 
 @triton.jit
 def _valid_range(pos, start, i_b, T, HAS_START: tl.constexpr):
-    """(first key, end, length) of row ``i_b``'s keys: ``[start_b, pos + T)``, the length clamped at 0."""
-    end = tl.load(pos).to(tl.int32) + T     # positions fit 32 bits; 64-bit loop bounds would not pipeline
+    """(first key, end, length) of the keys some query of row ``i_b`` sees: ``[min(start_b, pos), pos + T)``."""
+    p = tl.load(pos).to(tl.int32)          # positions fit 32 bits; 64-bit loop bounds would not pipeline
     if HAS_START:
-        first = tl.load(start + i_b).to(tl.int32)
+        first = tl.minimum(tl.load(start + i_b).to(tl.int32), p)
     else:
-        first = end * 0
-    return first, end, tl.maximum(end - first, 0)
+        first = p * 0
+    return first, p + T, p + T - first
 
 
 @triton.jit
@@ -122,10 +122,14 @@ def _mla_split(q_lat, q_pe, c_kv, k_pe, pos, start, o_part, m_part, l_part,
         o_r = tl.arange(0, BR)
         m_r = o_r < R
         last = tl.load(pos).to(tl.int32) + i_t                               # the last key query row sees
+        if HAS_START:   # and its first: its row's start, or its own position before it (a padding query)
+            lo = tl.minimum(tl.load(start + i_b).to(tl.int32), last)
+        else:
+            lo = last * 0
         b_q = tl.load(q_lat + (i_b * TH + o_m)[:, None] * LK + o_l[None, :], mask=m_m[:, None] & m_l[None, :],
                       other=0)
-        b_qpe = tl.load(q_pe + i_b * stride_pb + (i_t * stride_pt + i_h * stride_ph)[:, None] + o_r[None, :] * stride_pr,
-                        mask=m_m[:, None] & m_r[None, :], other=0)
+        p_qpe = q_pe + i_b * stride_pb + (i_t * stride_pt + i_h * stride_ph)[:, None] + o_r[None, :] * stride_pr
+        b_qpe = tl.load(p_qpe, mask=m_m[:, None] & m_r[None, :], other=0)
         p_c = c_kv + i_b * stride_cb
         p_k = k_pe + i_b * stride_kb
         b_m = tl.full([BM], float("-inf"), tl.float32)
@@ -139,7 +143,8 @@ def _mla_split(q_lat, q_pe, c_kv, k_pe, pos, start, o_part, m_part, l_part,
             b_kp = tl.load(p_k + o_s.to(tl.int64)[:, None] * stride_ks + o_r[None, :] * stride_kr,
                            mask=m_s[:, None] & m_r[None, :], other=0)
             b_qk = _dot(b_q, tl.trans(b_kv), b_kv.dtype, UPCAST) + _dot(b_qpe, tl.trans(b_kp), b_kv.dtype, UPCAST)
-            b_qk = tl.where(m_s[None, :] & (o_s[None, :] <= last[:, None]), b_qk * qk_scale, float("-inf"))
+            m_vis = m_s[None, :] & (o_s[None, :] <= last[:, None]) & (o_s[None, :] >= lo[:, None])
+            b_qk = tl.where(m_vis, b_qk * qk_scale, float("-inf"))
             b_m_new = tl.maximum(b_m, tl.max(b_qk, 1))
             b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)   # no key seen yet: no -inf - -inf
             b_alpha = tl.exp2(b_m - b_m_use)
@@ -158,7 +163,7 @@ def _mla_combine(o_part, m_part, l_part, pos, start, o_lat, T, TH, N_SPLIT,
                  LK: tl.constexpr, BSP: tl.constexpr, BLC: tl.constexpr, BS: tl.constexpr, MIN_TILES: tl.constexpr,
                  HAS_START: tl.constexpr):
     """Row ``i_r`` = b*T*H + t*H + h, latent columns ``i_c*BLC ..``: the active splits' partials rescaled to their
-    common max and summed; a row that saw no key gets 0."""
+    common max and summed (a split where the row saw no key holds max -inf and sum 0, and weighs nothing)."""
     i_r, i_c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     i_b = i_r // TH
     i_th = i_r % TH
@@ -170,7 +175,8 @@ def _mla_combine(o_part, m_part, l_part, pos, start, o_lat, T, TH, N_SPLIT,
     b_max = tl.max(tl.full([BSP], float("-inf"), tl.float32), 0)
     for sp0 in range(0, n_act, BSP):
         o_sp = sp0 + tl.arange(0, BSP)
-        b_max = tl.maximum(b_max, tl.max(tl.load(m_part + p_row + o_sp * TH, mask=o_sp < n_act, other=float("-inf")), 0))
+        b_mv = tl.load(m_part + p_row + o_sp * TH, mask=o_sp < n_act, other=float("-inf"))
+        b_max = tl.maximum(b_max, tl.max(b_mv, 0))
     b_max = tl.where(b_max == float("-inf"), 0.0, b_max)
     b_acc = tl.zeros([BLC], dtype=tl.float32)
     b_den = tl.sum(tl.zeros([BSP], dtype=tl.float32), 0)
@@ -196,7 +202,7 @@ def _upcast(dtype: torch.dtype) -> bool:
 
 
 def per_head_matmul(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
-    """``y[b, t, h] = x[b, t, h] @ w[h]`` (x ``[B, T, H, K]``, w ``[H, K, NOUT]`` any strides, y ``[B, T, H, NOUT]``)."""
+    """``y[b, t, h] = x[b, t, h] @ w[h]`` for x ``[B, T, H, K]``, w ``[H, K, NOUT]``, y ``[B, T, H, NOUT]``."""
     B, T, H, K = x.shape
     NOUT = w.shape[-1]
     M = B * T
