@@ -33,11 +33,12 @@ INTERPRETER_PROGRAMS = 8
 
 
 def split_count(batch: int, row_blocks: int, alloc: int, sms: int, config: TritonConfig) -> int:
-    """How many splits each (sequence, row block) gets: enough programs to fill the GPU, never more than the
-    allocation holds splits of the minimum length."""
+    """How many splits each (sequence, row block) gets: as many programs as fit the GPU at once (rounded down, so
+    that equal lengths make one full wave, not a wave and a sliver), never more than the allocation holds splits
+    of the minimum length."""
     target = config.programs_per_sm * sms if sms else INTERPRETER_PROGRAMS
     most = -(-alloc // (config.block_s * config.min_split_tiles))
-    return max(1, min(most, -(-target // (batch * row_blocks))))
+    return max(1, min(most, target // (batch * row_blocks)))
 
 
 def default_config(rows: int) -> TritonConfig:
