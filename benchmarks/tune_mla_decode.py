@@ -4,8 +4,8 @@ The table maps (cache dtype, query rows bucket, batch bucket) -- ``dispatch.tabl
 with the lowest geometric-mean time over a few valid lengths in a 128K allocation (K3 widths, bf16, CUDA-graph
 medians over rotated caches as in ``benchmarks/mla_decode.py``). Two stages keep it short:
 
-1. the tile layout (keys per tile, warps, pipeline stages) at batch 1, 8 and 64, lengths 8K and 64K, with the
-   default split rule;
+1. the tile layout (keys per tile, warps, pipeline stages; and the default without PDL) at batch 1, 8 and 64,
+   lengths 8K and 64K, with the default split rule;
 2. per batch bucket, the split rule (programs per SM, fewest tiles a split) under the layout stage 1 picked at the
    nearest of those batches, lengths 1K, 8K, 128K.
 
@@ -19,6 +19,7 @@ candidate's time goes to the log (``--log``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -37,17 +38,18 @@ LAYOUT_BATCHES = (1, 8, 64)
 
 
 def layouts(rows: int):
-    from k3compile.ops.mla_decode.config import TritonConfig
+    """Tile layouts, and the default without PDL (what PDL gains shows in the log)."""
+    from k3compile.ops.mla_decode.config import TritonConfig, default_config
 
     warps = (4, 8) if rows <= 16 else (8,)
     for block_s, nw, stages in itertools.product((16, 32, 64), warps, (2, 3, 4)):
         yield TritonConfig(block_s=block_s, num_warps=nw, num_stages=stages)
+    yield dataclasses.replace(default_config(rows), pdl=False)
 
 
 def splits(layout):
     for per_sm, tiles in itertools.product((1, 2, 4), (1, 2, 4, 8)):
-        yield type(layout)(block_s=layout.block_s, num_warps=layout.num_warps, num_stages=layout.num_stages,
-                           programs_per_sm=per_sm, min_split_tiles=tiles)
+        yield dataclasses.replace(layout, programs_per_sm=per_sm, min_split_tiles=tiles)
 
 
 def gpu_name() -> str:

@@ -248,8 +248,14 @@ def build(kernel, ptrs, consts, warps, stages):
     info = subprocess.run([PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
     os.unlink(f.name)
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", info.stderr)]
+    lines = k.asm["ptx"].splitlines()
+    wait = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
+    trigger = [i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line]
+    memory = [i for i, line in enumerate(lines)
+              if any(op in line for op in ("ld.global", "cp.async", "st.global", "atom.global", "red.global"))]
     return dict(ok=info.returncode == 0, spills=sum(spills), smem=k.metadata.shared,
-                async_copies=k.asm["ttgir"].count("async_copy_global_to_local"))
+                async_copies=k.asm["ttgir"].count("async_copy_global_to_local"),
+                pdl_order=len(wait) == 1 and len(trigger) == 1 and wait[0] < trigger[0] and wait[0] < min(memory))
 
 
 bf16 = "*bf16"
@@ -260,31 +266,34 @@ for rows in json.loads(sys.argv[1]):      # T x H: 12 and 6 heads a rank at T = 
     cfg = default_config(rows)
     for has_start in (False, True):
         consts = dict(LK=512, R=64, BM=row_block(rows), BL=512, BR=64, BS=cfg.block_s, MIN_TILES=cfg.min_split_tiles,
-                      HAS_START=has_start, UPCAST=False, stride_cl=1, stride_kr=1, stride_pr=1)
+                      HAS_START=has_start, UPCAST=False, PDL=True, stride_cl=1, stride_kr=1, stride_pr=1)
         out[f"split-rows{rows}-{'start' if has_start else 'nostart'}"] = build(
             mt._mla_split, split_ptrs, consts, cfg.num_warps, cfg.num_stages)
 cfg = default_config(1)
 out["combine"] = build(mt._mla_combine, dict(o_part="*fp32", m_part="*fp32", l_part="*fp32", pos="*i64",
                                              start="*i64", o_lat=bf16),
                        dict(LK=512, BSP=mt.SPLIT_TILE, BLC=mt.COMBINE_CHUNK, BS=cfg.block_s,
-                            MIN_TILES=cfg.min_split_tiles, HAS_START=True), 4, 1)
+                            MIN_TILES=cfg.min_split_tiles, HAS_START=True, PDL=True), 4, 1)
 for bm in (16, 64):
     out[f"matmul-bm{bm}"] = build(mt._per_head_matmul, dict(x=bf16, w=bf16, y=bf16),
-                                  dict(BM=bm, BK=mt.MATMUL_BLOCK, BN=mt.MATMUL_BLOCK, UPCAST=False, stride_xk=1), 4, 3)
+                                  dict(BM=bm, BK=mt.MATMUL_BLOCK, BN=mt.MATMUL_BLOCK, UPCAST=False, PDL=True,
+                                       stride_xk=1), 4, 3)
 print(json.dumps(out))
 """
 
 
 def test_kernels_compile_for_sm90_without_spills():
-    """At K3's widths with the default layout: ptxas accepts every kernel for sm_90a with no spill stores, and the
-    split kernel streams its cache tiles through cp.async (a load the pipeliner cannot take would stall each tile)."""
+    """At K3's widths with the default layout, under PDL: ptxas accepts every kernel for sm_90a with no spill stores;
+    each waits (griddepcontrol.wait) before its first global memory access and lets the next kernel launch only after
+    that; the split kernel streams its cache tiles through cp.async (a load the pipeliner cannot take would stall
+    each tile)."""
     from k3compile.testing import ptx_in_a_fresh_process
 
     pytest.importorskip("triton.backends.nvidia")
     report = ptx_in_a_fresh_process(_AOT_SCRIPT, [12, 6, 48])
     assert len(report) == 9, report
     for name, r in report.items():
-        assert r["ok"] and r["spills"] == 0, (name, r)
+        assert r["ok"] and r["spills"] == 0 and r["pdl_order"], (name, r)
         if name.startswith("split"):
             assert r["async_copies"] >= 2, (name, r)       # the c_kv and k_pe tiles
             assert r["smem"] <= 227 * 1024, (name, r)

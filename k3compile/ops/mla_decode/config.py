@@ -15,16 +15,18 @@ import torch
 class TritonConfig:
     """block_s: keys per tile. min_split_tiles: the fewest tiles a split takes (fewer, longer splits where the valid
     prefix is short: less partial-result traffic and a shorter combine). programs_per_sm: the split count aims at
-    about this many programs (splits x batch x row blocks) per SM. num_warps / num_stages: of the split kernel."""
+    about this many programs (splits x batch x row blocks) per SM. num_warps / num_stages: of the split kernel.
+    pdl: the four kernels launch with PDL where the GPU has it (sm_90+)."""
     block_s: int = 32
     min_split_tiles: int = 4
     programs_per_sm: int = 2
     num_warps: int = 4
     num_stages: int = 2
+    pdl: bool = True
 
     def to_json(self) -> dict:
         return dict(block_s=self.block_s, min_split_tiles=self.min_split_tiles, programs_per_sm=self.programs_per_sm,
-                    num_warps=self.num_warps, num_stages=self.num_stages)
+                    num_warps=self.num_warps, num_stages=self.num_stages, pdl=self.pdl)
 
 
 # Programs the split count aims at where the device has no SMs to count (CPU tensors under TRITON_INTERPRET=1):

@@ -15,7 +15,9 @@ Four launches, their sizes fixed by shapes alone (CUDA-graph capturable; the val
 4. ``_per_head_matmul`` again: ``out[b, t, h] = o_lat[b, t, h] @ w_v[h]ᵀ``.
 
 Rows of the cache outside the valid range are never loaded (masked loads), so the step's cost follows the valid
-length, not the allocation. Runs on CUDA/ROCm, and on CPU tensors under ``TRITON_INTERPRET=1``.
+length, not the allocation. On sm_90+ the four launch with PDL: each waits for the kernel before it
+(``griddepcontrol.wait``) before it reads anything and only then lets the next one start, so a launch's latency
+hides under the previous kernel's tail. Runs on CUDA/ROCm, and on CPU tensors under ``TRITON_INTERPRET=1``.
 """
 from __future__ import annotations
 
@@ -26,7 +28,12 @@ import torch
 import triton
 import triton.language as tl
 
-from k3compile.backends import sm_count, triton_interpret
+try:  # grid dependency control (PDL), Triton >= 3.4
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover
+    gdc_launch_dependents = gdc_wait = None
+
+from k3compile.backends import is_rocm, sm_count, triton_interpret
 
 from .config import TritonConfig, default_config, row_block, split_count
 
@@ -48,6 +55,15 @@ def _dot(a, b, dtype: tl.constexpr, UPCAST: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def _pdl_enter(PDL: tl.constexpr):
+    """Under PDL: wait for the previous kernel (its writes visible), then let the next one launch. Nothing may be
+    read before the wait; the trigger after it keeps every k3 kernel's order (k3compile/static_weights.py)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -73,9 +89,11 @@ def _per_head_matmul(x, w, y, M, T, H, K, NOUT,
                      stride_xb, stride_xt, stride_xh, stride_xk,
                      stride_wh, stride_wk, stride_wn,
                      stride_yb, stride_yt, stride_yh, stride_yn,
-                     BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr):
+                     BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr,
+                     PDL: tl.constexpr):
     """``y[b, t, h, :] = x[b, t, h, :] @ w[h]`` for rows ``b*T + t`` < M; ``w[h]`` is ``[K, NOUT]`` by its strides.
     Grid (H, NOUT tiles, row tiles): each program reads its ``[K, BN]`` slice of ``w[h]`` once for BM rows."""
+    _pdl_enter(PDL)
     i_h, i_n, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_m = i_m * BM + tl.arange(0, BM)
     m_m = o_m < M
@@ -104,8 +122,10 @@ def _mla_split(q_lat, q_pe, c_kv, k_pe, pos, start, o_part, m_part, l_part,
                stride_cb, stride_cs, stride_cl,
                stride_kb, stride_ks, stride_kr,
                LK: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr,
-               BS: tl.constexpr, MIN_TILES: tl.constexpr, HAS_START: tl.constexpr, UPCAST: tl.constexpr):
+               BS: tl.constexpr, MIN_TILES: tl.constexpr, HAS_START: tl.constexpr, UPCAST: tl.constexpr,
+               PDL: tl.constexpr):
     """Split ``i_sp`` of sequence ``i_b``'s valid keys against query rows ``i_m*BM ..`` (row = t*H + h)."""
+    _pdl_enter(PDL)
     i_b, i_sp, i_m = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     TH = T * H
     first, end, n = _valid_range(pos, start, i_b, T, HAS_START)
@@ -161,9 +181,10 @@ def _mla_split(q_lat, q_pe, c_kv, k_pe, pos, start, o_part, m_part, l_part,
 @triton.jit
 def _mla_combine(o_part, m_part, l_part, pos, start, o_lat, T, TH, N_SPLIT,
                  LK: tl.constexpr, BSP: tl.constexpr, BLC: tl.constexpr, BS: tl.constexpr, MIN_TILES: tl.constexpr,
-                 HAS_START: tl.constexpr):
+                 HAS_START: tl.constexpr, PDL: tl.constexpr):
     """Row ``i_r`` = b*T*H + t*H + h, latent columns ``i_c*BLC ..``: the active splits' partials rescaled to their
     common max and summed (a split where the row saw no key holds max -inf and sum 0, and weighs nothing)."""
+    _pdl_enter(PDL)
     i_r, i_c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     i_b = i_r // TH
     i_th = i_r % TH
@@ -201,7 +222,17 @@ def _upcast(dtype: torch.dtype) -> bool:
     return dtype != torch.float32 and triton_interpret()
 
 
-def per_head_matmul(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
+def pdl_capable(device: torch.device) -> bool:
+    """Programmatic dependent launch: an NVIDIA GPU of compute capability 9.0+ and a Triton that has it."""
+    return (device.type == "cuda" and gdc_wait is not None and not is_rocm()
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def _launch(pdl: bool) -> dict:
+    return dict(PDL=pdl, launch_pdl=True) if pdl else dict(PDL=False)
+
+
+def per_head_matmul(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, pdl: bool = False) -> None:
     """``y[b, t, h] = x[b, t, h] @ w[h]`` for x ``[B, T, H, K]``, w ``[H, K, NOUT]``, y ``[B, T, H, NOUT]``."""
     B, T, H, K = x.shape
     NOUT = w.shape[-1]
@@ -209,7 +240,8 @@ def per_head_matmul(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
     BM = max(16, min(64, triton.next_power_of_2(M)))
     grid = (H, triton.cdiv(NOUT, MATMUL_BLOCK), triton.cdiv(M, BM))
     _per_head_matmul[grid](x, w, y, M, T, H, K, NOUT, *x.stride(), *w.stride(), *y.stride(),
-                           BM=BM, BK=MATMUL_BLOCK, BN=MATMUL_BLOCK, UPCAST=_upcast(w.dtype), num_warps=4)
+                           BM=BM, BK=MATMUL_BLOCK, BN=MATMUL_BLOCK, UPCAST=_upcast(w.dtype), num_warps=4,
+                           **_launch(pdl))
 
 
 def mla_decode_triton(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
@@ -224,13 +256,14 @@ def mla_decode_triton(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tens
     TH = T * H
     dtype = c_kv.dtype
     config = config or default_config(TH)
+    pdl = config.pdl and pdl_capable(c_kv.device)
     # Triton launches on the current device: make it the tensors' (TP ranks, a model on cuda:1)
     on_device = torch.cuda.device(c_kv.device) if c_kv.device.type == "cuda" else contextlib.nullcontext()
     with on_device:
         w_k = w_kv_b[:, :N]                                               # [H, N, Lk]
         w_vt = w_kv_b[:, N:].transpose(1, 2)                              # [H, Lk, Vd]
         q_lat = _empty(B, T, H, LK, dtype=dtype, device=c_kv.device)
-        per_head_matmul(q_nope, w_k, q_lat)
+        per_head_matmul(q_nope, w_k, q_lat, pdl)
 
         BM = row_block(TH)
         row_blocks = triton.cdiv(TH, BM)
@@ -245,14 +278,14 @@ def mla_decode_triton(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tens
             *q_pe.stride(), *c_kv.stride(), *k_pe.stride(),
             LK=LK, R=R, BM=BM, BL=triton.next_power_of_2(LK), BR=max(16, triton.next_power_of_2(R)), BS=config.block_s,
             MIN_TILES=config.min_split_tiles, HAS_START=has_start, UPCAST=_upcast(dtype),
-            num_warps=config.num_warps, num_stages=config.num_stages)
+            num_warps=config.num_warps, num_stages=config.num_stages, **_launch(pdl))
 
         o_lat = _empty(B, T, H, LK, dtype=w_kv_b.dtype, device=c_kv.device)
         _mla_combine[(B * TH, triton.cdiv(LK, COMBINE_CHUNK))](
             o_part, m_part, l_part, pos, start_arg, o_lat, T, TH, n_split,
             LK=LK, BSP=SPLIT_TILE, BLC=min(COMBINE_CHUNK, triton.next_power_of_2(LK)), BS=config.block_s,
-            MIN_TILES=config.min_split_tiles, HAS_START=has_start, num_warps=4)
+            MIN_TILES=config.min_split_tiles, HAS_START=has_start, num_warps=4, **_launch(pdl))
 
         out = _empty(B, T, H, VD, dtype=q_nope.dtype, device=c_kv.device)
-        per_head_matmul(o_lat, w_vt, out)
+        per_head_matmul(o_lat, w_vt, out, pdl)
     return out
