@@ -105,6 +105,23 @@ def main(argv=None) -> int:
         return math.exp(total / len(lengths))
 
     picks, notes = {}, {}
+    device_name = "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name()
+
+    def write() -> None:
+        """After every batch bucket: a run stopped by its time limit keeps the picks it made."""
+        table = dict(device=device_name, command=" ".join(["python", "benchmarks/tune_mla_decode.py"] + sys.argv[1:]),
+                     time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                     note="geometric-mean µs over the split lengths; picks kept only where faster than the default",
+                     picks=picks, measured=notes)
+        text = json.dumps(table, indent=1)
+        if not args.dry_run:
+            TABLES.mkdir(parents=True, exist_ok=True)
+            (TABLES / f"{gpu_name()}.json").write_text(text)
+        if args.out:
+            Path(args.out).write_text(text)
+        if args.log:
+            Path(args.log).write_text(json.dumps(log, indent=0))
+
     t0 = time.time()
     for rows in args.rows:
         H, T = max(1, w.heads // 8), 1 if rows <= 16 else 4          # TP 8's heads; 4 tokens for 48 rows
@@ -129,26 +146,12 @@ def main(argv=None) -> int:
                 picks[key] = pick.to_json()
             notes[key] = dict(default_us=base, pick_us=us, pick=pick.to_json(), kept=gain > args.min_gain)
             print(f"{key}: default {base:.2f} µs, best {us:.2f} µs ({100 * gain:+.1f}%) {pick.to_json()}"
-                  f"{'' if gain > args.min_gain else ' -> default kept'}", flush=True)
+                  f"{'' if gain > args.min_gain else ' -> default kept'} ({time.time() - t0:.0f} s)", flush=True)
             del pool
             if not args.dry_run:
                 torch.cuda.empty_cache()
-
-    device_name = "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name()
-    table = dict(device=device_name, command=" ".join(["python", "benchmarks/tune_mla_decode.py"] + sys.argv[1:]),
-                 time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                 note="geometric-mean µs over the split lengths; picks kept only where faster than the default",
-                 picks=picks, measured=notes)
-    text = json.dumps(table, indent=1)
-    if not args.dry_run:
-        TABLES.mkdir(parents=True, exist_ok=True)
-        (TABLES / f"{gpu_name()}.json").write_text(text)
-        print(f"wrote {TABLES / (gpu_name() + '.json')}")
-    if args.out:
-        Path(args.out).write_text(text)
-        print(f"wrote {args.out}")
-    if args.log:
-        Path(args.log).write_text(json.dumps(log, indent=0))
+            write()
+    print(f"wrote {'' if args.dry_run else TABLES / (gpu_name() + '.json')} {args.out}")
     return 0
 
 

@@ -7,19 +7,26 @@ T new tokens (static, at most ``MAX_DECODE_TOKENS``), H heads, S allocated posit
     q_lat    = einsum("bthn,hnl->bthl", q_nope, w_k)                           # [B, T, H, Lk]
     scores   = einsum("bthl,bsl->bhts", q_lat, c_kv) + einsum("bthr,bsr->bhts", q_pe, k_pe)   # [B, H, T, S]
     visible  = arange(S)[None, :] <= (pos + arange(T))[:, None]                # [T, S]
+    visible  = (visible & (arange(S) >= first))[:, None]                       # left padding only: first = start
+                                                                               # [B, 1, 1], or (T > 1) its minimum
+                                                                               # with each query's position
     probs    = softmax(where(~visible, -inf, scores.float() * scale), -1).to(c_kv.dtype)
     out      = einsum("bthl,hvl->bthv", einsum("bhts,bsl->bthl", probs, c_kv), w_v)   # [B, T, H, Vd]
 
 (each einsum a permute / reshape / bmm chain, the softmax amax, sub, exp, sum, div), and rewrites it to::
 
-    out = k3.mla_decode(q_nope, q_pe, c_kv, k_pe, w_kv_b, pos, scale, None, backend)
+    out = k3.mla_decode(q_nope, q_pe, c_kv, k_pe, w_kv_b, pos, scale, start or None, backend)
 
-which reads each row's keys ``[0, pos + T)`` once instead of the whole allocation twice.
+which reads each row's keys ``[start_b, pos + T)`` once instead of the whole allocation twice. The op's rule is the
+model's T > 1 rule at every T (a query sees ``[min(start_b, pos + t), pos + t]``); at T = 1 the model uses start_b
+alone, which is the same wherever the model's output is finite (start_b <= pos: the decode token is real).
 
 The einsums' decomposition depends on the sizes: a reshape that cannot view becomes clone + reshape where T > 1,
-differently for B = 1. So each dtype is traced at three (B, T): (2, 1), (2, 2) and (1, 2). The search ignores
-sizes and other literals; the guard re-checks what that leaves open: the shapes the op accepts, a static
-T <= ``MAX_DECODE_TOKENS`` (a prefill stays on the plain path), w_kv_b split at N, the mask's fill -inf.
+differently for B = 1. So each dtype and form (with and without ``start``) is traced at three (B, T): (2, 1),
+(2, 2) and (1, 2). The search ignores sizes and other literals; the guard re-checks what that leaves open: the
+shapes the op accepts, a static T <= ``MAX_DECODE_TOKENS`` (a longer or symbolic-length prompt stays on the plain
+path; a prompt this short is one more thing the op computes), w_kv_b split at N, the mask's fill -inf, start ``[B]``
+integer.
 """
 from __future__ import annotations
 
@@ -46,9 +53,21 @@ def _search(q_nope, q_pe, c_kv, k_pe, w_kv_b, pos, scale):
     return mla_attend(q_nope, q_pe, c_kv, k_pe, w_kv_b, pos, scale)
 
 
+def _search_padded(q_nope, q_pe, c_kv, k_pe, w_kv_b, pos, start, scale):
+    from k3compile.model.mla import mla_attend
+
+    return mla_attend(q_nope, q_pe, c_kv, k_pe, w_kv_b, pos, scale, start)
+
+
 def _replacement(backend: str):
     def replacement(q_nope, q_pe, c_kv, k_pe, w_kv_b, pos, scale):
         return torch.ops.k3.mla_decode.default(q_nope, q_pe, c_kv, k_pe, w_kv_b, pos, scale, None, backend)
+    return replacement
+
+
+def _replacement_padded(backend: str):
+    def replacement(q_nope, q_pe, c_kv, k_pe, w_kv_b, pos, start, scale):
+        return torch.ops.k3.mla_decode.default(q_nope, q_pe, c_kv, k_pe, w_kv_b, pos, scale, start, backend)
     return replacement
 
 
@@ -57,12 +76,12 @@ H_EX, N_EX, R_EX, VD_EX, LK_EX, S_EX = 3, 8, 4, 6, 10, 12   # distinct sizes: no
 TRACE_SHAPES = ((2, 1), (2, 2), (1, 2))                        # (B, T): see the module docstring
 
 
-def get_inputs(dtype: torch.dtype, B: int, T: int) -> list:
-    """q_nope, q_pe as slices of one projection (as the model takes them), the cache, w_kv_b, pos."""
+def get_inputs(dtype: torch.dtype, B: int, T: int, padded: bool = False) -> list:
+    """q_nope, q_pe as slices of one projection (as the model takes them), the cache, w_kv_b, pos (and start)."""
     q = torch.empty(B, T, H_EX, N_EX + R_EX, dtype=dtype)
     return [q[..., :N_EX], q[..., N_EX:], torch.empty(B, S_EX, LK_EX, dtype=dtype),
             torch.empty(B, S_EX, R_EX, dtype=dtype), torch.empty(H_EX, N_EX + VD_EX, LK_EX, dtype=dtype),
-            torch.empty((), dtype=torch.int64)]
+            torch.empty((), dtype=torch.int64)] + ([torch.empty(B, dtype=torch.int64)] if padded else [])
 
 
 def _has_shape(t: torch.Tensor, shape: tuple) -> bool:
@@ -102,6 +121,11 @@ def _can_mla_decode(match: pm.Match) -> bool:
         return False
     if any(t[n].dtype not in TRACE_DTYPES + (torch.float16,) for n in names[:5]):
         return False
+    if "start" in match.kwargs:
+        start = match_val(match, "start")
+        if not (isinstance(start, torch.Tensor) and _has_shape(start, (B,)) and start.device == pos.device
+                and start.dtype in (torch.int64, torch.int32)):
+            return False
     fills = [n.args[1] for n in match.nodes if n.target == aten.full.default]
     return bool(fills) and all(f == -math.inf for f in fills) and _splits_w_kv_b_at_n(match, N)
 
@@ -127,12 +151,15 @@ def _trace(*args, **kwargs) -> torch.fx.GraphModule:
 def register(pm_pass: pm.PatternMatcherPass, options) -> None:
     import k3compile.ops.mla_decode  # noqa: F401  (registers k3::mla_decode)
 
+    forms = ((_search, _replacement(options.backend), False),
+             (_search_padded, _replacement_padded(options.backend), True))
     for dtype in TRACE_DTYPES:
         for B, T in TRACE_SHAPES:
-            pm.register_replacement(
-                _search, _replacement(options.backend), get_inputs(dtype, B, T), _trace, pm_pass,
-                extra_check=_can_mla_decode, skip_duplicates=True, scalar_workaround={"scale": SCALE_PLACEHOLDER},
-            )
+            for search, replacement, padded in forms:
+                pm.register_replacement(
+                    search, replacement, get_inputs(dtype, B, T, padded), _trace, pm_pass,
+                    extra_check=_can_mla_decode, skip_duplicates=True, scalar_workaround={"scale": SCALE_PLACEHOLDER},
+                )
 
 
 def _is_decode_mask(node: torch.fx.Node) -> bool:

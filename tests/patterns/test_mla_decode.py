@@ -1,5 +1,6 @@
 """The MLA decode rewrite on a step function: each decode-step attention (the model's ``mla_attend`` after its cache
-write) becomes ``k3::mla_decode`` and the step equals eager; a near miss beside them stays as it is.
+write, with and without left padding) becomes ``k3::mla_decode`` and the step equals eager; a near miss beside them
+stays as it is.
 
 Caches are off (a hit would skip the pass). Each case compiles one small step (Inductor's CPU code generation);
 the micro K3 (a prefill graph left alone, a decode graph rewritten) shares
@@ -43,35 +44,39 @@ def near_miss_attend(q_nope, q_pe, c_kv, k_pe, w_kv_b, pos, scale):
 
 def layer(attend):
     """One MLA layer's step as the model writes it (model/mla.py ``KimiMLAAttention.forward``, projections given):
-    the new latents written at pos.., then the attention over the whole cache."""
-    def step(q, kv, c_kv, k_pe, w, pos):
+    the new latents written at pos.., then the attention over the whole cache (``start``: left padding)."""
+    def step(q, kv, c_kv, k_pe, w, pos, *start):
         B, T = q.shape[:2]
         q = q.reshape(B, T, H, N + R)
         write_latent(c_kv, pos, kv[..., :LK])
         write_latent(k_pe, pos, kv[..., LK:])
-        return attend(q[..., :N], q[..., N:], c_kv, k_pe, w.reshape(H, N + VD, LK), pos, SCALE).reshape(B, T, -1)
+        o = attend(q[..., :N], q[..., N:], c_kv, k_pe, w.reshape(H, N + VD, LK), pos, SCALE, *start)
+        return o.reshape(B, T, -1)
     return step
 
 
-def make_layer_inputs(B, T, pos, dtype, seed):
+def make_layer_inputs(B, T, pos, dtype, seed, padded):
+    """With ``padded``, row b's first real position (5 b) mod (pos + T): at T = 1 never past pos (the decode token
+    is real), at T > 1 possibly past it (left-padding queries, which see their own key)."""
     g = torch.Generator().manual_seed(seed)
 
     def r(*shape):
         return torch.randn(*shape, generator=g).to(dtype)
 
+    start = [torch.tensor([(5 * b) % (pos + T) for b in range(B)])] if padded else []
     return [r(B, T, H * (N + R)), r(B, T, LK + R), r(B, S, LK), r(B, S, R), r(H * (N + VD), LK) * N ** -0.5,
-            torch.tensor(pos)]
+            torch.tensor(pos)] + start
 
 
 def compile_and_count(attends, B, T, dtype, backend):
-    """Layers ``attends`` in one graph (each on its own cache), compiled with the pass: (matches, graph facts),
-    after checking the outputs and the caches equal eager's."""
-    steps = [layer(a) for a in attends]
+    """Layers ``attends`` -- (attention, padded) pairs -- in one graph (each on its own cache), compiled with the
+    pass: (matches, graph facts), after checking the outputs and the caches equal eager's."""
+    steps = [layer(a) for a, _ in attends]
 
     def fn(*per_layer):
         return torch.cat([step(*args) for step, args in zip(steps, per_layer)], -1)
 
-    inputs = [make_layer_inputs(B, T, S - T - 3, dtype, seed) for seed in range(len(attends))]
+    inputs = [make_layer_inputs(B, T, S - T - 3, dtype, seed, padded) for seed, (_, padded) in enumerate(attends)]
     eager_inputs = [[t.clone() for t in args] for args in inputs]
     ref = fn(*eager_inputs)
     torch._dynamo.reset()
@@ -93,5 +98,6 @@ def compile_and_count(attends, B, T, dtype, backend):
     (torch.float32, 3, 4, "reference"),    # four tokens, batch 3: the second trace
 ], ids=["fp32-B2-T1-triton", "bf16-B1-T2", "fp32-B3-T4"])
 def test_each_decode_attention_fires_and_the_near_miss_does_not(dtype, B, T, backend):
-    matches, masks = compile_and_count([mla_attend, mla_attend, near_miss_attend], B, T, dtype, backend)
+    layers = [(mla_attend, False), (mla_attend, True), (near_miss_attend, False)]      # plain, left-padded, miss
+    matches, masks = compile_and_count(layers, B, T, dtype, backend)
     assert (matches, masks) == (2, 2)
