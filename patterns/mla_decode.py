@@ -27,6 +27,11 @@ differently for B = 1. So each dtype and form (with and without ``start``) is tr
 shapes the op accepts, a static T <= ``MAX_DECODE_TOKENS`` (a longer or symbolic-length prompt stays on the plain
 path; a prompt this short is one more thing the op computes), w_kv_b split at N, the mask's fill -inf, start ``[B]``
 integer.
+
+Not matched yet: a graph with a symbolic batch or cache length (Dynamo's recompile for a new batch size or
+allocation under ``dynamic=None``). Inductor checks each match by re-tracing the search at the match's sizes, and at
+symbolic sizes its ``arange(S)`` becomes ``iota`` of an expression over ``sym_size(c_kv, 1)`` where the graph has the
+size as an input; ``expected()`` still counts the step, so the miss is logged.
 """
 from __future__ import annotations
 
