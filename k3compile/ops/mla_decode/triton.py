@@ -39,7 +39,7 @@ from .config import TritonConfig, default_config, row_block, split_count
 
 LOG2E = 1.4426950408889634
 SPLIT_TILE = 32        # splits the combine loads at once
-COMBINE_CHUNK = 128    # latent columns a combine program owns
+COMBINE_CHUNK = 64     # latent columns a combine program owns (Lk 512: 8 programs a query row)
 MATMUL_BLOCK = 64      # the per-head products' K and N tiles
 
 
