@@ -9,5 +9,6 @@ PASS_ORDER: tuple[str, ...] = (
     "latent_moe_tail",  # first: takes its up-projection mm before skinny_gemm would
     "kda_decode",  # before skinny_gemm: the KDA step is claimed whole before its projections are considered
     "kda_prefill",  # the prefill recurrence (no mm of its own; placed beside the decode step)
+    "mla_decode",  # the MLA attention of a decode step (bmm only: no skinny_gemm candidate inside)
     "skinny_gemm",  # last: claims the GEMMs no earlier pass fused
 )

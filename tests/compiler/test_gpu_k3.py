@@ -44,8 +44,9 @@ def test_decode_runs_our_kernels_and_matches_eager():
     assert torch.equal(out, ref), f"tokens differ:\n{out}\n{ref}"
     decode = rep.graphs[-1].record.matches
     assert decode["kda_decode"] == 3 and decode["latent_moe_tail"] >= 1 and decode["skinny_gemm"] > 0
+    assert decode["mla_decode"] == 1                              # the micro K3's one MLA layer
     impls = {(c.op, c.impl) for c in all_choices() if c.calls}
-    assert ("kda_decode", "triton") in impls
+    assert ("kda_decode", "triton") in impls and ("mla_decode", "triton") in impls
     if importlib.util.find_spec("cutlass") is not None:
         assert ("skinny_gemm", "cute") in impls, sorted(impls)
 

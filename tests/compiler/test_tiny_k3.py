@@ -1,5 +1,5 @@
 """The whole tiny K3 (micro: 3 KDA + 1 MLA layers) through k3compile.optimize: generated tokens
-equal eager (fp32, CPU), and the report shows where the skinny-GEMM rewrite fired.
+equal eager (fp32, CPU), and the report shows where the skinny-GEMM and MLA-decode rewrites fired.
 
 One compiled model for the module: compiling the prefill and decode graphs takes minutes on a
 shared CPU. The FX-graph and AOTAutograd caches are off so the pass runs and its counts are real.
@@ -13,11 +13,12 @@ import torch
 
 import k3compile
 from k3compile.model import KimiK3Config, KimiK3ForConditionalGeneration
+from k3compile.ops.mla_decode import MLA_DECODE
 from k3compile.ops.skinny_gemm import SKINNY_GEMM
 
 pytestmark = pytest.mark.slow
 
-BATCH, PROMPT, NEW = 2, 20, 4          # prefill M = 40 > 16; decode M = 2
+BATCH, PROMPT, NEW = 2, 20, 4          # prefill M = 40 > 16, T = 20 > 8; decode M = 2, T = 1
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +30,11 @@ def generated():
     ref = eager.generate(ids, NEW)
     torch._dynamo.reset()
     SKINNY_GEMM.clear()          # op records are per process: drop other tests' calls
+    MLA_DECODE.clear()
     with torch._inductor.config.patch(fx_graph_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False):
-        k3compile.optimize(model, passes=["skinny_gemm"], strict=True, dynamic=False)
+        k3compile.optimize(model, backend="reference", passes=["skinny_gemm", "mla_decode"], strict=True,
+                           dynamic=False)
         out = model.generate(ids, NEW)
     return out, ref, k3compile.report(model)
 
@@ -57,6 +60,16 @@ def test_prefill_graph_fuses_only_its_small_m_product(generated):
     assert prefill.record.facts["graph_small_m_gemms"] == 1
     assert prefill.record.matches["skinny_gemm"] == 1
     assert all(c.key[2][0] == BATCH for c in rep.choices if c.op == "skinny_gemm")
+
+
+def test_mla_decode_fires_on_the_decode_graph_only(generated):
+    """The prefill's attention (T = 20) stays on the plain path; the decode step's becomes k3::mla_decode (the
+    Triton kernel in a compiled graph: tests/patterns/test_mla_decode.py)."""
+    _, _, rep = generated
+    assert [g.record.matches["mla_decode"] for g in rep.graphs] == [0, 1]      # prefill, then decode
+    assert [g.record.facts["graph_mla_decode_masks"] for g in rep.graphs] == [0, 1]
+    (choice,) = [c for c in rep.choices if c.op == "mla_decode"]
+    assert choice.impl == "reference" and choice.calls == NEW - 1              # one decode step a new token
 
 
 def test_report_times_our_passes(generated):

@@ -187,6 +187,8 @@ def test_compiled_left_padded_rows_generate_as_alone(eager, compiled):
     assert prefill.record.matches["kda_prefill"] == 3 and decode.record.matches["kda_decode"] == 3
     assert prefill.record.matches["latent_moe_tail"] == decode.record.matches["latent_moe_tail"] == 3
     assert decode.record.matches["skinny_gemm"] > 0
+    # the MLA attention with start: the decode step's, and the 5-token prefill's (T <= 8: the op takes it too)
+    assert prefill.record.matches["mla_decode"] == decode.record.matches["mla_decode"] == 1
 
 
 # -- checks (eager and compiled: raised before any graph runs) ---------------------------------------------------

@@ -1,0 +1,103 @@
+"""The MLA decode rewrite on a step function: each decode-step attention (the model's ``mla_attend`` after its cache
+write, with and without left padding) becomes ``k3::mla_decode`` and the step equals eager; a near miss beside them
+stays as it is.
+
+Caches are off (a hit would skip the pass). Each case compiles one small step (Inductor's CPU code generation);
+the micro K3 (a prefill graph left alone, a decode graph rewritten) shares
+tests/compiler/test_tiny_k3.py's compiled model.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+
+from k3compile.model.mla import mla_attend, write_latent
+from k3compile.passes import COMPILE_RECORD, K3Options, K3PostGradPass
+from k3compile.testing import rel_err
+
+H, N, R, VD, LK, S = 3, 8, 4, 6, 10, 24
+SCALE = (N + R) ** -0.5
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+
+@pytest.fixture(autouse=True)
+def no_graph_caches():
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+
+
+def near_miss_attend(q_nope, q_pe, c_kv, k_pe, w_kv_b, pos, scale):
+    """``mla_attend`` with a finite mask fill: a query that sees no key would average every key instead of NaN,
+    another function (the guard checks the fill is -inf)."""
+    N_ = q_nope.shape[-1]
+    T_, S_ = q_nope.shape[1], c_kv.shape[1]
+    w_k, w_v = w_kv_b[:, :N_], w_kv_b[:, N_:]
+    q_lat = torch.einsum("bthn,hnl->bthl", q_nope, w_k)
+    scores = torch.einsum("bthl,bsl->bhts", q_lat, c_kv) + torch.einsum("bthr,bsr->bhts", q_pe, k_pe)
+    visible = torch.arange(S_)[None, :] <= (pos + torch.arange(T_))[:, None]
+    scores = scores.float().mul(scale).masked_fill(~visible, -1e4)
+    probs = torch.softmax(scores, dim=-1).to(c_kv.dtype)
+    return torch.einsum("bthl,hvl->bthv", torch.einsum("bhts,bsl->bthl", probs, c_kv), w_v)
+
+
+def layer(attend):
+    """One MLA layer's step as the model writes it (model/mla.py ``KimiMLAAttention.forward``, projections given):
+    the new latents written at pos.., then the attention over the whole cache (``start``: left padding)."""
+    def step(q, kv, c_kv, k_pe, w, pos, *start):
+        B, T = q.shape[:2]
+        q = q.reshape(B, T, H, N + R)
+        write_latent(c_kv, pos, kv[..., :LK])
+        write_latent(k_pe, pos, kv[..., LK:])
+        o = attend(q[..., :N], q[..., N:], c_kv, k_pe, w.reshape(H, N + VD, LK), pos, SCALE, *start)
+        return o.reshape(B, T, -1)
+    return step
+
+
+def make_layer_inputs(B, T, pos, dtype, seed, padded):
+    """With ``padded``, row b's first real position (5 b) mod (pos + T): at T = 1 never past pos (the decode token
+    is real), at T > 1 possibly past it (left-padding queries, which see their own key)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    start = [torch.tensor([(5 * b) % (pos + T) for b in range(B)])] if padded else []
+    return [r(B, T, H * (N + R)), r(B, T, LK + R), r(B, S, LK), r(B, S, R), r(H * (N + VD), LK) * N ** -0.5,
+            torch.tensor(pos)] + start
+
+
+def compile_and_count(attends, B, T, dtype, backend):
+    """Layers ``attends`` -- (attention, padded) pairs -- in one graph (each on its own cache), compiled with the
+    pass: (matches, graph facts), after checking the outputs and the caches equal eager's."""
+    steps = [layer(a) for a, _ in attends]
+
+    def fn(*per_layer):
+        return torch.cat([step(*args) for step, args in zip(steps, per_layer)], -1)
+
+    inputs = [make_layer_inputs(B, T, S - T - 3, dtype, seed, padded) for seed, (_, padded) in enumerate(attends)]
+    eager_inputs = [[t.clone() for t in args] for args in inputs]
+    ref = fn(*eager_inputs)
+    torch._dynamo.reset()
+    COMPILE_RECORD.take()
+    pass_ = K3PostGradPass(K3Options(backend=backend, passes=("mla_decode",)))
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False, options={"post_grad_custom_post_pass": pass_})
+    out, (code,) = run_and_get_code(compiled, *inputs)
+    (record,) = COMPILE_RECORD.take()
+    assert rel_err(out, ref) < TOL[dtype]
+    for got, want in zip(inputs, eager_inputs):                  # the cache writes stay in the graph
+        assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
+    assert code.count("torch.ops.k3.mla_decode.default(") == record.matches["mla_decode"]
+    return record.matches["mla_decode"], record.facts["graph_mla_decode_masks"]
+
+
+@pytest.mark.parametrize("dtype,B,T,backend", [
+    (torch.float32, 2, 1, "triton"),       # a decode step: the Triton kernel (interpreted) on strided query slices
+    (torch.bfloat16, 1, 2, "reference"),   # two tokens (verifying a draft), batch 1: the third trace
+    (torch.float32, 3, 4, "reference"),    # four tokens, batch 3: the second trace
+], ids=["fp32-B2-T1-triton", "bf16-B1-T2", "fp32-B3-T4"])
+def test_each_decode_attention_fires_and_the_near_miss_does_not(dtype, B, T, backend):
+    layers = [(mla_attend, False), (mla_attend, True), (near_miss_attend, False)]      # plain, left-padded, miss
+    matches, masks = compile_and_count(layers, B, T, dtype, backend)
+    assert (matches, masks) == (2, 2)
