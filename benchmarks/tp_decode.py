@@ -22,7 +22,7 @@ either would have picked). Checks, on every rank:
   unfused top-1 is printed: free-running greedy tokens would differ at bf16 ties and hide real errors);
 - the optimized decode graph holds one all-reduce per MoE layer fewer than the unfused one (the latent
   MoE tail reduces the routed latent and the shared experts' output in one collective), and the
-  unfused graph holds exactly the model's all-reduces (attention + dense MLP + 2 per MoE layer).
+  unfused graph holds exactly the model's all-reduces (embedding + attention + dense MLP + 2 per MoE layer).
 
 The graphs are read by a post-grad pass that only counts: alone for ``unfused``, chained after ours
 (``optimize`` runs a pass given in ``options`` after its own) for ``fused``. It has no ``uuid``, so
@@ -111,15 +111,16 @@ def make_config(args, world: int):
 
 
 def collective_plan(text, world: int = 2) -> dict:
-    """All-reduces of one forward: one per attention layer, one per dense MLP, two per latent-MoE
-    layer (routed latent and shared experts), of which the fused tail saves one. None at world size 1."""
+    """All-reduces of one forward: one for the vocabulary-split embedding, one per attention layer, one per
+    dense MLP, two per latent-MoE layer (routed latent and shared experts), of which the fused tail saves
+    one. None at world size 1. (The logits' all-gather is not an all-reduce.)"""
     layers = text.num_hidden_layers
     moe = sum(text.is_moe_layer(i) for i in range(layers))
     if moe and not (text.num_shared_experts and text.routed_expert_hidden_size):
         raise ValueError("the all-reduce check expects latent-MoE layers with shared experts")
     if world == 1:
         return dict(layers=layers, moe_layers=moe, unfused=0, fused=0)
-    unfused = layers + (layers - moe) + 2 * moe
+    unfused = 1 + layers + (layers - moe) + 2 * moe
     return dict(layers=layers, moe_layers=moe, unfused=unfused, fused=unfused - moe)
 
 

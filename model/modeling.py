@@ -19,7 +19,7 @@ from .attn_res import attn_res
 from .cache import KimiK3Cache
 from .config import KimiK3Config, KimiK3TextConfig
 from .kda import KimiDeltaAttention
-from .layers import KimiMLP, RMSNorm
+from .layers import KimiMLP, RMSNorm, VocabParallelEmbedding, VocabParallelHead
 from .mla import KimiMLAAttention
 from .moe import Experts, KimiLatentMoE, experts_dtype
 from .mxfp4 import GROUP, scale_for_rms
@@ -123,7 +123,7 @@ class KimiK3TextModel(nn.Module):
         super().__init__()
         D = config.hidden_size
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, D)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, D, tp)
         self.layers = nn.ModuleList(KimiDecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(D, config.rms_norm_eps)
         self.use_attn_res = bool(config.attn_res_block_size)
@@ -156,7 +156,7 @@ class KimiK3ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = KimiK3TextModel(config, tp)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = VocabParallelHead(config.hidden_size, config.vocab_size, tp)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(hidden))
@@ -267,7 +267,7 @@ class KimiK3ForConditionalGeneration(nn.Module):
     def device(self) -> torch.device:
         return self.text_model.embed_tokens.weight.device
 
-    def get_input_embeddings(self) -> nn.Embedding:
+    def get_input_embeddings(self) -> VocabParallelEmbedding:
         return self.text_model.embed_tokens
 
     def embed_input_ids(self, input_ids: torch.Tensor, pixel_values: Optional[torch.Tensor] = None,

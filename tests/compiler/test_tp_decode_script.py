@@ -50,8 +50,8 @@ def test_collective_plan_micro_one_all_reduce_saved_per_moe_layer():
     from k3compile.model import KimiK3Config
 
     plan = tp_decode.collective_plan(KimiK3Config.micro().text_config)
-    # 4 attention layers + 1 dense MLP + 2 per MoE layer (3): the fused tail saves one per MoE layer
-    assert plan == dict(layers=4, moe_layers=3, unfused=11, fused=8)
+    # the embedding + 4 attention layers + 1 dense MLP + 2 per MoE layer (3): the fused tail saves one per MoE layer
+    assert plan == dict(layers=4, moe_layers=3, unfused=12, fused=9)
 
 
 def test_counter_counts_all_reduces_and_wrapped_k3_ops():
@@ -111,5 +111,5 @@ def test_script_tp2_gloo_micro_teacher_forced_logits_and_all_reduces(tmp_path):
     for rank in row["ranks"]:
         assert rank["logits_finite"] and rank["logits_ok"] and rank["logits_rel_err"] < 1e-5
         assert len(rank["logits_rel_err_steps"]) == 3 and rank["top1_agree"] == 1.0     # prefill + 2 steps
-        assert (rank["unfused_all_reduce"], rank["fused_all_reduce"], rank["fused_tails"]) == (11, 8, 3)
+        assert (rank["unfused_all_reduce"], rank["fused_all_reduce"], rank["fused_tails"]) == (12, 9, 3)
     assert "M AR unfused" in proc.stdout and "MISMATCH" not in proc.stdout
