@@ -450,8 +450,9 @@ def run_rank(rank: int, world: int, device, args, tp) -> dict:
             if rank == 0 and args.json:
                 write_json(args.json, dict(meta=meta, rows=rows, ok=ok))
     meta["seconds"] = time.perf_counter() - t0
-    result = dict(meta=meta, rows=rows, ok=ok)
+    result = dict(meta=meta, rows=rows, ok=ok, goals=goals(rows, text.num_hidden_layers))
     say(table(rows))
+    say("\n".join(g["line"] for g in result["goals"]))
     if rank == 0:
         if args.json:
             write_json(args.json, result)
@@ -509,6 +510,34 @@ def table(rows: list) -> str:
     out.append("us: one step under a CUDA graph; floor: its bytes at the copy ceiling; kern: kernels a step; "
                "then us a step by category (torch.profiler, un-graphed; gaps = graph time - kernel time)")
     return "\n".join(out)
+
+
+def goals(rows: list, layers: int) -> list[dict]:
+    """Issue #30's goals per point, where optimize() and torch.compile were both timed: optimize() >= 1.5x compile at
+    M = 1 and >= 2x at M = 8, faster than max-autotune, >= 80% of the floor at M <= 16, kernels per layer at most
+    half of compile's."""
+    by = {(r["m"], r["context"], r["provider"]): r for r in rows if "us" in r}
+    out = []
+    for m, ctx in dict.fromkeys((r["m"], r["context"]) for r in rows if "us" in r):
+        opt, comp, tuned = (by.get((m, ctx, p)) for p in ("optimize", "compile", "max-autotune"))
+        if opt is None or comp is None:
+            continue
+        g = dict(m=m, context=ctx, speedup=comp["us"] / opt["us"], pct_floor=opt.get("pct_floor"),
+                 kernels_per_layer=opt.get("kernels_per_step", 0) / layers,
+                 compile_kernels_per_layer=comp.get("kernels_per_step", 0) / layers)
+        want = {1: 1.5, 8: 2.0}.get(m)
+        text = f"goals M={m} ctx={ctx}: optimize x{g['speedup']:.2f} of torch.compile" + \
+               (f" (goal {want})" if want else "")
+        if tuned is not None:
+            g["vs_max_autotune"] = tuned["us"] / opt["us"]
+            text += f", x{g['vs_max_autotune']:.2f} of max-autotune (goal > 1)"
+        if g["pct_floor"] is not None:
+            text += f", {g['pct_floor']:.0f}% of the floor" + (" (goal 80)" if m <= 16 else "")
+        text += f", {g['kernels_per_layer']:.1f} kernels a layer against {g['compile_kernels_per_layer']:.1f} " \
+                f"(goal at most half)"
+        g["line"] = text
+        out.append(g)
+    return out
 
 
 COLORS = {"experts": "#4e79a7", "router": "#f28e2b", "dense GEMMs": "#e15759", "KDA": "#76b7b2", "MLA": "#59a14f",
