@@ -21,20 +21,22 @@ of the same RMS), materialised on the device, bf16 (``--dtype``), experts as ``-
 ``--world-size N`` each of N processes builds its rank of TP = N the same way (``tp_decode.launch``).
 
 The cache is filled with seeded random values as if ``--context`` tokens were in it (the MLA latent rows of that
-valid prefix, random KDA states; allocated for ``context + --steps`` positions) and each provider decodes the same
-``--steps`` tokens from it, teacher-forced (the tokens are given, not sampled). Per (provider, M, context):
+valid prefix, random KDA states; allocated for ``context + --steps`` positions). Per (provider, M, context):
 
-- ``check``: each step's logits against the reference provider's (``--reference``, default ``compile``) for the
-  same tokens: relative error ||a - b|| / ||b|| over [M, vocab] per step (max over the steps) within ``--tol``
-  (bf16: 5e-2 -- a token's top-k can pick another expert at a near-tie, which moves its logits by a few percent;
-  fp32: 1e-4), and how many rows keep the reference's top-1;
+- ``check``: ``--steps`` teacher-forced steps (given random tokens, not sampled), each from that same filled cache,
+  their logits against the reference provider's (``--reference``, default ``compile``) for the same tokens: each
+  row's relative error ||a - b|| / ||b|| over the vocabulary, the median over (step, row) within ``--tol`` (bf16
+  2e-2, fp32 1e-4; ``_common.compare_logits``). The median, not the worst row: in bf16 a row's top-k can pick
+  another expert at a near-tie of the router's scores, no error but 10-40% off in that row's logits, for a few
+  percent of the tokens a layer (so, over many layers, for most rows: deep models check loosely in 16 bits). The
+  worst row, the share within the tolerance and the share keeping the reference's top-1 are reported;
 - ``us``: one step under CUDA graphs: the ``--steps`` steps captured in one graph and replayed (``cache.pos``
   rewound before each replay), median over ``--replays``, divided by the steps (the slowest rank's median);
 - ``floor``: the bytes the step must move, at the HBM copy ceiling measured in the same run
   (``_common.copy_ceiling_tbps``): every weight of the text tower once, except the routed experts (the distinct
-  experts of each MoE layer from the step's actual routing, computed eagerly on the same tokens, times one
-  expert's bytes in its stored form) and the embedding (the M rows looked up); the MLA latent cache's valid prefix
-  (read) and the new rows (written); each KDA state read and written; the logits written. Averaged over the steps;
+  experts of each MoE layer from the routing of the checked steps, computed eagerly, times one expert's bytes in
+  its stored form) and the embedding (the M rows looked up); the MLA latent cache's valid prefix (read) and the
+  new rows (written); each KDA state read and written; the logits written. Averaged over the steps;
 - ``% floor`` = floor / us, tokens per second = M / us;
 - ``kernels`` per step and a breakdown by category (``_breakdown.py``) from a ``torch.profiler`` run of
   ``--profile-steps`` steps outside the graph (the same kernels; gaps = the graph time minus the kernels' time).
@@ -179,10 +181,15 @@ def fill_cache(cache, context: int, seed: int) -> None:
     cache.pos.fill_(context)
 
 
-def run_steps(model, columns, cache) -> torch.Tensor:
-    """Teacher-forced steps: columns[s] [M, 1] -> logits [steps, M, V] fp32."""
+def checked_steps(model, columns, cache, refill) -> torch.Tensor:
+    """Teacher-forced steps, each from the same cache state (``refill()`` before it): columns[s] [M, 1] -> logits
+    [steps, M, V] fp32. A row that differs in one step (a near-tie in the router) then leaves the others alone."""
+    out = []
     with torch.no_grad():
-        return torch.stack([decode_call(model, c, cache)[:, -1].float() for c in columns])
+        for c in columns:
+            refill()
+            out.append(decode_call(model, c, cache)[:, -1].float())
+    return torch.stack(out)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -339,16 +346,16 @@ def run_point(M: int, context: int, base, models: dict, args, device, origins: K
     cache = base.allocate_cache(M, context + args.steps)
     shapes = ShapeTable(base, cache)
 
-    fill_cache(cache, context, args.seed)          # eager: the routing of each step, and eager's logits
-    per_step = []
-    eager_logits = []
+    def refill():
+        fill_cache(cache, context, args.seed)
+
+    per_step = []                                   # eager: each step's routing (for the floor) and logits
     t0 = time.perf_counter()
-    with torch.no_grad():
-        for s, c in enumerate(columns):
-            with distinct_experts(base) as counts:
-                eager_logits.append(decode_call(base, c, cache)[:, -1].float())
-            per_step.append(step_bytes(base, cache, M, context + s, counts))
-    eager_logits = torch.stack(eager_logits)
+    with distinct_experts(base) as counts:
+        eager_logits = checked_steps(base, columns, cache, refill)
+    moe = len(counts) // len(columns)
+    for s in range(len(columns)):
+        per_step.append(step_bytes(base, cache, M, context, counts[s * moe:(s + 1) * moe]))
     eager_s = time.perf_counter() - t0
     floor_bytes = {k: statistics.mean(b[k] for b in per_step) for k in per_step[0]}
     floor_us = floor_bytes["total"] / (ceiling * 1e12) * 1e6 if ceiling else None
@@ -361,16 +368,15 @@ def run_point(M: int, context: int, base, models: dict, args, device, origins: K
         try:
             model = models[name]
             origins.clear()
-            fill_cache(cache, context, args.seed)
             t0 = time.perf_counter()
             with origins.recording():
-                logits = eager_logits if name == "eager" else run_steps(model, columns, cache)
+                logits = eager_logits if name == "eager" else checked_steps(model, columns, cache, refill)
             row["first_steps_s"] = eager_s if name == "eager" else time.perf_counter() - t0   # compile + steps
             if name == "optimize":
                 row["pass_matches"] = pass_matches(model)
             if ref_logits is None:
                 ref_logits = logits
-                row["check"] = dict(rel_err=0.0, top1_agree=1.0, ok=bool(torch.isfinite(logits).all()), reference=True)
+                row["check"] = dict(rel_err=0.0, top1_agree=1.0, reference=True, ok=bool(torch.isfinite(logits).all()))
             else:
                 row["check"] = compare_logits(logits, ref_logits, tol)
             if name not in args.providers:
@@ -484,8 +490,9 @@ def line(r: dict) -> str:
     if "error" in r:
         return f"{head} ERROR {r['error']}"
     c = r["check"]
-    check = ("reference" if c.get("reference") else f"rel err {c['rel_err']:.2e}, top-1 {100 * c['top1_agree']:.0f}%") \
-        + ("" if c["ok"] else " MISMATCH")
+    check = "reference" if c.get("reference") else \
+        f"rows' rel err median {c['rel_err']:.1e} (max {c['rel_err_max']:.1e}), top-1 {100 * c['top1_agree']:.0f}%"
+    check += "" if c["ok"] else " MISMATCH"
     if "us" not in r:
         return f"{head} {check} (not timed; {r['first_steps_s']:.1f} s to compile and run)"
     floor = f", {r['pct_floor']:.1f}% of floor {r['floor_us']:.1f} us" if r.get("pct_floor") else ""

@@ -51,7 +51,8 @@ def all_gather(x: torch.Tensor, tp: TPContext, dim: int = -1) -> torch.Tensor:
     if tp.world == 1:
         return x
     from torch.distributed import _functional_collectives as funcol
-    return funcol.all_gather_tensor(x, dim % x.dim(), tp.group_name)
+    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor   # the name before torch 2.13
+    return gather(x, dim % x.dim(), tp.group_name)
 
 
 def mark_shard(param: torch.nn.Parameter, dim: int) -> torch.nn.Parameter:
