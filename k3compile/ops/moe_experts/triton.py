@@ -1,0 +1,465 @@
+"""Triton kernels for the routed experts: each selected expert's weights streamed once for all its tokens.
+
+Shape legend: M tokens, A experts per token, P = M·A (token, slot) pairs, E experts, L latent, I intermediate.
+
+Two kernels (three where no arrival counters exist, below), launched back to back with PDL on sm_90+:
+
+1. ``_gate_up_kernel``, program (slot, i-tile): finds its expert and the pairs that chose it, then for
+   ``BLOCK_M`` of those pairs at a time streams ``w1[e]`` and ``w3[e]`` rows ``[BLOCK_I, L]`` once and takes
+   both products with the pairs' z rows (gathered, ``tl.dot``, fp32); SiTU-GLU in the epilogue, with the
+   model's roundings (gate and up rounded to z's dtype, h rounded too): ``h [P, I]``.
+2. ``_down_kernel``, program (slot, n-tile): the same expert and pairs; ``w2[e]`` rows ``[BLOCK_N, I]`` once,
+   ``y = h @ w2ᵀ`` rounded to z's dtype, times the router weight (fp32): ``partial [P, L]``. With arrival
+   counters (``k3compile/ops/arrival_counters.py``) the last of a token's A pairs to arrive at an n-tile sums
+   the token's A partials in slot order and stores ``out``; otherwise ``_combine_kernel`` does.
+
+How a program finds its expert's pairs (CUDA-graph capturable: no host sync, no data-dependent allocation):
+
+- decode (M ≤ small_m_limit, P ≤ ``DECODE_MAX_PAIRS``): grid (P, tiles); program ``p`` reads all P ids; it runs
+  only if pair p is the first pair of its expert, and gathers the expert's pairs by rank (cumsum) itself;
+- prefill: the pairs sorted by expert on the device (``torch.sort`` + ``searchsorted``: ``order`` and
+  ``offsets [E + 1]``); grid (E, tiles); program ``e`` reads its pairs ``order[offsets[e]:offsets[e + 1]]``.
+
+Every pair is covered by exactly one program, whatever the ids (duplicates within a token, every token on one
+expert). An id outside [0, E) reads no weight: its pairs' partials are NaN, so those tokens come out NaN.
+
+MXFP4 weights: codes and scales are loaded as bytes and dequantised in registers (``_mxfp4_tile``) to z's dtype,
+exactly as ``model/moe.py`` dequantises them, before the products.
+
+PDL (sm_90+): the gate/up kernel waits before reading anything and lets the down kernel launch after its loop;
+the down kernel reads the ids, the router weights and its first ``w2`` tile before its wait (the gate/up kernel
+triggers only after its own wait, so every kernel before it has completed: only ``h`` is the gate/up kernel's),
+and lets the next kernel launch after its loop.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # grid dependency control (PDL), Triton >= 3.4
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover
+    gdc_launch_dependents = gdc_wait = None
+
+from k3compile.backends import Reason, is_rocm
+from k3compile.ops.arrival_counters import arrival_counters
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DECODE_MAX_PAIRS = 512   # the decode kernels' programs scan every pair: [BLOCK_M, P] registers
+MXFP4_GROUP = 32
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Tiles and launch knobs of both kernels (gate/up: ``block_i`` rows of w1/w3 by ``block_l`` columns a step;
+    down: ``block_n`` rows of w2 by ``block_k`` columns a step; ``block_m`` pairs a row chunk)."""
+    block_m: int = 16
+    block_i: int = 32
+    block_l: int = 128
+    warps_up: int = 4
+    stages_up: int = 4
+    block_n: int = 64
+    block_k: int = 128
+    warps_down: int = 4
+    stages_down: int = 3
+    preload: bool = True     # the down kernel's first w2 tile loaded before its PDL wait
+
+    def __post_init__(self):
+        for name in ("block_m", "block_i", "block_l", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"MoeConfig.{name}={v}: a power of two >= 16")
+        if self.block_l < MXFP4_GROUP or self.block_k < MXFP4_GROUP:
+            raise ValueError("MoeConfig: block_l and block_k must cover whole MXFP4 groups (>= 32)")
+
+    def tag(self) -> str:
+        return (f"m{self.block_m}-i{self.block_i}-l{self.block_l}-w{self.warps_up}s{self.stages_up}"
+                f"-n{self.block_n}-k{self.block_k}-w{self.warps_down}s{self.stages_down}"
+                f"{'-pre' if self.preload else ''}")
+
+
+def default_config(m: int, dtype: torch.dtype, mxfp4: bool, on_gpu: bool) -> MoeConfig:
+    """Interpreter: small tiles (fewer, cheaper interpreted programs). GPU: the defaults above (fp32: half the
+    columns a step, the tiles are twice the bytes)."""
+    if not on_gpu:
+        return MoeConfig(block_i=16, block_l=32, block_n=16, block_k=32, stages_up=1, stages_down=1)
+    if dtype == torch.float32:
+        return MoeConfig(block_l=64, block_k=64)
+    return MoeConfig()
+
+
+def decode_form(m: int, a: int, small_m_limit: int) -> bool:
+    """The decode kernels (programs find their pairs themselves) up to the small-M limit; else the sorted form."""
+    return m <= small_m_limit and m * a <= DECODE_MAX_PAIRS
+
+
+def pdl_capable(device: torch.device) -> bool:
+    """Programmatic dependent launch: an NVIDIA GPU of compute capability 9.0+ and a Triton that has it."""
+    return (device.type == "cuda" and gdc_wait is not None and not is_rocm()
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+# --- device helpers ---------------------------------------------------------------------------------------
+
+@triton.jit
+def _tanh(x):
+    # tanh(x) = 2σ(2x) − 1 (no libdevice in the interpreter); absolute error ~1e-7 near 0
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _situ_glu(gate, up, beta, linear_beta, HAS_BETA: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr):
+    """fp32 SiTU-GLU: beta·tanh(gate/beta)·σ(gate) · linear_beta·tanh(up/linear_beta) (model/layers.py situ_glu)."""
+    if HAS_BETA:
+        act = beta * _tanh(gate / beta) * tl.sigmoid(gate)
+    else:
+        act = gate * tl.sigmoid(gate)
+    if HAS_LINEAR_BETA:
+        up = linear_beta * _tanh(up / linear_beta)
+    return act * up
+
+
+@triton.jit
+def _e2m1(c):
+    """E2M1 codes (int32, 0..15; bit 3 the sign) -> fp32: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 built as bits."""
+    mag = c & 7
+    # mag >= 2: exponent (mag >> 1) - 1 and mantissa bit (mag & 1) land where fp32 keeps them; 1 -> 0.5; 0 -> 0
+    bits = tl.where(mag >= 2, (mag << 22) + 0x3F000000, mag * 0x3F000000)
+    return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e8m0(s):
+    """E8M0 scale bytes -> fp32 2^(s - 127); 0 -> 2^-127 (subnormal), 255 (E8M0 NaN) -> NaN."""
+    si = s.to(tl.int32)
+    f = (si << 23).to(tl.float32, bitcast=True)
+    f = tl.where(si == 0, 5.877471754111438e-39, f)
+    return tl.where(si == 255, float("nan"), f)
+
+
+@triton.jit
+def _mxfp4_tile(p_codes, p_scales, o_r, m_r, k0, K, s_cr, s_ck, s_sr, s_sk, R: tl.constexpr, BK: tl.constexpr,
+                DTYPE: tl.constexpr):
+    """Rows ``o_r`` x logical columns [k0, k0 + BK) of an MXFP4 matrix (codes [rows, K/2], scales [rows, K/32])
+    dequantised to DTYPE: E2M1(code) · 2^(scale - 127), zeros outside the rows and K."""
+    o_b = k0 // 2 + tl.arange(0, BK // 2)
+    b_c = tl.load(p_codes + o_r[:, None] * s_cr + o_b[None, :] * s_ck, mask=m_r[:, None] & (o_b < K // 2)[None, :],
+                  other=0, eviction_policy="evict_first").to(tl.int32)
+    b_v = tl.reshape(tl.join(_e2m1(b_c & 15), _e2m1(b_c >> 4)), (R, BK))          # element 2j low, 2j+1 high
+    o_g = k0 // 32 + tl.arange(0, BK // 32)
+    b_s = tl.load(p_scales + o_r[:, None] * s_sr + o_g[None, :] * s_sk, mask=m_r[:, None] & (o_g < K // 32)[None, :],
+                  other=127, eviction_policy="evict_first")
+    b_v = tl.reshape(tl.reshape(b_v, (R, BK // 32, 32)) * _e8m0(b_s)[:, :, None], (R, BK))
+    return b_v.to(DTYPE)
+
+
+@triton.jit
+def _weight_tile(p_w, p_s, o_r, m_r, k0, K, s_wr, s_wk, s_sr, s_sk, R: tl.constexpr, BK: tl.constexpr,
+                 MXFP4: tl.constexpr, DTYPE: tl.constexpr):
+    """Rows ``o_r`` x columns [k0, k0 + BK) of one expert's matrix in DTYPE (float, or MXFP4 dequantised)."""
+    if MXFP4:
+        return _mxfp4_tile(p_w, p_s, o_r, m_r, k0, K, s_wr, s_wk, s_sr, s_sk, R, BK, DTYPE)
+    else:
+        o_k = k0 + tl.arange(0, BK)
+        # each weight byte is read once: keep it from pushing z, h and the partials out of L2
+        return tl.load(p_w + o_r[:, None] * s_wr + o_k[None, :] * s_wk, mask=m_r[:, None] & (o_k < K)[None, :],
+                       other=0., eviction_policy="evict_first")
+
+
+@triton.jit
+def _dot(acc, b_x, b_w, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + b_x · b_wᵀ`` in fp32 (UPCAST: fp32 operands, for the interpreter's 16-bit dot)."""
+    if UPCAST:
+        b_x = b_x.to(tl.float32)
+        b_w = b_w.to(tl.float32)
+    if IEEE:
+        return acc + tl.dot(b_x, tl.trans(b_w), input_precision="ieee")
+    else:
+        return acc + tl.dot(b_x, tl.trans(b_w))
+
+
+@triton.jit
+def _my_expert(p_ids, p_offsets, slot, NP, E, SORTED: tl.constexpr, BLOCK_P: tl.constexpr):
+    """(expert id, whether this program runs, its pairs' start in ``order`` (sorted), its pair count).
+
+    Decode: slot is a pair; the program runs where that pair is the first of its expert. Sorted: slot is an expert
+    (always valid); it runs where some pair chose it."""
+    if SORTED:
+        start = tl.load(p_offsets + slot)
+        count = tl.load(p_offsets + slot + 1) - start
+        return slot, count > 0, start, count
+    else:
+        o_p = tl.arange(0, BLOCK_P)
+        m_p = o_p < NP
+        ids = tl.load(p_ids + o_p, mask=m_p, other=0)
+        e = tl.load(p_ids + slot)
+        same = (ids == e) & m_p
+        before = tl.sum((same & (o_p < slot)).to(tl.int32), axis=0)
+        return e, before == 0, 0, tl.sum(same.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _chunk_pairs(p_ids, p_order, e, start, r0, count, NP, SORTED: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_P: tl.constexpr):
+    """The pair indices of rows [r0, r0 + BLOCK_M) of expert ``e``'s pairs, and which rows exist."""
+    o_j = r0 + tl.arange(0, BLOCK_M)
+    m_j = o_j < count
+    if SORTED:
+        pairs = tl.load(p_order + start + o_j, mask=m_j, other=0)
+    else:
+        o_p = tl.arange(0, BLOCK_P)
+        m_p = o_p < NP
+        same = (tl.load(p_ids + o_p, mask=m_p, other=0) == e) & m_p
+        rank = tl.cumsum(same.to(tl.int32), axis=0) - 1                             # rank of each pair of e
+        hit = same[None, :] & (rank[None, :] == o_j[:, None])                       # [BLOCK_M, BLOCK_P]
+        pairs = tl.sum(tl.where(hit, o_p[None, :], 0), axis=1)
+    return pairs, m_j
+
+
+# --- kernels ----------------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["NP"])
+def _gate_up_kernel(
+    p_z, p_ids, p_order, p_offsets, p_w1, p_w3, p_s1, p_s3, p_h,
+    NP, A, E, I, L, beta, linear_beta,
+    s_zm, s_zl, s_1e, s_1i, s_1l, s_3e, s_3i, s_3l, s_s1e, s_s1i, s_s1l, s_s3e, s_s3i, s_s3l, s_hp,
+    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr,
+    SORTED: tl.constexpr, MXFP4: tl.constexpr, HAS_BETA: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+):
+    slot = tl.program_id(0)
+    i_i = tl.program_id(1)
+    if PDL:
+        gdc_wait()   # z, the ids and the router weights are the previous kernels' outputs
+    e, runs, start, count = _my_expert(p_ids, p_offsets, slot, NP, E, SORTED, BLOCK_P)
+    valid = (e >= 0) & (e < E)
+    if runs & valid:
+        o_i = i_i * BLOCK_I + tl.arange(0, BLOCK_I)
+        m_i = o_i < I
+        e64 = e.to(tl.int64)   # E·I·L may pass 2**31
+        p_w1e = p_w1 + e64 * s_1e
+        p_w3e = p_w3 + e64 * s_3e
+        p_s1e = p_s1 + e64 * s_s1e
+        p_s3e = p_s3 + e64 * s_s3e
+        dtype = p_z.dtype.element_ty
+        for r0 in range(0, count, BLOCK_M):   # one chunk unless more than BLOCK_M pairs chose e
+            pairs, m_j = _chunk_pairs(p_ids, p_order, e, start, r0, count, NP, SORTED, BLOCK_M, BLOCK_P)
+            tokens = pairs // A
+            acc_g = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
+            for l0 in range(0, L, BLOCK_L):
+                o_l = l0 + tl.arange(0, BLOCK_L)
+                b_z = tl.load(p_z + tokens[:, None] * s_zm + o_l[None, :] * s_zl,
+                              mask=m_j[:, None] & (o_l < L)[None, :], other=0.)
+                b_w1 = _weight_tile(p_w1e, p_s1e, o_i, m_i, l0, L, s_1i, s_1l, s_s1i, s_s1l, BLOCK_I, BLOCK_L,
+                                    MXFP4, dtype)
+                b_w3 = _weight_tile(p_w3e, p_s3e, o_i, m_i, l0, L, s_3i, s_3l, s_s3i, s_s3l, BLOCK_I, BLOCK_L,
+                                    MXFP4, dtype)
+                acc_g = _dot(acc_g, b_z, b_w1, IEEE, UPCAST)
+                acc_u = _dot(acc_u, b_z, b_w3, IEEE, UPCAST)
+            if PDL:
+                gdc_launch_dependents()   # after our own wait (static_weights.py, step 1); again is a no-op
+            # the model rounds both products, then h, to z's dtype (model/moe.py experts_gathered)
+            gate = acc_g.to(dtype).to(tl.float32)
+            up = acc_u.to(dtype).to(tl.float32)
+            b_h = _situ_glu(gate, up, beta, linear_beta, HAS_BETA, HAS_LINEAR_BETA)
+            tl.store(p_h + pairs[:, None].to(tl.int64) * s_hp + o_i[None, :], b_h.to(dtype),
+                     mask=m_j[:, None] & m_i[None, :])
+
+
+@triton.jit(do_not_specialize=["NP", "M"])
+def _down_kernel(
+    p_h, p_ids, p_order, p_offsets, p_wts, p_w2, p_s2, p_part, p_out, p_cnt,
+    NP, M, A, E, I, L,
+    s_2e, s_2l, s_2i, s_s2e, s_s2l, s_s2i, s_hp, s_om, s_ol,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+    SORTED: tl.constexpr, MXFP4: tl.constexpr, COMBINE: tl.constexpr, PRELOAD: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+):
+    slot = tl.program_id(0)
+    i_n = tl.program_id(1)
+    # the ids, offsets, router weights and w2 are inputs of the op: the gate/up kernel before us triggered after
+    # its own wait, so whatever wrote them has completed. Only h (and the partials) need our wait.
+    e, runs, start, count = _my_expert(p_ids, p_offsets, slot, NP, E, SORTED, BLOCK_P)
+    if runs:
+        valid = (e >= 0) & (e < E)
+        e64 = tl.where(valid, e, 0).to(tl.int64)
+        p_w2e = p_w2 + e64 * s_2e
+        p_s2e = p_s2 + e64 * s_s2e
+        o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_n = (o_n < L) & valid
+        dtype = p_h.dtype.element_ty
+        if PRELOAD:
+            b_w0 = _weight_tile(p_w2e, p_s2e, o_n, m_n, 0, I, s_2l, s_2i, s_s2l, s_s2i, BLOCK_N, BLOCK_K, MXFP4,
+                                dtype)
+        if PDL:
+            gdc_wait()
+        for r0 in range(0, count, BLOCK_M):
+            pairs, m_j = _chunk_pairs(p_ids, p_order, e, start, r0, count, NP, SORTED, BLOCK_M, BLOCK_P)
+            p_hj = p_h + pairs[:, None].to(tl.int64) * s_hp
+            m_hj = m_j[:, None] & valid   # an invalid expert wrote no h
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            k_start = BLOCK_K if PRELOAD else 0
+            for k0 in range(k_start, I, BLOCK_K):
+                o_k = k0 + tl.arange(0, BLOCK_K)
+                b_h = tl.load(p_hj + o_k[None, :], mask=m_hj & (o_k < I)[None, :], other=0.)
+                b_w = _weight_tile(p_w2e, p_s2e, o_n, m_n, k0, I, s_2l, s_2i, s_s2l, s_s2i, BLOCK_N, BLOCK_K,
+                                   MXFP4, dtype)
+                acc = _dot(acc, b_h, b_w, IEEE, UPCAST)
+            if PRELOAD:
+                o_k = tl.arange(0, BLOCK_K)
+                b_h = tl.load(p_hj + o_k[None, :], mask=m_hj & (o_k < I)[None, :], other=0.)
+                acc = _dot(acc, b_h, b_w0, IEEE, UPCAST)
+            if PDL:
+                gdc_launch_dependents()   # after our own wait
+            # y rounded to z's dtype as the model's product is, then weighted in fp32
+            wts = tl.load(p_wts + pairs, mask=m_j, other=0.).to(tl.float32)
+            y = acc.to(dtype).to(tl.float32) * wts[:, None]
+            y = tl.where(valid, y, float("nan"))   # an id outside [0, E): the token comes out NaN
+            o_nn = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            m_o = m_j[:, None] & (o_nn < L)[None, :]
+            tl.store(p_part + pairs[:, None].to(tl.int64) * L + o_nn[None, :], y, mask=m_o)
+            if COMBINE:
+                tokens = pairs // A
+                # every thread's partials are written before the counters move (release); the last of a token's
+                # A pairs to arrive reads the others' through L2 (acquire, .cg) and puts the counter back to 0
+                tl.debug_barrier()
+                p_c = p_cnt + tokens * tl.num_programs(1) + i_n
+                arrived = tl.atomic_add(p_c, 1, mask=m_j, sem="acq_rel", scope="gpu")
+                last = m_j & (arrived == A - 1)
+                tl.debug_barrier()
+                m_last = last[:, None] & (o_nn < L)[None, :]
+                total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for a in range(0, A):
+                    total += tl.load(p_part + (tokens * A + a)[:, None].to(tl.int64) * L + o_nn[None, :],
+                                     mask=m_last, other=0., cache_modifier=".cg")
+                tl.store(p_out + tokens[:, None] * s_om + o_nn[None, :] * s_ol, total.to(p_out.dtype.element_ty),
+                         mask=m_last)
+                tl.atomic_xchg(p_c, 0, mask=last, sem="relaxed", scope="gpu")
+
+
+@triton.jit(do_not_specialize=["M"])
+def _combine_kernel(p_part, p_ids, p_out, M, A, E, L, s_om, s_ol, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr,
+                    PDL: tl.constexpr):
+    """out[m, n-tile] = Σ_a partial[m·A + a] in slot order (fp32), NaN where an id of the token is outside [0, E)."""
+    m = tl.program_id(0)
+    i_n = tl.program_id(1)
+    if PDL:
+        gdc_wait()
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < L
+    o_a = tl.arange(0, BLOCK_A)
+    ids = tl.load(p_ids + m * A + o_a, mask=o_a < A, other=0)
+    bad = tl.sum(((ids < 0) | (ids >= E)).to(tl.int32), axis=0) > 0
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for a in range(0, A):
+        total += tl.load(p_part + (m * A + a).to(tl.int64) * L + o_n, mask=m_n, other=0.)
+    total = tl.where(bad, float("nan"), total)
+    if PDL:
+        gdc_launch_dependents()
+    tl.store(p_out + m * s_om + o_n * s_ol, total.to(p_out.dtype.element_ty), mask=m_n)
+
+
+# --- host side --------------------------------------------------------------------------------------------
+
+def supports(z, experts, weights, w1, w3, w2, w1_scale) -> Reason:
+    if z.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {z.dtype} (the kernels take {[str(d) for d in SUPPORTED_DTYPES]})"
+    if z.shape[0] == 0 or experts.shape[1] == 0:
+        return "no tokens or no experts per token"
+    return None
+
+
+def _sorted_pairs(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order [P] int32: pair indices sorted by expert, stable; offsets [E + 1] int32: expert e's pairs are
+    order[offsets[e]:offsets[e + 1]]). Ids outside [0, E) sort last and belong to no expert. Static shapes, no
+    host sync: capturable."""
+    flat = experts.reshape(-1)
+    keys = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts).to(torch.int32)
+    sorted_keys, order = torch.sort(keys, stable=True)
+    bounds = torch.arange(num_experts + 1, dtype=torch.int32, device=experts.device)
+    offsets = torch.searchsorted(sorted_keys, bounds).to(torch.int32)
+    return order.to(torch.int32), offsets
+
+
+def _strides3(t: Optional[torch.Tensor]) -> tuple:
+    return tuple(t.stride()) if t is not None else (0, 0, 0)
+
+
+def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
+                       w3: torch.Tensor, w2: torch.Tensor, w1_scale: Optional[torch.Tensor] = None,
+                       w3_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
+                       beta: Optional[float] = None, linear_beta: Optional[float] = None, *,
+                       small_m_limit: int = 16, config: Optional[MoeConfig] = None,
+                       out: Optional[torch.Tensor] = None, combine_in_kernel: bool = True) -> torch.Tensor:
+    """The routed experts by the kernels above (shapes as ``k3::moe_experts``; inputs checked by the op).
+
+    ``out`` [M, L] is allocated unless given (tests pass a NaN-poisoned one); ``combine_in_kernel=False`` (or no
+    arrival counters, inside a capture) sums the partials in ``_combine_kernel``."""
+    m, l = z.shape
+    a = experts.shape[1]
+    e_count, i_width = w1.shape[0], w1.shape[1]
+    mxfp4 = w1_scale is not None
+    if out is None:
+        out = torch.empty((m, l), dtype=z.dtype, device=z.device)
+    if m == 0 or l == 0:
+        return out
+    np_ = m * a
+    on_gpu = z.device.type == "cuda"
+    if config is None:
+        config = default_config(m, z.dtype, mxfp4, on_gpu)
+    ids = experts.reshape(-1)
+    ids = ids if ids.is_contiguous() else ids.contiguous()
+    wts = weights.reshape(-1)
+    wts = wts if wts.is_contiguous() else wts.contiguous()
+    sorted_form = not decode_form(m, a, small_m_limit)
+    if sorted_form:
+        order, offsets = _sorted_pairs(experts, e_count)
+        slots = e_count
+    else:
+        order = offsets = ids   # unused
+        slots = np_
+    block_p = triton.next_power_of_2(np_) if not sorted_form else 16
+    h = torch.empty((np_, i_width), dtype=z.dtype, device=z.device)
+    part = torch.empty((np_, l), dtype=torch.float32, device=z.device)
+    n_tiles = triton.cdiv(l, config.block_n)
+    # the sorted form covers no pair of an id outside [0, E): its tokens' counters would never fill
+    counters = arrival_counters(z.device, m * n_tiles) if combine_in_kernel and not sorted_form else None
+    combine = counters is not None
+    pdl = pdl_capable(z.device)
+    # Triton 3.7's interpreter computes 16-bit tl.dot wrongly: fp32 operands there (16-bit products are exact in fp32)
+    upcast = not on_gpu and z.dtype != torch.float32
+    ieee = z.dtype == torch.float32 or upcast
+    s1, s3, s2 = (w1_scale, w3_scale, w2_scale) if mxfp4 else (w1, w3, w2)   # placeholders when float
+    launch = dict(launch_pdl=True) if pdl else {}
+    on_device = torch.cuda.device(z.device) if on_gpu else contextlib.nullcontext()
+    with on_device:
+        _gate_up_kernel[(slots, triton.cdiv(i_width, config.block_i))](
+            z, ids, order, offsets, w1, w3, s1, s3, h,
+            np_, a, e_count, i_width, l, float(beta or 0.0), float(linear_beta or 0.0),
+            z.stride(0), z.stride(1), *w1.stride(), *w3.stride(),
+            *(_strides3(w1_scale) if mxfp4 else (0, 0, 0)), *(_strides3(w3_scale) if mxfp4 else (0, 0, 0)),
+            h.stride(0),
+            BLOCK_M=config.block_m, BLOCK_I=config.block_i, BLOCK_L=config.block_l, BLOCK_P=block_p,
+            SORTED=sorted_form, MXFP4=mxfp4, HAS_BETA=beta is not None, HAS_LINEAR_BETA=linear_beta is not None,
+            IEEE=ieee, UPCAST=upcast, PDL=pdl, num_warps=config.warps_up, num_stages=config.stages_up, **launch,
+        )
+        _down_kernel[(slots, n_tiles)](
+            h, ids, order, offsets, wts, w2, s2, part, out, counters if combine else ids,
+            np_, m, a, e_count, i_width, l,
+            *w2.stride(), *(_strides3(w2_scale) if mxfp4 else (0, 0, 0)), h.stride(0), out.stride(0), out.stride(1),
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_P=block_p,
+            SORTED=sorted_form, MXFP4=mxfp4, COMBINE=combine, PRELOAD=config.preload,
+            IEEE=ieee, UPCAST=upcast, PDL=pdl, num_warps=config.warps_down, num_stages=config.stages_down, **launch,
+        )
+        if not combine:
+            _combine_kernel[(m, n_tiles)](
+                part, ids, out, m, a, e_count, l, out.stride(0), out.stride(1),
+                BLOCK_N=config.block_n, BLOCK_A=triton.next_power_of_2(a), PDL=pdl, num_warps=4, **launch,
+            )
+    return out
