@@ -87,7 +87,7 @@ def default_config(m: int, dtype: torch.dtype, mxfp4: bool, on_gpu: bool) -> Moe
     """Interpreter: small tiles (fewer, cheaper interpreted programs). GPU: the defaults above (fp32: half the
     columns a step, the tiles are twice the bytes)."""
     if not on_gpu:
-        return MoeConfig(block_i=16, block_l=32, block_n=16, block_k=32, stages_up=1, stages_down=1)
+        return MoeConfig(block_i=64, block_l=64, block_n=64, block_k=64, stages_up=1, stages_down=1)
     if dtype == torch.float32:
         return MoeConfig(block_l=64, block_k=64)
     return MoeConfig()

@@ -1,0 +1,238 @@
+"""k3::moe_experts: the Triton kernels (decode and sorted forms, float and MXFP4 weights) and the op's dispatch,
+against the reference; the reference against the model's own expert code.
+
+On CPU the kernels run under TRITON_INTERPRET=1 (conftest). The interpreter (triton 3.7) truncates fp32 -> bf16
+where a GPU rounds to nearest, and the experts round four times (gate, up, h, y), so bf16 errors here are a few
+times the GPU's; the tolerances cover both. Shapes are small and examples few: interpreted programs are slow.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from k3compile.backends import BackendUnavailableError
+from k3compile.model.loading import dequantize_mxfp4 as model_dequantize
+from k3compile.model.moe import experts_dense, experts_gathered
+from k3compile.ops import arrival_counters
+from k3compile.ops.moe_experts import MOE_EXPERTS, moe_experts
+from k3compile.ops.moe_experts import dispatch
+from k3compile.ops.moe_experts.reference import dequantize_mxfp4, moe_experts_ref
+from k3compile.ops.moe_experts.triton import MoeConfig, _mxfp4_tile, decode_form, moe_experts_triton
+from k3compile.testing import moe_experts_inputs, rel_err
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TOL = {torch.float32: 2e-5, torch.bfloat16: 4e-2, torch.float16: 8e-3}
+K3_BETAS = (4.0, 25.0)
+
+
+def truth(args, betas=K3_BETAS):
+    """The reference on the same inputs (it rounds where the model rounds: the kernels do too)."""
+    return moe_experts_ref(*args, *betas)
+
+
+def run_triton(args, betas=K3_BETAS, **kwargs):
+    z = args[0]
+    out = torch.full_like(z, float("nan"))
+    moe_experts_triton(*args, *betas, out=out, **kwargs)
+    return out
+
+
+@pytest.fixture
+def clean_records():
+    MOE_EXPERTS.clear()
+    yield
+    MOE_EXPERTS.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# the kernels against the reference
+
+@settings(max_examples=10)
+@given(m=st.integers(1, 5), a=st.integers(1, 3), e=st.integers(1, 6), i=st.integers(1, 50), l=st.integers(1, 70),
+       dtype=st.sampled_from(list(DTYPES)), routing=st.sampled_from(["random", "skewed", "repeat", "one"]),
+       limit=st.sampled_from([1, 16]), tiles=st.sampled_from(["small", "default"]), seed=st.integers(0, 2**16))
+@example(m=1, a=3, e=6, i=48, l=64, dtype="bf16", routing="random", limit=16, tiles="default", seed=0)   # decode
+@example(m=5, a=2, e=3, i=33, l=50, dtype="fp32", routing="repeat", limit=1, tiles="small", seed=1)    # sorted
+@example(m=4, a=3, e=6, i=17, l=40, dtype="fp16", routing="one", limit=16, tiles="small", seed=2)      # one expert
+def test_triton_float_matches_reference(m, a, e, i, l, dtype, routing, limit, tiles, seed):
+    """Widths not multiples of 16, duplicate experts across and within tokens, every pair on one expert, experts
+    nobody chose; the decode form (limit 16) and the sorted form (limit 1); tiles smaller than the widths (several
+    row chunks: ``one`` puts m·a pairs on one expert) and the interpreter's default."""
+    if routing in ("random", "skewed") and a > e:
+        a = e
+    dt = DTYPES[dtype]
+    args = moe_experts_inputs(m, a, e, i, l, dt, routing, seed=seed)
+    config = MoeConfig(block_m=16, block_i=16, block_l=32, block_n=16, block_k=32, stages_up=1, stages_down=1) \
+        if tiles == "small" else None
+    out = run_triton(args, small_m_limit=limit, config=config)
+    assert rel_err(out, truth(args)) < TOL[dt], f"M{m}-A{a}-E{e}-I{i}-L{l}-{dtype}-{routing}-lim{limit}-{tiles}"
+    assert arrival_counters.all_zero(), "an arrival counter was left non-zero"
+
+
+@settings(max_examples=6)
+@given(m=st.integers(1, 4), a=st.integers(1, 3), e=st.integers(1, 5), i=st.sampled_from([32, 64]),
+       l=st.sampled_from([32, 64, 96]), dtype=st.sampled_from(list(DTYPES)),
+       routing=st.sampled_from(["random", "repeat", "one"]), limit=st.sampled_from([1, 16]),
+       seed=st.integers(0, 2**16))
+@example(m=2, a=2, e=4, i=64, l=96, dtype="bf16", routing="random", limit=16, seed=0)
+@example(m=3, a=2, e=3, i=32, l=64, dtype="fp32", routing="repeat", limit=1, seed=1)
+def test_triton_mxfp4_matches_reference(m, a, e, i, l, dtype, routing, limit, seed):
+    """Random E2M1 codes (every byte) and E8M0 scales, dequantised in registers to z's dtype."""
+    if routing == "random" and a > e:
+        a = e
+    dt = DTYPES[dtype]
+    args = moe_experts_inputs(m, a, e, i, l, dt, routing, mxfp4=True, seed=seed)
+    out = run_triton(args, small_m_limit=limit)
+    assert rel_err(out, truth(args)) < TOL[dt], f"M{m}-A{a}-E{e}-I{i}-L{l}-{dtype}-{routing}-lim{limit}-mxfp4"
+
+
+@pytest.mark.parametrize("betas", [(4.0, None), (None, None), (2.5, 7.0)], ids=["uncapped-up", "silu", "other-betas"])
+def test_triton_other_activations(betas):
+    args = moe_experts_inputs(3, 2, 4, 24, 40, torch.float32, seed=3)
+    assert rel_err(run_triton(args, betas), truth(args, betas)) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("limit", [16, 1], ids=["decode", "sorted"])
+def test_triton_id_outside_range_poisons_only_its_token(limit):
+    """An id of -1 or E reads no weight: the tokens holding one come out NaN, the others exact."""
+    args = list(moe_experts_inputs(4, 2, 5, 24, 40, torch.float32, seed=4))
+    experts = args[1].clone()
+    experts[1, 0], experts[2, 1] = -1, 5
+    args[1] = experts
+    out = torch.full_like(args[0], 7.0)
+    moe_experts_triton(*args, *K3_BETAS, out=out, small_m_limit=limit)
+    assert out[1].isnan().all() and out[2].isnan().all()
+    good = [0, 3]
+    ref = moe_experts_ref(args[0][good], args[1][good], args[2][good], *args[3:], *K3_BETAS)
+    assert rel_err(out[good], ref) < TOL[torch.float32]
+    assert arrival_counters.all_zero()
+
+
+def test_reference_rejects_id_outside_range():
+    args = list(moe_experts_inputs(2, 2, 4, 16, 32, torch.float32))
+    args[1] = torch.tensor([[0, 1], [4, 2]])
+    with pytest.raises(ValueError, match=r"expert id 4 at \(1, 0\) is outside \[0, 4\)"):
+        moe_experts(*args, *K3_BETAS, backend="reference")
+
+
+def test_combine_kernel_when_no_counters(monkeypatch):
+    """Inside a CUDA-graph capture without a counter buffer, the partials are summed by a third kernel."""
+    args = moe_experts_inputs(3, 2, 4, 24, 40, torch.bfloat16, seed=5)
+    monkeypatch.setattr("k3compile.ops.moe_experts.triton.arrival_counters", lambda *a: None)
+    assert rel_err(run_triton(args), truth(args)) < TOL[torch.bfloat16]
+
+
+def test_repeated_calls_identical():
+    args = moe_experts_inputs(4, 3, 5, 24, 40, torch.bfloat16, routing="repeat", seed=6)
+    first, second = run_triton(args), run_triton(args)
+    assert torch.equal(first, second) and arrival_counters.all_zero()
+
+
+@triton.jit
+def _dequantise_kernel(p_codes, p_scales, p_out, R: tl.constexpr, K: tl.constexpr):
+    o_r = tl.arange(0, R)
+    b_v = _mxfp4_tile(p_codes, p_scales, o_r, o_r < R, 0, K, K // 2, 1, K // 32, 1, R, K, tl.float32)
+    tl.store(p_out + o_r[:, None] * K + tl.arange(0, K)[None, :], b_v)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")   # 6·2^127 is inf, in the reference too
+def test_mxfp4_dequantisation_every_code_and_extreme_scales():
+    """The kernels' register dequantisation equals the reference's, which equals the loader's, for every code byte
+    and the E8M0 extremes 0 and 254 (255 is NaN), bit for bit in fp32."""
+    codes = torch.arange(256, dtype=torch.uint8).reshape(4, 64)                     # [rows, C/2]: C = 128
+    scales = torch.tensor([[0, 127, 254, 100], [1, 126, 128, 140], [127] * 4, [120, 130, 125, 127]],
+                          dtype=torch.uint8)
+    ref = dequantize_mxfp4(codes, scales, torch.float32)
+    assert torch.equal(ref, model_dequantize(codes, scales, torch.float32))
+    nan_scale = scales.clone()
+    nan_scale[0, 0] = 255
+    assert dequantize_mxfp4(codes, nan_scale, torch.float32)[0, :32].isnan().all()
+    out = torch.full((4, 128), float("nan"))
+    _dequantise_kernel[(1,)](codes, nan_scale, out, R=4, K=128)
+    assert torch.equal(out[1:], ref[1:]) and torch.equal(out[0, 32:], ref[0, 32:]) and out[0, :32].isnan().all()
+
+
+def test_reference_equals_model_forms():
+    """The reference is the model's math: both forms of model/moe.py give its values."""
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        z, experts, weights, w1, w3, w2, *_ = moe_experts_inputs(5, 3, 6, 24, 40, dtype, seed=7)
+        ref = moe_experts_ref(z, experts, weights, w1, w3, w2, None, None, None, *K3_BETAS)
+        for form in (experts_gathered, experts_dense):
+            assert rel_err(form(z, experts, weights, w1, w3, w2, *K3_BETAS), ref) < tol
+
+
+# ---------------------------------------------------------------------------------------------
+# the op and its dispatch
+
+def test_auto_runs_triton_on_cpu_under_interpreter_recorded(clean_records):
+    args = moe_experts_inputs(2, 2, 4, 16, 32, torch.float32)
+    out = moe_experts(*args, *K3_BETAS)
+    assert rel_err(out, truth(args)) < TOL[torch.float32]
+    (choice,) = MOE_EXPERTS.choices()
+    assert choice.impl == "triton" and choice.key[1][:3] == ("float32", "float", "decode")
+
+
+def test_dense_where_the_table_measured_it_faster(clean_records, monkeypatch):
+    args = moe_experts_inputs(6, 2, 4, 16, 32, torch.float32)
+    entry = dict(dtype="float32", format="float", E=4, I=16, L=32, A=2, dense_from_m=5)
+    monkeypatch.setattr(dispatch, "table", lambda device: {"dense": [entry]})
+    out = moe_experts(*args, *K3_BETAS, small_m_limit=4)
+    (choice,) = MOE_EXPERTS.choices()
+    assert choice.impl == "aten" and "dense form" in choice.reason
+    assert rel_err(out, truth(args)) < TOL[torch.float32]
+
+
+def test_forced_triton_without_interpreter_raises(monkeypatch, clean_records):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    args = moe_experts_inputs(2, 2, 4, 16, 32, torch.float32)
+    with pytest.raises(BackendUnavailableError):
+        moe_experts(*args, *K3_BETAS, backend="triton")
+
+
+def test_dtype_the_kernels_lack_falls_back_recorded(clean_records):
+    args = moe_experts_inputs(2, 2, 4, 16, 32, torch.float64)
+    out = moe_experts(*args, *K3_BETAS)
+    (choice,) = MOE_EXPERTS.choices()
+    assert choice.impl == "reference" and "float64" in choice.reason
+    assert rel_err(out, truth(args)) < 1e-12
+
+
+@pytest.mark.parametrize("m,a,limit,form", [(16, 16, 16, True), (17, 16, 16, False), (33, 16, 64, False),
+                                            (8, 4, 4, False)])
+def test_decode_form_by_rows_and_pairs(m, a, limit, form):
+    assert decode_form(m, a, limit) is form
+
+
+def _bad_cases():
+    z, experts, weights, w1, w3, w2, *_ = moe_experts_inputs(2, 2, 4, 32, 64, torch.float32)
+    _, _, _, c1, c3, c2, s1, s3, s2 = moe_experts_inputs(2, 2, 4, 32, 64, torch.float32, mxfp4=True)
+    return {
+        "z-1d": ((z[0], experts, weights, w1, w3, w2, None, None, None), "z must be"),
+        "float-ids": ((z, experts.float(), weights, w1, w3, w2, None, None, None), "integer ids"),
+        "rows-differ": ((z, experts[:1], weights, w1, w3, w2, None, None, None), "disagree"),
+        "w2-transposed": ((z, experts, weights, w1, w3, w2.transpose(1, 2), None, None, None), "w2 must be"),
+        "w-dtype": ((z, experts, weights, w1.double(), w3, w2, None, None, None), "w1 dtype"),
+        "one-scale": ((z, experts, weights, c1, c3, c2, s1, None, s2), "all three MXFP4 scales"),
+        "scale-shape": ((z, experts, weights, c1, c3, c2, s1, s3, s2[:, :1]), "w2_scale must be"),
+        "codes-float": ((z, experts, weights, w1, w3, w2, s1, s3, s2), "must be uint8"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_cases()))
+def test_bad_input_clear_error(case):
+    args, msg = _bad_cases()[case]
+    with pytest.raises(ValueError, match=msg):
+        moe_experts(*args, *K3_BETAS, backend="reference")
+
+
+def test_opcheck():
+    args = moe_experts_inputs(3, 2, 4, 32, 64, torch.float32)
+    torch.library.opcheck(torch.ops.k3.moe_experts.default, (*args, *K3_BETAS, "reference", 16),
+                          test_utils=("test_schema", "test_faketensor"))
+    mx = moe_experts_inputs(3, 2, 4, 32, 64, torch.bfloat16, mxfp4=True)
+    torch.library.opcheck(torch.ops.k3.moe_experts.default, (*mx, *K3_BETAS, "reference", 16),
+                          test_utils=("test_schema", "test_faketensor"))
