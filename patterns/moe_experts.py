@@ -68,12 +68,14 @@ def _situ_glu(gate, up, beta, linear_beta):
 
 
 def _gathered_fp32(z, experts, weights, w1, w3, w2, beta, linear_beta):
-    zc = z[:, None, :, None]                                               # [M, 1, L, 1]
-    gate = (w1[experts] @ zc).squeeze(-1)                                  # [M, A, I]
-    up = (w3[experts] @ zc).squeeze(-1)
+    # ``z[:, None, :, None]`` and ``w[experts]`` spelled as the ATen ops they trace to (unsqueeze, index): fake CUDA
+    # tensors on a machine without CUDA (tests) take these, not Python indexing
+    zc = z.unsqueeze(1).unsqueeze(3)                                       # [M, 1, L, 1]
+    gate = (aten.index.Tensor(w1, [experts]) @ zc).squeeze(-1)             # [M, A, I]
+    up = (aten.index.Tensor(w3, [experts]) @ zc).squeeze(-1)
     h = _situ_glu(gate, up, beta, linear_beta)
-    y = (w2[experts] @ h[..., None]).squeeze(-1)                           # [M, A, L]
-    return (y.float() * weights[..., None]).sum(1)
+    y = (aten.index.Tensor(w2, [experts]) @ h.unsqueeze(3)).squeeze(-1)    # [M, A, L]
+    return (y.float() * weights.unsqueeze(2)).sum(1)
 
 
 def _gathered(z, experts, weights, w1, w3, w2, beta, linear_beta):
@@ -87,7 +89,7 @@ def _dense_fp32(z, experts, weights, w1, w3, w2, beta, linear_beta):
     up = torch.einsum("ml,eil->emi", z, w3)
     h = _situ_glu(gate, up, beta, linear_beta)
     y = torch.einsum("emi,eli->eml", h, w2)                                # [E, M, L]
-    return (y.float() * combine.t()[..., None]).sum(0)
+    return (y.float() * combine.t().unsqueeze(2)).sum(0)
 
 
 def _dense(z, experts, weights, w1, w3, w2, beta, linear_beta):
@@ -121,7 +123,9 @@ def get_inputs(dtype: torch.dtype, device: str = "cpu", m: int = M_EX) -> list:
 
 def _trace_as_inductor(fn, args, *, coordinate_descent: bool, **kwargs) -> torch.fx.GraphModule:
     """``fwd_only`` (make_fx with Inductor's decompositions under ``coordinate_descent_tuning=coordinate_descent``),
-    then Inductor's joint-graph passes (no user passes, no padding), ``view_to_reshape``, dead code removed."""
+    then Inductor's joint-graph passes, ``view_to_reshape``, dead code removed. Without user passes and padding,
+    and without constant folding: it runs ``zeros`` on the device for real (there is no CUDA on a CPU machine
+    tracing the CUDA spelling), and leaves these forms as they are."""
     from torch._guards import detect_fake_mode
     from torch._inductor import config
     from torch._inductor.fx_passes.joint_graph import joint_graph_passes
@@ -129,7 +133,7 @@ def _trace_as_inductor(fn, args, *, coordinate_descent: bool, **kwargs) -> torch
     from torch._inductor.virtualized import V
 
     patches = dict(coordinate_descent_tuning=coordinate_descent, shape_padding=False, joint_custom_pre_pass=None,
-                   joint_custom_post_pass=None, pattern_matcher=True)
+                   joint_custom_post_pass=None, pattern_matcher=True, joint_graph_constant_folding=False)
     with config.patch(patches):
         gm = pm.fwd_only(fn, args, **kwargs)
         fake = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes])
