@@ -236,3 +236,76 @@ def test_opcheck():
     mx = moe_experts_inputs(3, 2, 4, 32, 64, torch.bfloat16, mxfp4=True)
     torch.library.opcheck(torch.ops.k3.moe_experts.default, (*mx, *K3_BETAS, "reference", 16),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+# ---------------------------------------------------------------------------------------------
+# the kernels compiled for sm_90 (Triton's NVIDIA backend needs no GPU)
+
+_PTX_SCRIPT = """
+import json, sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from k3compile.ops.moe_experts.triton import _down_kernel, _gate_up_kernel
+
+POINTERS = dict(p_ids="*i64", p_order="*i32", p_offsets="*i32", p_wts="*fp32", p_part="*fp32", p_cnt="*i32",
+                p_s1="*u8", p_s3="*u8", p_s2="*u8")
+FLOATS = ("beta", "linear_beta")
+out = {}
+for name, flavour in json.loads(sys.argv[1]).items():
+    kernel = _gate_up_kernel if flavour.pop("kernel") == "gate_up" else _down_kernel
+    dtype, mxfp4 = flavour.pop("dtype"), flavour.get("MXFP4", False)
+    const = dict(BLOCK_M=16, BLOCK_P=128, SORTED=False, MXFP4=False, IEEE=dtype == "fp32", UPCAST=False, PDL=True)
+    # unit inner strides as Triton specialises them at a launch (the loads vectorise)
+    const.update(dict(BLOCK_I=32, BLOCK_L=128, HAS_BETA=True, HAS_LINEAR_BETA=True, s_zl=1, s_1l=1, s_3l=1, s_s1l=1,
+                      s_s3l=1) if kernel is _gate_up_kernel
+                 else dict(BLOCK_N=64, BLOCK_K=128, COMBINE=True, PRELOAD=True, s_2i=1, s_s2i=1, s_ol=1))
+    const.update(flavour)
+    weight = "*u8" if mxfp4 else f"*{dtype}"
+    sig = {}
+    for n in kernel.arg_names:
+        if n in const:
+            sig[n] = "constexpr"
+        elif n in POINTERS:
+            sig[n] = POINTERS[n]
+        elif n in ("p_w1", "p_w3", "p_w2"):
+            sig[n] = weight
+        elif n.startswith("p_"):
+            sig[n] = f"*{dtype}"
+        else:
+            sig[n] = "fp32" if n in FLOATS else "i32"
+    src = ASTSource(fn=kernel, signature=sig, constexprs=const)
+    out[name] = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3)).asm["ptx"]
+print(json.dumps(out))
+"""
+PTX_FLAVOURS = {
+    "gate_up-bf16-decode": dict(kernel="gate_up", dtype="bf16"),
+    "gate_up-fp16-sorted": dict(kernel="gate_up", dtype="fp16", SORTED=True),
+    "gate_up-fp32-decode": dict(kernel="gate_up", dtype="fp32"),
+    "gate_up-bf16-mxfp4": dict(kernel="gate_up", dtype="bf16", MXFP4=True),
+    "down-bf16-decode": dict(kernel="down", dtype="bf16"),
+    "down-bf16-sorted": dict(kernel="down", dtype="bf16", SORTED=True, COMBINE=False),
+    "down-fp32-decode": dict(kernel="down", dtype="fp32", BLOCK_K=64),
+    "down-bf16-mxfp4": dict(kernel="down", dtype="bf16", MXFP4=True),
+}
+
+
+@pytest.fixture(scope="module")
+def sm90_ptx():
+    from k3compile.testing import ptx_in_a_fresh_process
+
+    pytest.importorskip("triton.backends.nvidia")
+    return ptx_in_a_fresh_process(_PTX_SCRIPT, PTX_FLAVOURS)
+
+
+@pytest.mark.parametrize("flavour", sorted(PTX_FLAVOURS))
+def test_pdl_order_in_sm90_ptx(sm90_ptx, flavour):
+    """Every kernel triggers only after its own wait (static_weights.py, step 1), and writes nothing before it; the
+    gate/up kernel reads nothing before it (z and the ids are the previous kernels' outputs)."""
+    ptx = sm90_ptx[flavour].splitlines()
+    wait = [i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line]
+    trigger = [i for i, line in enumerate(ptx) if "griddepcontrol.launch_dependents" in line]
+    assert wait and trigger and min(trigger) > min(wait)
+    before = ptx[:min(wait)]
+    assert not any(op in line for line in before for op in ("st.global", "atom.global", "red.global"))
+    if flavour.startswith("gate_up"):
+        assert not any("ld.global" in line for line in before)
