@@ -76,18 +76,20 @@ def test_triton_float_matches_reference(m, a, e, i, l, dtype, routing, limit, ti
 @settings(max_examples=6)
 @given(m=st.integers(1, 4), a=st.integers(1, 3), e=st.integers(1, 5), i=st.sampled_from([32, 64]),
        l=st.sampled_from([32, 64, 96]), dtype=st.sampled_from(list(DTYPES)),
-       routing=st.sampled_from(["random", "repeat", "one"]), limit=st.sampled_from([1, 16]),
+       routing=st.sampled_from(["random", "repeat", "one"]), limit=st.sampled_from([1, 16]), halves=st.booleans(),
        seed=st.integers(0, 2**16))
-@example(m=2, a=2, e=4, i=64, l=96, dtype="bf16", routing="random", limit=16, seed=0)
-@example(m=3, a=2, e=3, i=32, l=64, dtype="fp32", routing="repeat", limit=1, seed=1)
-def test_triton_mxfp4_matches_reference(m, a, e, i, l, dtype, routing, limit, seed):
-    """Random E2M1 codes (every byte) and E8M0 scales, dequantised in registers to z's dtype."""
+@example(m=2, a=2, e=4, i=64, l=96, dtype="bf16", routing="random", limit=16, halves=False, seed=0)
+@example(m=3, a=2, e=3, i=32, l=64, dtype="fp32", routing="repeat", limit=1, halves=True, seed=1)
+def test_triton_mxfp4_matches_reference(m, a, e, i, l, dtype, routing, limit, halves, seed):
+    """Random E2M1 codes (every byte) and E8M0 scales, dequantised in registers to z's dtype; interleaved into one
+    tile, or (``halves``) the even and odd columns as two products."""
     if routing == "random" and a > e:
         a = e
     dt = DTYPES[dtype]
     args = moe_experts_inputs(m, a, e, i, l, dt, routing, mxfp4=True, seed=seed)
-    out = run_triton(args, small_m_limit=limit)
-    assert rel_err(out, truth(args)) < TOL[dt], f"M{m}-A{a}-E{e}-I{i}-L{l}-{dtype}-{routing}-lim{limit}-mxfp4"
+    config = MoeConfig(block_i=64, block_l=64, block_n=64, block_k=64, stages_up=1, stages_down=1, mxfp4_halves=halves)
+    out = run_triton(args, small_m_limit=limit, config=config)
+    assert rel_err(out, truth(args)) < TOL[dt], f"M{m}-A{a}-E{e}-I{i}-L{l}-{dtype}-{routing}-lim{limit}-h{halves}"
 
 
 @pytest.mark.parametrize("betas", [(4.0, None), (None, None), (2.5, 7.0)], ids=["uncapped-up", "silu", "other-betas"])
@@ -254,7 +256,8 @@ out = {}
 for name, flavour in json.loads(sys.argv[1]).items():
     kernel = _gate_up_kernel if flavour.pop("kernel") == "gate_up" else _down_kernel
     dtype, mxfp4 = flavour.pop("dtype"), flavour.get("MXFP4", False)
-    const = dict(BLOCK_M=16, BLOCK_P=128, SORTED=False, MXFP4=False, IEEE=dtype == "fp32", UPCAST=False, PDL=True)
+    const = dict(BLOCK_M=16, BLOCK_P=128, SORTED=False, MXFP4=False, HALVES=False, IEEE=dtype == "fp32",
+                 UPCAST=False, PDL=True)
     # unit inner strides as Triton specialises them at a launch (the loads vectorise)
     const.update(dict(BLOCK_I=32, BLOCK_L=128, HAS_BETA=True, HAS_LINEAR_BETA=True, s_zl=1, s_1l=1, s_3l=1, s_s1l=1,
                       s_s3l=1) if kernel is _gate_up_kernel
@@ -286,6 +289,8 @@ PTX_FLAVOURS = {
     "down-bf16-sorted": dict(kernel="down", dtype="bf16", SORTED=True, COMBINE=False),
     "down-fp32-decode": dict(kernel="down", dtype="fp32", BLOCK_K=64),
     "down-bf16-mxfp4": dict(kernel="down", dtype="bf16", MXFP4=True),
+    "gate_up-bf16-mxfp4-halves": dict(kernel="gate_up", dtype="bf16", MXFP4=True, HALVES=True),
+    "down-bf16-mxfp4-halves": dict(kernel="down", dtype="bf16", MXFP4=True, HALVES=True),
 }
 
 

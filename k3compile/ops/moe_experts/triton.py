@@ -68,6 +68,7 @@ class MoeConfig:
     warps_down: int = 4
     stages_down: int = 3
     preload: bool = True     # the down kernel's first w2 tile loaded before its PDL wait
+    mxfp4_halves: bool = False   # MXFP4: even and odd columns as two products (no interleaving of the codes)
 
     def __post_init__(self):
         for name in ("block_m", "block_i", "block_l", "block_n", "block_k"):
@@ -80,7 +81,7 @@ class MoeConfig:
     def tag(self) -> str:
         return (f"m{self.block_m}-i{self.block_i}-l{self.block_l}-w{self.warps_up}s{self.stages_up}"
                 f"-n{self.block_n}-k{self.block_k}-w{self.warps_down}s{self.stages_down}"
-                f"{'-pre' if self.preload else ''}")
+                f"{'-pre' if self.preload else ''}{'-halves' if self.mxfp4_halves else ''}")
 
 
 def default_config(m: int, dtype: torch.dtype, mxfp4: bool, on_gpu: bool) -> MoeConfig:
@@ -159,6 +160,52 @@ def _mxfp4_tile(p_codes, p_scales, o_r, m_r, k0, K, s_cr, s_ck, s_sr, s_sk, R: t
 
 
 @triton.jit
+def _mxfp4_halves(p_codes, p_scales, o_r, m_r, k0, K, s_cr, s_ck, s_sr, s_sk, R: tl.constexpr, BK: tl.constexpr,
+                  DTYPE: tl.constexpr):
+    """The even and the odd logical columns of rows ``o_r`` x [k0, k0 + BK) of an MXFP4 matrix, [R, BK/2] each in
+    DTYPE: the codes as [R, groups, 16] bytes, so each group's scale broadcasts without reshaping the codes."""
+    G: tl.constexpr = BK // 32
+    o_g = k0 // 32 + tl.arange(0, G)
+    m_g = m_r[:, None] & (o_g < K // 32)[None, :]
+    o_b = o_g[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+    b_c = tl.load(p_codes + o_r[:, None, None] * s_cr + o_b * s_ck, mask=m_g[:, :, None], other=0,
+                  eviction_policy="evict_first").to(tl.int32)                        # [R, G, 16]
+    b_s = _e8m0(tl.load(p_scales + o_r[:, None] * s_sr + o_g[None, :] * s_sk, mask=m_g, other=127,
+                        eviction_policy="evict_first"))[:, :, None]
+    lo = tl.reshape(_e2m1(b_c & 15) * b_s, (R, BK // 2))
+    hi = tl.reshape(_e2m1(b_c >> 4) * b_s, (R, BK // 2))
+    return lo.to(DTYPE), hi.to(DTYPE)
+
+
+@triton.jit
+def _weight_tiles(p_w, p_s, o_r, m_r, k0, K, s_wr, s_wk, s_sr, s_sk, R: tl.constexpr, BK: tl.constexpr,
+                  MXFP4: tl.constexpr, HALVES: tl.constexpr, DTYPE: tl.constexpr):
+    """HALVES: the even and odd columns of an MXFP4 tile (``_mxfp4_halves``); else the whole tile, twice."""
+    if HALVES:
+        return _mxfp4_halves(p_w, p_s, o_r, m_r, k0, K, s_wr, s_wk, s_sr, s_sk, R, BK, DTYPE)
+    else:
+        b_w = _weight_tile(p_w, p_s, o_r, m_r, k0, K, s_wr, s_wk, s_sr, s_sk, R, BK, MXFP4, DTYPE)
+        return b_w, b_w
+
+
+@triton.jit
+def _rows_dot(acc, p_rows, m_rows, k0, K, s_k, b_wa, b_wb, BK: tl.constexpr, HALVES: tl.constexpr,
+              IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + x·wᵀ`` for the activation rows ``p_rows`` (pointers [BLOCK_M, 1]) over columns [k0, k0 + BK): the
+    whole tile ``b_wa``, or (HALVES) the even columns against ``b_wa`` and the odd ones against ``b_wb``."""
+    if HALVES:
+        o_h = k0 + 2 * tl.arange(0, BK // 2)
+        m_h = m_rows & (o_h < K)[None, :]
+        b_xe = tl.load(p_rows + o_h[None, :] * s_k, mask=m_h, other=0.)
+        b_xo = tl.load(p_rows + (o_h + 1)[None, :] * s_k, mask=m_h, other=0.)
+        return _dot(_dot(acc, b_xe, b_wa, IEEE, UPCAST), b_xo, b_wb, IEEE, UPCAST)
+    else:
+        o_k = k0 + tl.arange(0, BK)
+        b_x = tl.load(p_rows + o_k[None, :] * s_k, mask=m_rows & (o_k < K)[None, :], other=0.)
+        return _dot(acc, b_x, b_wa, IEEE, UPCAST)
+
+
+@triton.jit
 def _weight_tile(p_w, p_s, o_r, m_r, k0, K, s_wr, s_wk, s_sr, s_sk, R: tl.constexpr, BK: tl.constexpr,
                  MXFP4: tl.constexpr, DTYPE: tl.constexpr):
     """Rows ``o_r`` x columns [k0, k0 + BK) of one expert's matrix in DTYPE (float, or MXFP4 dequantised)."""
@@ -229,8 +276,8 @@ def _gate_up_kernel(
     NP, A, E, I, L, beta, linear_beta,
     s_zm, s_zl, s_1e, s_1i, s_1l, s_3e, s_3i, s_3l, s_s1e, s_s1i, s_s1l, s_s3e, s_s3i, s_s3l, s_hp,
     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr,
-    SORTED: tl.constexpr, MXFP4: tl.constexpr, HAS_BETA: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+    SORTED: tl.constexpr, MXFP4: tl.constexpr, HALVES: tl.constexpr, HAS_BETA: tl.constexpr,
+    HAS_LINEAR_BETA: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     slot = tl.program_id(0)
     i_i = tl.program_id(1)
@@ -252,16 +299,15 @@ def _gate_up_kernel(
             tokens = pairs // A
             acc_g = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
+            p_zj = p_z + tokens[:, None] * s_zm
+            m_z = m_j[:, None]
             for l0 in range(0, L, BLOCK_L):
-                o_l = l0 + tl.arange(0, BLOCK_L)
-                b_z = tl.load(p_z + tokens[:, None] * s_zm + o_l[None, :] * s_zl,
-                              mask=m_j[:, None] & (o_l < L)[None, :], other=0.)
-                b_w1 = _weight_tile(p_w1e, p_s1e, o_i, m_i, l0, L, s_1i, s_1l, s_s1i, s_s1l, BLOCK_I, BLOCK_L,
-                                    MXFP4, dtype)
-                b_w3 = _weight_tile(p_w3e, p_s3e, o_i, m_i, l0, L, s_3i, s_3l, s_s3i, s_s3l, BLOCK_I, BLOCK_L,
-                                    MXFP4, dtype)
-                acc_g = _dot(acc_g, b_z, b_w1, IEEE, UPCAST)
-                acc_u = _dot(acc_u, b_z, b_w3, IEEE, UPCAST)
+                b_w1a, b_w1b = _weight_tiles(p_w1e, p_s1e, o_i, m_i, l0, L, s_1i, s_1l, s_s1i, s_s1l, BLOCK_I,
+                                             BLOCK_L, MXFP4, HALVES, dtype)
+                b_w3a, b_w3b = _weight_tiles(p_w3e, p_s3e, o_i, m_i, l0, L, s_3i, s_3l, s_s3i, s_s3l, BLOCK_I,
+                                             BLOCK_L, MXFP4, HALVES, dtype)
+                acc_g = _rows_dot(acc_g, p_zj, m_z, l0, L, s_zl, b_w1a, b_w1b, BLOCK_L, HALVES, IEEE, UPCAST)
+                acc_u = _rows_dot(acc_u, p_zj, m_z, l0, L, s_zl, b_w3a, b_w3b, BLOCK_L, HALVES, IEEE, UPCAST)
             if PDL:
                 gdc_launch_dependents()   # after our own wait (static_weights.py, step 1); again is a no-op
             # the model rounds both products, then h, to z's dtype (model/moe.py experts_gathered)
@@ -278,8 +324,8 @@ def _down_kernel(
     NP, M, A, E, I, L,
     s_2e, s_2l, s_2i, s_s2e, s_s2l, s_s2i, s_hp, s_om, s_ol,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
-    SORTED: tl.constexpr, MXFP4: tl.constexpr, COMBINE: tl.constexpr, PRELOAD: tl.constexpr,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+    SORTED: tl.constexpr, MXFP4: tl.constexpr, HALVES: tl.constexpr, COMBINE: tl.constexpr,
+    PRELOAD: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     slot = tl.program_id(0)
     i_n = tl.program_id(1)
@@ -295,8 +341,8 @@ def _down_kernel(
         m_n = (o_n < L) & valid
         dtype = p_h.dtype.element_ty
         if PRELOAD:
-            b_w0 = _weight_tile(p_w2e, p_s2e, o_n, m_n, 0, I, s_2l, s_2i, s_s2l, s_s2i, BLOCK_N, BLOCK_K, MXFP4,
-                                dtype)
+            b_w0a, b_w0b = _weight_tiles(p_w2e, p_s2e, o_n, m_n, 0, I, s_2l, s_2i, s_s2l, s_s2i, BLOCK_N, BLOCK_K,
+                                         MXFP4, HALVES, dtype)
         if PDL:
             gdc_wait()
         for r0 in range(0, count, BLOCK_M):
@@ -306,15 +352,11 @@ def _down_kernel(
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             k_start = BLOCK_K if PRELOAD else 0
             for k0 in range(k_start, I, BLOCK_K):
-                o_k = k0 + tl.arange(0, BLOCK_K)
-                b_h = tl.load(p_hj + o_k[None, :], mask=m_hj & (o_k < I)[None, :], other=0.)
-                b_w = _weight_tile(p_w2e, p_s2e, o_n, m_n, k0, I, s_2l, s_2i, s_s2l, s_s2i, BLOCK_N, BLOCK_K,
-                                   MXFP4, dtype)
-                acc = _dot(acc, b_h, b_w, IEEE, UPCAST)
+                b_wa, b_wb = _weight_tiles(p_w2e, p_s2e, o_n, m_n, k0, I, s_2l, s_2i, s_s2l, s_s2i, BLOCK_N,
+                                           BLOCK_K, MXFP4, HALVES, dtype)
+                acc = _rows_dot(acc, p_hj, m_hj, k0, I, 1, b_wa, b_wb, BLOCK_K, HALVES, IEEE, UPCAST)
             if PRELOAD:
-                o_k = tl.arange(0, BLOCK_K)
-                b_h = tl.load(p_hj + o_k[None, :], mask=m_hj & (o_k < I)[None, :], other=0.)
-                acc = _dot(acc, b_h, b_w0, IEEE, UPCAST)
+                acc = _rows_dot(acc, p_hj, m_hj, 0, I, 1, b_w0a, b_w0b, BLOCK_K, HALVES, IEEE, UPCAST)
             if PDL:
                 gdc_launch_dependents()   # after our own wait
             # y rounded to z's dtype as the model's product is, then weighted in fp32
@@ -424,7 +466,7 @@ def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Te
     else:
         order = offsets = ids   # unused
         slots = np_
-    block_p = triton.next_power_of_2(np_) if not sorted_form else 16
+    block_p = 16 if sorted_form else max(64, triton.next_power_of_2(np_))   # few compiled variants: 64, 128, 256, 512
     h = torch.empty((np_, i_width), dtype=z.dtype, device=z.device)
     part = torch.empty((np_, l), dtype=torch.float32, device=z.device)
     n_tiles = triton.cdiv(l, config.block_n)
@@ -446,7 +488,8 @@ def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Te
             *(_strides3(w1_scale) if mxfp4 else (0, 0, 0)), *(_strides3(w3_scale) if mxfp4 else (0, 0, 0)),
             h.stride(0),
             BLOCK_M=config.block_m, BLOCK_I=config.block_i, BLOCK_L=config.block_l, BLOCK_P=block_p,
-            SORTED=sorted_form, MXFP4=mxfp4, HAS_BETA=beta is not None, HAS_LINEAR_BETA=linear_beta is not None,
+            SORTED=sorted_form, MXFP4=mxfp4, HALVES=mxfp4 and config.mxfp4_halves, HAS_BETA=beta is not None,
+            HAS_LINEAR_BETA=linear_beta is not None,
             IEEE=ieee, UPCAST=upcast, PDL=pdl, num_warps=config.warps_up, num_stages=config.stages_up, **launch,
         )
         _down_kernel[(slots, n_tiles)](
@@ -454,7 +497,8 @@ def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Te
             np_, m, a, e_count, i_width, l,
             *w2.stride(), *(_strides3(w2_scale) if mxfp4 else (0, 0, 0)), h.stride(0), out.stride(0), out.stride(1),
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_P=block_p,
-            SORTED=sorted_form, MXFP4=mxfp4, COMBINE=combine, PRELOAD=config.preload,
+            SORTED=sorted_form, MXFP4=mxfp4, HALVES=mxfp4 and config.mxfp4_halves, COMBINE=combine,
+            PRELOAD=config.preload,
             IEEE=ieee, UPCAST=upcast, PDL=pdl, num_warps=config.warps_down, num_stages=config.stages_down, **launch,
         )
         if not combine:
