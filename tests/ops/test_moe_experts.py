@@ -256,7 +256,7 @@ out = {}
 for name, flavour in json.loads(sys.argv[1]).items():
     kernel = _gate_up_kernel if flavour.pop("kernel") == "gate_up" else _down_kernel
     dtype, mxfp4 = flavour.pop("dtype"), flavour.get("MXFP4", False)
-    const = dict(BLOCK_M=16, BLOCK_P=128, SORTED=False, MXFP4=False, HALVES=False, IEEE=dtype == "fp32",
+    const = dict(BLOCK_M=16, BLOCK_P=128, SORTED=False, MXFP4=False, HALVES=False, ASM=False, IEEE=dtype == "fp32",
                  UPCAST=False, PDL=True)
     # unit inner strides as Triton specialises them at a launch (the loads vectorise)
     const.update(dict(BLOCK_I=32, BLOCK_L=128, HAS_BETA=True, HAS_LINEAR_BETA=True, s_zl=1, s_1l=1, s_3l=1, s_s1l=1,
@@ -291,6 +291,9 @@ PTX_FLAVOURS = {
     "down-bf16-mxfp4": dict(kernel="down", dtype="bf16", MXFP4=True),
     "gate_up-bf16-mxfp4-halves": dict(kernel="gate_up", dtype="bf16", MXFP4=True, HALVES=True),
     "down-bf16-mxfp4-halves": dict(kernel="down", dtype="bf16", MXFP4=True, HALVES=True),
+    # the PTX lookup: ptxas assembles it here; tests below emulate it; the GPU tests run it
+    "gate_up-bf16-mxfp4-asm": dict(kernel="gate_up", dtype="bf16", MXFP4=True, HALVES=True, ASM=True),
+    "down-bf16-mxfp4-asm": dict(kernel="down", dtype="bf16", MXFP4=True, HALVES=True, ASM=True),
 }
 
 
@@ -314,3 +317,129 @@ def test_pdl_order_in_sm90_ptx(sm90_ptx, flavour):
     assert not any(op in line for line in before for op in ("st.global", "atom.global", "red.global"))
     if flavour.startswith("gate_up"):
         assert not any("ld.global" in line for line in before)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: K3 rank shapes (TP=8: E 896, top-16, L 3584, I 384), CUDA graphs, PDL
+
+K3_RANK = dict(e=896, a=16, l=3584, i=384)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("m,routing", [(1, "random"), (8, "random"), (16, "skewed"), (64, "random"), (256, "repeat")],
+                         ids=lambda v: str(v))
+def test_gpu_k3_shapes_match_reference(m, routing, fmt):
+    args = moe_experts_inputs(m, K3_RANK["a"], K3_RANK["e"], K3_RANK["i"], K3_RANK["l"], torch.bfloat16, routing,
+                              mxfp4=fmt == "mxfp4", seed=m, device="cuda")
+    out = run_triton(args)
+    torch.cuda.synchronize()
+    assert rel_err(out, truth(args)) < 1e-2, f"M{m}-{routing}-{fmt}"
+    assert arrival_counters.all_zero()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp16", "fp32"])
+def test_gpu_other_dtypes(dtype):
+    args = moe_experts_inputs(4, 8, 64, 96, 256, DTYPES[dtype], seed=1, device="cuda")
+    assert rel_err(run_triton(args), truth(args)) < (5e-3 if dtype == "fp16" else 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [2, 16, 40], ids=lambda m: f"M{m}")
+def test_gpu_graph_replays_fresh_inputs(m):
+    """Captured once, replayed on fresh z, ids and router weights with the output NaN-poisoned: no host sync, no
+    data-dependent allocation, the counters rearmed by every launch, PDL order kept."""
+    e, a, l, i = 128, 8, 512, 96
+    args = [t for t in moe_experts_inputs(m, a, e, i, l, torch.bfloat16, seed=0, device="cuda")]
+    z, experts, weights = args[:3]
+    out = torch.empty_like(z)
+    moe_experts_triton(*args, *K3_BETAS, out=out)   # compile and allocate the counters outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        moe_experts_triton(*args, *K3_BETAS, out=out)
+    for seed in range(1, 4):
+        fresh = moe_experts_inputs(m, a, e, i, l, torch.bfloat16, routing="repeat" if seed == 2 else "random",
+                                   seed=seed, device="cuda")
+        for dst, src in zip((z, experts, weights), fresh[:3]):
+            dst.copy_(src)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, truth(args)) < 1e-2, seed
+    assert arrival_counters.all_zero()
+
+
+@pytest.mark.gpu
+def test_gpu_id_outside_range_poisons_only_its_token():
+    args = list(moe_experts_inputs(4, 16, 896, 384, 3584, torch.bfloat16, seed=3, device="cuda"))
+    args[1][2, 5] = 896
+    out = run_triton(args)
+    assert out[2].isnan().all() and not out[[0, 1, 3]].isnan().any()
+
+
+
+# ---------------------------------------------------------------------------------------------
+# the PTX lookup (triton.E2M1_BF16_PTX), emulated instruction by instruction
+
+def _run_ptx(asm: str, regs: dict) -> dict:
+    """Execute the straight-line PTX of ``asm`` (mov, and, or, shl, shr, prmt, fma.rn.bf16x2 on .b32) on ``regs``
+    ({"$4": value, ...}); returns every register."""
+    def val(op):
+        op = op.strip()
+        return int(op, 16) if op.startswith("0x") else int(op) if op.isdigit() else regs[op]
+
+    def bf16x2(v):
+        return torch.tensor([v & 0xFFFF, v >> 16], dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+
+    for line in asm.strip().splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        dst, *src = [t.strip() for t in rest.split(",")]
+        a = [val(t) for t in src]
+        if op == "mov.b32":
+            r = a[0]
+        elif op == "and.b32":
+            r = a[0] & a[1]
+        elif op == "or.b32":
+            r = a[0] | a[1]
+        elif op == "shl.b32":
+            r = (a[0] << a[1]) & 0xFFFFFFFF
+        elif op == "shr.b32":
+            r = a[0] >> a[1]
+        elif op == "prmt.b32":
+            pool = [(a[0] >> 8 * k) & 0xFF for k in range(4)] + [(a[1] >> 8 * k) & 0xFF for k in range(4)]
+            sel = [(a[2] >> 4 * i) & 0xF for i in range(4)]
+            assert all(c < 8 for c in sel), "sign-replicate mode is not used"
+            r = sum(pool[c] << 8 * i for i, c in enumerate(sel))
+        elif op == "fma.rn.bf16x2":
+            halves = (bf16x2(a[0]) * bf16x2(a[1]) + bf16x2(a[2])).to(torch.bfloat16).view(torch.int16).int() & 0xFFFF
+            r = int(halves[0]) | int(halves[1]) << 16
+        else:
+            raise AssertionError(f"unexpected instruction {op}")
+        regs[dst] = r
+    return regs
+
+
+@pytest.mark.parametrize("scale", [127, 120, 140, 0, 254], ids=lambda s: f"e8m0-{s}")
+def test_ptx_lookup_emulated_every_byte(scale):
+    """Every code byte in every position of the 32-bit word, against the reference dequantisation."""
+    from k3compile.ops.moe_experts.triton import E2M1_BF16_PTX
+
+    g = torch.Generator().manual_seed(scale)
+    sb = (0x40 if scale == 0 else scale << 7)                                # the bf16 scale, as _e8m0_bf16
+    for pos in range(4):
+        for byte in range(256):
+            word = torch.randint(0, 256, (4,), generator=g, dtype=torch.uint8)
+            word[pos] = byte
+            x = sum(int(b) << 8 * k for k, b in enumerate(word))
+            regs = _run_ptx(E2M1_BF16_PTX, {"$4": x, "$5": sb | sb << 16, "$6": sb | sb << 16})
+            got = torch.tensor([regs[f"${i}"] >> 16 * h & 0xFFFF for i in range(4) for h in range(2)],
+                               dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+            ref = dequantize_mxfp4(torch.cat([word, torch.zeros(12, dtype=torch.uint8)])[None],
+                                   torch.tensor([[scale]], dtype=torch.uint8), torch.bfloat16)[0, :8]
+            # outputs: $0, $1 the low nibbles (even elements 0, 2 | 4, 6), $2, $3 the high ones (odd)
+            assert torch.equal(got[:4].view(torch.int16), ref[0::2].view(torch.int16)), (pos, byte)
+            assert torch.equal(got[4:].view(torch.int16), ref[1::2].view(torch.int16)), (pos, byte)

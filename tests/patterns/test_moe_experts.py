@@ -245,3 +245,28 @@ def test_facts_and_expected():
     assert pattern.expected({"moe_layers": 3, pattern.FACT: 2})
     assert not pattern.expected({"moe_layers": 3, pattern.FACT: 0})
     assert not pattern.expected({"moe_layers": 0, pattern.FACT: 1})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,autotune", [(2, False), (2, True), (40, False)],
+                         ids=["decode", "decode-coordinate-descent", "prefill"])
+def test_gpu_routed_latent_rewritten_by_optimize(m, autotune):
+    """Through optimize on a GPU (bf16): the CUDA spellings are met in Inductor's real graph (coordinate-descent
+    tuning alone is what makes max-autotune decompose the gathered form), and the layer equals eager."""
+    import k3compile
+
+    cfg = KimiK3Config.tiny().text_config
+    moe = KimiLatentMoE(cfg).to("cuda", torch.bfloat16).eval()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(m, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    routed = _Routed(moe)
+    with torch.no_grad():
+        ref = routed(x)
+        torch._dynamo.reset()
+        with inductor_config.patch(fx_graph_cache=False, coordinate_descent_tuning=autotune):
+            k3compile.optimize(routed, passes=[pattern.NAME], strict=True, dynamic=False)
+            out = routed(x)
+    rep = k3compile.report(routed)
+    assert [g.record.matches[pattern.NAME] for g in rep.graphs] == [1]
+    assert rel_err(out, ref) < 2e-2

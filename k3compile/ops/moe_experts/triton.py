@@ -69,6 +69,7 @@ class MoeConfig:
     stages_down: int = 3
     preload: bool = True     # the down kernel's first w2 tile loaded before its PDL wait
     mxfp4_halves: bool = False   # MXFP4: even and odd columns as two products (no interleaving of the codes)
+    mxfp4_asm: bool = False      # with mxfp4_halves, bf16 on a GPU: the codes looked up in PTX (E2M1_BF16_ASM)
 
     def __post_init__(self):
         for name in ("block_m", "block_i", "block_l", "block_n", "block_k"):
@@ -81,7 +82,8 @@ class MoeConfig:
     def tag(self) -> str:
         return (f"m{self.block_m}-i{self.block_i}-l{self.block_l}-w{self.warps_up}s{self.stages_up}"
                 f"-n{self.block_n}-k{self.block_k}-w{self.warps_down}s{self.stages_down}"
-                f"{'-pre' if self.preload else ''}{'-halves' if self.mxfp4_halves else ''}")
+                f"{'-pre' if self.preload else ''}{'-halves' if self.mxfp4_halves else ''}"
+                f"{'-asm' if self.mxfp4_asm else ''}")
 
 
 def default_config(m: int, dtype: torch.dtype, mxfp4: bool, on_gpu: bool) -> MoeConfig:
@@ -159,30 +161,95 @@ def _mxfp4_tile(p_codes, p_scales, o_r, m_r, k0, K, s_cr, s_ck, s_sr, s_sk, R: t
     return b_v.to(DTYPE)
 
 
+# E2M1 -> bf16 for four code bytes at once (``_mxfp4_halves`` with ASM), sm_80+ PTX. Inputs: $4 four code bytes,
+# $5 / $6 the bf16 scales of elements 0-1 / 2-3; outputs: $0 / $1 the low nibbles' values (elements 0-1 / 2-3),
+# $2 / $3 the high nibbles'. Per half: the four 3-bit magnitudes gathered into one selector (and, shift, or, prmt),
+# two byte lookups (prmt) into the bf16 magnitudes' high and low bytes (0, .5, 1, 1.5, 2, 3, 4, 6: high bytes
+# 00 3F 3F 3F 40 40 40 40, low bytes 00 00 80 C0 00 40 80 C0), each sign bit moved to bit 7 of its high byte, the
+# bytes interleaved into bf16 pairs (prmt), then times the scale (fma with -0: exact, a power of two).
+# tests/ops/test_moe_experts.py emulates these steps on every byte; the GPU tests run them.
+E2M1_BF16_PTX = """
+{
+.reg .b32 x, m, u, sel, hb, lb, sg, r0, r1, th0, th1, tl0, tl1, nz;
+mov.b32 th0, 0x3F3F3F00;
+mov.b32 th1, 0x40404040;
+mov.b32 tl0, 0xC0800000;
+mov.b32 tl1, 0xC0804000;
+mov.b32 nz, 0x80008000;
+mov.b32 x, $4;
+and.b32 m, x, 0x07070707;
+shr.b32 u, m, 4;
+or.b32 u, u, m;
+prmt.b32 sel, u, u, 0x0020;
+prmt.b32 hb, th0, th1, sel;
+prmt.b32 lb, tl0, tl1, sel;
+shl.b32 sg, x, 4;
+and.b32 sg, sg, 0x80808080;
+or.b32 hb, hb, sg;
+prmt.b32 r0, lb, hb, 0x5140;
+prmt.b32 r1, lb, hb, 0x7362;
+fma.rn.bf16x2 $0, r0, $5, nz;
+fma.rn.bf16x2 $1, r1, $6, nz;
+shr.b32 x, x, 4;
+and.b32 m, x, 0x07070707;
+shr.b32 u, m, 4;
+or.b32 u, u, m;
+prmt.b32 sel, u, u, 0x0020;
+prmt.b32 hb, th0, th1, sel;
+prmt.b32 lb, tl0, tl1, sel;
+shl.b32 sg, x, 4;
+and.b32 sg, sg, 0x80808080;
+or.b32 hb, hb, sg;
+prmt.b32 r0, lb, hb, 0x5140;
+prmt.b32 r1, lb, hb, 0x7362;
+fma.rn.bf16x2 $2, r0, $5, nz;
+fma.rn.bf16x2 $3, r1, $6, nz;
+}
+"""
+E2M1_BF16_ASM = tl.constexpr(E2M1_BF16_PTX)   # a jit function reads globals only as constexpr
+
+
+@triton.jit
+def _e8m0_bf16(s):
+    """E8M0 scale bytes -> bf16 2^(s - 127), exactly: bits s << 7; 0 -> 2^-127 (0x0040, subnormal), 255 -> NaN."""
+    si = s.to(tl.int32)
+    bits = tl.where(si == 0, 0x40, tl.where(si == 255, 0x7FC0, si << 7))
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
 @triton.jit
 def _mxfp4_halves(p_codes, p_scales, o_r, m_r, k0, K, s_cr, s_ck, s_sr, s_sk, R: tl.constexpr, BK: tl.constexpr,
-                  DTYPE: tl.constexpr):
+                  DTYPE: tl.constexpr, ASM: tl.constexpr):
     """The even and the odd logical columns of rows ``o_r`` x [k0, k0 + BK) of an MXFP4 matrix, [R, BK/2] each in
-    DTYPE: the codes as [R, groups, 16] bytes, so each group's scale broadcasts without reshaping the codes."""
+    DTYPE: the codes as [R, groups, 16] bytes, so each group's scale broadcasts without reshaping the codes.
+    ASM (bf16, a GPU): byte lookups in PTX (``E2M1_BF16_ASM``) instead of arithmetic on every code."""
     G: tl.constexpr = BK // 32
     o_g = k0 // 32 + tl.arange(0, G)
     m_g = m_r[:, None] & (o_g < K // 32)[None, :]
     o_b = o_g[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
     b_c = tl.load(p_codes + o_r[:, None, None] * s_cr + o_b * s_ck, mask=m_g[:, :, None], other=0,
-                  eviction_policy="evict_first").to(tl.int32)                        # [R, G, 16]
-    b_s = _e8m0(tl.load(p_scales + o_r[:, None] * s_sr + o_g[None, :] * s_sk, mask=m_g, other=127,
-                        eviction_policy="evict_first"))[:, :, None]
-    lo = tl.reshape(_e2m1(b_c & 15) * b_s, (R, BK // 2))
-    hi = tl.reshape(_e2m1(b_c >> 4) * b_s, (R, BK // 2))
-    return lo.to(DTYPE), hi.to(DTYPE)
+                  eviction_policy="evict_first")                                      # [R, G, 16] uint8
+    b_s = tl.load(p_scales + o_r[:, None] * s_sr + o_g[None, :] * s_sk, mask=m_g, other=127,
+                  eviction_policy="evict_first")
+    if ASM:
+        b_sb = tl.broadcast_to(_e8m0_bf16(b_s)[:, :, None], (R, G, 16))
+        lo, hi = tl.inline_asm_elementwise(E2M1_BF16_ASM, "=r,=r,=r,=r,r,r,r", [b_c, b_sb],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        return tl.reshape(lo, (R, BK // 2)), tl.reshape(hi, (R, BK // 2))
+    else:
+        b_ci = b_c.to(tl.int32)
+        b_f = _e8m0(b_s)[:, :, None]
+        lo = tl.reshape(_e2m1(b_ci & 15) * b_f, (R, BK // 2))
+        hi = tl.reshape(_e2m1(b_ci >> 4) * b_f, (R, BK // 2))
+        return lo.to(DTYPE), hi.to(DTYPE)
 
 
 @triton.jit
 def _weight_tiles(p_w, p_s, o_r, m_r, k0, K, s_wr, s_wk, s_sr, s_sk, R: tl.constexpr, BK: tl.constexpr,
-                  MXFP4: tl.constexpr, HALVES: tl.constexpr, DTYPE: tl.constexpr):
+                  MXFP4: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr, DTYPE: tl.constexpr):
     """HALVES: the even and odd columns of an MXFP4 tile (``_mxfp4_halves``); else the whole tile, twice."""
     if HALVES:
-        return _mxfp4_halves(p_w, p_s, o_r, m_r, k0, K, s_wr, s_wk, s_sr, s_sk, R, BK, DTYPE)
+        return _mxfp4_halves(p_w, p_s, o_r, m_r, k0, K, s_wr, s_wk, s_sr, s_sk, R, BK, DTYPE, ASM)
     else:
         b_w = _weight_tile(p_w, p_s, o_r, m_r, k0, K, s_wr, s_wk, s_sr, s_sk, R, BK, MXFP4, DTYPE)
         return b_w, b_w
@@ -276,7 +343,7 @@ def _gate_up_kernel(
     NP, A, E, I, L, beta, linear_beta,
     s_zm, s_zl, s_1e, s_1i, s_1l, s_3e, s_3i, s_3l, s_s1e, s_s1i, s_s1l, s_s3e, s_s3i, s_s3l, s_hp,
     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr,
-    SORTED: tl.constexpr, MXFP4: tl.constexpr, HALVES: tl.constexpr, HAS_BETA: tl.constexpr,
+    SORTED: tl.constexpr, MXFP4: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr, HAS_BETA: tl.constexpr,
     HAS_LINEAR_BETA: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     slot = tl.program_id(0)
@@ -303,9 +370,9 @@ def _gate_up_kernel(
             m_z = m_j[:, None]
             for l0 in range(0, L, BLOCK_L):
                 b_w1a, b_w1b = _weight_tiles(p_w1e, p_s1e, o_i, m_i, l0, L, s_1i, s_1l, s_s1i, s_s1l, BLOCK_I,
-                                             BLOCK_L, MXFP4, HALVES, dtype)
+                                             BLOCK_L, MXFP4, HALVES, ASM, dtype)
                 b_w3a, b_w3b = _weight_tiles(p_w3e, p_s3e, o_i, m_i, l0, L, s_3i, s_3l, s_s3i, s_s3l, BLOCK_I,
-                                             BLOCK_L, MXFP4, HALVES, dtype)
+                                             BLOCK_L, MXFP4, HALVES, ASM, dtype)
                 acc_g = _rows_dot(acc_g, p_zj, m_z, l0, L, s_zl, b_w1a, b_w1b, BLOCK_L, HALVES, IEEE, UPCAST)
                 acc_u = _rows_dot(acc_u, p_zj, m_z, l0, L, s_zl, b_w3a, b_w3b, BLOCK_L, HALVES, IEEE, UPCAST)
             if PDL:
@@ -324,7 +391,7 @@ def _down_kernel(
     NP, M, A, E, I, L,
     s_2e, s_2l, s_2i, s_s2e, s_s2l, s_s2i, s_hp, s_om, s_ol,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
-    SORTED: tl.constexpr, MXFP4: tl.constexpr, HALVES: tl.constexpr, COMBINE: tl.constexpr,
+    SORTED: tl.constexpr, MXFP4: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr, COMBINE: tl.constexpr,
     PRELOAD: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     slot = tl.program_id(0)
@@ -342,7 +409,7 @@ def _down_kernel(
         dtype = p_h.dtype.element_ty
         if PRELOAD:
             b_w0a, b_w0b = _weight_tiles(p_w2e, p_s2e, o_n, m_n, 0, I, s_2l, s_2i, s_s2l, s_s2i, BLOCK_N, BLOCK_K,
-                                         MXFP4, HALVES, dtype)
+                                         MXFP4, HALVES, ASM, dtype)
         if PDL:
             gdc_wait()
         for r0 in range(0, count, BLOCK_M):
@@ -353,7 +420,7 @@ def _down_kernel(
             k_start = BLOCK_K if PRELOAD else 0
             for k0 in range(k_start, I, BLOCK_K):
                 b_wa, b_wb = _weight_tiles(p_w2e, p_s2e, o_n, m_n, k0, I, s_2l, s_2i, s_s2l, s_s2i, BLOCK_N,
-                                           BLOCK_K, MXFP4, HALVES, dtype)
+                                           BLOCK_K, MXFP4, HALVES, ASM, dtype)
                 acc = _rows_dot(acc, p_hj, m_hj, k0, I, 1, b_wa, b_wb, BLOCK_K, HALVES, IEEE, UPCAST)
             if PRELOAD:
                 acc = _rows_dot(acc, p_hj, m_hj, 0, I, 1, b_w0a, b_w0b, BLOCK_K, HALVES, IEEE, UPCAST)
@@ -479,6 +546,9 @@ def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Te
     ieee = z.dtype == torch.float32 or upcast
     s1, s3, s2 = (w1_scale, w3_scale, w2_scale) if mxfp4 else (w1, w3, w2)   # placeholders when float
     launch = dict(launch_pdl=True) if pdl else {}
+    halves = mxfp4 and config.mxfp4_halves
+    # the PTX lookup: bf16 on an NVIDIA GPU (the interpreter runs no inline assembly)
+    asm = halves and config.mxfp4_asm and on_gpu and not is_rocm() and z.dtype == torch.bfloat16
     on_device = torch.cuda.device(z.device) if on_gpu else contextlib.nullcontext()
     with on_device:
         _gate_up_kernel[(slots, triton.cdiv(i_width, config.block_i))](
@@ -488,7 +558,7 @@ def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Te
             *(_strides3(w1_scale) if mxfp4 else (0, 0, 0)), *(_strides3(w3_scale) if mxfp4 else (0, 0, 0)),
             h.stride(0),
             BLOCK_M=config.block_m, BLOCK_I=config.block_i, BLOCK_L=config.block_l, BLOCK_P=block_p,
-            SORTED=sorted_form, MXFP4=mxfp4, HALVES=mxfp4 and config.mxfp4_halves, HAS_BETA=beta is not None,
+            SORTED=sorted_form, MXFP4=mxfp4, HALVES=halves, ASM=asm, HAS_BETA=beta is not None,
             HAS_LINEAR_BETA=linear_beta is not None,
             IEEE=ieee, UPCAST=upcast, PDL=pdl, num_warps=config.warps_up, num_stages=config.stages_up, **launch,
         )
@@ -497,7 +567,7 @@ def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Te
             np_, m, a, e_count, i_width, l,
             *w2.stride(), *(_strides3(w2_scale) if mxfp4 else (0, 0, 0)), h.stride(0), out.stride(0), out.stride(1),
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_P=block_p,
-            SORTED=sorted_form, MXFP4=mxfp4, HALVES=mxfp4 and config.mxfp4_halves, COMBINE=combine,
+            SORTED=sorted_form, MXFP4=mxfp4, HALVES=halves, ASM=asm, COMBINE=combine,
             PRELOAD=config.preload,
             IEEE=ieee, UPCAST=upcast, PDL=pdl, num_warps=config.warps_down, num_stages=config.stages_down, **launch,
         )
