@@ -12,20 +12,17 @@ passed over.
 """
 from __future__ import annotations
 
-import functools
 import importlib
-import json
-from pathlib import Path
 from typing import Optional
 
 import torch
 
 from k3compile.backends import Impl, OpImpls, Reason, register_op_impls, triton_can_run_on
 
+from .config import decode_form, table
 from .reference import moe_experts_ref
 
 _TRITON_MODULE = "k3compile.ops.moe_experts.triton"
-TABLES = Path(__file__).resolve().parent / "tables"
 
 
 def _triton():
@@ -38,25 +35,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def weight_format(w1_scale) -> str:
     return "mxfp4" if w1_scale is not None else "float"
-
-
-@functools.cache
-def _table_for(gpu: str) -> dict:
-    path = TABLES / f"{gpu}.json"
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def gpu_name(device: torch.device) -> Optional[str]:
-    """The table name of a CUDA device ("h200"), None elsewhere or for a GPU without a table name."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device).lower()
-    return "h200" if "h200" in name else None
-
-
-def table(device: torch.device) -> dict:
-    gpu = gpu_name(device)
-    return _table_for(gpu) if gpu else {}
 
 
 def dense_faster(z, experts, w1, w1_scale, small_m_limit) -> Reason:
@@ -133,7 +111,7 @@ def _layout(t) -> Optional[tuple]:
 def key(z, experts, weights, w1, w3, w2, w1_scale, small_m_limit) -> tuple:
     """Everything the predicates read, as the report prints it."""
     m, l = z.shape
-    form = "decode" if _triton().decode_form(m, experts.shape[1], small_m_limit) else "prefill"
+    form = "decode" if decode_form(m, experts.shape[1], small_m_limit) else "prefill"
     return (z.device.type, (_dtype_name(z.dtype), weight_format(w1_scale), form, f"M={m}", f"A={experts.shape[1]}",
                             f"E={w1.shape[0]}", f"I={w1.shape[1]}", f"L={l}",
                             *(("strided",) if not all(_layout(t)[0] for t in (z, w1, w3, w2)) else ())))

@@ -34,7 +34,6 @@ and lets the next kernel launch after its loop.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -49,56 +48,9 @@ except ImportError:  # pragma: no cover
 from k3compile.backends import Reason, is_rocm
 from k3compile.ops.arrival_counters import arrival_counters
 
+from .config import DECODE_MAX_PAIRS, MoeConfig, decode_form, default_config, table, tuned_config  # noqa: F401
+
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-DECODE_MAX_PAIRS = 512   # the decode kernels' programs scan every pair: [BLOCK_M, P] registers
-MXFP4_GROUP = 32
-
-
-@dataclass(frozen=True)
-class MoeConfig:
-    """Tiles and launch knobs of both kernels (gate/up: ``block_i`` rows of w1/w3 by ``block_l`` columns a step;
-    down: ``block_n`` rows of w2 by ``block_k`` columns a step; ``block_m`` pairs a row chunk)."""
-    block_m: int = 16
-    block_i: int = 32
-    block_l: int = 128
-    warps_up: int = 4
-    stages_up: int = 4
-    block_n: int = 64
-    block_k: int = 128
-    warps_down: int = 4
-    stages_down: int = 3
-    preload: bool = True     # the down kernel's first w2 tile loaded before its PDL wait
-    mxfp4_halves: bool = False   # MXFP4: even and odd columns as two products (no interleaving of the codes)
-    mxfp4_asm: bool = False      # with mxfp4_halves, bf16 on a GPU: the codes looked up in PTX (E2M1_BF16_ASM)
-
-    def __post_init__(self):
-        for name in ("block_m", "block_i", "block_l", "block_n", "block_k"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"MoeConfig.{name}={v}: a power of two >= 16")
-        if self.block_l < MXFP4_GROUP or self.block_k < MXFP4_GROUP:
-            raise ValueError("MoeConfig: block_l and block_k must cover whole MXFP4 groups (>= 32)")
-
-    def tag(self) -> str:
-        return (f"m{self.block_m}-i{self.block_i}-l{self.block_l}-w{self.warps_up}s{self.stages_up}"
-                f"-n{self.block_n}-k{self.block_k}-w{self.warps_down}s{self.stages_down}"
-                f"{'-pre' if self.preload else ''}{'-halves' if self.mxfp4_halves else ''}"
-                f"{'-asm' if self.mxfp4_asm else ''}")
-
-
-def default_config(m: int, dtype: torch.dtype, mxfp4: bool, on_gpu: bool) -> MoeConfig:
-    """Interpreter: small tiles (fewer, cheaper interpreted programs). GPU: the defaults above (fp32: half the
-    columns a step, the tiles are twice the bytes)."""
-    if not on_gpu:
-        return MoeConfig(block_i=64, block_l=64, block_n=64, block_k=64, stages_up=1, stages_down=1)
-    if dtype == torch.float32:
-        return MoeConfig(block_l=64, block_k=64)
-    return MoeConfig()
-
-
-def decode_form(m: int, a: int, small_m_limit: int) -> bool:
-    """The decode kernels (programs find their pairs themselves) up to the small-M limit; else the sorted form."""
-    return m <= small_m_limit and m * a <= DECODE_MAX_PAIRS
 
 
 def pdl_capable(device: torch.device) -> bool:
@@ -521,7 +473,8 @@ def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Te
     np_ = m * a
     on_gpu = z.device.type == "cuda"
     if config is None:
-        config = default_config(m, z.dtype, mxfp4, on_gpu)
+        config = tuned_config(table(z.device), m, z.dtype, mxfp4, i_width, l) or default_config(m, z.dtype, mxfp4,
+                                                                                               on_gpu)
     ids = experts.reshape(-1)
     ids = ids if ids.is_contiguous() else ids.contiguous()
     wts = weights.reshape(-1)
