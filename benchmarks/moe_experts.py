@@ -31,6 +31,7 @@ passes; every call streams its experts from HBM: one set of weights, ``virtual l
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -50,7 +51,9 @@ from k3compile.model.moe import experts_dense, experts_gathered  # noqa: E402
 from k3compile.ops.moe_experts import MOE_EXPERTS, moe_experts  # noqa: E402
 from k3compile.ops.moe_experts.dispatch import moe_experts_dense  # noqa: E402
 from k3compile.ops.moe_experts.reference import dequantize_mxfp4, moe_experts_ref  # noqa: E402
-from k3compile.ops.moe_experts.triton import MoeConfig, moe_experts_triton  # noqa: E402
+from k3compile.ops.moe_experts.triton import (  # noqa: E402
+    MoeConfig, default_config, moe_experts_triton, tuned_config,
+)
 
 E, TOP_K, LATENT, FULL_I = 896, 16, 3584, 3072
 BETAS = (4.0, 25.0)                      # K3's activation_situ_beta, activation_situ_linear_beta
@@ -61,14 +64,18 @@ DEVICE = "cpu" if SMOKE else "cuda"
 
 # The configurations --sweep-m times (tune picks among them): gate/up tiles with the default down tiles, then the
 # down tiles with the default gate/up tiles; MXFP4 also as even/odd halves.
-SWEEP = [MoeConfig(), MoeConfig(block_i=64, stages_up=3), MoeConfig(block_i=16, block_l=256),
-         MoeConfig(block_i=32, block_l=256, warps_up=8, stages_up=3), MoeConfig(block_n=32),
-         MoeConfig(block_n=128, warps_down=8), MoeConfig(preload=False)]
+SWEEP = [MoeConfig(), MoeConfig(combine_in_kernel=False), MoeConfig(block_i=16, stages_up=6),
+         MoeConfig(block_i=16, block_n=128, warps_down=8), MoeConfig(block_n=128, warps_down=8),
+         MoeConfig(block_n=128, warps_down=8, combine_in_kernel=False), MoeConfig(block_i=64, warps_up=8),
+         MoeConfig(block_n=32)]
 _ASM = dict(mxfp4_halves=True, mxfp4_asm=True)
 SWEEP_MXFP4 = [MoeConfig(), MoeConfig(mxfp4_halves=True), MoeConfig(**_ASM),
-               MoeConfig(block_i=64, block_l=256, stages_up=3, **_ASM),
-               MoeConfig(block_i=32, block_l=256, warps_up=8, stages_up=3, **_ASM),
+               MoeConfig(block_i=64, block_l=256, stages_up=3, **_ASM), MoeConfig(block_i=16, block_l=256, **_ASM),
                MoeConfig(block_n=128, warps_down=8, **_ASM)]
+# --kernels-m: each kernel of the default configuration alone (its buffers uninitialised: timing only)
+KERNELS = {"k3[gate_up]": ("gate_up", None), "k3[down]": ("down", None),
+           "k3[down-ck]": ("down", dict(combine_in_kernel=False)), "k3[combine]": ("combine",
+                                                                                   dict(combine_in_kernel=False))}
 
 
 def parse_args(argv=None):
@@ -82,6 +89,7 @@ def parse_args(argv=None):
                    help="Ms with the torch.compile anchor (default: every M; MXFP4 gathered Ms only)")
     p.add_argument("--autotune-m", type=int, nargs="*", default=[], help="Ms with max-autotune (bf16, TP 8)")
     p.add_argument("--sweep-m", type=int, nargs="*", default=[], help="Ms at which the SWEEP configurations run")
+    p.add_argument("--kernels-m", type=int, nargs="*", default=[], help="Ms at which each kernel is timed alone")
     p.add_argument("--repeats", type=int, default=3, help="interleaved timing passes; a row is their median")
     p.add_argument("--replays", type=int, default=20, help="graph replays per pass")
     p.add_argument("--json", default=None)
@@ -91,7 +99,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.smoke:
         args.m, args.tp, args.sweep_m, args.autotune_m, args.replays, args.repeats = [1, 3, 9], [8], [1], [], 1, 1
-        args.compile_m = [3]
+        args.compile_m, args.kernels_m = [3], [3]
     return args
 
 
@@ -154,6 +162,17 @@ def k3_op(z, experts, weights, w1, w3, w2, s1, s3, s2):
 def k3_config(config: MoeConfig):
     def run(z, experts, weights, w1, w3, w2, s1, s3, s2, out=None):
         return moe_experts_triton(z, experts, weights, w1, w3, w2, s1, s3, s2, *BETAS, config=config, out=out)
+    return run
+
+
+def k3_kernel(only: str, overrides):
+    def run(z, experts, weights, w1, w3, w2, s1, s3, s2):
+        from k3compile.ops.moe_experts.config import table
+
+        base = tuned_config(table(z.device), z.shape[0], z.dtype, s1 is not None, w1.shape[1], z.shape[1]) or \
+            default_config(z.shape[0], z.dtype, s1 is not None, z.is_cuda)
+        config = dataclasses.replace(base, **(overrides or {}))
+        return moe_experts_triton(z, experts, weights, w1, w3, w2, s1, s3, s2, *BETAS, config=config, only=only)
     return run
 
 
@@ -226,6 +245,8 @@ def check(name, fn, s, weights, m, routing) -> float:
     NaN-poisoned output (the other providers allocate their own)."""
     z, experts, wts = make_routing(m, s, routing, layer=99, seed=7)
     args = (z, experts, wts, *weights)
+    if name.startswith("k3["):
+        return float("nan")   # one kernel alone: timing only
     if name.startswith("k3:"):
         out = fn(*args, out=torch.full_like(z, float("nan")))
     else:
@@ -282,6 +303,8 @@ def providers_for(args, tp, fmt, m) -> dict:
     if m in args.sweep_m:
         for cfg in (SWEEP if fmt == "bf16" else SWEEP_MXFP4):
             out[f"k3:{cfg.tag()}"] = k3_config(cfg)
+    if m in args.kernels_m:
+        out.update({name: k3_kernel(only, overrides) for name, (only, overrides) in KERNELS.items()})
     want_compile = args.compile_m is None or m in args.compile_m
     if want_compile and fmt == "bf16":
         out["compile"] = compiled(model_float)
@@ -353,7 +376,7 @@ def best_configs(rows) -> list:
     tags = {f"k3:{c.tag()}": c for c in SWEEP + SWEEP_MXFP4}
     best = {}
     for r in rows:
-        if r["provider"] in tags and r["routing"] == "random" and r["rel_err"] < 2e-2:
+        if r["provider"] in tags and r["routing"] == "random" and r["rel_err"] < 2e-2:   # NaN fails too
             key = (r["format"], r["tp"], r["m"])
             if key not in best or r["us"] < best[key]["us"]:
                 best[key] = r
@@ -364,6 +387,24 @@ def best_configs(rows) -> list:
                         config=dataclasses.asdict(tags[r["provider"]]), us=round(r["us"], 2),
                         default_us=next((round(x["us"], 2) for x in rows if (x["format"], x["tp"], x["m"],
                                          x["provider"], x["routing"]) == (fmt, tp, m, "k3", "random")), None)))
+    return out
+
+
+def dense_entries(rows) -> list:
+    """Per TP (bf16): the smallest M from which the dense form through cuBLAS beat the kernels at every larger M
+    measured (``dispatch.dense_faster`` reads these); none where it never did."""
+    out = []
+    for tp in sorted({r["tp"] for r in rows}):
+        times = {}
+        for r in rows:
+            if (r["tp"], r["format"], r["routing"]) == (tp, "bf16", "random") and r["provider"] in ("k3", "dense"):
+                times.setdefault(r["m"], {})[r["provider"]] = r["us"]
+        ms = sorted(m for m, t in times.items() if len(t) == 2)
+        wins = [m for i, m in enumerate(ms) if all(times[x]["dense"] < times[x]["k3"] for x in ms[i:])]
+        if wins:
+            s = shapes(tp)
+            out.append(dict(dtype="bfloat16", format="float", E=s["e"], I=s["i"], L=s["l"], A=s["a"],
+                            dense_from_m=wins[0]))
     return out
 
 
@@ -406,7 +447,7 @@ def main(argv=None):
     if args.svg:
         write_svg(rows, args.svg)
     if args.table:
-        Path(args.table).write_text(json.dumps(dict(configs=best_configs(rows)), indent=1))
+        Path(args.table).write_text(json.dumps(dict(configs=best_configs(rows), dense=dense_entries(rows)), indent=1))
 
 
 if __name__ == "__main__":

@@ -128,6 +128,25 @@ def test_combine_kernel_when_no_counters(monkeypatch):
     assert rel_err(run_triton(args), truth(args)) < TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("routing", ["random", "one"])
+def test_combine_kernel_by_config(routing):
+    args = moe_experts_inputs(3, 3, 4, 24, 40, torch.float32, routing, seed=6)
+    config = MoeConfig(block_i=64, block_l=64, block_n=64, block_k=64, stages_up=1, stages_down=1,
+                       combine_in_kernel=False)
+    assert rel_err(run_triton(args, config=config), truth(args)) < TOL[torch.float32]
+
+
+def test_dense_fallback_without_host_sync():
+    """The cuBLAS fallback runs inside CUDA graphs: an id out of range poisons its token instead of raising."""
+    args = list(moe_experts_inputs(6, 2, 4, 16, 32, torch.float32, seed=8))
+    args[1] = args[1].clone()
+    args[1][3, 1] = -2
+    out = dispatch.moe_experts_dense(*args[:6], *K3_BETAS)
+    good = [0, 1, 2, 4, 5]
+    assert out[3].isnan().all()
+    assert rel_err(out[good], moe_experts_ref(*[t[good] for t in args[:3]], *args[3:], *K3_BETAS)) < 1e-5
+
+
 def test_repeated_calls_identical():
     args = moe_experts_inputs(4, 3, 5, 24, 40, torch.bfloat16, routing="repeat", seed=6)
     first, second = run_triton(args), run_triton(args)
@@ -203,8 +222,8 @@ def test_dtype_the_kernels_lack_falls_back_recorded(clean_records):
     assert rel_err(out, truth(args)) < 1e-12
 
 
-@pytest.mark.parametrize("m,a,limit,form", [(16, 16, 16, True), (17, 16, 16, False), (33, 16, 64, False),
-                                            (8, 4, 4, False)])
+@pytest.mark.parametrize("m,a,limit,form", [(16, 16, 16, True), (17, 16, 16, False), (17, 16, 64, False),
+                                            (8, 4, 4, False), (4, 64, 16, True)])
 def test_decode_form_by_rows_and_pairs(m, a, limit, form):
     assert decode_form(m, a, limit) is form
 
@@ -256,7 +275,7 @@ out = {}
 for name, flavour in json.loads(sys.argv[1]).items():
     kernel = _gate_up_kernel if flavour.pop("kernel") == "gate_up" else _down_kernel
     dtype, mxfp4 = flavour.pop("dtype"), flavour.get("MXFP4", False)
-    const = dict(BLOCK_M=16, BLOCK_P=128, SORTED=False, MXFP4=False, HALVES=False, ASM=False, IEEE=dtype == "fp32",
+    const = dict(BLOCK_M=16, BLOCK_A=16, SORTED=False, MXFP4=False, HALVES=False, ASM=False, IEEE=dtype == "fp32",
                  UPCAST=False, PDL=True)
     # unit inner strides as Triton specialises them at a launch (the loads vectorise)
     const.update(dict(BLOCK_I=32, BLOCK_L=128, HAS_BETA=True, HAS_LINEAR_BETA=True, s_zl=1, s_1l=1, s_3l=1, s_s1l=1,

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-DECODE_MAX_PAIRS = 512   # the decode kernels' programs scan every pair: [BLOCK_M, P] registers
+DECODE_MAX_M = 16   # the decode kernels take a row per token: every token in one tile
 MXFP4_GROUP = 32
 TABLES = Path(__file__).resolve().parent / "tables"
 
@@ -32,6 +32,7 @@ class MoeConfig:
     preload: bool = True     # the down kernel's first w2 tile loaded before its PDL wait
     mxfp4_halves: bool = False   # MXFP4: even and odd columns as two products (no interleaving of the codes)
     mxfp4_asm: bool = False      # with mxfp4_halves, bf16 on a GPU: the codes looked up in PTX (E2M1_BF16_ASM)
+    combine_in_kernel: bool = True   # decode: the last of a token's pairs sums its partials (arrival counters)
 
     def __post_init__(self):
         for name in ("block_m", "block_i", "block_l", "block_n", "block_k"):
@@ -45,7 +46,7 @@ class MoeConfig:
         return (f"m{self.block_m}-i{self.block_i}-l{self.block_l}-w{self.warps_up}s{self.stages_up}"
                 f"-n{self.block_n}-k{self.block_k}-w{self.warps_down}s{self.stages_down}"
                 f"{'-pre' if self.preload else ''}{'-halves' if self.mxfp4_halves else ''}"
-                f"{'-asm' if self.mxfp4_asm else ''}")
+                f"{'-asm' if self.mxfp4_asm else ''}{'' if self.combine_in_kernel else '-ck'}")
 
 
 def tuned_config(table: dict, m: int, dtype: torch.dtype, mxfp4: bool, i: int, l: int) -> Optional[MoeConfig]:
@@ -72,8 +73,9 @@ def default_config(m: int, dtype: torch.dtype, mxfp4: bool, on_gpu: bool) -> Moe
 
 
 def decode_form(m: int, a: int, small_m_limit: int) -> bool:
-    """The decode kernels (programs find their pairs themselves) up to the small-M limit; else the sorted form."""
-    return m <= small_m_limit and m * a <= DECODE_MAX_PAIRS
+    """The decode kernels (programs find their tokens themselves, a row per token) up to the small-M limit and
+    ``DECODE_MAX_M``; else the sorted form."""
+    return m <= min(small_m_limit, DECODE_MAX_M)
 
 
 @functools.cache

@@ -1,9 +1,9 @@
 """Which implementation of ``k3::moe_experts`` runs, in one place: the order and the profitability rule.
 
 Order (``k3compile.backends``): ``triton`` on a GPU (or CPU tensors under ``TRITON_INTERPRET=1``), else the
-``reference``. The Triton implementation has two forms, picked by M in ``triton.py``: up to ``small_m_limit``
-rows (and at most ``triton.DECODE_MAX_PAIRS`` token-expert pairs) the decode kernels, which find their expert's
-tokens themselves; above, the same kernels over pairs sorted by expert (prefill).
+``reference``. The Triton implementation has two forms, picked by M (``config.decode_form``): up to
+``small_m_limit`` rows (at most 16) the decode kernels, which find their expert's tokens themselves; above, the
+same kernels over pairs sorted by expert (prefill).
 
 Profitable: everywhere, except where the measured table of this GPU (``tables/<gpu>.json``, written by
 ``benchmarks/moe_experts.py --table``) lists the dense form through cuBLAS (``aten``: every token through every
@@ -78,17 +78,20 @@ def _run_reference(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale
 
 def moe_experts_dense(z, experts, weights, w1, w3, w2, beta, linear_beta) -> torch.Tensor:
     """Every token through every expert (cuBLAS batched GEMMs), unselected experts weighted 0: the model's
-    ``experts_dense`` (float weights only), with the ids checked first."""
-    from .reference import _situ_glu, check_expert_ids
+    ``experts_dense`` (float weights only). No host sync (it runs inside CUDA graphs): a token holding an id
+    outside [0, E) comes out NaN, as from the kernels."""
+    from .reference import _situ_glu
 
-    check_expert_ids(experts, w1.shape[0])
-    combine = torch.zeros(z.shape[0], w1.shape[0], dtype=torch.float32, device=z.device)
-    combine = combine.scatter(1, experts.long(), weights.float())                 # [M, E]
+    num_experts = w1.shape[0]
+    bad = ((experts < 0) | (experts >= num_experts)).any(-1, keepdim=True)       # [M, 1]
+    combine = torch.zeros(z.shape[0], num_experts, dtype=torch.float32, device=z.device)
+    combine = combine.scatter(1, experts.long().clamp(0, num_experts - 1), weights.float())   # [M, E]
     gate = torch.einsum("ml,eil->emi", z, w1)                                      # [E, M, I]
     up = torch.einsum("ml,eil->emi", z, w3)
     h = _situ_glu(gate.float(), up.float(), beta, linear_beta).to(z.dtype)
     y = torch.einsum("emi,eli->eml", h, w2)                                        # [E, M, L]
-    return (y.float() * combine.t()[..., None]).sum(0).to(z.dtype)
+    out = (y.float() * combine.t()[..., None]).sum(0)
+    return torch.where(bad, torch.nan, out).to(z.dtype)
 
 
 def _run_dense(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, beta, linear_beta, small_m_limit):

@@ -15,8 +15,9 @@ Two kernels (three where no arrival counters exist, below), launched back to bac
 
 How a program finds its expert's pairs (CUDA-graph capturable: no host sync, no data-dependent allocation):
 
-- decode (M ≤ small_m_limit, P ≤ ``DECODE_MAX_PAIRS``): grid (P, tiles); program ``p`` reads all P ids; it runs
-  only if pair p is the first pair of its expert, and gathers the expert's pairs by rank (cumsum) itself;
+- decode (M ≤ small_m_limit and ≤ 16): grid (P, tiles); program ``p`` reads the [M, A] ids; it runs only if pair
+  p is the first pair of its expert (token, then slot order); its rows are the tokens, each masked unless it chose
+  the expert (a token holding it twice takes a second round);
 - prefill: the pairs sorted by expert on the device (``torch.sort`` + ``searchsorted``: ``order`` and
   ``offsets [E + 1]``); grid (E, tiles); program ``e`` reads its pairs ``order[offsets[e]:offsets[e + 1]]``.
 
@@ -48,7 +49,7 @@ except ImportError:  # pragma: no cover
 from k3compile.backends import Reason, is_rocm
 from k3compile.ops.arrival_counters import arrival_counters
 
-from .config import DECODE_MAX_PAIRS, MoeConfig, decode_form, default_config, table, tuned_config  # noqa: F401
+from .config import MoeConfig, decode_form, default_config, table, tuned_config  # noqa: F401
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -208,20 +209,27 @@ def _weight_tiles(p_w, p_s, o_r, m_r, k0, K, s_wr, s_wk, s_sr, s_sk, R: tl.const
 
 
 @triton.jit
-def _rows_dot(acc, p_rows, m_rows, k0, K, s_k, b_wa, b_wb, BK: tl.constexpr, HALVES: tl.constexpr,
-              IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """``acc + x·wᵀ`` for the activation rows ``p_rows`` (pointers [BLOCK_M, 1]) over columns [k0, k0 + BK): the
-    whole tile ``b_wa``, or (HALVES) the even columns against ``b_wa`` and the odd ones against ``b_wb``."""
+def _act_tiles(p_rows, m_rows, k0, K, s_k, BK: tl.constexpr, HALVES: tl.constexpr):
+    """Activation rows ``p_rows`` (pointers [BLOCK_M, 1]) over columns [k0, k0 + BK): the whole tile twice, or
+    (HALVES) its even and its odd columns."""
     if HALVES:
         o_h = k0 + 2 * tl.arange(0, BK // 2)
         m_h = m_rows & (o_h < K)[None, :]
-        b_xe = tl.load(p_rows + o_h[None, :] * s_k, mask=m_h, other=0.)
-        b_xo = tl.load(p_rows + (o_h + 1)[None, :] * s_k, mask=m_h, other=0.)
-        return _dot(_dot(acc, b_xe, b_wa, IEEE, UPCAST), b_xo, b_wb, IEEE, UPCAST)
+        return (tl.load(p_rows + o_h[None, :] * s_k, mask=m_h, other=0.),
+                tl.load(p_rows + (o_h + 1)[None, :] * s_k, mask=m_h, other=0.))
     else:
         o_k = k0 + tl.arange(0, BK)
         b_x = tl.load(p_rows + o_k[None, :] * s_k, mask=m_rows & (o_k < K)[None, :], other=0.)
-        return _dot(acc, b_x, b_wa, IEEE, UPCAST)
+        return b_x, b_x
+
+
+@triton.jit
+def _dot2(acc, b_xa, b_xb, b_wa, b_wb, HALVES: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + x·wᵀ``: one product, or (HALVES) the even columns' plus the odd columns'."""
+    acc = _dot(acc, b_xa, b_wa, IEEE, UPCAST)
+    if HALVES:
+        acc = _dot(acc, b_xb, b_wb, IEEE, UPCAST)
+    return acc
 
 
 @triton.jit
@@ -250,51 +258,62 @@ def _dot(acc, b_x, b_w, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _my_expert(p_ids, p_offsets, slot, NP, E, SORTED: tl.constexpr, BLOCK_P: tl.constexpr):
-    """(expert id, whether this program runs, its pairs' start in ``order`` (sorted), its pair count).
-
-    Decode: slot is a pair; the program runs where that pair is the first of its expert. Sorted: slot is an expert
-    (always valid); it runs where some pair chose it."""
-    if SORTED:
-        start = tl.load(p_offsets + slot)
-        count = tl.load(p_offsets + slot + 1) - start
-        return slot, count > 0, start, count
-    else:
-        o_p = tl.arange(0, BLOCK_P)
-        m_p = o_p < NP
-        ids = tl.load(p_ids + o_p, mask=m_p, other=0)
-        e = tl.load(p_ids + slot)
-        same = (ids == e) & m_p
-        before = tl.sum((same & (o_p < slot)).to(tl.int32), axis=0)
-        return e, before == 0, 0, tl.sum(same.to(tl.int32), axis=0)
+def _token_ids(p_ids, M, A, BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr):
+    """Decode: the ids as a [BLOCK_M tokens, BLOCK_A slots] tile, and which entries exist."""
+    o_t = tl.arange(0, BLOCK_M)
+    o_a = tl.arange(0, BLOCK_A)
+    m_ta = (o_t < M)[:, None] & (o_a < A)[None, :]
+    return tl.load(p_ids + o_t[:, None] * A + o_a[None, :], mask=m_ta, other=0), m_ta, o_t, o_a
 
 
 @triton.jit
-def _chunk_pairs(p_ids, p_order, e, start, r0, count, NP, SORTED: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_P: tl.constexpr):
-    """The pair indices of rows [r0, r0 + BLOCK_M) of expert ``e``'s pairs, and which rows exist."""
-    o_j = r0 + tl.arange(0, BLOCK_M)
-    m_j = o_j < count
+def _my_expert(p_ids, p_offsets, slot, M, A, SORTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr):
+    """(expert id, whether this program runs, its first pair's position in ``order`` and pair count (sorted), its
+    row chunks).
+
+    Decode: slot is a pair; the program runs where that pair is the first of its expert (in token, then slot
+    order); a row is a token, and a chunk takes each token's next pair on the expert (one chunk unless a token
+    holds the expert twice). Sorted: slot is an expert; it runs where some pair chose it; a chunk is BLOCK_M of
+    its pairs."""
     if SORTED:
-        pairs = tl.load(p_order + start + o_j, mask=m_j, other=0)
+        start = tl.load(p_offsets + slot)
+        count = tl.load(p_offsets + slot + 1) - start
+        return slot, count > 0, start, tl.cdiv(count, BLOCK_M), count
     else:
-        o_p = tl.arange(0, BLOCK_P)
-        m_p = o_p < NP
-        same = (tl.load(p_ids + o_p, mask=m_p, other=0) == e) & m_p
-        rank = tl.cumsum(same.to(tl.int32), axis=0) - 1                             # rank of each pair of e
-        hit = same[None, :] & (rank[None, :] == o_j[:, None])                       # [BLOCK_M, BLOCK_P]
-        pairs = tl.sum(tl.where(hit, o_p[None, :], 0), axis=1)
-    return pairs, m_j
+        ids, m_ta, o_t, o_a = _token_ids(p_ids, M, A, BLOCK_M, BLOCK_A)
+        e = tl.load(p_ids + slot)
+        same = (ids == e) & m_ta
+        t0 = slot // A
+        earlier = (o_t[:, None] < t0) | ((o_t[:, None] == t0) & (o_a[None, :] < slot - t0 * A))
+        first = tl.sum((same & earlier).to(tl.int32)) == 0
+        return e, first, 0, tl.max(tl.sum(same.to(tl.int32), axis=1), axis=0), 0
+
+
+@triton.jit
+def _chunk_pairs(p_ids, p_order, e, start, c, count_rows, M, A, SORTED: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_A: tl.constexpr):
+    """The pair index of each row of chunk ``c`` of expert ``e`` and which rows exist (``count_rows``: sorted, its
+    pair count). Decode: row t is token t's (c+1)-th pair on e."""
+    if SORTED:
+        o_j = c * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_j = o_j < count_rows
+        return tl.load(p_order + start + o_j, mask=m_j, other=0), m_j
+    else:
+        ids, m_ta, o_t, o_a = _token_ids(p_ids, M, A, BLOCK_M, BLOCK_A)
+        same = (ids == e) & m_ta
+        nth = same & (tl.cumsum(same.to(tl.int32), axis=1) == c + 1)
+        slot_of = tl.sum(tl.where(nth, o_a[None, :], 0), axis=1)
+        return o_t * A + slot_of, tl.sum(nth.to(tl.int32), axis=1) > 0
 
 
 # --- kernels ----------------------------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["NP"])
+@triton.jit(do_not_specialize=["M"])
 def _gate_up_kernel(
     p_z, p_ids, p_order, p_offsets, p_w1, p_w3, p_s1, p_s3, p_h,
-    NP, A, E, I, L, beta, linear_beta,
+    M, A, E, I, L, beta, linear_beta,
     s_zm, s_zl, s_1e, s_1i, s_1l, s_3e, s_3i, s_3l, s_s1e, s_s1i, s_s1l, s_s3e, s_s3i, s_s3l, s_hp,
-    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_A: tl.constexpr,
     SORTED: tl.constexpr, MXFP4: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr, HAS_BETA: tl.constexpr,
     HAS_LINEAR_BETA: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -302,7 +321,7 @@ def _gate_up_kernel(
     i_i = tl.program_id(1)
     if PDL:
         gdc_wait()   # z, the ids and the router weights are the previous kernels' outputs
-    e, runs, start, count = _my_expert(p_ids, p_offsets, slot, NP, E, SORTED, BLOCK_P)
+    e, runs, start, chunks, count = _my_expert(p_ids, p_offsets, slot, M, A, SORTED, BLOCK_M, BLOCK_A)
     valid = (e >= 0) & (e < E)
     if runs & valid:
         o_i = i_i * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -313,20 +332,20 @@ def _gate_up_kernel(
         p_s1e = p_s1 + e64 * s_s1e
         p_s3e = p_s3 + e64 * s_s3e
         dtype = p_z.dtype.element_ty
-        for r0 in range(0, count, BLOCK_M):   # one chunk unless more than BLOCK_M pairs chose e
-            pairs, m_j = _chunk_pairs(p_ids, p_order, e, start, r0, count, NP, SORTED, BLOCK_M, BLOCK_P)
-            tokens = pairs // A
+        for c in range(0, chunks):   # one chunk unless more than BLOCK_M pairs chose e
+            pairs, m_j = _chunk_pairs(p_ids, p_order, e, start, c, count, M, A, SORTED, BLOCK_M, BLOCK_A)
+            p_zj = p_z + (pairs // A)[:, None] * s_zm
+            m_z = m_j[:, None]
             acc_g = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
-            p_zj = p_z + tokens[:, None] * s_zm
-            m_z = m_j[:, None]
             for l0 in range(0, L, BLOCK_L):
                 b_w1a, b_w1b = _weight_tiles(p_w1e, p_s1e, o_i, m_i, l0, L, s_1i, s_1l, s_s1i, s_s1l, BLOCK_I,
                                              BLOCK_L, MXFP4, HALVES, ASM, dtype)
                 b_w3a, b_w3b = _weight_tiles(p_w3e, p_s3e, o_i, m_i, l0, L, s_3i, s_3l, s_s3i, s_s3l, BLOCK_I,
                                              BLOCK_L, MXFP4, HALVES, ASM, dtype)
-                acc_g = _rows_dot(acc_g, p_zj, m_z, l0, L, s_zl, b_w1a, b_w1b, BLOCK_L, HALVES, IEEE, UPCAST)
-                acc_u = _rows_dot(acc_u, p_zj, m_z, l0, L, s_zl, b_w3a, b_w3b, BLOCK_L, HALVES, IEEE, UPCAST)
+                b_za, b_zb = _act_tiles(p_zj, m_z, l0, L, s_zl, BLOCK_L, HALVES)
+                acc_g = _dot2(acc_g, b_za, b_zb, b_w1a, b_w1b, HALVES, IEEE, UPCAST)
+                acc_u = _dot2(acc_u, b_za, b_zb, b_w3a, b_w3b, HALVES, IEEE, UPCAST)
             if PDL:
                 gdc_launch_dependents()   # after our own wait (static_weights.py, step 1); again is a no-op
             # the model rounds both products, then h, to z's dtype (model/moe.py experts_gathered)
@@ -337,12 +356,12 @@ def _gate_up_kernel(
                      mask=m_j[:, None] & m_i[None, :])
 
 
-@triton.jit(do_not_specialize=["NP", "M"])
+@triton.jit(do_not_specialize=["M"])
 def _down_kernel(
     p_h, p_ids, p_order, p_offsets, p_wts, p_w2, p_s2, p_part, p_out, p_cnt,
-    NP, M, A, E, I, L,
+    M, A, E, I, L,
     s_2e, s_2l, s_2i, s_s2e, s_s2l, s_s2i, s_hp, s_om, s_ol,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_A: tl.constexpr,
     SORTED: tl.constexpr, MXFP4: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr, COMBINE: tl.constexpr,
     PRELOAD: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -350,7 +369,7 @@ def _down_kernel(
     i_n = tl.program_id(1)
     # the ids, offsets, router weights and w2 are inputs of the op: the gate/up kernel before us triggered after
     # its own wait, so whatever wrote them has completed. Only h (and the partials) need our wait.
-    e, runs, start, count = _my_expert(p_ids, p_offsets, slot, NP, E, SORTED, BLOCK_P)
+    e, runs, start, chunks, count = _my_expert(p_ids, p_offsets, slot, M, A, SORTED, BLOCK_M, BLOCK_A)
     if runs:
         valid = (e >= 0) & (e < E)
         e64 = tl.where(valid, e, 0).to(tl.int64)
@@ -364,8 +383,8 @@ def _down_kernel(
                                          MXFP4, HALVES, ASM, dtype)
         if PDL:
             gdc_wait()
-        for r0 in range(0, count, BLOCK_M):
-            pairs, m_j = _chunk_pairs(p_ids, p_order, e, start, r0, count, NP, SORTED, BLOCK_M, BLOCK_P)
+        for c in range(0, chunks):
+            pairs, m_j = _chunk_pairs(p_ids, p_order, e, start, c, count, M, A, SORTED, BLOCK_M, BLOCK_A)
             p_hj = p_h + pairs[:, None].to(tl.int64) * s_hp
             m_hj = m_j[:, None] & valid   # an invalid expert wrote no h
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -373,9 +392,11 @@ def _down_kernel(
             for k0 in range(k_start, I, BLOCK_K):
                 b_wa, b_wb = _weight_tiles(p_w2e, p_s2e, o_n, m_n, k0, I, s_2l, s_2i, s_s2l, s_s2i, BLOCK_N,
                                            BLOCK_K, MXFP4, HALVES, ASM, dtype)
-                acc = _rows_dot(acc, p_hj, m_hj, k0, I, 1, b_wa, b_wb, BLOCK_K, HALVES, IEEE, UPCAST)
+                b_ha, b_hb = _act_tiles(p_hj, m_hj, k0, I, 1, BLOCK_K, HALVES)
+                acc = _dot2(acc, b_ha, b_hb, b_wa, b_wb, HALVES, IEEE, UPCAST)
             if PRELOAD:
-                acc = _rows_dot(acc, p_hj, m_hj, 0, I, 1, b_w0a, b_w0b, BLOCK_K, HALVES, IEEE, UPCAST)
+                b_ha, b_hb = _act_tiles(p_hj, m_hj, 0, I, 1, BLOCK_K, HALVES)
+                acc = _dot2(acc, b_ha, b_hb, b_w0a, b_w0b, HALVES, IEEE, UPCAST)
             if PDL:
                 gdc_launch_dependents()   # after our own wait
             # y rounded to z's dtype as the model's product is, then weighted in fp32
@@ -386,28 +407,43 @@ def _down_kernel(
             m_o = m_j[:, None] & (o_nn < L)[None, :]
             tl.store(p_part + pairs[:, None].to(tl.int64) * L + o_nn[None, :], y, mask=m_o)
             if COMBINE:
-                tokens = pairs // A
-                # every thread's partials are written before the counters move (release); the last of a token's
-                # A pairs to arrive reads the others' through L2 (acquire, .cg) and puts the counter back to 0
-                tl.debug_barrier()
-                p_c = p_cnt + tokens * tl.num_programs(1) + i_n
-                arrived = tl.atomic_add(p_c, 1, mask=m_j, sem="acq_rel", scope="gpu")
-                last = m_j & (arrived == A - 1)
-                tl.debug_barrier()
-                m_last = last[:, None] & (o_nn < L)[None, :]
-                total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                for a in range(0, A):
-                    total += tl.load(p_part + (tokens * A + a)[:, None].to(tl.int64) * L + o_nn[None, :],
-                                     mask=m_last, other=0., cache_modifier=".cg")
-                tl.store(p_out + tokens[:, None] * s_om + o_nn[None, :] * s_ol, total.to(p_out.dtype.element_ty),
-                         mask=m_last)
-                tl.atomic_xchg(p_c, 0, mask=last, sem="relaxed", scope="gpu")
+                _combine_if_last(p_part, p_out, p_cnt, pairs, m_j, i_n, A, L, s_om, s_ol, o_nn, BLOCK_M, BLOCK_A)
+
+
+@triton.jit
+def _combine_if_last(p_part, p_out, p_cnt, pairs, m_j, i_n, A, L, s_om, s_ol, o_nn, BLOCK_M: tl.constexpr,
+                     BLOCK_A: tl.constexpr):
+    """Each row's token counts one more of its A partials at this n-tile; the pair that completes a token sums
+    the token's A partials in slot order ([A, BLOCK_N] in one load, through L2) and stores its output row.
+
+    Every thread's partials are written before the counters move (release); the last arrival reads the others'
+    through L2 (acquire, .cg) and puts the counter back to 0, so the counters are zero between launches."""
+    tokens = pairs // A
+    tl.debug_barrier()
+    p_c = p_cnt + tokens * tl.num_programs(1) + i_n
+    arrived = tl.atomic_add(p_c, 1, mask=m_j, sem="acq_rel", scope="gpu")
+    last = m_j & (arrived == A - 1)
+    tl.debug_barrier()
+    o_j = tl.arange(0, BLOCK_M)
+    o_a = tl.arange(0, BLOCK_A)
+    m_n = o_nn < L
+    for j in tl.static_range(BLOCK_M):   # masked: only a last row's loads reach memory
+        row = o_j == j
+        is_last = tl.sum((last & row).to(tl.int32)) > 0
+        t = tl.sum(tl.where(row, tokens, 0))
+        m_l = is_last & (o_a < A)[:, None] & m_n[None, :]
+        parts = tl.load(p_part + (t * A + o_a)[:, None].to(tl.int64) * L + o_nn[None, :], mask=m_l, other=0.,
+                        cache_modifier=".cg")
+        tl.store(p_out + t * s_om + o_nn * s_ol, tl.sum(parts, axis=0).to(p_out.dtype.element_ty),
+                 mask=is_last & m_n)
+    tl.atomic_xchg(p_c, 0, mask=last, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["M"])
 def _combine_kernel(p_part, p_ids, p_out, M, A, E, L, s_om, s_ol, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr,
                     PDL: tl.constexpr):
-    """out[m, n-tile] = Σ_a partial[m·A + a] in slot order (fp32), NaN where an id of the token is outside [0, E)."""
+    """out[m, n-tile] = Σ_a partial[m·A + a] in slot order (fp32, [A, BLOCK_N] in one load), NaN where an id of the
+    token is outside [0, E) (the sorted form leaves such pairs' partials unwritten)."""
     m = tl.program_id(0)
     i_n = tl.program_id(1)
     if PDL:
@@ -415,12 +451,12 @@ def _combine_kernel(p_part, p_ids, p_out, M, A, E, L, s_om, s_ol, BLOCK_N: tl.co
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < L
     o_a = tl.arange(0, BLOCK_A)
-    ids = tl.load(p_ids + m * A + o_a, mask=o_a < A, other=0)
-    bad = tl.sum(((ids < 0) | (ids >= E)).to(tl.int32), axis=0) > 0
-    total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for a in range(0, A):
-        total += tl.load(p_part + (m * A + a).to(tl.int64) * L + o_n, mask=m_n, other=0.)
-    total = tl.where(bad, float("nan"), total)
+    m_a = o_a < A
+    ids = tl.load(p_ids + m * A + o_a, mask=m_a, other=0)
+    bad = tl.sum((m_a & ((ids < 0) | (ids >= E))).to(tl.int32), axis=0) > 0
+    parts = tl.load(p_part + (m * A + o_a)[:, None].to(tl.int64) * L + o_n[None, :], mask=m_a[:, None] & m_n[None, :],
+                    other=0.)
+    total = tl.where(bad, float("nan"), tl.sum(parts, axis=0))
     if PDL:
         gdc_launch_dependents()
     tl.store(p_out + m * s_om + o_n * s_ol, total.to(p_out.dtype.element_ty), mask=m_n)
@@ -457,11 +493,13 @@ def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Te
                        w3_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
                        beta: Optional[float] = None, linear_beta: Optional[float] = None, *,
                        small_m_limit: int = 16, config: Optional[MoeConfig] = None,
-                       out: Optional[torch.Tensor] = None, combine_in_kernel: bool = True) -> torch.Tensor:
+                       out: Optional[torch.Tensor] = None, only: Optional[str] = None) -> torch.Tensor:
     """The routed experts by the kernels above (shapes as ``k3::moe_experts``; inputs checked by the op).
 
-    ``out`` [M, L] is allocated unless given (tests pass a NaN-poisoned one); ``combine_in_kernel=False`` (or no
-    arrival counters, inside a capture) sums the partials in ``_combine_kernel``."""
+    ``out`` [M, L] is allocated unless given (tests pass a NaN-poisoned one). The partials are summed in the down
+    kernel where ``config.combine_in_kernel`` and arrival counters exist (not inside a capture that made none, nor
+    in the sorted form, which covers no pair of an id outside [0, E)), else by ``_combine_kernel``. ``only``
+    ("gate_up", "down", "combine"): launch that kernel alone on uninitialised buffers (timing)."""
     m, l = z.shape
     a = experts.shape[1]
     e_count, i_width = w1.shape[0], w1.shape[1]
@@ -486,12 +524,12 @@ def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Te
     else:
         order = offsets = ids   # unused
         slots = np_
-    block_p = 16 if sorted_form else max(64, triton.next_power_of_2(np_))   # few compiled variants: 64, 128, 256, 512
+    block_m = config.block_m if sorted_form else max(16, triton.next_power_of_2(m))   # decode: a row per token
+    block_a = triton.next_power_of_2(a)
     h = torch.empty((np_, i_width), dtype=z.dtype, device=z.device)
     part = torch.empty((np_, l), dtype=torch.float32, device=z.device)
     n_tiles = triton.cdiv(l, config.block_n)
-    # the sorted form covers no pair of an id outside [0, E): its tokens' counters would never fill
-    counters = arrival_counters(z.device, m * n_tiles) if combine_in_kernel and not sorted_form else None
+    counters = arrival_counters(z.device, m * n_tiles) if config.combine_in_kernel and not sorted_form else None
     combine = counters is not None
     pdl = pdl_capable(z.device)
     # Triton 3.7's interpreter computes 16-bit tl.dot wrongly: fp32 operands there (16-bit products are exact in fp32)
@@ -504,29 +542,32 @@ def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Te
     asm = halves and config.mxfp4_asm and on_gpu and not is_rocm() and z.dtype == torch.bfloat16
     on_device = torch.cuda.device(z.device) if on_gpu else contextlib.nullcontext()
     with on_device:
-        _gate_up_kernel[(slots, triton.cdiv(i_width, config.block_i))](
-            z, ids, order, offsets, w1, w3, s1, s3, h,
-            np_, a, e_count, i_width, l, float(beta or 0.0), float(linear_beta or 0.0),
-            z.stride(0), z.stride(1), *w1.stride(), *w3.stride(),
-            *(_strides3(w1_scale) if mxfp4 else (0, 0, 0)), *(_strides3(w3_scale) if mxfp4 else (0, 0, 0)),
-            h.stride(0),
-            BLOCK_M=config.block_m, BLOCK_I=config.block_i, BLOCK_L=config.block_l, BLOCK_P=block_p,
-            SORTED=sorted_form, MXFP4=mxfp4, HALVES=halves, ASM=asm, HAS_BETA=beta is not None,
-            HAS_LINEAR_BETA=linear_beta is not None,
-            IEEE=ieee, UPCAST=upcast, PDL=pdl, num_warps=config.warps_up, num_stages=config.stages_up, **launch,
-        )
-        _down_kernel[(slots, n_tiles)](
-            h, ids, order, offsets, wts, w2, s2, part, out, counters if combine else ids,
-            np_, m, a, e_count, i_width, l,
-            *w2.stride(), *(_strides3(w2_scale) if mxfp4 else (0, 0, 0)), h.stride(0), out.stride(0), out.stride(1),
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_P=block_p,
-            SORTED=sorted_form, MXFP4=mxfp4, HALVES=halves, ASM=asm, COMBINE=combine,
-            PRELOAD=config.preload,
-            IEEE=ieee, UPCAST=upcast, PDL=pdl, num_warps=config.warps_down, num_stages=config.stages_down, **launch,
-        )
-        if not combine:
+        if only in (None, "gate_up"):
+            _gate_up_kernel[(slots, triton.cdiv(i_width, config.block_i))](
+                z, ids, order, offsets, w1, w3, s1, s3, h,
+                m, a, e_count, i_width, l, float(beta or 0.0), float(linear_beta or 0.0),
+                z.stride(0), z.stride(1), *w1.stride(), *w3.stride(),
+                *(_strides3(w1_scale) if mxfp4 else (0, 0, 0)), *(_strides3(w3_scale) if mxfp4 else (0, 0, 0)),
+                h.stride(0),
+                BLOCK_M=block_m, BLOCK_I=config.block_i, BLOCK_L=config.block_l, BLOCK_A=block_a,
+                SORTED=sorted_form, MXFP4=mxfp4, HALVES=halves, ASM=asm, HAS_BETA=beta is not None,
+                HAS_LINEAR_BETA=linear_beta is not None, IEEE=ieee, UPCAST=upcast, PDL=pdl,
+                num_warps=config.warps_up, num_stages=config.stages_up, **launch,
+            )
+        if only in (None, "down"):
+            _down_kernel[(slots, n_tiles)](
+                h, ids, order, offsets, wts, w2, s2, part, out, counters if combine else ids,
+                m, a, e_count, i_width, l,
+                *w2.stride(), *(_strides3(w2_scale) if mxfp4 else (0, 0, 0)), h.stride(0), out.stride(0),
+                out.stride(1),
+                BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_A=block_a,
+                SORTED=sorted_form, MXFP4=mxfp4, HALVES=halves, ASM=asm, COMBINE=combine, PRELOAD=config.preload,
+                IEEE=ieee, UPCAST=upcast, PDL=pdl, num_warps=config.warps_down, num_stages=config.stages_down,
+                **launch,
+            )
+        if not combine and only in (None, "combine"):
             _combine_kernel[(m, n_tiles)](
                 part, ids, out, m, a, e_count, l, out.stride(0), out.stride(1),
-                BLOCK_N=config.block_n, BLOCK_A=triton.next_power_of_2(a), PDL=pdl, num_warps=4, **launch,
+                BLOCK_N=config.block_n, BLOCK_A=block_a, PDL=pdl, num_warps=4, **launch,
             )
     return out
