@@ -84,7 +84,7 @@ def parse_args(argv=None):
     p.add_argument("--tp", type=int, nargs="+", default=[8, 16], help="tensor-parallel size: I = 3072 / tp")
     p.add_argument("--formats", nargs="+", default=["bf16", "mxfp4"], choices=["bf16", "mxfp4"])
     p.add_argument("--routing", nargs="+", default=["random"], choices=["random", "skewed"])
-    p.add_argument("--skewed-m", type=int, nargs="+", default=[8], help="Ms that also get the skewed routing")
+    p.add_argument("--skewed-m", type=int, nargs="*", default=[8], help="Ms that also get the skewed routing")
     p.add_argument("--compile-m", type=int, nargs="*", default=None,
                    help="Ms with the torch.compile anchor (default: every M; MXFP4 gathered Ms only)")
     p.add_argument("--autotune-m", type=int, nargs="*", default=[], help="Ms with max-autotune (bf16, TP 8)")
