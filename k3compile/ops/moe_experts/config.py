@@ -18,8 +18,8 @@ TABLES = Path(__file__).resolve().parent / "tables"
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """Tiles and launch knobs of both kernels (gate/up: ``block_i`` rows of w1/w3 by ``block_l`` columns a step;
-    down: ``block_n`` rows of w2 by ``block_k`` columns a step; ``block_m`` pairs a row chunk)."""
+    """Tiles and launch knobs of the kernels (gate/up: ``block_i`` rows of w1/w3 by ``block_l`` columns a step;
+    down: ``block_n`` rows of w2 by ``block_k`` columns a step; ``block_m`` pairs a row chunk, sorted form)."""
     block_m: int = 16
     block_i: int = 32
     block_l: int = 128
@@ -31,8 +31,8 @@ class MoeConfig:
     stages_down: int = 3
     preload: bool = True     # the down kernel's first w2 tile loaded before its PDL wait
     mxfp4_halves: bool = False   # MXFP4: even and odd columns as two products (no interleaving of the codes)
-    mxfp4_asm: bool = False      # with mxfp4_halves, bf16 on a GPU: the codes looked up in PTX (E2M1_BF16_ASM)
-    combine_in_kernel: bool = True   # decode: the last of a token's pairs sums its partials (arrival counters)
+    mxfp4_asm: bool = False      # with mxfp4_halves, bf16 on a GPU: the codes looked up in PTX (triton.E2M1_BF16_PTX)
+    mxfp4_dot_scaled: bool = False   # MXFP4 with bf16 / fp16 z on a GPU: the codes straight to tl.dot_scaled
 
     def __post_init__(self):
         for name in ("block_m", "block_i", "block_l", "block_n", "block_k"):
@@ -46,7 +46,7 @@ class MoeConfig:
         return (f"m{self.block_m}-i{self.block_i}-l{self.block_l}-w{self.warps_up}s{self.stages_up}"
                 f"-n{self.block_n}-k{self.block_k}-w{self.warps_down}s{self.stages_down}"
                 f"{'-pre' if self.preload else ''}{'-halves' if self.mxfp4_halves else ''}"
-                f"{'-asm' if self.mxfp4_asm else ''}{'' if self.combine_in_kernel else '-ck'}")
+                f"{'-asm' if self.mxfp4_asm else ''}{'-dots' if self.mxfp4_dot_scaled else ''}")
 
 
 def tuned_config(table: dict, m: int, dtype: torch.dtype, mxfp4: bool, i: int, l: int) -> Optional[MoeConfig]:
@@ -64,11 +64,14 @@ def tuned_config(table: dict, m: int, dtype: torch.dtype, mxfp4: bool, i: int, l
 
 def default_config(m: int, dtype: torch.dtype, mxfp4: bool, on_gpu: bool) -> MoeConfig:
     """Interpreter: large tiles (fewer, cheaper interpreted programs). GPU: the defaults above (fp32: half the
-    columns a step, the tiles are twice the bytes)."""
+    columns a step, the tiles are twice the bytes); MXFP4 with bf16 z: even/odd halves through the PTX lookup
+    (H200, TP=8 shapes: 1.27x the interleaved tile at M = 1, 1.23x at M = 16; docs/tuning/moe_experts.md)."""
     if not on_gpu:
         return MoeConfig(block_i=64, block_l=64, block_n=64, block_k=64, stages_up=1, stages_down=1)
     if dtype == torch.float32:
         return MoeConfig(block_l=64, block_k=64)
+    if mxfp4 and dtype == torch.bfloat16:
+        return MoeConfig(mxfp4_halves=True, mxfp4_asm=True)
     return MoeConfig()
 
 

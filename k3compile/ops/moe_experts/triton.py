@@ -2,16 +2,17 @@
 
 Shape legend: M tokens, A experts per token, P = M·A (token, slot) pairs, E experts, L latent, I intermediate.
 
-Two kernels (three where no arrival counters exist, below), launched back to back with PDL on sm_90+:
+Three kernels, launched back to back with PDL on sm_90+:
 
 1. ``_gate_up_kernel``, program (slot, i-tile): finds its expert and the pairs that chose it, then for
    ``BLOCK_M`` of those pairs at a time streams ``w1[e]`` and ``w3[e]`` rows ``[BLOCK_I, L]`` once and takes
    both products with the pairs' z rows (gathered, ``tl.dot``, fp32); SiTU-GLU in the epilogue, with the
    model's roundings (gate and up rounded to z's dtype, h rounded too): ``h [P, I]``.
 2. ``_down_kernel``, program (slot, n-tile): the same expert and pairs; ``w2[e]`` rows ``[BLOCK_N, I]`` once,
-   ``y = h @ w2ᵀ`` rounded to z's dtype, times the router weight (fp32): ``partial [P, L]``. With arrival
-   counters (``k3compile/ops/arrival_counters.py``) the last of a token's A pairs to arrive at an n-tile sums
-   the token's A partials in slot order and stores ``out``; otherwise ``_combine_kernel`` does.
+   ``y = h @ w2ᵀ`` rounded to z's dtype, times the router weight (fp32): ``partial [P, L]``.
+3. ``_combine_kernel``, program (token, n-tile): the token's A partials in slot order, one [A, BLOCK_N] load, fp32
+   sum, cast: ``out [M, L]``. (The last of a token's pairs summing them in the down kernel, behind arrival
+   counters, measured 1.7x slower at M = 1 and 1.8x at M = 16 on the H200: docs/tuning/moe_experts.md.)
 
 How a program finds its expert's pairs (CUDA-graph capturable: no host sync, no data-dependent allocation):
 
@@ -24,8 +25,10 @@ How a program finds its expert's pairs (CUDA-graph capturable: no host sync, no 
 Every pair is covered by exactly one program, whatever the ids (duplicates within a token, every token on one
 expert). An id outside [0, E) reads no weight: its pairs' partials are NaN, so those tokens come out NaN.
 
-MXFP4 weights: codes and scales are loaded as bytes and dequantised in registers (``_mxfp4_tile``) to z's dtype,
-exactly as ``model/moe.py`` dequantises them, before the products.
+MXFP4 weights: codes and scales are loaded as bytes and dequantised in registers to z's dtype, exactly as
+``model/moe.py`` dequantises them, before the products: interleaved into one tile (``_mxfp4_tile``), or as even and
+odd columns (``_mxfp4_halves``; on an NVIDIA GPU in bf16 through byte lookups in PTX, ``E2M1_BF16_PTX``), or left
+to Triton's ``tl.dot_scaled`` (``MoeConfig.mxfp4_dot_scaled``, a GPU only: the interpreter lacks it).
 
 PDL (sm_90+): the gate/up kernel waits before reading anything and lets the down kernel launch after its loop;
 the down kernel reads the ids, the router weights and its first ``w2`` tile before its wait (the gate/up kernel
@@ -47,7 +50,6 @@ except ImportError:  # pragma: no cover
     gdc_launch_dependents = gdc_wait = None
 
 from k3compile.backends import Reason, is_rocm
-from k3compile.ops.arrival_counters import arrival_counters
 
 from .config import MoeConfig, decode_form, default_config, table, tuned_config  # noqa: F401
 
@@ -198,10 +200,26 @@ def _mxfp4_halves(p_codes, p_scales, o_r, m_r, k0, K, s_cr, s_ck, s_sr, s_sk, R:
 
 
 @triton.jit
+def _mxfp4_raw(p_codes, p_scales, o_r, m_r, k0, K, s_cr, s_ck, s_sr, s_sk, BK: tl.constexpr):
+    """Rows ``o_r`` x logical columns [k0, k0 + BK) of an MXFP4 matrix as stored: codes [R, BK/2], scales [R, BK/32]."""
+    o_b = k0 // 2 + tl.arange(0, BK // 2)
+    o_g = k0 // 32 + tl.arange(0, BK // 32)
+    b_c = tl.load(p_codes + o_r[:, None] * s_cr + o_b[None, :] * s_ck, mask=m_r[:, None] & (o_b < K // 2)[None, :],
+                  other=0, eviction_policy="evict_first")
+    b_s = tl.load(p_scales + o_r[:, None] * s_sr + o_g[None, :] * s_sk, mask=m_r[:, None] & (o_g < K // 32)[None, :],
+                  other=127, eviction_policy="evict_first")
+    return b_c, b_s
+
+
+@triton.jit
 def _weight_tiles(p_w, p_s, o_r, m_r, k0, K, s_wr, s_wk, s_sr, s_sk, R: tl.constexpr, BK: tl.constexpr,
-                  MXFP4: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr, DTYPE: tl.constexpr):
-    """HALVES: the even and odd columns of an MXFP4 tile (``_mxfp4_halves``); else the whole tile, twice."""
-    if HALVES:
+                  MXFP4: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr, DOTS: tl.constexpr,
+                  DTYPE: tl.constexpr):
+    """DOTS: an MXFP4 tile as stored (codes, scales) for ``tl.dot_scaled``; HALVES: its even and odd columns
+    dequantised (``_mxfp4_halves``); else the whole tile in DTYPE, twice."""
+    if DOTS:
+        return _mxfp4_raw(p_w, p_s, o_r, m_r, k0, K, s_wr, s_wk, s_sr, s_sk, BK)
+    elif HALVES:
         return _mxfp4_halves(p_w, p_s, o_r, m_r, k0, K, s_wr, s_wk, s_sr, s_sk, R, BK, DTYPE, ASM)
     else:
         b_w = _weight_tile(p_w, p_s, o_r, m_r, k0, K, s_wr, s_wk, s_sr, s_sk, R, BK, MXFP4, DTYPE)
@@ -224,11 +242,16 @@ def _act_tiles(p_rows, m_rows, k0, K, s_k, BK: tl.constexpr, HALVES: tl.constexp
 
 
 @triton.jit
-def _dot2(acc, b_xa, b_xb, b_wa, b_wb, HALVES: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """``acc + x·wᵀ``: one product, or (HALVES) the even columns' plus the odd columns'."""
-    acc = _dot(acc, b_xa, b_wa, IEEE, UPCAST)
-    if HALVES:
-        acc = _dot(acc, b_xb, b_wb, IEEE, UPCAST)
+def _dot2(acc, b_xa, b_xb, b_wa, b_wb, HALVES: tl.constexpr, DOTS: tl.constexpr, X_FMT: tl.constexpr,
+          IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + x·wᵀ``: one product, or (HALVES) the even columns' plus the odd columns', or (DOTS) Triton's scaled
+    product of x (format X_FMT) with MXFP4 codes ``b_wa`` and E8M0 scales ``b_wb``."""
+    if DOTS:
+        acc = tl.dot_scaled(b_xa, None, X_FMT, tl.trans(b_wa), b_wb, "e2m1", acc=acc)
+    else:
+        acc = _dot(acc, b_xa, b_wa, IEEE, UPCAST)
+        if HALVES:
+            acc = _dot(acc, b_xb, b_wb, IEEE, UPCAST)
     return acc
 
 
@@ -314,8 +337,9 @@ def _gate_up_kernel(
     M, A, E, I, L, beta, linear_beta,
     s_zm, s_zl, s_1e, s_1i, s_1l, s_3e, s_3i, s_3l, s_s1e, s_s1i, s_s1l, s_s3e, s_s3i, s_s3l, s_hp,
     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_A: tl.constexpr,
-    SORTED: tl.constexpr, MXFP4: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr, HAS_BETA: tl.constexpr,
-    HAS_LINEAR_BETA: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+    SORTED: tl.constexpr, MXFP4: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr, DOTS: tl.constexpr,
+    X_FMT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     slot = tl.program_id(0)
     i_i = tl.program_id(1)
@@ -340,12 +364,12 @@ def _gate_up_kernel(
             acc_u = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
             for l0 in range(0, L, BLOCK_L):
                 b_w1a, b_w1b = _weight_tiles(p_w1e, p_s1e, o_i, m_i, l0, L, s_1i, s_1l, s_s1i, s_s1l, BLOCK_I,
-                                             BLOCK_L, MXFP4, HALVES, ASM, dtype)
+                                             BLOCK_L, MXFP4, HALVES, ASM, DOTS, dtype)
                 b_w3a, b_w3b = _weight_tiles(p_w3e, p_s3e, o_i, m_i, l0, L, s_3i, s_3l, s_s3i, s_s3l, BLOCK_I,
-                                             BLOCK_L, MXFP4, HALVES, ASM, dtype)
+                                             BLOCK_L, MXFP4, HALVES, ASM, DOTS, dtype)
                 b_za, b_zb = _act_tiles(p_zj, m_z, l0, L, s_zl, BLOCK_L, HALVES)
-                acc_g = _dot2(acc_g, b_za, b_zb, b_w1a, b_w1b, HALVES, IEEE, UPCAST)
-                acc_u = _dot2(acc_u, b_za, b_zb, b_w3a, b_w3b, HALVES, IEEE, UPCAST)
+                acc_g = _dot2(acc_g, b_za, b_zb, b_w1a, b_w1b, HALVES, DOTS, X_FMT, IEEE, UPCAST)
+                acc_u = _dot2(acc_u, b_za, b_zb, b_w3a, b_w3b, HALVES, DOTS, X_FMT, IEEE, UPCAST)
             if PDL:
                 gdc_launch_dependents()   # after our own wait (static_weights.py, step 1); again is a no-op
             # the model rounds both products, then h, to z's dtype (model/moe.py experts_gathered)
@@ -358,12 +382,12 @@ def _gate_up_kernel(
 
 @triton.jit(do_not_specialize=["M"])
 def _down_kernel(
-    p_h, p_ids, p_order, p_offsets, p_wts, p_w2, p_s2, p_part, p_out, p_cnt,
+    p_h, p_ids, p_order, p_offsets, p_wts, p_w2, p_s2, p_part,
     M, A, E, I, L,
-    s_2e, s_2l, s_2i, s_s2e, s_s2l, s_s2i, s_hp, s_om, s_ol,
+    s_2e, s_2l, s_2i, s_s2e, s_s2l, s_s2i, s_hp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_A: tl.constexpr,
-    SORTED: tl.constexpr, MXFP4: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr, COMBINE: tl.constexpr,
-    PRELOAD: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+    SORTED: tl.constexpr, MXFP4: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr, DOTS: tl.constexpr,
+    X_FMT: tl.constexpr, PRELOAD: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     slot = tl.program_id(0)
     i_n = tl.program_id(1)
@@ -380,7 +404,7 @@ def _down_kernel(
         dtype = p_h.dtype.element_ty
         if PRELOAD:
             b_w0a, b_w0b = _weight_tiles(p_w2e, p_s2e, o_n, m_n, 0, I, s_2l, s_2i, s_s2l, s_s2i, BLOCK_N, BLOCK_K,
-                                         MXFP4, HALVES, ASM, dtype)
+                                         MXFP4, HALVES, ASM, DOTS, dtype)
         if PDL:
             gdc_wait()
         for c in range(0, chunks):
@@ -391,12 +415,12 @@ def _down_kernel(
             k_start = BLOCK_K if PRELOAD else 0
             for k0 in range(k_start, I, BLOCK_K):
                 b_wa, b_wb = _weight_tiles(p_w2e, p_s2e, o_n, m_n, k0, I, s_2l, s_2i, s_s2l, s_s2i, BLOCK_N,
-                                           BLOCK_K, MXFP4, HALVES, ASM, dtype)
+                                           BLOCK_K, MXFP4, HALVES, ASM, DOTS, dtype)
                 b_ha, b_hb = _act_tiles(p_hj, m_hj, k0, I, 1, BLOCK_K, HALVES)
-                acc = _dot2(acc, b_ha, b_hb, b_wa, b_wb, HALVES, IEEE, UPCAST)
+                acc = _dot2(acc, b_ha, b_hb, b_wa, b_wb, HALVES, DOTS, X_FMT, IEEE, UPCAST)
             if PRELOAD:
                 b_ha, b_hb = _act_tiles(p_hj, m_hj, 0, I, 1, BLOCK_K, HALVES)
-                acc = _dot2(acc, b_ha, b_hb, b_w0a, b_w0b, HALVES, IEEE, UPCAST)
+                acc = _dot2(acc, b_ha, b_hb, b_w0a, b_w0b, HALVES, DOTS, X_FMT, IEEE, UPCAST)
             if PDL:
                 gdc_launch_dependents()   # after our own wait
             # y rounded to z's dtype as the model's product is, then weighted in fp32
@@ -406,44 +430,13 @@ def _down_kernel(
             o_nn = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
             m_o = m_j[:, None] & (o_nn < L)[None, :]
             tl.store(p_part + pairs[:, None].to(tl.int64) * L + o_nn[None, :], y, mask=m_o)
-            if COMBINE:
-                _combine_if_last(p_part, p_out, p_cnt, pairs, m_j, i_n, A, L, s_om, s_ol, o_nn, BLOCK_M, BLOCK_A)
-
-
-@triton.jit
-def _combine_if_last(p_part, p_out, p_cnt, pairs, m_j, i_n, A, L, s_om, s_ol, o_nn, BLOCK_M: tl.constexpr,
-                     BLOCK_A: tl.constexpr):
-    """Each row's token counts one more of its A partials at this n-tile; the pair that completes a token sums
-    the token's A partials in slot order ([A, BLOCK_N] in one load, through L2) and stores its output row.
-
-    Every thread's partials are written before the counters move (release); the last arrival reads the others'
-    through L2 (acquire, .cg) and puts the counter back to 0, so the counters are zero between launches."""
-    tokens = pairs // A
-    tl.debug_barrier()
-    p_c = p_cnt + tokens * tl.num_programs(1) + i_n
-    arrived = tl.atomic_add(p_c, 1, mask=m_j, sem="acq_rel", scope="gpu")
-    last = m_j & (arrived == A - 1)
-    tl.debug_barrier()
-    o_j = tl.arange(0, BLOCK_M)
-    o_a = tl.arange(0, BLOCK_A)
-    m_n = o_nn < L
-    for j in tl.static_range(BLOCK_M):   # masked: only a last row's loads reach memory
-        row = o_j == j
-        is_last = tl.sum((last & row).to(tl.int32)) > 0
-        t = tl.sum(tl.where(row, tokens, 0))
-        m_l = is_last & (o_a < A)[:, None] & m_n[None, :]
-        parts = tl.load(p_part + (t * A + o_a)[:, None].to(tl.int64) * L + o_nn[None, :], mask=m_l, other=0.,
-                        cache_modifier=".cg")
-        tl.store(p_out + t * s_om + o_nn * s_ol, tl.sum(parts, axis=0).to(p_out.dtype.element_ty),
-                 mask=is_last & m_n)
-    tl.atomic_xchg(p_c, 0, mask=last, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["M"])
 def _combine_kernel(p_part, p_ids, p_out, M, A, E, L, s_om, s_ol, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr,
                     PDL: tl.constexpr):
     """out[m, n-tile] = Σ_a partial[m·A + a] in slot order (fp32, [A, BLOCK_N] in one load), NaN where an id of the
-    token is outside [0, E) (the sorted form leaves such pairs' partials unwritten)."""
+    token is outside [0, E) (the sorted form leaves such pairs' partials unwritten; the decode form NaN ones)."""
     m = tl.program_id(0)
     i_n = tl.program_id(1)
     if PDL:
@@ -496,10 +489,8 @@ def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Te
                        out: Optional[torch.Tensor] = None, only: Optional[str] = None) -> torch.Tensor:
     """The routed experts by the kernels above (shapes as ``k3::moe_experts``; inputs checked by the op).
 
-    ``out`` [M, L] is allocated unless given (tests pass a NaN-poisoned one). The partials are summed in the down
-    kernel where ``config.combine_in_kernel`` and arrival counters exist (not inside a capture that made none, nor
-    in the sorted form, which covers no pair of an id outside [0, E)), else by ``_combine_kernel``. ``only``
-    ("gate_up", "down", "combine"): launch that kernel alone on uninitialised buffers (timing)."""
+    ``out`` [M, L] is allocated unless given (tests pass a NaN-poisoned one). ``only`` ("gate_up", "down",
+    "combine"): launch that kernel alone on uninitialised buffers (timing)."""
     m, l = z.shape
     a = experts.shape[1]
     e_count, i_width = w1.shape[0], w1.shape[1]
@@ -529,17 +520,18 @@ def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Te
     h = torch.empty((np_, i_width), dtype=z.dtype, device=z.device)
     part = torch.empty((np_, l), dtype=torch.float32, device=z.device)
     n_tiles = triton.cdiv(l, config.block_n)
-    counters = arrival_counters(z.device, m * n_tiles) if config.combine_in_kernel and not sorted_form else None
-    combine = counters is not None
     pdl = pdl_capable(z.device)
     # Triton 3.7's interpreter computes 16-bit tl.dot wrongly: fp32 operands there (16-bit products are exact in fp32)
     upcast = not on_gpu and z.dtype != torch.float32
     ieee = z.dtype == torch.float32 or upcast
     s1, s3, s2 = (w1_scale, w3_scale, w2_scale) if mxfp4 else (w1, w3, w2)   # placeholders when float
     launch = dict(launch_pdl=True) if pdl else {}
-    halves = mxfp4 and config.mxfp4_halves
+    # Triton's scaled product: bf16 / fp16 z on a GPU (the interpreter lacks it: there the halves below)
+    dots = mxfp4 and config.mxfp4_dot_scaled and on_gpu and z.dtype != torch.float32
+    halves = mxfp4 and not dots and (config.mxfp4_halves or config.mxfp4_dot_scaled)
     # the PTX lookup: bf16 on an NVIDIA GPU (the interpreter runs no inline assembly)
     asm = halves and config.mxfp4_asm and on_gpu and not is_rocm() and z.dtype == torch.bfloat16
+    x_fmt = "bf16" if z.dtype == torch.bfloat16 else "fp16"
     on_device = torch.cuda.device(z.device) if on_gpu else contextlib.nullcontext()
     with on_device:
         if only in (None, "gate_up"):
@@ -550,22 +542,23 @@ def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Te
                 *(_strides3(w1_scale) if mxfp4 else (0, 0, 0)), *(_strides3(w3_scale) if mxfp4 else (0, 0, 0)),
                 h.stride(0),
                 BLOCK_M=block_m, BLOCK_I=config.block_i, BLOCK_L=config.block_l, BLOCK_A=block_a,
-                SORTED=sorted_form, MXFP4=mxfp4, HALVES=halves, ASM=asm, HAS_BETA=beta is not None,
+                SORTED=sorted_form, MXFP4=mxfp4, HALVES=halves, ASM=asm, DOTS=dots, X_FMT=x_fmt,
+                HAS_BETA=beta is not None,
                 HAS_LINEAR_BETA=linear_beta is not None, IEEE=ieee, UPCAST=upcast, PDL=pdl,
                 num_warps=config.warps_up, num_stages=config.stages_up, **launch,
             )
         if only in (None, "down"):
             _down_kernel[(slots, n_tiles)](
-                h, ids, order, offsets, wts, w2, s2, part, out, counters if combine else ids,
+                h, ids, order, offsets, wts, w2, s2, part,
                 m, a, e_count, i_width, l,
-                *w2.stride(), *(_strides3(w2_scale) if mxfp4 else (0, 0, 0)), h.stride(0), out.stride(0),
-                out.stride(1),
+                *w2.stride(), *(_strides3(w2_scale) if mxfp4 else (0, 0, 0)), h.stride(0),
                 BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_A=block_a,
-                SORTED=sorted_form, MXFP4=mxfp4, HALVES=halves, ASM=asm, COMBINE=combine, PRELOAD=config.preload,
+                SORTED=sorted_form, MXFP4=mxfp4, HALVES=halves, ASM=asm, DOTS=dots, X_FMT=x_fmt,
+                PRELOAD=config.preload,
                 IEEE=ieee, UPCAST=upcast, PDL=pdl, num_warps=config.warps_down, num_stages=config.stages_down,
                 **launch,
             )
-        if not combine and only in (None, "combine"):
+        if only in (None, "combine"):
             _combine_kernel[(m, n_tiles)](
                 part, ids, out, m, a, e_count, l, out.stride(0), out.stride(1),
                 BLOCK_N=config.block_n, BLOCK_A=block_a, PDL=pdl, num_warps=4, **launch,
