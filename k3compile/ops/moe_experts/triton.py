@@ -123,7 +123,21 @@ def _mxfp4_tile(p_codes, p_scales, o_r, m_r, k0, K, s_cr, s_ck, s_sr, s_sk, R: t
 # 00 3F 3F 3F 40 40 40 40, low bytes 00 00 80 C0 00 40 80 C0), each sign bit moved to bit 7 of its high byte, the
 # bytes interleaved into bf16 pairs (prmt), then times the scale (fma with -0: exact, a power of two).
 # tests/ops/test_moe_experts.py emulates these steps on every byte; the GPU tests run them.
-E2M1_BF16_PTX = """
+_E2M1_HALF = """and.b32 m, x, 0x07070707;
+shr.b32 u, m, 4;
+or.b32 u, u, m;
+prmt.b32 sel, u, u, 0x0020;
+prmt.b32 hb, th0, th1, sel;
+prmt.b32 lb, tl0, tl1, sel;
+shl.b32 sg, x, 4;
+and.b32 sg, sg, 0x80808080;
+or.b32 hb, hb, sg;
+prmt.b32 r0, lb, hb, 0x5140;
+prmt.b32 r1, lb, hb, 0x7362;
+fma.rn.bf16x2 {out0}, r0, $5, nz;
+fma.rn.bf16x2 {out1}, r1, $6, nz;
+"""
+E2M1_BF16_PTX = ("""
 {
 .reg .b32 x, m, u, sel, hb, lb, sg, r0, r1, th0, th1, tl0, tl1, nz;
 mov.b32 th0, 0x3F3F3F00;
@@ -132,35 +146,8 @@ mov.b32 tl0, 0xC0800000;
 mov.b32 tl1, 0xC0804000;
 mov.b32 nz, 0x80008000;
 mov.b32 x, $4;
-and.b32 m, x, 0x07070707;
-shr.b32 u, m, 4;
-or.b32 u, u, m;
-prmt.b32 sel, u, u, 0x0020;
-prmt.b32 hb, th0, th1, sel;
-prmt.b32 lb, tl0, tl1, sel;
-shl.b32 sg, x, 4;
-and.b32 sg, sg, 0x80808080;
-or.b32 hb, hb, sg;
-prmt.b32 r0, lb, hb, 0x5140;
-prmt.b32 r1, lb, hb, 0x7362;
-fma.rn.bf16x2 $0, r0, $5, nz;
-fma.rn.bf16x2 $1, r1, $6, nz;
-shr.b32 x, x, 4;
-and.b32 m, x, 0x07070707;
-shr.b32 u, m, 4;
-or.b32 u, u, m;
-prmt.b32 sel, u, u, 0x0020;
-prmt.b32 hb, th0, th1, sel;
-prmt.b32 lb, tl0, tl1, sel;
-shl.b32 sg, x, 4;
-and.b32 sg, sg, 0x80808080;
-or.b32 hb, hb, sg;
-prmt.b32 r0, lb, hb, 0x5140;
-prmt.b32 r1, lb, hb, 0x7362;
-fma.rn.bf16x2 $2, r0, $5, nz;
-fma.rn.bf16x2 $3, r1, $6, nz;
-}
-"""
+""" + _E2M1_HALF.format(out0="$0", out1="$1") + "shr.b32 x, x, 4;\n" + _E2M1_HALF.format(out0="$2", out1="$3")
+                 + "}\n")
 E2M1_BF16_ASM = tl.constexpr(E2M1_BF16_PTX)   # a jit function reads globals only as constexpr
 
 
