@@ -15,5 +15,13 @@ __all__ = [
     "KimiK3Config", "KimiK3TextConfig", "KimiK3VisionConfig", "KimiK3ForConditionalGeneration",
     "KimiK3ForCausalLM", "KimiK3TextModel", "KimiDecoderLayer", "KimiK3Cache", "KDAState", "MLAState", "TPContext",
     "MoonViT", "PatchMergerV2", "KimiK3Processor", "KimiK3ImageProcessor", "KimiK3MultiTokenPredictor",
-    "SpeculativeResult", "speculative_generate",
+    "SpeculativeResult", "speculative_generate", "memory_plan", "MemoryPlan",
 ]
+
+
+def __getattr__(name: str):
+    # the memory plan loads on first use, so that ``python -m k3compile.model.plan`` runs the module fresh
+    if name in ("memory_plan", "MemoryPlan"):
+        from . import plan
+        return getattr(plan, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -33,12 +33,20 @@ class MLAState:
 
 class KimiK3Cache:
     """Per-layer KDA / MLA state plus ``pos``, a 0-dim int64 tensor: how many tokens are already in the cache
-    (a tensor, not a Python int, so that advancing it does not change what torch.compile guards on)."""
+    (a tensor, not a Python int, so that advancing it does not change what torch.compile guards on), and
+    ``start``: None, or for a left-padded batch each row's first real position [B] int64 (its padding count).
 
-    def __init__(self, layers: list, pos: torch.Tensor, max_len: int):
+    Padding positions stay out of the state: the KDA layers zero their projected inputs there (the short
+    convolutions then see the zeros a fresh sequence sees, and the recurrent state stays exactly zero), and
+    the MLA layers hide cache keys before ``start`` (``model/mla.py: mla_attend``). A batch without padding
+    keeps ``start`` None, and its graphs hold no padding op at all."""
+
+    def __init__(self, layers: list, pos: torch.Tensor, max_len: int, start: Optional[torch.Tensor] = None):
         self.layers = layers
         self.pos = pos
         self.max_len = max_len
+        self.start = None
+        self.set_start(start)
         # The compiled step mutates these in place. Static addresses let CUDA graphs
         # (mode="reduce-overhead") keep that mutation inside the graph instead of skipping
         # it; unguarded, so a new cache re-records a graph rather than recompiling.
@@ -75,6 +83,17 @@ class KimiK3Cache:
     def batch_size(self) -> int:
         return self.layers[0].tensors()[0].shape[0]
 
+    def set_start(self, start: Optional[torch.Tensor]) -> None:
+        """Before the first token: ``start`` [B] int64, row b's tokens begin at position start[b] (the
+        positions before it are left padding), or None when no row is padded."""
+        if start is not None:
+            if start.shape != (self.batch_size,) or start.dtype != torch.long:
+                raise ValueError(f"start must be a [{self.batch_size}] int64 tensor, got {start.dtype} "
+                                 f"{list(start.shape)}")
+        self.start = start
+
     def reset(self) -> None:
+        """An empty cache again (no tokens, no padding)."""
         for t in self.tensors():
             t.zero_()
+        self.start = None

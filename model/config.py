@@ -256,14 +256,15 @@ class KimiK3VisionConfig(PretrainedConfig):
         return cls(**values)
 
 
+# The published K3 background behind transparent pixels: 8-px squares, white (255) top left, gray 180.
+K3_TRANSPARENT_BG_CONFIG = {"pattern": "chessboard", "chessboard_square_size": 8, "chessboard_square_on_top_left": True,
+                            "chessboard_white_value": 255, "chessboard_gray_value": 180}
 # spec §2.3 (preprocessor_config.json "media_proc_cfg")
 DEFAULT_MEDIA_PROC_CFG = {
     "patch_size": 14, "merge_kernel_size": 2, "in_patch_limit": 65536, "patch_limit_on_one_side": 512,
     "fixed_output_tokens": None, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
     "in_patch_limit_each_frame": 16384, "sample_fps": 8.0, "temporal_merge_kernel_size": 4,
-    "transparent_bg_config": {"pattern": "chessboard", "square": 8, "top_left": "white", "white": 255,
-                              "gray": 180},
-    "transparent_bg_fill_stage": "after_resize",
+    "transparent_bg_config": K3_TRANSPARENT_BG_CONFIG, "transparent_bg_fill_stage": "after_resize",
 }
 TINY_MEDIA_PROC_CFG = {**DEFAULT_MEDIA_PROC_CFG, "in_patch_limit": 1024, "patch_limit_on_one_side": 64,
                        "in_patch_limit_each_frame": 1024}

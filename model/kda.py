@@ -12,6 +12,7 @@ where T decode steps would.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -184,12 +185,13 @@ class KimiDeltaAttention(nn.Module):
     def output_gate(self, x: torch.Tensor) -> torch.Tensor:
         return self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
 
-    def forward(self, x: torch.Tensor, state) -> torch.Tensor:
-        """x [B, T, D], state: a ``KDAState`` (updated in place) -> [B, T, D]."""
+    def forward(self, x: torch.Tensor, state, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [B, T, D], state: a ``KDAState`` (updated in place), valid: None or [B, T] bool, False at left
+        padding (a prefill's only: a decode step's token is never padding) -> [B, T, D]."""
         if x.shape[1] == 1:
             y = self.decode(x[:, 0], state)[:, None]
         else:
-            y = self.prefill(x, state)
+            y = self.prefill(x, state, valid)
         return all_reduce(y, self.tp)
 
     def decode(self, x: torch.Tensor, state) -> torch.Tensor:
@@ -206,13 +208,24 @@ class KimiDeltaAttention(nn.Module):
         o = gated_rms_norm(o, self.output_gate(x).reshape(B, H, K), self.o_norm.weight, self.eps)
         return self.o_proj(o.reshape(B, H * K))
 
-    def prefill(self, x: torch.Tensor, state) -> torch.Tensor:
-        """x [B, T, D] -> [B, T, D] (this rank's partial sum under TP)."""
+    def prefill(self, x: torch.Tensor, state, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [B, T, D] -> [B, T, D] (this rank's partial sum under TP).
+
+        valid [B, T] (left padding False): the projected q/k/v inputs of padding are zeroed before the short
+        convolutions, so a row's first tokens see the zeros a fresh sequence sees, and at padding k =
+        silu(conv(0)) = 0 and v = 0: the delta rule leaves the (zero) recurrent state exactly zero."""
         B, T = x.shape[:2]
         H, K = self.num_heads, self.head_dim
-        q = short_conv_prefill(self.q_proj(x), state.conv_q, self.q_conv1d.weight)         # [B, T, P]
-        k = short_conv_prefill(self.k_proj(x), state.conv_k, self.k_conv1d.weight)
-        v = short_conv_prefill(self.v_proj(x), state.conv_v, self.v_conv1d.weight)
+
+        def conv(proj: nn.Linear, conv_state: torch.Tensor, short_conv: ShortConv) -> torch.Tensor:  # [B, T, P]
+            y = proj(x)
+            if valid is not None:
+                y = torch.where(valid[..., None], y, 0)
+            return short_conv_prefill(y, conv_state, short_conv.weight)
+
+        q = conv(self.q_proj, state.conv_q, self.q_conv1d)
+        k = conv(self.k_proj, state.conv_k, self.k_conv1d)
+        v = conv(self.v_proj, state.conv_v, self.v_conv1d)
         g = self.gate(self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, K))                  # [B, T, H, K]
         beta = torch.sigmoid(self.b_proj(x).float())                                        # [B, T, H]
         q = l2_normalize(q.reshape(B, T, H, K)) * K ** -0.5

@@ -8,6 +8,8 @@ Absorbing kv_b_proj into the query and the output gives the same math as expandi
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -22,16 +24,28 @@ def write_latent(cache: torch.Tensor, pos: torch.Tensor, new: torch.Tensor) -> N
 
 
 def mla_attend(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
-               w_kv_b: torch.Tensor, pos: torch.Tensor, scale: float) -> torch.Tensor:
+               w_kv_b: torch.Tensor, pos: torch.Tensor, scale: float,
+               start: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of T new queries over the cache, absorbed. q_nope [B, T, H, N], q_pe [B, T, H, R],
-    c_kv [B, S, Lk], k_pe [B, S, R], w_kv_b [H, N + Vd, Lk] -> [B, T, H, Vd]."""
+    c_kv [B, S, Lk], k_pe [B, S, R], w_kv_b [H, N + Vd, Lk] -> [B, T, H, Vd].
+
+    start [B] int64 (left padding, ``model/cache.py``): key s of row b is visible to query t iff
+    start[b] <= s <= pos + t. A padding query of a prefill (pos + t < start[b]) would see no key, and its
+    NaN would reach the cache through the next layers; it sees its own key instead (T == 1 is a decode step,
+    whose token is never padding, so its mask is exactly the rule above)."""
     N = q_nope.shape[-1]
     T, S = q_nope.shape[1], c_kv.shape[1]
     w_k, w_v = w_kv_b[:, :N], w_kv_b[:, N:]                                 # [H, N, Lk], [H, Vd, Lk]
     q_lat = torch.einsum("bthn,hnl->bthl", q_nope, w_k)                     # [B, T, H, Lk]
     scores = torch.einsum("bthl,bsl->bhts", q_lat, c_kv) + torch.einsum("bthr,bsr->bhts", q_pe, k_pe)
     query_pos = pos + torch.arange(T, device=c_kv.device)                   # [T]
-    visible = torch.arange(S, device=c_kv.device)[None, :] <= query_pos[:, None]   # [T, S]
+    key_pos = torch.arange(S, device=c_kv.device)
+    visible = key_pos[None, :] <= query_pos[:, None]                        # [T, S]
+    if start is not None:
+        first = start[:, None, None]                                        # [B, 1, 1]
+        if T > 1:
+            first = torch.minimum(first, query_pos[None, :, None])          # [B, T, 1]
+        visible = (visible & (key_pos >= first))[:, None]                   # [B, 1, T, S]
     scores = scores.float().mul(scale).masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(c_kv.dtype)                    # [B, H, T, S]
     o_lat = torch.einsum("bhts,bsl->bthl", probs, c_kv)                     # [B, T, H, Lk]
@@ -68,8 +82,9 @@ class KimiMLAAttention(nn.Module):
             return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         return self.q_proj(x)
 
-    def forward(self, x: torch.Tensor, state, pos: torch.Tensor) -> torch.Tensor:
-        """x [B, T, D], state: an ``MLAState`` (new latents written in place), pos: 0-dim long -> [B, T, D]."""
+    def forward(self, x: torch.Tensor, state, pos: torch.Tensor, start: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [B, T, D], state: an ``MLAState`` (new latents written in place), pos: 0-dim long,
+        start: each row's first real position [B] or None (see :func:`mla_attend`) -> [B, T, D]."""
         B, T, _ = x.shape
         H = self.num_heads
         q = self.query(x).reshape(B, T, H, self.nope + self.rope)
@@ -79,7 +94,7 @@ class KimiMLAAttention(nn.Module):
         write_latent(state.c_kv, pos, c_kv)
         write_latent(state.k_pe, pos, latent[..., self.kv_lora_rank:])
         w_kv_b = self.kv_b_proj.weight.reshape(H, self.nope + self.v_dim, self.kv_lora_rank)
-        o = mla_attend(q_nope, q_pe, state.c_kv, state.k_pe, w_kv_b, pos, self.scale)  # [B, T, H, Vd]
+        o = mla_attend(q_nope, q_pe, state.c_kv, state.k_pe, w_kv_b, pos, self.scale, start)  # [B, T, H, Vd]
         if self.use_output_gate:
             o = o * torch.sigmoid(self.g_proj(x).reshape(B, T, H, self.v_dim))
         return all_reduce(self.o_proj(o.reshape(B, T, H * self.v_dim)), self.tp)

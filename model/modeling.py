@@ -9,6 +9,7 @@ tensor names (the MTP module's through state-dict hooks: ``language_model.model.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional
 
 import torch
@@ -20,7 +21,7 @@ from .config import KimiK3Config, KimiK3TextConfig
 from .kda import KimiDeltaAttention
 from .layers import KimiMLP, RMSNorm
 from .mla import KimiMLAAttention
-from .moe import KimiLatentMoE
+from .moe import Experts, KimiLatentMoE, experts_dtype
 from .parallel import SINGLE, TPContext
 from .vision import MoonViT, PatchMergerV2, grid_list, image_features, merge_image_features
 
@@ -36,6 +37,32 @@ class AttnResMix(nn.Module):
         super().__init__()
         self.norm = RMSNorm(hidden_size, eps)
         self.proj = nn.Linear(hidden_size, 1, bias=False)
+
+
+def left_padding(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> Optional[torch.Tensor]:
+    """attention_mask [B, T] (1 token, 0 padding; bool or integer) -> each row's padding count [B] int64, None
+    when no row is padded. Raises ValueError / TypeError unless each row is zeros then at least one one."""
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a torch.Tensor like input_ids, got {type(attention_mask).__name__}")
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {list(attention_mask.shape)}, input_ids "
+                         f"{list(input_ids.shape)}: they must be equal")
+    if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex:
+        raise TypeError(f"attention_mask must be bool or integer (1 token, 0 padding), got {attention_mask.dtype}")
+    if attention_mask.device != input_ids.device:
+        raise ValueError(f"attention_mask is on {attention_mask.device}, input_ids on {input_ids.device}")
+    mask = attention_mask.long()
+    if ((mask != 0) & (mask != 1)).any():
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
+    after_token = mask[:, 1:] < mask[:, :-1]                              # a 0 right after a 1
+    if after_token.any():
+        row, col = (int(i) for i in after_token.nonzero()[0])
+        raise ValueError(f"attention_mask row {row} has padding (0) after a token (1), at position {col + 1}: "
+                         "only left padding is supported (tokenizer padding_side='left')")
+    if not mask[:, -1].all():
+        raise ValueError(f"attention_mask row {int((mask[:, -1] == 0).long().argmax())} has no token")
+    pad = input_ids.shape[1] - mask.sum(1)
+    return pad if bool(pad.any()) else None
 
 
 class KimiDecoderLayer(nn.Module):
@@ -63,24 +90,27 @@ class KimiDecoderLayer(nn.Module):
             self.mlp_res_norm = RMSNorm(D, eps)
             self.mlp_res_proj = nn.Linear(D, 1, bias=False)
 
-    def attention(self, x: torch.Tensor, state, pos: torch.Tensor) -> torch.Tensor:
-        return self.self_attn(x, state, pos) if self.is_mla else self.self_attn(x, state)
+    def attention(self, x: torch.Tensor, state, pos: torch.Tensor, start: Optional[torch.Tensor] = None,
+                  valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.self_attn(x, state, pos, start) if self.is_mla else self.self_attn(x, state, valid)
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
 
-    def forward(self, prefix: torch.Tensor, blocks: list, state, pos: torch.Tensor):
+    def forward(self, prefix: torch.Tensor, blocks: list, state, pos: torch.Tensor,
+                start: Optional[torch.Tensor] = None, valid: Optional[torch.Tensor] = None):
         """prefix [B, T, D] (sum of the current block so far), blocks: N completed block sums [B, T, D]
-        -> (prefix, blocks) after this layer."""
+        -> (prefix, blocks) after this layer. Left padding: start [B] (MLA) and valid [B, T] (a KDA prefill),
+        as ``KimiK3TextModel.forward`` makes them."""
         if not self.block_size:  # plain pre-norm residual (MTP / draft layers)
-            h = prefix + self.attention(self.input_layernorm(prefix), state, pos)
+            h = prefix + self.attention(self.input_layernorm(prefix), state, pos, start, valid)
             return h + self.ffn(self.post_attention_layernorm(h)), blocks
         h = attn_res(prefix, blocks, self.self_attention_res_proj.weight, self.self_attention_res_norm.weight,
                      self.eps) if blocks else prefix
         starts_block = self.layer_idx % self.block_size == 0
         if starts_block:  # the finished block becomes a source; a new partial sum starts
             blocks = blocks + [prefix]
-        a = self.attention(self.input_layernorm(h), state, pos)
+        a = self.attention(self.input_layernorm(h), state, pos, start, valid)
         prefix = a if starts_block else prefix + a
         h = attn_res(prefix, blocks, self.mlp_res_proj.weight, self.mlp_res_norm.weight, self.eps)
         prefix = prefix + self.ffn(self.post_attention_layernorm(h))
@@ -102,10 +132,15 @@ class KimiK3TextModel(nn.Module):
 
     def forward(self, inputs_embeds: torch.Tensor, cache: KimiK3Cache) -> torch.Tensor:
         """inputs_embeds [B, T, D] -> hidden [B, T, D] after the output AttnRes, before the final norm.
-        Advances ``cache.pos`` by T."""
+        Advances ``cache.pos`` by T. A left-padded batch (``cache.start`` set) keeps its padding out of the
+        state; every other part of a layer is per token."""
+        T = inputs_embeds.shape[1]
+        start, valid = cache.start, None
+        if start is not None and T > 1:  # [B, T]: False at the padding of a prefill
+            valid = cache.pos + torch.arange(T, device=inputs_embeds.device) >= start[:, None]
         prefix, blocks = inputs_embeds, []
         for layer, state in zip(self.layers, cache.layers):
-            prefix, blocks = layer(prefix, blocks, state, cache.pos)
+            prefix, blocks = layer(prefix, blocks, state, cache.pos, start, valid)
         if self.use_attn_res:
             prefix = attn_res(prefix, blocks, self.output_attn_res_proj.weight, self.output_attn_res_norm.weight,
                               self.config.rms_norm_eps)
@@ -185,8 +220,25 @@ class KimiK3ForConditionalGeneration(nn.Module):
         """Cast to ``dtype`` except the tensors the checkpoint keeps in fp32 (:data:`FP32_PARAMS`).
         Vision norm weights follow ``dtype`` (as published); the vision norms and RoPE compute in fp32."""
         for name, p in self.named_parameters():
+            if p.dtype == torch.uint8:  # MXFP4 expert codes and scales: dequantised to the activations' dtype
+                continue
             p.data = p.data.to(torch.float32 if name.endswith(FP32_PARAMS) else dtype)
         return self
+
+    def convert_experts(self, form) -> "KimiK3ForConditionalGeneration":
+        """Hold every routed expert in ``form``: ``"mxfp4"`` (packed codes + E8M0 scales, quantised if float:
+        exact only for values MXFP4 holds), or a float form (``"bf16"``, ``"float32"``, a torch dtype; dequantised
+        if packed). The forward then runs the matching expert functions of :mod:`.moe`."""
+        dtype = experts_dtype(form)
+        for module in self.modules():
+            if isinstance(module, Experts):
+                module.to_mxfp4() if dtype is None else module.to_float(dtype)
+        return self
+
+    @property
+    def experts_packed(self) -> bool:
+        """Whether the routed experts are held as MXFP4."""
+        return any(m.packed for m in self.modules() if isinstance(m, Experts))
 
     @property
     def tp_size(self) -> int:
@@ -244,17 +296,40 @@ class KimiK3ForConditionalGeneration(nn.Module):
         if runs != want:
             raise ValueError(f"media-pad runs of the prompt {runs} do not match the images' token counts {want}")
 
+    def check_input_ids(self, input_ids) -> None:
+        """input_ids must be a non-empty [B, T] int64 tensor on the model's device, every id in [0, vocab):
+        a ValueError / TypeError saying which, where the embedding would fail inside a compiled graph."""
+        shape = list(getattr(input_ids, "shape", ()))
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a torch.Tensor [batch, tokens] of int64, got "
+                            f"{type(input_ids).__name__}")
+        if input_ids.dim() != 2:
+            hint = " (one prompt: input_ids[None])" if input_ids.dim() == 1 else ""
+            raise ValueError(f"input_ids must be 2-D [batch, tokens], got shape {shape}{hint}")
+        if input_ids.dtype != torch.long:
+            raise TypeError(f"input_ids must be int64 (torch.long), got {input_ids.dtype}")
+        if input_ids.numel() == 0:
+            raise ValueError(f"input_ids is empty (shape {shape}): every row needs at least one token")
+        if input_ids.device != self.device:
+            raise ValueError(f"input_ids is on {input_ids.device}, the model on {self.device}")
+        vocab = self.get_input_embeddings().num_embeddings
+        lo, hi = (int(v) for v in torch.aminmax(input_ids))
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"input_ids holds token id {lo if lo < 0 else hi}, outside the vocabulary [0, {vocab})")
+
     def __call__(self, *args, **kwargs):
         # Runs before a compiled forward (model.compile() / k3compile.optimize() compile what super() calls):
         # grid_thws becomes Python ints (a tensor would need .tolist() inside the graph: a graph break), and
-        # the images are checked against the prompt here, as the compiled graph skips data-dependent checks.
+        # the ids and the images are checked here, as the compiled graph skips data-dependent checks.
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if input_ids is not None and not torch.compiler.is_compiling():
+            self.check_input_ids(input_ids)
         if len(args) > 3 and isinstance(args[3], torch.Tensor):  # forward(input_ids, cache, pixel_values, grid_thws)
             args = (*args[:3], tuple(grid_list(args[3])), *args[4:])
         if isinstance(kwargs.get("grid_thws"), torch.Tensor):
             kwargs["grid_thws"] = tuple(grid_list(kwargs["grid_thws"]))
         pixel_values = kwargs.get("pixel_values", args[2] if len(args) > 2 else None)
         if pixel_values is not None and not torch.compiler.is_compiling():
-            input_ids = kwargs.get("input_ids", args[0] if args else None)
             grids = kwargs.get("grid_thws", args[3] if len(args) > 3 else None)
             if input_ids is not None and grids is not None:
                 self.check_media_runs(input_ids, grid_list(grids))
@@ -289,24 +364,45 @@ class KimiK3ForConditionalGeneration(nn.Module):
         return (logits, hidden) if return_hidden else logits
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, cache: Optional[KimiK3Cache] = None,
-                 **forward_kwargs) -> torch.Tensor:
-        """Greedy decoding. input_ids [B, T] -> the new tokens [B, max_new_tokens].
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, attention_mask: Optional[torch.Tensor] = None,
+                 cache: Optional[KimiK3Cache] = None, **forward_kwargs) -> torch.Tensor:
+        """Greedy decoding. input_ids [B, T] int64 -> the new tokens [B, max_new_tokens] (0: [B, 0]).
 
-        Every step calls ``self(...)``, so a model compiled in place (``model.compile(...)``) decodes compiled.
+        attention_mask [B, T] (1 token, 0 padding; as a tokenizer pads with ``padding_side="left"``): prompts
+        of different lengths, left-padded; each row generates what it would alone. ``cache``: continue
+        its sequence (padding only into an empty cache). Every argument is checked before any work, with a
+        ValueError / TypeError saying what is wrong. Every step calls ``self(...)``, so a model compiled in
+        place (``model.compile(...)``, ``k3compile.optimize``) decodes compiled.
         """
+        self.check_input_ids(input_ids)
         B, T = input_ids.shape
-        if max_new_tokens < 1:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
+            raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__}")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        start = None if attention_mask is None else left_padding(attention_mask, input_ids)
+        held = 0
+        if cache is not None:
+            held = int(cache.pos)
+            if cache.batch_size != B:
+                raise ValueError(f"cache is for a batch of {cache.batch_size}, input_ids holds {B} rows")
+            if held + T + max_new_tokens - 1 > cache.max_len:
+                raise ValueError(f"cache of length {cache.max_len} holds {held} tokens; "
+                                 f"{T} + {max_new_tokens} more do not fit")
+            if start is not None and held:
+                raise ValueError(f"attention_mask pads rows of a prompt that continues a cache holding {held} "
+                                 "tokens; padding can only begin a sequence (an empty cache)")
+        if max_new_tokens == 0:
             return input_ids.new_zeros(B, 0)
         if cache is None:
             cache = self.allocate_cache(B, T + max_new_tokens, device=input_ids.device)
-        elif int(cache.pos) + T + max_new_tokens - 1 > cache.max_len:
-            raise ValueError(f"cache of length {cache.max_len} holds {int(cache.pos)} tokens; "
-                             f"{T} + {max_new_tokens} more do not fit")
+        if not held:  # an empty cache begins a new batch: its padding, or none
+            cache.set_start(start)
         token = self(input_ids, cache=cache, logits_to_keep=1, **forward_kwargs).argmax(-1)   # [B, 1]
         new = [token]
         for _ in range(max_new_tokens - 1):
-            token = self(token, cache=cache, logits_to_keep=1).argmax(-1)
+            # its own argmax: in range, so skip __call__'s check of the ids (a device sync each step)
+            token = super().__call__(token, cache=cache, logits_to_keep=1).argmax(-1)
             new.append(token)
         return torch.cat(new, dim=1)
 

@@ -5,9 +5,12 @@ Spec: k3-architecture.md §2.3 (media_proc_cfg) and §9 (navit_resize_image, pro
 Per image W×H (original size):
     scale = min(1, sqrt(in_patch_limit / (max(1, W//p) * max(1, H//p))), side*p / W, side*p / H)
     new_w, new_h = max(1, int(W*scale)), max(1, int(H*scale))      # each capped at side*p
-    bicubic resize -> transparent pixels over an 8-px chessboard -> pad right/bottom with 0 to a
-    multiple of merge*p (28) -> (x/255 - mean)/std -> patches [gh*gw, 3, p, p], grid_thw [1, gh, gw]
+    bicubic resize in the image's own mode -> transparent pixels blended over an 8-px chessboard in float,
+    truncated to uint8 -> pad right/bottom with 0 to a multiple of merge*p (28) -> (x/255 - mean)/std ->
+    patches [gh*gw, 3, p, p], grid_thw [1, gh, gw]
     tokens = (gh/merge) * (gw/merge)
+The order of the pixel steps and the background's keys and arithmetic are those of Moonshot's published
+processor (``media_utils.py`` of the K3 checkpoint: ``image_to_np``, ``fill_transparent_bg_with``).
 and each `<|kimi_image_placeholder|>` of the prompt becomes
     <|media_begin|>image {W}x{H}<|media_content|> + tokens × <|media_pad|> + <|media_end|>
 
@@ -24,9 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 from transformers import BatchFeature
+
+from .config import K3_TRANSPARENT_BG_CONFIG
 
 PREPROCESSOR_CONFIG_NAME = "preprocessor_config.json"
 
@@ -37,7 +43,10 @@ MEDIA_PAD = "<|media_pad|>"
 MEDIA_END = "<|media_end|>"
 MEDIA_TOKENS = (IMAGE_PLACEHOLDER, MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_PAD, MEDIA_END)
 
-_ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
+# transparent_bg_config: the published keys and, where a key is missing, the published defaults
+BG_DEFAULTS = {"pattern": "black", "chessboard_square_size": 16, "chessboard_square_on_top_left": True,
+               "chessboard_white_value": 255, "chessboard_gray_value": 200}
+BG_PATTERNS = {"white": 255, "black": 0, "gray": 128, "chessboard": None}   # -> uniform value
 
 
 # ----------------------------------------------------------------------------------------------
@@ -55,9 +64,8 @@ class MediaProcConfig:
     fixed_output_tokens: int | None = None
     image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
-    # Chessboard behind transparent pixels (spec §2.3): 8-px squares, top-left white (255), others 180.
-    transparent_bg_config: dict = field(default_factory=lambda: {
-        "pattern": "chessboard", "square": 8, "top_left": "white", "white": 255, "gray": 180})
+    # Background behind transparent pixels, published keys (BG_DEFAULTS); None: no blend, alpha dropped.
+    transparent_bg_config: dict | None = field(default_factory=lambda: dict(K3_TRANSPARENT_BG_CONFIG))
     transparent_bg_fill_stage: str = "after_resize"
     # Keys we do not use (video sampling, ...), kept so a saved config round-trips unchanged.
     extra: dict = field(default_factory=dict)
@@ -76,6 +84,7 @@ class MediaProcConfig:
         if self.transparent_bg_fill_stage != "after_resize":
             raise NotImplementedError(
                 f"transparent_bg_fill_stage={self.transparent_bg_fill_stage!r}: only 'after_resize' (K3)")
+        check_bg_config(self.transparent_bg_config)
 
     @classmethod
     def tiny(cls) -> "MediaProcConfig":
@@ -172,12 +181,20 @@ def navit_resize_image(width: int, height: int, patch_size: int = 14, merge_kern
 # Pixels
 # ----------------------------------------------------------------------------------------------
 
-def load_image(image: Any) -> Image.Image:
-    """A fully decoded PIL image from a PIL image, encoded bytes, or a file path.
+IMAGE_TYPES = (Image.Image, np.ndarray, torch.Tensor, bytes, bytearray, memoryview, str, os.PathLike)
+CHANNELS_FIRST, CHANNELS_LAST = "channels_first", "channels_last"   # Hugging Face's input_data_format values
+_ARRAY_CHANNELS = (1, 3, 4)                                            # "L", "RGB", "RGBA"
 
-    Raises ValueError for corrupt, truncated or empty data and for 0-sized images, TypeError
-    for anything else, so a bad file fails before any output is produced.
+
+def load_image(image: Any, input_data_format: str | None = None) -> Image.Image:
+    """A fully decoded PIL image from a PIL image, a numpy array or torch tensor (:func:`array_to_image`),
+    encoded bytes, or a file path.
+
+    Raises ValueError for corrupt, truncated or empty data, for 0-sized images and for arrays of another
+    shape or dtype, TypeError for anything else, so a bad input fails before any output is produced.
     """
+    if isinstance(image, (np.ndarray, torch.Tensor)):
+        return array_to_image(image, input_data_format)
     if isinstance(image, (bytes, bytearray, memoryview)):
         if len(image) == 0:
             raise ValueError("image data is empty (0 bytes)")
@@ -187,43 +204,140 @@ def load_image(image: Any) -> Image.Image:
     elif isinstance(image, Image.Image):
         source, what = None, "PIL image"
     else:
-        raise TypeError(f"expected a PIL.Image.Image, encoded image bytes or a path, got {type(image).__name__}")
+        raise TypeError(f"expected a PIL.Image.Image, a numpy array, a torch tensor, encoded image bytes or a path, "
+                        f"got {type(image).__name__}")
     try:
         img = image if source is None else Image.open(source)
         img.load()  # decode now: a truncated file raises here, not half-way through a batch
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError,
             Image.DecompressionBombError) as err:
         raise ValueError(f"cannot decode {what}: {err}") from err
-    if img.width < 1 or img.height < 1:
-        raise ValueError(f"image size must be at least 1×1 pixels, got {img.width}×{img.height}")
+    _check_size(img.width, img.height)
     return img
 
 
-def _has_alpha(img: Image.Image) -> bool:
-    return img.mode in _ALPHA_MODES or "transparency" in img.info
+def _check_size(width: int, height: int) -> None:
+    if width < 1 or height < 1:
+        raise ValueError(f"image size must be at least 1×1 pixels, got {width}×{height}")
 
 
-def chessboard(width: int, height: int, square_size: int = 8, white: int = 255, gray: int = 180) -> Image.Image:
-    """RGB chessboard of `square_size`-px squares, top-left square white."""
-    ys = torch.arange(height)[:, None] // square_size
-    xs = torch.arange(width)[None, :] // square_size
-    board = torch.where((ys + xs) % 2 == 0, white, gray).to(torch.uint8)
-    return Image.frombytes("L", (width, height), board.numpy().tobytes()).convert("RGB")
+def array_to_image(array: np.ndarray | torch.Tensor, input_data_format: str | None = None) -> Image.Image:
+    """An image array as Hugging Face image processors take one -> PIL image ("L", "RGB" or "RGBA").
+
+    Shapes: [H, W] (grayscale), [H, W, C] or [C, H, W] with C = 1, 3 or 4 (RGBA); where both readings fit
+    (e.g. [3, 5, 3]), ``input_data_format`` ("channels_first" / "channels_last") must say which.
+    dtypes: uint8, or floating point in [0, 1] (scaled by 255 and rounded to the nearest integer, so that
+    uint8 / 255 comes back exactly). Anything else raises ValueError.
+    """
+    kind = "numpy array" if isinstance(array, np.ndarray) else "tensor"
+    shape = tuple(array.shape)
+    if isinstance(array, np.ndarray):
+        if array.dtype != np.uint8 and array.dtype.kind != "f":
+            raise ValueError(f"an image {kind} must be uint8 or floating point in [0, 1], got {array.dtype}")
+        t = torch.from_numpy(np.ascontiguousarray(array, np.uint8 if array.dtype == np.uint8 else np.float64))
+    else:
+        if array.dtype != torch.uint8 and not array.dtype.is_floating_point:
+            raise ValueError(f"an image {kind} must be uint8 or floating point in [0, 1], got {array.dtype}")
+        t = array.detach().cpu()
+    if input_data_format not in (None, CHANNELS_FIRST, CHANNELS_LAST):
+        raise ValueError(f"input_data_format must be {CHANNELS_FIRST!r} or {CHANNELS_LAST!r}, got "
+                         f"{input_data_format!r}")
+    if t.dim() == 2:
+        t = t[..., None]
+    elif t.dim() == 3:
+        first, last = shape[0] in _ARRAY_CHANNELS, shape[-1] in _ARRAY_CHANNELS
+        if input_data_format is not None:
+            layout = input_data_format
+        elif first != last:
+            layout = CHANNELS_FIRST if first else CHANNELS_LAST
+        elif first:
+            raise ValueError(f"image {kind} of shape {list(shape)} is ambiguous: its first and its last dimension "
+                             f"could both be channels (1, 3 or 4); pass input_data_format={CHANNELS_FIRST!r} or "
+                             f"{CHANNELS_LAST!r}")
+        else:
+            raise ValueError(f"image {kind} of shape {list(shape)}: neither its first nor its last dimension is a "
+                             "channel count (1, 3 or 4)")
+        if layout == CHANNELS_FIRST:
+            t = t.permute(1, 2, 0)
+        if t.shape[-1] not in _ARRAY_CHANNELS:
+            raise ValueError(f"image {kind} of shape {list(shape)} read {layout} has {t.shape[-1]} channels, "
+                             "not 1, 3 or 4")
+    else:
+        raise ValueError(f"an image {kind} must be [H, W], [H, W, C] or [C, H, W], got shape {list(shape)} "
+                         "(a batch: a list of images, or a 4-D array at the top level)")
+    _check_size(t.shape[1], t.shape[0])
+    if t.dtype != torch.uint8:
+        t = t.double()
+        if not bool(((t >= 0) & (t <= 1)).all()):
+            raise ValueError(f"a floating-point image {kind} must hold values in [0, 1] (NaN excluded), got "
+                             f"[{t.min().item()}, {t.max().item()}]; pass uint8 for 0..255")
+        t = (t * 255).round().to(torch.uint8)
+    hwc = t.contiguous().numpy()
+    return Image.fromarray(hwc[..., 0] if hwc.shape[-1] == 1 else hwc)     # uint8: "L", "RGB" or "RGBA"
+
+
+def check_bg_config(bg: dict | None) -> None:
+    """A ``transparent_bg_config`` must use the published keys (BG_DEFAULTS) with sane values."""
+    if bg is None:
+        return
+    if not isinstance(bg, dict):
+        raise TypeError(f"transparent_bg_config must be a dict or None, got {type(bg).__name__}")
+    unknown = sorted(set(bg) - set(BG_DEFAULTS))
+    if unknown:
+        raise ValueError(f"transparent_bg_config has unknown key(s) {unknown}; the published keys are "
+                         f"{sorted(BG_DEFAULTS)}")
+    cfg = {**BG_DEFAULTS, **bg}
+    if cfg["pattern"] not in BG_PATTERNS:
+        raise ValueError(f"transparent_bg_config pattern {cfg['pattern']!r} is none of {sorted(BG_PATTERNS)}")
+    square = cfg["chessboard_square_size"]
+    if isinstance(square, bool) or not isinstance(square, int) or square < 1:
+        raise ValueError(f"chessboard_square_size must be an int >= 1, got {square!r}")
+    for key in ("chessboard_white_value", "chessboard_gray_value"):
+        if isinstance(cfg[key], bool) or not isinstance(cfg[key], int) or not 0 <= cfg[key] <= 255:
+            raise ValueError(f"{key} must be an int in [0, 255], got {cfg[key]!r}")
+    if not isinstance(cfg["chessboard_square_on_top_left"], bool):
+        raise ValueError(f"chessboard_square_on_top_left must be true or false, got "
+                         f"{cfg['chessboard_square_on_top_left']!r}")
+
+
+def background(width: int, height: int, bg: dict) -> np.ndarray:
+    """The background of a ``transparent_bg_config`` (published keys, BG_DEFAULTS for missing ones):
+    [height, width, 3] uint8. Chessboard: squares of ``chessboard_square_size`` px, white top left when
+    ``chessboard_square_on_top_left`` (else gray)."""
+    cfg = {**BG_DEFAULTS, **bg}
+    value = BG_PATTERNS[cfg["pattern"]]
+    if value is not None:
+        return np.full((height, width, 3), value, dtype=np.uint8)
+    square = cfg["chessboard_square_size"]
+    parity = (np.arange(height)[:, None] // square + np.arange(width)[None, :] // square) % 2
+    gray_parity = 1 if cfg["chessboard_square_on_top_left"] else 0
+    board = np.where(parity == gray_parity, cfg["chessboard_gray_value"], cfg["chessboard_white_value"])
+    return np.repeat(board.astype(np.uint8)[..., None], 3, axis=-1)
+
+
+def fill_transparent(img: Image.Image, bg: dict | None) -> Image.Image:
+    """Any mode -> RGB. An image with an alpha band or a ``transparency`` key (an RGB one excepted, as in the
+    reference) is blended over the background in float32, alpha/255 * rgb + (1 - alpha/255) * bg, and
+    truncated to uint8: a pixel (130, 130, 130, alpha 1) over white gives 254 (Pillow's rounding
+    ``alpha_composite`` would give 255)."""
+    if bg is None:
+        return img.convert("RGB")
+    if img.mode == "RGB":
+        return img
+    if "A" not in img.getbands() and "transparency" not in img.info:
+        return img.convert("RGB")
+    rgba = np.asarray(img.convert("RGBA"))
+    alpha = rgba[..., 3:].astype(np.float32) / 255.0
+    out = alpha * rgba[..., :3] + (1 - alpha) * background(img.width, img.height, bg)
+    return Image.fromarray(out.astype(np.uint8))
 
 
 def resize_and_fill(img: Image.Image, plan: ResizePlan, cfg: MediaProcConfig) -> Image.Image:
-    """Bicubic resize to the plan's inner size, then composite transparency over the chessboard (RGB out)."""
-    alpha = _has_alpha(img)
-    img = img.convert("RGBA" if alpha else "RGB")  # P, L, 1, I;16, CMYK, ... -> RGB(A)
+    """Bicubic resize to the plan's inner size in the image's own mode (Pillow resizes "P" and "1" images
+    nearest-neighbour, and premultiplies alpha for "RGBA" / "LA"), then the background fill (RGB out)."""
     if img.size != (plan.new_width, plan.new_height):
-        # Pillow premultiplies alpha while resampling RGBA, so transparent colours do not bleed.
         img = img.resize((plan.new_width, plan.new_height), resample=Image.Resampling.BICUBIC)
-    if alpha:
-        bg = cfg.transparent_bg_config
-        board = chessboard(img.width, img.height, int(bg.get("square", bg.get("square_size", 8))),
-                           int(bg.get("white", 255)), int(bg.get("gray", 180)))
-        img = Image.alpha_composite(board.convert("RGBA"), img).convert("RGB")
-    return img
+    return fill_transparent(img, cfg.transparent_bg_config)
 
 
 def to_patches(img: Image.Image, plan: ResizePlan, cfg: MediaProcConfig) -> torch.Tensor:
@@ -260,8 +374,9 @@ class KimiK3ImageProcessor:
     """NaViT image processor of Kimi K3 (Hugging Face conventions: `__call__` -> BatchFeature).
 
     `processor(images)` -> BatchFeature {pixel_values [ΣN, 3, 14, 14] float32, grid_thws [n, 3] int64}.
-    Images: PIL images, encoded bytes or paths. Every image is decoded and checked before any is
-    processed, so bad input raises without partial output.
+    Images: PIL images, numpy arrays or torch tensors (:func:`array_to_image`; a 4-D array is a batch),
+    encoded bytes or paths. Every image is decoded and checked before any is processed, so bad input
+    raises without partial output.
     """
 
     model_input_names = ["pixel_values", "grid_thws"]
@@ -280,13 +395,12 @@ class KimiK3ImageProcessor:
         return navit_resize_image(width, height, c.patch_size, c.merge_kernel_size, c.in_patch_limit,
                                   c.patch_limit_on_one_side, c.fixed_output_tokens)
 
-    def process(self, images: Sequence[Any]) -> ProcessedImages:
-        if isinstance(images, (Image.Image, bytes, bytearray, str, os.PathLike)):
-            images = [images]
+    def process(self, images: Sequence[Any], input_data_format: str | None = None) -> ProcessedImages:
+        """input_data_format: "channels_first" / "channels_last" for arrays whose layout is ambiguous."""
         decoded = []
-        for i, image in enumerate(images):
+        for i, image in enumerate(image_list(images)):
             try:
-                decoded.append(load_image(image))
+                decoded.append(load_image(image, input_data_format))
             except (ValueError, TypeError) as err:
                 raise type(err)(f"image {i}: {err}") from err
         plans = [self.plan(*img.size) for img in decoded]
@@ -297,8 +411,9 @@ class KimiK3ImageProcessor:
         grid_thws = torch.tensor([plan.grid_thw for plan in plans], dtype=torch.int64).view(-1, 3)
         return ProcessedImages(pixel_values, grid_thws, plans)
 
-    def __call__(self, images: Sequence[Any], return_tensors: str | None = "pt", **_) -> BatchFeature:
-        out = self.process(images)
+    def __call__(self, images: Sequence[Any], return_tensors: str | None = "pt", input_data_format: str | None = None,
+                 **_) -> BatchFeature:
+        out = self.process(images, input_data_format)
         return BatchFeature({"pixel_values": out.pixel_values, "grid_thws": out.grid_thws},
                             tensor_type=return_tensors)
 
@@ -379,10 +494,11 @@ class KimiK3Processor:
         return tid
 
     def __call__(self, text: str | list[str] | None = None, images: Sequence[Any] | None = None,
-                 return_tensors: str | None = "pt", padding: bool | str = True, **tokenizer_kwargs) -> BatchFeature:
+                 return_tensors: str | None = "pt", padding: bool | str = True, input_data_format: str | None = None,
+                 **tokenizer_kwargs) -> BatchFeature:
         texts = [text] if isinstance(text, str) else (list(text) if text is not None else None)
         flat_images = _flatten_images(images, texts)
-        processed = self.image_processor.process(flat_images) if flat_images else None
+        processed = self.image_processor.process(flat_images, input_data_format) if flat_images else None
         data: dict[str, Any] = {}
         if texts is not None:
             plans = processed.plans if processed is not None else []
@@ -435,12 +551,19 @@ class KimiK3Processor:
         return cls(image_processor, tokenizer)
 
 
+def image_list(images) -> list:
+    """One image (a 4-D array: a batch of them) or a sequence of images -> a list of images."""
+    if isinstance(images, (np.ndarray, torch.Tensor)) and images.ndim == 4:
+        return list(images)
+    if isinstance(images, IMAGE_TYPES):
+        return [images]
+    return list(images)
+
+
 def _flatten_images(images, texts) -> list:
     if images is None:
         return []
-    if isinstance(images, (Image.Image, bytes, bytearray, str, os.PathLike)):
-        return [images]
-    images = list(images)
+    images = image_list(images)
     if images and all(isinstance(x, (list, tuple)) for x in images):
         if texts is not None and len(images) != len(texts):
             raise ValueError(f"got {len(images)} image lists for {len(texts)} texts")

@@ -10,6 +10,7 @@ from PIL import Image
 
 from k3compile.model import (KimiK3Config, KimiK3ForConditionalGeneration, KimiK3ImageProcessor, KimiK3Processor,
                              speculative_generate)
+from k3compile.model.loading import CheckpointError
 from k3compile.model.processing import IMAGE_PLACEHOLDER, MediaProcConfig
 from k3compile.testing import rel_err as rel
 
@@ -147,7 +148,7 @@ def test_checkpoint_with_mtp_tensors_into_a_model_without_mtp_is_an_error(mm, tm
     model.save_pretrained(tmp_path)
     cfg = copy.deepcopy(model.config)
     cfg.text_config.num_nextn_predict_layers = 0
-    with pytest.raises(KeyError, match="num_nextn_predict_layers"):
+    with pytest.raises(CheckpointError, match="num_nextn_predict_layers"):
         KimiK3ForConditionalGeneration.from_pretrained(tmp_path, config=cfg)
 
 

@@ -4,7 +4,9 @@ Expected resize/token numbers in the tables are worked out by hand from the spec
 (the comment beside each row shows the arithmetic).
 """
 import io
+import json
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import example, given, strategies as st
@@ -122,6 +124,11 @@ def _norm(v):
     return v / 255.0 * 2.0 - 1.0
 
 
+def _norm_inverse(pixel_values):
+    """Normalised values back to integer 0..255."""
+    return ((pixel_values + 1.0) / 2.0 * 255.0).round().long()
+
+
 def _pixel(pixel_values, grid, x, y):
     """Normalised RGB of padded-image pixel (x, y) read back from the patches."""
     _, gh, gw = grid
@@ -177,9 +184,85 @@ def test_chessboard_is_laid_on_the_resized_image():
 
 def test_half_transparent_pixels_blend_over_white_square():
     out = KimiK3ImageProcessor(TINY)([Image.new("RGBA", (28, 28), (255, 0, 0, 128))])
-    got = _pixel(out["pixel_values"], (1, 2, 2), 0, 0)  # over white: R 255, G = B ≈ 255·127/255
-    want = torch.tensor([_norm(255.0), _norm(127.0), _norm(127.0)])
-    torch.testing.assert_close(got, want, rtol=0, atol=2.5 / 255 * 2)
+    got = _pixel(out["pixel_values"], (1, 2, 2), 0, 0)
+    # over white, in float32: R = 255; G = B = (1 - 128/255) · 255 = 126.99999 -> truncated to 126
+    want = torch.tensor([_norm(255.0), _norm(126.0), _norm(126.0)])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_composite_blends_in_float_and_truncates():
+    """(130, 130, 130) at alpha 1 over white: 1/255 · 130 + 254/255 · 255 = 254.51 -> 254 (the published
+    processor's float blend and uint8 cast; a rounding composite gives 255)."""
+    out = KimiK3ImageProcessor(TINY)([Image.new("RGBA", (28, 28), (130, 130, 130, 1))])
+    torch.testing.assert_close(_pixel(out["pixel_values"], (1, 2, 2), 0, 0), torch.full((3,), _norm(254.0)),
+                               rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("value,bg", [(0, 255), (130, 255), (255, 180), (77, 180)],
+                         ids=["black-on-white", "grey-on-white", "white-on-gray", "dark-on-gray"])
+def test_composite_every_alpha_matches_float32_formula(value, bg):
+    """All 256 alphas of one colour on one square: uint8(a/255 · v + (1 - a/255) · bg), in float32."""
+    alphas = np.arange(256, dtype=np.uint8)
+    img = Image.fromarray(np.stack([np.full((16, 256), value, np.uint8)] * 3 + [np.tile(alphas, (16, 1))], -1))
+    bg_cfg = {"pattern": "chessboard", "chessboard_square_size": 1024, "chessboard_white_value": bg}
+    out = KimiK3ImageProcessor(TINY, transparent_bg_config=bg_cfg)([img])
+    a = alphas.astype(np.float32) / np.float32(255)
+    want = (a * np.float32(value) + (np.float32(1) - a) * np.float32(bg)).astype(np.uint8)
+    pv, grid = out["pixel_values"], tuple(out["grid_thws"][0].tolist())
+    got = torch.stack([_pixel(pv, grid, x, 3)[0] for x in range(256)])
+    torch.testing.assert_close(got, _norm(torch.from_numpy(want).float()), rtol=0, atol=1e-6)
+
+
+def _fine_pattern(mode: str, size: int = 500) -> Image.Image:
+    """A 1-px checkerboard of two colours: any resampling filter that mixes neighbours makes new colours."""
+    cells = (np.add.outer(np.arange(size), np.arange(size)) % 2).astype(np.uint8)
+    if mode == "1":
+        return Image.fromarray(cells * 255).convert("1", dither=Image.Dither.NONE)
+    img = Image.fromarray(cells).convert("P")
+    img.putpalette([200, 30, 40, 10, 20, 230] + [0] * 762)
+    return img
+
+
+@pytest.mark.parametrize("mode", ["P", "1"], ids=["palette", "1-bit"])
+def test_palette_and_bilevel_resize_in_their_own_mode(mode):
+    """The published order: resize in the source mode (Pillow: nearest for "P" and "1"), then to RGB; so only
+    the source's two colours appear (a conversion to RGB first would blend them bicubically)."""
+    img = _fine_pattern(mode)
+    plan = plan_for(TINY, *img.size)
+    assert plan.new_width < img.width                                   # 500 -> 457: a real resize
+    out = KimiK3ImageProcessor(TINY)([img])
+    ref = img.resize((plan.new_width, plan.new_height), Image.Resampling.BICUBIC).convert("RGB")
+    ref = torch.from_numpy(np.array(ref)).float()
+    pv, grid = out["pixel_values"], tuple(out["grid_thws"][0].tolist())
+    got = torch.stack([_pixel(pv, grid, x, y) for y, x in [(0, 0), (5, 9), (200, 301), (456, 455)]])
+    want = torch.stack([_norm(ref[y, x]) for y, x in [(0, 0), (5, 9), (200, 301), (456, 455)]])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    colours = {tuple(c) for c in _norm_inverse(pv).permute(0, 2, 3, 1).reshape(-1, 3).tolist()}
+    source = {(0, 0, 0), (255, 255, 255)} if mode == "1" else {(200, 30, 40), (10, 20, 230)}
+    assert colours <= source | {(0, 0, 0)}                              # (0, 0, 0): the padding
+
+
+def test_palette_transparency_survives_the_resize():
+    """A "P" image with a transparent index is resized as "P" (nearest), its transparency key kept, then
+    blended: the transparent cells show the chessboard, the others their colour."""
+    img = _fine_pattern("P")
+    img.info["transparency"] = 1                                       # the blue index
+    plan = plan_for(TINY, *img.size)
+    out = KimiK3ImageProcessor(TINY)([img])
+    small = np.asarray(img.resize((plan.new_width, plan.new_height), Image.Resampling.NEAREST))
+    pv, grid = out["pixel_values"], tuple(out["grid_thws"][0].tolist())
+    for y, x in [(0, 0), (0, 1), (9, 17), (300, 200)]:
+        board = 255.0 if (x // 8 + y // 8) % 2 == 0 else 180.0
+        want = torch.full((3,), board) if small[y, x] == 1 else torch.tensor([200.0, 30.0, 40.0])
+        torch.testing.assert_close(_pixel(pv, grid, x, y), _norm(want), rtol=0, atol=1e-6)
+
+
+def test_rgb_with_transparency_key_is_left_as_is():
+    """As the reference: an RGB image is never blended, whatever its ``transparency`` key says."""
+    img = Image.new("RGB", (28, 28), (9, 8, 7))
+    img.info["transparency"] = (9, 8, 7)
+    out = KimiK3ImageProcessor(TINY)([img])
+    torch.testing.assert_close(_pixel(out["pixel_values"], (1, 2, 2), 0, 0), _norm(torch.tensor([9.0, 8.0, 7.0])))
 
 
 def test_palette_image_with_and_without_transparency():
@@ -247,8 +330,86 @@ def test_zero_sized_image_raises(size):
 
 
 def test_unsupported_image_type_raises():
-    with pytest.raises(TypeError, match="image 0"):
-        KimiK3ImageProcessor(TINY)([torch.zeros(3, 28, 28)])
+    with pytest.raises(TypeError, match="image 0: expected a PIL.Image.Image, a numpy array"):
+        KimiK3ImageProcessor(TINY)([{"not": "an image"}])
+
+
+# ----------------------------------------------------------------------------------------------
+# Arrays and tensors (as Hugging Face image processors take them)
+# ----------------------------------------------------------------------------------------------
+
+def _hwc(h=20, w=30, c=3, seed=5):
+    return torch.randint(0, 256, (h, w, c), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def _as_pil(hwc):
+    return Image.fromarray(hwc.numpy()[..., 0] if hwc.shape[-1] == 1 else hwc.numpy())
+
+
+ARRAY_FORMS = {
+    "numpy-HWC-uint8": lambda t: t.numpy(),
+    "numpy-HW-grey": lambda t: t[..., 0].numpy(),
+    "numpy-HWC-float": lambda t: (t.double() / 255).numpy(),
+    "tensor-CHW-uint8": lambda t: t.permute(2, 0, 1),
+    "tensor-HWC-uint8": lambda t: t,
+    "tensor-CHW-float32": lambda t: t.permute(2, 0, 1).float() / 255,
+    "tensor-HWC-float16": lambda t: t.half() / 255,
+    "tensor-CHW-1-channel": lambda t: t[..., :1].permute(2, 0, 1),
+    "numpy-HWC-RGBA": None,
+}
+
+
+@pytest.mark.parametrize("form", list(ARRAY_FORMS))
+def test_arrays_and_tensors_equal_their_pil_image(form):
+    hwc = _hwc(c=4) if form.endswith("RGBA") else _hwc()
+    grey = "grey" in form or "1-channel" in form
+    array = hwc.numpy() if ARRAY_FORMS[form] is None else ARRAY_FORMS[form](hwc)
+    pil = _as_pil(hwc[..., :1] if grey else hwc)
+    got, want = KimiK3ImageProcessor(TINY)(array), KimiK3ImageProcessor(TINY)([pil])
+    assert torch.equal(got["pixel_values"], want["pixel_values"])
+    assert torch.equal(got["grid_thws"], want["grid_thws"])
+
+
+def test_batch_array_is_a_list_of_images():
+    batch = torch.stack([_hwc(seed=1), _hwc(seed=2)]).permute(0, 3, 1, 2)              # [2, 3, 20, 30]
+    out = KimiK3ImageProcessor(TINY)(batch)
+    one = KimiK3ImageProcessor(TINY)([_as_pil(_hwc(seed=1)), _as_pil(_hwc(seed=2))])
+    assert torch.equal(out["pixel_values"], one["pixel_values"]) and out["grid_thws"].shape == (2, 3)
+
+
+def test_ambiguous_layout_needs_input_data_format():
+    chw = _hwc(h=5, w=3).permute(2, 0, 1)                                                # [3, 5, 3]
+    with pytest.raises(ValueError, match="ambiguous.*input_data_format"):
+        KimiK3ImageProcessor(TINY)([chw])
+    out = KimiK3ImageProcessor(TINY)([chw], input_data_format="channels_first")
+    assert torch.equal(out["pixel_values"], KimiK3ImageProcessor(TINY)([_as_pil(_hwc(h=5, w=3))])["pixel_values"])
+
+
+def test_processor_takes_tensor_images(processor):
+    out = processor(text=f"x{IMAGE_PLACEHOLDER}", images=[_hwc(h=56, w=84).permute(2, 0, 1)])
+    assert out["grid_thws"].tolist() == [[1, 4, 6]]
+    assert "image84x56" in processor.decode(out["input_ids"][0]).replace(" ", "")
+
+
+@pytest.mark.parametrize("array,match", [
+    pytest.param(np.zeros((5, 6, 2), np.uint8), "neither its first nor its last", id="2-channels"),
+    pytest.param(np.zeros(7, np.uint8), r"must be \[H, W\], \[H, W, C\] or \[C, H, W\], got shape \[7\]",
+                 id="1-D"),
+    pytest.param(np.zeros((1, 2, 5, 5, 3), np.uint8), "got shape", id="5-D"),
+    pytest.param(np.zeros((5, 5, 3), np.int32), "uint8 or floating point", id="numpy-int32"),
+    pytest.param(torch.zeros(5, 5, 3, dtype=torch.bool), "uint8 or floating point", id="tensor-bool"),
+    pytest.param(torch.full((3, 5, 5), 2.0), r"values in \[0, 1\].*got \[2.0, 2.0\]", id="float-over-1"),
+    pytest.param(torch.full((3, 5, 5), float("nan")), "NaN", id="float-nan"),
+    pytest.param(np.zeros((0, 5, 3), np.uint8), "at least 1×1", id="zero-height"),
+])
+def test_bad_arrays_raise(array, match):
+    with pytest.raises(ValueError, match="image 1: .*" + match):
+        KimiK3ImageProcessor(TINY)([_hwc().numpy(), array])
+
+
+def test_bad_input_data_format_raises():
+    with pytest.raises(ValueError, match="input_data_format must be"):
+        KimiK3ImageProcessor(TINY)([_hwc().numpy()], input_data_format="HWC")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -352,6 +513,55 @@ def test_processor_save_load_round_trip(tmp_path, processor):
     a = processor(text=f"x{IMAGE_PLACEHOLDER}", images=[img])
     b = loaded(text=f"x{IMAGE_PLACEHOLDER}", images=[img])
     assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["pixel_values"], b["pixel_values"])
+
+
+PUBLISHED_BG = {"pattern": "chessboard", "chessboard_square_size": 4, "chessboard_square_on_top_left": False,
+                "chessboard_white_value": 250, "chessboard_gray_value": 100}
+
+
+def test_published_background_keys_are_read():
+    """square 4, gray on top left (chessboard_square_on_top_left false), white 250, gray 100."""
+    out = KimiK3ImageProcessor(TINY, transparent_bg_config=PUBLISHED_BG)([Image.new("LA", (28, 28), (0, 0))])
+    pv = out["pixel_values"]
+    for (x, y), v in {(0, 0): 100.0, (3, 3): 100.0, (4, 0): 250.0, (0, 4): 250.0, (4, 4): 100.0}.items():
+        torch.testing.assert_close(_pixel(pv, (1, 2, 2), x, y), torch.full((3,), _norm(v)), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("bg,want", [
+    ({"pattern": "chessboard"}, {(0, 0): 255.0, (16, 0): 200.0, (15, 15): 255.0}),   # the published defaults
+    ({"pattern": "gray"}, {(0, 0): 128.0, (16, 0): 128.0}),
+    ({}, {(0, 0): 0.0, (16, 0): 0.0}),                                                  # pattern "black"
+    (None, {(0, 0): 9.0, (16, 0): 9.0}),                                                # no blend: the colour
+], ids=["chessboard-defaults", "gray", "empty-is-black", "none"])
+def test_background_defaults_follow_the_published_processor(bg, want):
+    out = KimiK3ImageProcessor(TINY, transparent_bg_config=bg)([Image.new("RGBA", (28, 28), (9, 9, 9, 0))])
+    for (x, y), v in want.items():
+        torch.testing.assert_close(_pixel(out["pixel_values"], (1, 2, 2), x, y), torch.full((3,), _norm(v)))
+
+
+@pytest.mark.parametrize("bg,match", [
+    ({"pattern": "chessboard", "square": 8}, r"unknown key\(s\) \['square'\]; the published keys"),
+    ({"pattern": "checkers"}, "pattern 'checkers'"),
+    ({"chessboard_square_size": 0}, "chessboard_square_size must be an int >= 1"),
+    ({"chessboard_gray_value": 300}, r"chessboard_gray_value must be an int in \[0, 255\]"),
+    ({"chessboard_square_on_top_left": "white"}, "true or false"),
+], ids=["old-key", "pattern", "square-0", "gray-300", "top-left-string"])
+def test_bad_background_config_raises(bg, match):
+    with pytest.raises(ValueError, match=match):
+        MediaProcConfig(transparent_bg_config=bg)
+
+
+def test_save_pretrained_writes_published_background_keys(tmp_path):
+    KimiK3ImageProcessor().save_pretrained(tmp_path / "k3")
+    saved = json.loads((tmp_path / "k3" / "preprocessor_config.json").read_text())["media_proc_cfg"]
+    assert saved["transparent_bg_config"] == {"pattern": "chessboard", "chessboard_square_size": 8,
+                                              "chessboard_square_on_top_left": True, "chessboard_white_value": 255,
+                                              "chessboard_gray_value": 180}
+    KimiK3ImageProcessor(TINY, transparent_bg_config=PUBLISHED_BG).save_pretrained(tmp_path / "custom")
+    loaded = KimiK3ImageProcessor.from_pretrained(tmp_path / "custom")
+    assert loaded.cfg.transparent_bg_config == PUBLISHED_BG
+    saved = json.loads((tmp_path / "custom" / "preprocessor_config.json").read_text())["media_proc_cfg"]
+    assert saved["transparent_bg_config"] == PUBLISHED_BG
 
 
 def test_media_proc_config_reads_published_keys():
