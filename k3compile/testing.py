@@ -59,42 +59,45 @@ def ptx_in_a_fresh_process(script: str, flavours: dict) -> dict:
 
 def moe_experts_inputs(m: int, a: int, e: int, i: int, l: int, dtype: torch.dtype, routing: str = "random",
                        mxfp4: bool = False, seed: int = 0, device="cpu"):
-    """Random arguments of ``k3::moe_experts`` drawn on the CPU from ``seed``: (z [m, l], experts [m, a] int64,
-    weights [m, a] fp32, w1, w3, w2, w1_scale, w3_scale, w2_scale), moved to ``device``.
+    """Random arguments of ``k3::moe_experts`` drawn on ``device`` from ``seed``: (z [m, l], experts [m, a] int64,
+    weights [m, a] fp32, w1, w3, w2, w1_scale, w3_scale, w2_scale).
 
     ``routing``: "random" (a distinct experts per token, uniform), "skewed" (every token on experts 0..a-1, when
     a <= e), "repeat" (ids drawn with replacement: duplicates within a token), "one" (every pair on expert 0).
     Float weights are scaled so every product is O(1); MXFP4 weights (``mxfp4``: l and i multiples of 32) are
-    random codes with E8M0 scales drawn around the same magnitude."""
-    g = torch.Generator().manual_seed(seed)
-    z = torch.randn(m, l, generator=g).to(dtype)
+    random codes with E8M0 scales drawn around the same magnitude. Drawn where they are used: K3's experts are
+    gigabytes, too slow to draw on a CPU."""
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device=device)
+
+    z = randn(m, l).to(dtype)
     if routing == "random":
-        experts = torch.stack([torch.randperm(e, generator=g)[:a] for _ in range(m)]) if m else \
-            torch.zeros(0, a, dtype=torch.int64)
+        experts = torch.stack([torch.randperm(e, generator=g, device=device)[:a] for _ in range(m)]) if m else \
+            torch.zeros(0, a, dtype=torch.int64, device=device)
     elif routing == "skewed":
-        experts = torch.arange(a).repeat(m, 1) % e
+        experts = (torch.arange(a, device=device) % e).repeat(m, 1)
     elif routing == "repeat":
-        experts = torch.randint(0, e, (m, a), generator=g)
+        experts = torch.randint(0, e, (m, a), generator=g, device=device)
     elif routing == "one":
-        experts = torch.zeros(m, a, dtype=torch.int64)
+        experts = torch.zeros(m, a, dtype=torch.int64, device=device)
     else:
         raise ValueError(f"routing {routing!r}")
-    weights = torch.rand(m, a, generator=g) + 0.1
+    weights = torch.rand(m, a, generator=g, device=device) + 0.1
     if not mxfp4:
-        w1 = (torch.randn(e, i, l, generator=g) / l ** 0.5).to(dtype)
-        w3 = (torch.randn(e, i, l, generator=g) / l ** 0.5).to(dtype)
-        w2 = (torch.randn(e, l, i, generator=g) / i ** 0.5).to(dtype)
-        scales = (None, None, None)
-    else:
-        def codes(rows, cols):
-            return torch.randint(0, 256, (e, rows, cols // 2), dtype=torch.uint8, generator=g)
+        w1 = (randn(e, i, l) / l ** 0.5).to(dtype)
+        w3 = (randn(e, i, l) / l ** 0.5).to(dtype)
+        w2 = (randn(e, l, i) / i ** 0.5).to(dtype)
+        return z, experts, weights, w1, w3, w2, None, None, None
 
-        def scale(rows, cols):
-            # E2M1 magnitudes average ~2.2: 2^(s-127) ~ 1/(2.2·sqrt(cols)) keeps each product O(1)
-            center = 127 - round(math.log2(2.2 * cols ** 0.5))
-            return torch.randint(center - 2, center + 3, (e, rows, cols // 32), dtype=torch.uint8, generator=g)
+    def codes(rows, cols):
+        return torch.randint(0, 256, (e, rows, cols // 2), dtype=torch.uint8, generator=g, device=device)
 
-        w1, w3, w2 = codes(i, l), codes(i, l), codes(l, i)
-        scales = (scale(i, l), scale(i, l), scale(l, i))
-    tensors = (z, experts, weights, w1, w3, w2, *scales)
-    return tuple(t.to(device) if t is not None else None for t in tensors)
+    def scale(rows, cols):
+        # E2M1 magnitudes average ~2.2: 2^(s-127) ~ 1/(2.2·sqrt(cols)) keeps each product O(1)
+        center = 127 - round(math.log2(2.2 * cols ** 0.5))
+        return torch.randint(center - 2, center + 3, (e, rows, cols // 32), dtype=torch.uint8, generator=g,
+                             device=device)
+
+    return z, experts, weights, codes(i, l), codes(i, l), codes(l, i), scale(i, l), scale(i, l), scale(l, i)
