@@ -7,11 +7,11 @@
 set -u
 OUT=${OUT:-moe_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-if ! python -c "import k3compile.model, k3compile.patterns" 2>/dev/null || \
-        [ "$(python -c 'import k3compile, os; print(os.path.dirname(os.path.dirname(k3compile.__file__)))')" != "$PWD" ]; then
+HERE=$(python -c 'import k3compile, os; print(os.path.dirname(os.path.dirname(k3compile.__file__)))' 2>/dev/null)
+if ! python -c "import k3compile.model, k3compile.patterns" 2>/dev/null || [ "$HERE" != "$PWD" ]; then
     ln -sfn ../model k3compile/model; ln -sfn ../patterns k3compile/patterns; export PYTHONPATH=$PWD
 fi
-python -c "import torch, triton, k3compile; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(), k3compile.__file__)"
+python -c "import torch, triton, k3compile as k; print(torch.__version__, triton.__version__, k.__file__)"
 STEPS=${STEPS:-tests bf16 mxfp4 tp16 autotune}
 step() {  # step NAME SECONDS CMD...
     local name=$1 secs=$2; shift 2
@@ -24,16 +24,18 @@ step() {  # step NAME SECONDS CMD...
 B=benchmarks/moe_experts.py
 step tests    ${T_TESTS:-150}   python -m pytest -q -m gpu -p no:cacheprovider -rf tests/ops/test_moe_experts.py \
                                tests/patterns/test_moe_experts.py ${TESTS_K:+-k "$TESTS_K"}
-step bf16     ${T_BF16:-120}   python $B --tp 8 --formats bf16 --sweep-m ${SWEEP_M:-1 4 16} --kernels-m ${KERNELS_M:-1 16} \
-                               --compile-m ${COMPILE_M:-1 8 256} --json "$OUT/bf16.json" --table "$OUT/table_bf16.json" --svg "$OUT/bf16.svg"
-step mxfp4    ${T_MXFP4:-90}   python $B --tp 8 --formats mxfp4 --sweep-m ${SWEEP_M_MX:-1 16} --kernels-m 1 --compile-m 8 \
-                               --skewed-m --json "$OUT/mxfp4.json" --table "$OUT/table_mxfp4.json"
+step bf16     ${T_BF16:-120}   python $B --tp 8 --formats bf16 --sweep-m ${SWEEP_M:-1 4 16} \
+                               --kernels-m ${KERNELS_M:-1 16} --compile-m ${COMPILE_M:-1 8 256} \
+                               --json "$OUT/bf16.json" --table "$OUT/table_bf16.json" --svg "$OUT/bf16.svg"
+step mxfp4    ${T_MXFP4:-90}   python $B --tp 8 --formats mxfp4 --sweep-m ${SWEEP_M_MX:-1 16} --kernels-m 1 \
+                               --compile-m 8 --skewed-m --json "$OUT/mxfp4.json" --table "$OUT/table_mxfp4.json"
 step tp16     ${T_TP16:-40}    python $B --tp 16 --formats bf16 mxfp4 --m 1 8 16 --compile-m --skewed-m \
                                --json "$OUT/tp16.json"
-step autotune ${T_AUTOTUNE:-120} python $B --tp 8 --formats bf16 --m ${AUTOTUNE_M:-1 8} --autotune-m ${AUTOTUNE_M:-1 8} \
-                               --compile-m ${AUTOTUNE_M:-1 8} --skewed-m --json "$OUT/autotune.json"
+step autotune ${T_AUTOTUNE:-120} python $B --tp 8 --formats bf16 --m ${AUTOTUNE_M:-1 8} \
+                               --autotune-m ${AUTOTUNE_M:-1 8} --compile-m ${AUTOTUNE_M:-1 8} --skewed-m \
+                               --json "$OUT/autotune.json"
 for f in $STEPS; do   # the headline rows (every row is in $OUT/<step>.log and .json)
     [ -f "$OUT/$f.log" ] && { echo "----- $f"; grep -E "passed|failed|Error" "$OUT/$f.log" | tail -3;
-        sed -n '/all rows/,$p' "$OUT/$f.log" | grep -E " (k3|compile|max-autotune|dense|k3\[[a-z_-]+\]) " | cut -c1-150 \
-            | tail -n ${TAIL:-30}; }
+        sed -n '/all rows/,$p' "$OUT/$f.log" | grep -E " (k3|compile|max-autotune|dense|k3\[[a-z_-]+\]) " \
+            | cut -c1-150 | tail -n ${TAIL:-30}; }
 done

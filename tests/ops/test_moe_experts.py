@@ -279,7 +279,8 @@ for name, flavour in json.loads(sys.argv[1]).items():
         else:
             sig[n] = "fp32" if n in FLOATS else "i32"
     src = ASTSource(fn=kernel, signature=sig, constexprs=const)
-    out[name] = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3)).asm["ptx"]
+    options = dict(num_warps=4, num_stages=3)
+    out[name] = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 print(json.dumps(out))
 """
 PTX_FLAVOURS = {

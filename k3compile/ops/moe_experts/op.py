@@ -58,7 +58,8 @@ def check_inputs(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, 
     if all(given):
         for name, t in (("w1", w1), ("w3", w3), ("w2", w2)) + tuple(
                 zip(("w1_scale", "w3_scale", "w2_scale"), scales)):
-            check(t.dtype == torch.uint8, lambda name=name, t=t: f"moe_experts: MXFP4 {name} must be uint8, got {t.dtype}")
+            check(t.dtype == torch.uint8,
+                  lambda name=name, t=t: f"moe_experts: MXFP4 {name} must be uint8, got {t.dtype}")
         check(l % MXFP4_GROUP == 0 and i % MXFP4_GROUP == 0,
               lambda: f"moe_experts: MXFP4 needs L={l} and I={i} to be multiples of {MXFP4_GROUP}")
         expect = {"w1": (w1, (e, i, l // 2)), "w3": (w3, (e, i, l // 2)), "w2": (w2, (e, l, i // 2)),
@@ -66,7 +67,8 @@ def check_inputs(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, 
                   "w2_scale": (w2_scale, (e, l, i // MXFP4_GROUP))}
     else:
         for name, t in (("w1", w1), ("w3", w3), ("w2", w2)):
-            check(t.dtype == z.dtype, lambda name=name, t=t: f"moe_experts: {name} dtype {t.dtype} != z dtype {z.dtype}")
+            check(t.dtype == z.dtype,
+                  lambda name=name, t=t: f"moe_experts: {name} dtype {t.dtype} != z dtype {z.dtype}")
         expect = {"w1": (w1, (e, i, l)), "w3": (w3, (e, i, l)), "w2": (w2, (e, l, i))}
     for name, (t, shape) in expect.items():
         check(t.dim() == 3 and all(a == b for a, b in zip(t.shape, shape)),

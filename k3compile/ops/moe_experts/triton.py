@@ -72,7 +72,7 @@ def _tanh(x):
 
 @triton.jit
 def _situ_glu(gate, up, beta, linear_beta, HAS_BETA: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr):
-    """fp32 SiTU-GLU: beta·tanh(gate/beta)·σ(gate) · linear_beta·tanh(up/linear_beta) (model/layers.py situ_glu)."""
+    """fp32 SiTU-GLU: beta·tanh(gate/beta)·σ(gate) · linear_beta·tanh(up/linear_beta) (model/layers.py)."""
     if HAS_BETA:
         act = beta * _tanh(gate / beta) * tl.sigmoid(gate)
     else:
