@@ -409,6 +409,22 @@ def dense_entries(rows) -> list:
     return out
 
 
+def write_table(path: Path, configs: list, dense: list, rows: list) -> None:
+    """Merge this run's picks into ``path`` (``tables/<gpu>.json``'s format): entries of the same dtype, format,
+    widths and M replaced, dense entries replaced for the widths this run measured in bf16, the rest kept."""
+    table = json.loads(path.read_text()) if path.exists() else {}
+
+    def key(e):
+        return (e["dtype"], e["format"], e["I"], e["L"], e["m"])
+
+    kept = {key(e): e for e in table.get("configs", [])}
+    kept.update({key(e): e for e in configs})
+    measured = {(shapes(r["tp"])["i"], shapes(r["tp"])["l"]) for r in rows if r["format"] == "bf16"}
+    table["configs"] = sorted(kept.values(), key=key)
+    table["dense"] = [e for e in table.get("dense", []) if (e["I"], e["L"]) not in measured] + dense
+    path.write_text(json.dumps(table, indent=1) + "\n")
+
+
 def main(argv=None):
     args = parse_args(argv)
     ceiling = ceiling_tbps()
@@ -448,7 +464,7 @@ def main(argv=None):
     if args.svg:
         write_svg(rows, args.svg)
     if args.table:
-        Path(args.table).write_text(json.dumps(dict(configs=best_configs(rows), dense=dense_entries(rows)), indent=1))
+        write_table(Path(args.table), best_configs(rows), dense_entries(rows), rows)
 
 
 if __name__ == "__main__":

@@ -2,10 +2,13 @@
 # The routed experts on one H200 in one device call: GPU tests, then benchmarks/moe_experts.py in steps, each with
 # its own time limit (a slow step cannot take the others' results with it); logs and JSON land in $OUT.
 #   run(carry=[...], command="bash benchmarks/moe_experts_h200.sh")
-# STEPS picks steps (default: all); T_<STEP> overrides a step's seconds. Without an installed checkout, the
+# STEPS picks steps (default: all); T_<STEP> overrides a step's seconds. The bf16 and mxfp4 steps merge their
+# measured picks into $OUT/h200.json, a copy of k3compile/ops/moe_experts/tables/h200.json (copy it back to use
+# them). Without an installed checkout, the
 # package mapping of setup.py is made with two links (k3compile/model, k3compile/patterns) and PYTHONPATH.
 set -u
 OUT=${OUT:-moe_out}; mkdir -p "$OUT"
+cp k3compile/ops/moe_experts/tables/h200.json "$OUT/h200.json"
 export PYTHONUNBUFFERED=1
 HERE=$(python -c 'import k3compile, os; print(os.path.dirname(os.path.dirname(k3compile.__file__)))' 2>/dev/null)
 if ! python -c "import k3compile.model, k3compile.patterns" 2>/dev/null || [ "$HERE" != "$PWD" ]; then
@@ -26,9 +29,9 @@ step tests    ${T_TESTS:-150}   python -m pytest -q -m gpu -p no:cacheprovider -
                                tests/patterns/test_moe_experts.py ${TESTS_K:+-k "$TESTS_K"}
 step bf16     ${T_BF16:-120}   python $B --tp 8 --formats bf16 --sweep-m ${SWEEP_M:-1 4 16} \
                                --kernels-m ${KERNELS_M:-1 16} --compile-m ${COMPILE_M:-1 8 256} \
-                               --json "$OUT/bf16.json" --table "$OUT/table_bf16.json" --svg "$OUT/bf16.svg"
+                               --json "$OUT/bf16.json" --table "$OUT/h200.json" --svg "$OUT/bf16.svg"
 step mxfp4    ${T_MXFP4:-90}   python $B --tp 8 --formats mxfp4 --sweep-m ${SWEEP_M_MX:-1 16} --kernels-m 1 \
-                               --compile-m 8 --skewed-m --json "$OUT/mxfp4.json" --table "$OUT/table_mxfp4.json"
+                               --compile-m 8 --skewed-m --json "$OUT/mxfp4.json" --table "$OUT/h200.json"
 step tp16     ${T_TP16:-40}    python $B --tp 16 --formats bf16 mxfp4 --m 1 8 16 --compile-m --skewed-m \
                                --json "$OUT/tp16.json"
 step autotune ${T_AUTOTUNE:-120} python $B --tp 8 --formats bf16 --m ${AUTOTUNE_M:-1 8} \
