@@ -4,8 +4,8 @@
 #   run(carry=[...], command="bash benchmarks/moe_experts_h200.sh")
 # STEPS picks steps (default: all); T_<STEP> overrides a step's seconds. The bf16 and mxfp4 steps merge their
 # measured picks into $OUT/h200.json, a copy of k3compile/ops/moe_experts/tables/h200.json (copy it back to use
-# them). Without an installed checkout, the
-# package mapping of setup.py is made with two links (k3compile/model, k3compile/patterns) and PYTHONPATH.
+# them). Without an installed checkout, the package mapping of setup.py is made with two links (k3compile/model,
+# k3compile/patterns) and PYTHONPATH.
 set -u
 OUT=${OUT:-moe_out}; mkdir -p "$OUT"
 cp k3compile/ops/moe_experts/tables/h200.json "$OUT/h200.json"
