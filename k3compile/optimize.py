@@ -246,10 +246,11 @@ def optimize(model, *, backend: str = "auto", passes=None, strict: bool = False,
             "after ours, but without a uuid() Inductor cannot cache the compiled graphs "
             "(subclass torch._inductor.custom_graph_pass.CustomGraphPass)", stacklevel=2)
     inductor_options["post_grad_custom_post_pass"] = _pass_for(options, chained)
-    if {"skinny_gemm", "latent_moe_tail"} & set(options.enabled):
+    if {"skinny_gemm", "latent_moe_tail", "moe_experts"} & set(options.enabled):
         # On CUDA, Inductor's pad_mm pads a small M up to the dtype's alignment where its benchmark says
         # so, wrapping the product in cat/slice that no k3 pattern sees through (an H200 run lost the
-        # latent-MoE tail at M=2 that way). The products our passes replace gain nothing from it.
+        # latent-MoE tail at M=2 that way; pad_bmm does the same to the routed experts' bmm). The products our
+        # passes replace gain nothing from it.
         inductor_options.setdefault("shape_padding", False)
     state = K3State(options, strict, summarize_model(model))
     compiler = K3Inductor(mode, inductor_options, torch_compile_kwargs.get("dynamic"), state)

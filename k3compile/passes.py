@@ -105,11 +105,12 @@ def _register(options: K3Options) -> tuple[dict[str, pm.PatternMatcherPass], flo
         cached = _REGISTERED.get(options)
         if cached is not None:
             return cached, 0.0
-        from k3compile.patterns._common import fake_mode
+        from k3compile.patterns._common import fake_mode, warm_inductor_patterns
 
         t0 = time.perf_counter()
         passes = {}
         with fake_mode():
+            warm_inductor_patterns()
             for name in options.enabled:
                 pm_pass = pm.PatternMatcherPass(pass_name=f"k3_{name}")
                 pattern_module(name).register(pm_pass, options)

@@ -1,4 +1,6 @@
 """Helpers the test suite (and GPU benchmarks' correctness checks) share."""
+import math
+
 import torch
 
 
@@ -53,3 +55,49 @@ def ptx_in_a_fresh_process(script: str, flavours: dict) -> dict:
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def moe_experts_inputs(m: int, a: int, e: int, i: int, l: int, dtype: torch.dtype, routing: str = "random",
+                       mxfp4: bool = False, seed: int = 0, device="cpu"):
+    """Random arguments of ``k3::moe_experts`` drawn on ``device`` from ``seed``: (z [m, l], experts [m, a] int64,
+    weights [m, a] fp32, w1, w3, w2, w1_scale, w3_scale, w2_scale).
+
+    ``routing``: "random" (a distinct experts per token, uniform), "skewed" (every token on experts 0..a-1, when
+    a <= e), "repeat" (ids drawn with replacement: duplicates within a token), "one" (every pair on expert 0).
+    Float weights are scaled so every product is O(1); MXFP4 weights (``mxfp4``: l and i multiples of 32) are
+    random codes with E8M0 scales drawn around the same magnitude. Drawn where they are used: K3's experts are
+    gigabytes, too slow to draw on a CPU."""
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device=device)
+
+    z = randn(m, l).to(dtype)
+    if routing == "random":
+        experts = torch.stack([torch.randperm(e, generator=g, device=device)[:a] for _ in range(m)]) if m else \
+            torch.zeros(0, a, dtype=torch.int64, device=device)
+    elif routing == "skewed":
+        experts = (torch.arange(a, device=device) % e).repeat(m, 1)
+    elif routing == "repeat":
+        experts = torch.randint(0, e, (m, a), generator=g, device=device)
+    elif routing == "one":
+        experts = torch.zeros(m, a, dtype=torch.int64, device=device)
+    else:
+        raise ValueError(f"routing {routing!r}")
+    weights = torch.rand(m, a, generator=g, device=device) + 0.1
+    if not mxfp4:
+        w1 = (randn(e, i, l) / l ** 0.5).to(dtype)
+        w3 = (randn(e, i, l) / l ** 0.5).to(dtype)
+        w2 = (randn(e, l, i) / i ** 0.5).to(dtype)
+        return z, experts, weights, w1, w3, w2, None, None, None
+
+    def codes(rows, cols):
+        return torch.randint(0, 256, (e, rows, cols // 2), dtype=torch.uint8, generator=g, device=device)
+
+    def scale(rows, cols):
+        # E2M1 magnitudes average ~2.2: 2^(s-127) ~ 1/(2.2·sqrt(cols)) keeps each product O(1)
+        center = 127 - round(math.log2(2.2 * cols ** 0.5))
+        return torch.randint(center - 2, center + 3, (e, rows, cols // 32), dtype=torch.uint8, generator=g,
+                             device=device)
+
+    return z, experts, weights, codes(i, l), codes(i, l), codes(l, i), scale(i, l), scale(i, l), scale(l, i)

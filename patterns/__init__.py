@@ -2,11 +2,13 @@
 
 ``PASS_ORDER`` is the order the pass manager applies them in. Order matters where two passes could
 claim the same nodes: the latent-MoE tail consumes its up-projection ``mm`` before the skinny-GEMM
-pass would turn it into ``k3::skinny_gemm``, and the KDA decode step is claimed whole before its
+pass would turn it into ``k3::skinny_gemm``, the routed experts are claimed whole before their products are
+considered, and the KDA decode step is claimed whole before its
 projections are considered.
 """
 PASS_ORDER: tuple[str, ...] = (
     "latent_moe_tail",  # first: takes its up-projection mm before skinny_gemm would
+    "moe_experts",  # before skinny_gemm: on a GPU the dense form's batch-1 bmm's are mm's it would claim
     "kda_decode",  # before skinny_gemm: the KDA step is claimed whole before its projections are considered
     "kda_prefill",  # the prefill recurrence (no mm of its own; placed beside the decode step)
     "mla_decode",  # the MLA attention of a decode step (bmm only: no skinny_gemm candidate inside)

@@ -25,6 +25,7 @@ read ``meta["val"]`` through :func:`val` and decide symbolic sizes only through
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Optional
 
 import torch
@@ -54,6 +55,25 @@ def trace_fn(*args, **kwargs) -> torch.fx.GraphModule:
     gm = pm.fwd_only(*args, **kwargs)
     view_to_reshape(gm)
     return gm
+
+
+@functools.cache
+def warm_inductor_patterns() -> None:
+    """Initialise Inductor's lazily registered pattern sets (joint graph, post grad) for every device our searches
+    are traced on, before any ``register_replacement`` of ours runs. Some searches are traced through Inductor's
+    own passes; one that reaches a set not yet initialised registers Inductor's patterns from inside our
+    ``register_replacement``, which re-enters a config patch torch 2.11 cannot enter twice ("prior should be empty
+    when entering ConfigPatch": the moe_experts pass failed so on the H200 image). Call under :func:`fake_mode`."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.fx_passes.joint_graph import joint_graph_passes
+    from torch._inductor.fx_passes.post_grad import post_grad_passes
+
+    for device in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
+        gm = pm.fwd_only(lambda x: x + 1, [torch.empty(2, device=device)])
+        with inductor_config.patch(joint_custom_pre_pass=None, joint_custom_post_pass=None,
+                                   post_grad_custom_pre_pass=None, post_grad_custom_post_pass=None):
+            joint_graph_passes(gm)
+            post_grad_passes(gm, is_inference=True)
 
 
 @contextlib.contextmanager

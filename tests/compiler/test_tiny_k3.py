@@ -1,5 +1,6 @@
 """The whole tiny K3 (micro: 3 KDA + 1 MLA layers) through k3compile.optimize: generated tokens
-equal eager (fp32, CPU), and the report shows where the skinny-GEMM and MLA-decode rewrites fired.
+equal eager (fp32, CPU), and the report shows where the skinny-GEMM, MLA-decode and routed-experts
+rewrites fired.
 
 One compiled model for the module: compiling the prefill and decode graphs takes minutes on a
 shared CPU. The FX-graph and AOTAutograd caches are off so the pass runs and its counts are real.
@@ -14,11 +15,15 @@ import torch
 import k3compile
 from k3compile.model import KimiK3Config, KimiK3ForConditionalGeneration
 from k3compile.ops.mla_decode import MLA_DECODE
+from k3compile.ops.moe_experts import MOE_EXPERTS
 from k3compile.ops.skinny_gemm import SKINNY_GEMM
+from k3compile.patterns.moe_experts import FACT as MOE_FACT
 
 pytestmark = pytest.mark.slow
 
 BATCH, PROMPT, NEW = 2, 20, 4          # prefill M = 40 > 16, T = 20 > 8; decode M = 2, T = 1
+MOE_LAYERS = 3                         # micro: layer 0 dense, 1-3 latent MoE (the experts: dense form in prefill,
+                                       # M·A = 160 > E = 16; gathered in decode, 8 <= 16)
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +36,11 @@ def generated():
     torch._dynamo.reset()
     SKINNY_GEMM.clear()          # op records are per process: drop other tests' calls
     MLA_DECODE.clear()
+    MOE_EXPERTS.clear()
     with torch._inductor.config.patch(fx_graph_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False):
-        k3compile.optimize(model, backend="reference", passes=["skinny_gemm", "mla_decode"], strict=True,
-                           dynamic=False)
+        k3compile.optimize(model, backend="reference", passes=["moe_experts", "mla_decode", "skinny_gemm"],
+                           strict=True, dynamic=False)
         out = model.generate(ids, NEW)
     return out, ref, k3compile.report(model)
 
@@ -76,3 +82,12 @@ def test_report_times_our_passes(generated):
     _, _, rep = generated
     assert 0 < rep.pass_seconds < rep.compile_seconds
     assert "skinny_gemm" in str(rep)
+
+
+def test_routed_experts_rewritten_in_decode_and_prefill_graphs(generated):
+    _, _, rep = generated
+    for graph in rep.graphs:          # prefill: the dense form; decode: the gathered form
+        assert graph.record.matches["moe_experts"] == MOE_LAYERS == graph.record.facts[MOE_FACT]
+    assert rep.op_calls["moe_experts"] == MOE_LAYERS * NEW    # one prefill and NEW - 1 decode steps
+    forms = {c.key[1][2] for c in rep.choices if c.op == "moe_experts"}
+    assert forms == {"decode", "prefill"}

@@ -50,3 +50,4 @@ def test_passes_still_rewrite_the_packed_decode_graph(decoded):
     (graph,) = rep.graphs
     matches = graph.record.matches
     assert matches["latent_moe_tail"] == 1 and matches["kda_decode"] == 1 and matches["skinny_gemm"] > 0, matches
+    assert matches["moe_experts"] == 1, matches    # the packed experts' gathered form -> k3::moe_experts (MXFP4)

@@ -1,0 +1,553 @@
+"""Triton kernels for the routed experts: each selected expert's weights streamed once for all its tokens.
+
+Shape legend: M tokens, A experts per token, P = M·A (token, slot) pairs, E experts, L latent, I intermediate.
+
+Three kernels, launched back to back with PDL on sm_90+:
+
+1. ``_gate_up_kernel``, program (slot, i-tile): finds its expert and the pairs that chose it, then for
+   ``BLOCK_M`` of those pairs at a time streams ``w1[e]`` and ``w3[e]`` rows ``[BLOCK_I, L]`` once and takes
+   both products with the pairs' z rows (gathered, ``tl.dot``, fp32); SiTU-GLU in the epilogue, with the
+   model's roundings (gate and up rounded to z's dtype, h rounded too): ``h [P, I]``.
+2. ``_down_kernel``, program (slot, n-tile): the same expert and pairs; ``w2[e]`` rows ``[BLOCK_N, I]`` once,
+   ``y = h @ w2ᵀ`` rounded to z's dtype, times the router weight (fp32): ``partial [P, L]``.
+3. ``_combine_kernel``, program (token, n-tile): the token's A partials in slot order, one [A, BLOCK_N] load, fp32
+   sum, cast: ``out [M, L]``. (The last of a token's pairs summing them in the down kernel, behind arrival
+   counters, measured 1.7x slower at M = 1 and 1.8x at M = 16 on the H200: docs/tuning/moe_experts.md.)
+
+How a program finds its expert's pairs (CUDA-graph capturable: no host sync, no data-dependent allocation):
+
+- decode (M ≤ small_m_limit and ≤ 16): grid (P, tiles); program ``p`` reads the [M, A] ids; it runs only if pair
+  p is the first pair of its expert (token, then slot order); its rows are the tokens, each masked unless it chose
+  the expert (a token holding it twice takes a second round);
+- prefill: the pairs sorted by expert on the device (``torch.sort`` + ``searchsorted``: ``order`` and
+  ``offsets [E + 1]``); grid (E, tiles); program ``e`` reads its pairs ``order[offsets[e]:offsets[e + 1]]``.
+
+Every pair is covered by exactly one program, whatever the ids (duplicates within a token, every token on one
+expert). An id outside [0, E) reads no weight: its pairs' partials are NaN, so those tokens come out NaN.
+
+MXFP4 weights: codes and scales are loaded as bytes and dequantised in registers to z's dtype, exactly as
+``model/moe.py`` dequantises them, before the products: interleaved into one tile (``_mxfp4_tile``), or as even and
+odd columns (``_mxfp4_halves``; on an NVIDIA GPU in bf16 through byte lookups in PTX, ``E2M1_BF16_PTX``), or left
+to Triton's ``tl.dot_scaled`` (``MoeConfig.mxfp4_dot_scaled``, a GPU only: the interpreter lacks it).
+
+PDL (sm_90+): the gate/up kernel waits before reading anything and lets the down kernel launch after its loop;
+the down kernel reads the ids, the router weights and its first ``w2`` tile before its wait (the gate/up kernel
+triggers only after its own wait, so every kernel before it has completed: only ``h`` is the gate/up kernel's),
+and lets the next kernel launch after its loop.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # grid dependency control (PDL), Triton >= 3.4
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover
+    gdc_launch_dependents = gdc_wait = None
+
+from k3compile.backends import Reason, is_rocm
+
+from .config import MoeConfig, decode_form, default_config, table, tuned_config  # noqa: F401
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def pdl_capable(device: torch.device) -> bool:
+    """Programmatic dependent launch: an NVIDIA GPU of compute capability 9.0+ and a Triton that has it."""
+    return (device.type == "cuda" and gdc_wait is not None and not is_rocm()
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+# --- device helpers ---------------------------------------------------------------------------------------
+
+@triton.jit
+def _tanh(x):
+    # tanh(x) = 2σ(2x) − 1 (no libdevice in the interpreter); absolute error ~1e-7 near 0
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _situ_glu(gate, up, beta, linear_beta, HAS_BETA: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr):
+    """fp32 SiTU-GLU: beta·tanh(gate/beta)·σ(gate) · linear_beta·tanh(up/linear_beta) (model/layers.py)."""
+    if HAS_BETA:
+        act = beta * _tanh(gate / beta) * tl.sigmoid(gate)
+    else:
+        act = gate * tl.sigmoid(gate)
+    if HAS_LINEAR_BETA:
+        up = linear_beta * _tanh(up / linear_beta)
+    return act * up
+
+
+@triton.jit
+def _e2m1(c):
+    """E2M1 codes (int32, 0..15; bit 3 the sign) -> fp32: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 built as bits."""
+    mag = c & 7
+    # mag >= 2: exponent (mag >> 1) - 1 and mantissa bit (mag & 1) land where fp32 keeps them; 1 -> 0.5; 0 -> 0
+    bits = tl.where(mag >= 2, (mag << 22) + 0x3F000000, mag * 0x3F000000)
+    return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e8m0(s):
+    """E8M0 scale bytes -> fp32 2^(s - 127); 0 -> 2^-127 (subnormal), 255 (E8M0 NaN) -> NaN."""
+    si = s.to(tl.int32)
+    f = (si << 23).to(tl.float32, bitcast=True)
+    f = tl.where(si == 0, 5.877471754111438e-39, f)
+    return tl.where(si == 255, float("nan"), f)
+
+
+@triton.jit
+def _mxfp4_tile(p_codes, p_scales, o_r, m_r, k0, K, s_cr, s_ck, s_sr, s_sk, R: tl.constexpr, BK: tl.constexpr,
+                DTYPE: tl.constexpr):
+    """Rows ``o_r`` x logical columns [k0, k0 + BK) of an MXFP4 matrix (codes [rows, K/2], scales [rows, K/32])
+    dequantised to DTYPE: E2M1(code) · 2^(scale - 127), zeros outside the rows and K."""
+    o_b = k0 // 2 + tl.arange(0, BK // 2)
+    b_c = tl.load(p_codes + o_r[:, None] * s_cr + o_b[None, :] * s_ck, mask=m_r[:, None] & (o_b < K // 2)[None, :],
+                  other=0, eviction_policy="evict_first").to(tl.int32)
+    b_v = tl.reshape(tl.join(_e2m1(b_c & 15), _e2m1(b_c >> 4)), (R, BK))          # element 2j low, 2j+1 high
+    o_g = k0 // 32 + tl.arange(0, BK // 32)
+    b_s = tl.load(p_scales + o_r[:, None] * s_sr + o_g[None, :] * s_sk, mask=m_r[:, None] & (o_g < K // 32)[None, :],
+                  other=127, eviction_policy="evict_first")
+    b_v = tl.reshape(tl.reshape(b_v, (R, BK // 32, 32)) * _e8m0(b_s)[:, :, None], (R, BK))
+    return b_v.to(DTYPE)
+
+
+# E2M1 -> bf16 for four code bytes at once (``_mxfp4_halves`` with ASM), sm_80+ PTX. Inputs: $4 four code bytes,
+# $5 / $6 the bf16 scales of elements 0-1 / 2-3; outputs: $0 / $1 the low nibbles' values (elements 0-1 / 2-3),
+# $2 / $3 the high nibbles'. Per half: the four 3-bit magnitudes gathered into one selector (and, shift, or, prmt),
+# two byte lookups (prmt) into the bf16 magnitudes' high and low bytes (0, .5, 1, 1.5, 2, 3, 4, 6: high bytes
+# 00 3F 3F 3F 40 40 40 40, low bytes 00 00 80 C0 00 40 80 C0), each sign bit moved to bit 7 of its high byte, the
+# bytes interleaved into bf16 pairs (prmt), then times the scale (fma with -0: exact, a power of two).
+# tests/ops/test_moe_experts.py emulates these steps on every byte; the GPU tests run them.
+_E2M1_HALF = """and.b32 m, x, 0x07070707;
+shr.b32 u, m, 4;
+or.b32 u, u, m;
+prmt.b32 sel, u, u, 0x0020;
+prmt.b32 hb, th0, th1, sel;
+prmt.b32 lb, tl0, tl1, sel;
+shl.b32 sg, x, 4;
+and.b32 sg, sg, 0x80808080;
+or.b32 hb, hb, sg;
+prmt.b32 r0, lb, hb, 0x5140;
+prmt.b32 r1, lb, hb, 0x7362;
+fma.rn.bf16x2 {out0}, r0, $5, nz;
+fma.rn.bf16x2 {out1}, r1, $6, nz;
+"""
+E2M1_BF16_PTX = ("""
+{
+.reg .b32 x, m, u, sel, hb, lb, sg, r0, r1, th0, th1, tl0, tl1, nz;
+mov.b32 th0, 0x3F3F3F00;
+mov.b32 th1, 0x40404040;
+mov.b32 tl0, 0xC0800000;
+mov.b32 tl1, 0xC0804000;
+mov.b32 nz, 0x80008000;
+mov.b32 x, $4;
+""" + _E2M1_HALF.format(out0="$0", out1="$1") + "shr.b32 x, x, 4;\n" + _E2M1_HALF.format(out0="$2", out1="$3")
+                 + "}\n")
+E2M1_BF16_ASM = tl.constexpr(E2M1_BF16_PTX)   # a jit function reads globals only as constexpr
+
+
+@triton.jit
+def _e8m0_bf16(s):
+    """E8M0 scale bytes -> bf16 2^(s - 127), exactly: bits s << 7; 0 -> 2^-127 (0x0040, subnormal), 255 -> NaN."""
+    si = s.to(tl.int32)
+    bits = tl.where(si == 0, 0x40, tl.where(si == 255, 0x7FC0, si << 7))
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _mxfp4_halves(p_codes, p_scales, o_r, m_r, k0, K, s_cr, s_ck, s_sr, s_sk, R: tl.constexpr, BK: tl.constexpr,
+                  DTYPE: tl.constexpr, ASM: tl.constexpr):
+    """The even and the odd logical columns of rows ``o_r`` x [k0, k0 + BK) of an MXFP4 matrix, [R, BK/2] each in
+    DTYPE: the codes as [R, groups, 16] bytes, so each group's scale broadcasts without reshaping the codes.
+    ASM (bf16, a GPU): byte lookups in PTX (``E2M1_BF16_ASM``) instead of arithmetic on every code."""
+    G: tl.constexpr = BK // 32
+    o_g = k0 // 32 + tl.arange(0, G)
+    m_g = m_r[:, None] & (o_g < K // 32)[None, :]
+    o_b = o_g[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+    b_c = tl.load(p_codes + o_r[:, None, None] * s_cr + o_b * s_ck, mask=m_g[:, :, None], other=0,
+                  eviction_policy="evict_first")                                      # [R, G, 16] uint8
+    b_s = tl.load(p_scales + o_r[:, None] * s_sr + o_g[None, :] * s_sk, mask=m_g, other=127,
+                  eviction_policy="evict_first")
+    if ASM:
+        b_sb = tl.broadcast_to(_e8m0_bf16(b_s)[:, :, None], (R, G, 16))
+        lo, hi = tl.inline_asm_elementwise(E2M1_BF16_ASM, "=r,=r,=r,=r,r,r,r", [b_c, b_sb],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        return tl.reshape(lo, (R, BK // 2)), tl.reshape(hi, (R, BK // 2))
+    else:
+        b_ci = b_c.to(tl.int32)
+        b_f = _e8m0(b_s)[:, :, None]
+        lo = tl.reshape(_e2m1(b_ci & 15) * b_f, (R, BK // 2))
+        hi = tl.reshape(_e2m1(b_ci >> 4) * b_f, (R, BK // 2))
+        return lo.to(DTYPE), hi.to(DTYPE)
+
+
+@triton.jit
+def _mxfp4_raw(p_codes, p_scales, o_r, m_r, k0, K, s_cr, s_ck, s_sr, s_sk, BK: tl.constexpr):
+    """Rows ``o_r`` x logical columns [k0, k0 + BK) of an MXFP4 matrix as stored: codes [R, BK/2], scales [R, BK/32]."""
+    o_b = k0 // 2 + tl.arange(0, BK // 2)
+    o_g = k0 // 32 + tl.arange(0, BK // 32)
+    b_c = tl.load(p_codes + o_r[:, None] * s_cr + o_b[None, :] * s_ck, mask=m_r[:, None] & (o_b < K // 2)[None, :],
+                  other=0, eviction_policy="evict_first")
+    b_s = tl.load(p_scales + o_r[:, None] * s_sr + o_g[None, :] * s_sk, mask=m_r[:, None] & (o_g < K // 32)[None, :],
+                  other=127, eviction_policy="evict_first")
+    return b_c, b_s
+
+
+@triton.jit
+def _weight_tiles(p_w, p_s, o_r, m_r, k0, K, s_wr, s_wk, s_sr, s_sk, R: tl.constexpr, BK: tl.constexpr,
+                  MXFP4: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr, DOTS: tl.constexpr,
+                  DTYPE: tl.constexpr):
+    """DOTS: an MXFP4 tile as stored (codes, scales) for ``tl.dot_scaled``; HALVES: its even and odd columns
+    dequantised (``_mxfp4_halves``); else the whole tile in DTYPE, twice."""
+    if DOTS:
+        return _mxfp4_raw(p_w, p_s, o_r, m_r, k0, K, s_wr, s_wk, s_sr, s_sk, BK)
+    elif HALVES:
+        return _mxfp4_halves(p_w, p_s, o_r, m_r, k0, K, s_wr, s_wk, s_sr, s_sk, R, BK, DTYPE, ASM)
+    else:
+        b_w = _weight_tile(p_w, p_s, o_r, m_r, k0, K, s_wr, s_wk, s_sr, s_sk, R, BK, MXFP4, DTYPE)
+        return b_w, b_w
+
+
+@triton.jit
+def _act_tiles(p_rows, m_rows, k0, K, s_k, BK: tl.constexpr, HALVES: tl.constexpr):
+    """Activation rows ``p_rows`` (pointers [BLOCK_M, 1]) over columns [k0, k0 + BK): the whole tile twice, or
+    (HALVES) its even and its odd columns."""
+    if HALVES:
+        o_h = k0 + 2 * tl.arange(0, BK // 2)
+        m_h = m_rows & (o_h < K)[None, :]
+        return (tl.load(p_rows + o_h[None, :] * s_k, mask=m_h, other=0.),
+                tl.load(p_rows + (o_h + 1)[None, :] * s_k, mask=m_h, other=0.))
+    else:
+        o_k = k0 + tl.arange(0, BK)
+        b_x = tl.load(p_rows + o_k[None, :] * s_k, mask=m_rows & (o_k < K)[None, :], other=0.)
+        return b_x, b_x
+
+
+@triton.jit
+def _dot2(acc, b_xa, b_xb, b_wa, b_wb, HALVES: tl.constexpr, DOTS: tl.constexpr, X_FMT: tl.constexpr,
+          IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + x·wᵀ``: one product, or (HALVES) the even columns' plus the odd columns', or (DOTS) Triton's scaled
+    product of x (format X_FMT) with MXFP4 codes ``b_wa`` and E8M0 scales ``b_wb``."""
+    if DOTS:
+        acc = tl.dot_scaled(b_xa, None, X_FMT, tl.trans(b_wa), b_wb, "e2m1", acc=acc)
+    else:
+        acc = _dot(acc, b_xa, b_wa, IEEE, UPCAST)
+        if HALVES:
+            acc = _dot(acc, b_xb, b_wb, IEEE, UPCAST)
+    return acc
+
+
+@triton.jit
+def _weight_tile(p_w, p_s, o_r, m_r, k0, K, s_wr, s_wk, s_sr, s_sk, R: tl.constexpr, BK: tl.constexpr,
+                 MXFP4: tl.constexpr, DTYPE: tl.constexpr):
+    """Rows ``o_r`` x columns [k0, k0 + BK) of one expert's matrix in DTYPE (float, or MXFP4 dequantised)."""
+    if MXFP4:
+        return _mxfp4_tile(p_w, p_s, o_r, m_r, k0, K, s_wr, s_wk, s_sr, s_sk, R, BK, DTYPE)
+    else:
+        o_k = k0 + tl.arange(0, BK)
+        # each weight byte is read once: keep it from pushing z, h and the partials out of L2
+        return tl.load(p_w + o_r[:, None] * s_wr + o_k[None, :] * s_wk, mask=m_r[:, None] & (o_k < K)[None, :],
+                       other=0., eviction_policy="evict_first")
+
+
+@triton.jit
+def _dot(acc, b_x, b_w, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + b_x · b_wᵀ`` in fp32 (UPCAST: fp32 operands, for the interpreter's 16-bit dot)."""
+    if UPCAST:
+        b_x = b_x.to(tl.float32)
+        b_w = b_w.to(tl.float32)
+    if IEEE:
+        return acc + tl.dot(b_x, tl.trans(b_w), input_precision="ieee")
+    else:
+        return acc + tl.dot(b_x, tl.trans(b_w))
+
+
+@triton.jit
+def _token_ids(p_ids, M, A, BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr):
+    """Decode: the ids as a [BLOCK_M tokens, BLOCK_A slots] tile, and which entries exist."""
+    o_t = tl.arange(0, BLOCK_M)
+    o_a = tl.arange(0, BLOCK_A)
+    m_ta = (o_t < M)[:, None] & (o_a < A)[None, :]
+    return tl.load(p_ids + o_t[:, None] * A + o_a[None, :], mask=m_ta, other=0), m_ta, o_t, o_a
+
+
+@triton.jit
+def _my_expert(p_ids, p_offsets, slot, M, A, SORTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr):
+    """(expert id, whether this program runs, its first pair's position in ``order`` and pair count (sorted), its
+    row chunks).
+
+    Decode: slot is a pair; the program runs where that pair is the first of its expert (in token, then slot
+    order); a row is a token, and a chunk takes each token's next pair on the expert (one chunk unless a token
+    holds the expert twice). Sorted: slot is an expert; it runs where some pair chose it; a chunk is BLOCK_M of
+    its pairs."""
+    if SORTED:
+        start = tl.load(p_offsets + slot)
+        count = tl.load(p_offsets + slot + 1) - start
+        return slot, count > 0, start, tl.cdiv(count, BLOCK_M), count
+    else:
+        ids, m_ta, o_t, o_a = _token_ids(p_ids, M, A, BLOCK_M, BLOCK_A)
+        e = tl.load(p_ids + slot)
+        same = (ids == e) & m_ta
+        t0 = slot // A
+        earlier = (o_t[:, None] < t0) | ((o_t[:, None] == t0) & (o_a[None, :] < slot - t0 * A))
+        first = tl.sum((same & earlier).to(tl.int32)) == 0
+        return e, first, 0, tl.max(tl.sum(same.to(tl.int32), axis=1), axis=0), 0
+
+
+@triton.jit
+def _chunk_pairs(p_ids, p_order, e, start, c, count_rows, M, A, SORTED: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_A: tl.constexpr):
+    """The pair index of each row of chunk ``c`` of expert ``e`` and which rows exist (``count_rows``: sorted, its
+    pair count). Decode: row t is token t's (c+1)-th pair on e."""
+    if SORTED:
+        o_j = c * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_j = o_j < count_rows
+        return tl.load(p_order + start + o_j, mask=m_j, other=0), m_j
+    else:
+        ids, m_ta, o_t, o_a = _token_ids(p_ids, M, A, BLOCK_M, BLOCK_A)
+        same = (ids == e) & m_ta
+        nth = same & (tl.cumsum(same.to(tl.int32), axis=1) == c + 1)
+        slot_of = tl.sum(tl.where(nth, o_a[None, :], 0), axis=1)
+        return o_t * A + slot_of, tl.sum(nth.to(tl.int32), axis=1) > 0
+
+
+# --- kernels ----------------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["M"])
+def _gate_up_kernel(
+    p_z, p_ids, p_order, p_offsets, p_w1, p_w3, p_s1, p_s3, p_h,
+    M, A, E, I, L, beta, linear_beta,
+    s_zm, s_zl, s_1e, s_1i, s_1l, s_3e, s_3i, s_3l, s_s1e, s_s1i, s_s1l, s_s3e, s_s3i, s_s3l, s_hp,
+    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_A: tl.constexpr,
+    SORTED: tl.constexpr, MXFP4: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr, DOTS: tl.constexpr,
+    X_FMT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr,
+):
+    slot = tl.program_id(0)
+    i_i = tl.program_id(1)
+    if PDL:
+        gdc_wait()   # z, the ids and the router weights are the previous kernels' outputs
+    e, runs, start, chunks, count = _my_expert(p_ids, p_offsets, slot, M, A, SORTED, BLOCK_M, BLOCK_A)
+    valid = (e >= 0) & (e < E)
+    if runs & valid:
+        o_i = i_i * BLOCK_I + tl.arange(0, BLOCK_I)
+        m_i = o_i < I
+        e64 = e.to(tl.int64)   # E·I·L may pass 2**31
+        p_w1e = p_w1 + e64 * s_1e
+        p_w3e = p_w3 + e64 * s_3e
+        p_s1e = p_s1 + e64 * s_s1e
+        p_s3e = p_s3 + e64 * s_s3e
+        dtype = p_z.dtype.element_ty
+        for c in range(0, chunks):   # one chunk unless more than BLOCK_M pairs chose e
+            pairs, m_j = _chunk_pairs(p_ids, p_order, e, start, c, count, M, A, SORTED, BLOCK_M, BLOCK_A)
+            p_zj = p_z + (pairs // A)[:, None] * s_zm
+            m_z = m_j[:, None]
+            acc_g = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
+            for l0 in range(0, L, BLOCK_L):
+                b_w1a, b_w1b = _weight_tiles(p_w1e, p_s1e, o_i, m_i, l0, L, s_1i, s_1l, s_s1i, s_s1l, BLOCK_I,
+                                             BLOCK_L, MXFP4, HALVES, ASM, DOTS, dtype)
+                b_w3a, b_w3b = _weight_tiles(p_w3e, p_s3e, o_i, m_i, l0, L, s_3i, s_3l, s_s3i, s_s3l, BLOCK_I,
+                                             BLOCK_L, MXFP4, HALVES, ASM, DOTS, dtype)
+                b_za, b_zb = _act_tiles(p_zj, m_z, l0, L, s_zl, BLOCK_L, HALVES)
+                acc_g = _dot2(acc_g, b_za, b_zb, b_w1a, b_w1b, HALVES, DOTS, X_FMT, IEEE, UPCAST)
+                acc_u = _dot2(acc_u, b_za, b_zb, b_w3a, b_w3b, HALVES, DOTS, X_FMT, IEEE, UPCAST)
+            if PDL:
+                gdc_launch_dependents()   # after our own wait (static_weights.py, step 1); again is a no-op
+            # the model rounds both products, then h, to z's dtype (model/moe.py experts_gathered)
+            gate = acc_g.to(dtype).to(tl.float32)
+            up = acc_u.to(dtype).to(tl.float32)
+            b_h = _situ_glu(gate, up, beta, linear_beta, HAS_BETA, HAS_LINEAR_BETA)
+            tl.store(p_h + pairs[:, None].to(tl.int64) * s_hp + o_i[None, :], b_h.to(dtype),
+                     mask=m_j[:, None] & m_i[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _down_kernel(
+    p_h, p_ids, p_order, p_offsets, p_wts, p_w2, p_s2, p_part,
+    M, A, E, I, L,
+    s_2e, s_2l, s_2i, s_s2e, s_s2l, s_s2i, s_hp,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_A: tl.constexpr,
+    SORTED: tl.constexpr, MXFP4: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr, DOTS: tl.constexpr,
+    X_FMT: tl.constexpr, PRELOAD: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+):
+    slot = tl.program_id(0)
+    i_n = tl.program_id(1)
+    # the ids, offsets, router weights and w2 are inputs of the op: the gate/up kernel before us triggered after
+    # its own wait, so whatever wrote them has completed. Only h (and the partials) need our wait.
+    e, runs, start, chunks, count = _my_expert(p_ids, p_offsets, slot, M, A, SORTED, BLOCK_M, BLOCK_A)
+    if runs:
+        valid = (e >= 0) & (e < E)
+        e64 = tl.where(valid, e, 0).to(tl.int64)
+        p_w2e = p_w2 + e64 * s_2e
+        p_s2e = p_s2 + e64 * s_s2e
+        o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_n = (o_n < L) & valid
+        dtype = p_h.dtype.element_ty
+        if PRELOAD:
+            b_w0a, b_w0b = _weight_tiles(p_w2e, p_s2e, o_n, m_n, 0, I, s_2l, s_2i, s_s2l, s_s2i, BLOCK_N, BLOCK_K,
+                                         MXFP4, HALVES, ASM, DOTS, dtype)
+        if PDL:
+            gdc_wait()
+        for c in range(0, chunks):
+            pairs, m_j = _chunk_pairs(p_ids, p_order, e, start, c, count, M, A, SORTED, BLOCK_M, BLOCK_A)
+            p_hj = p_h + pairs[:, None].to(tl.int64) * s_hp
+            m_hj = m_j[:, None] & valid   # an invalid expert wrote no h
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            k_start = BLOCK_K if PRELOAD else 0
+            for k0 in range(k_start, I, BLOCK_K):
+                b_wa, b_wb = _weight_tiles(p_w2e, p_s2e, o_n, m_n, k0, I, s_2l, s_2i, s_s2l, s_s2i, BLOCK_N,
+                                           BLOCK_K, MXFP4, HALVES, ASM, DOTS, dtype)
+                b_ha, b_hb = _act_tiles(p_hj, m_hj, k0, I, 1, BLOCK_K, HALVES)
+                acc = _dot2(acc, b_ha, b_hb, b_wa, b_wb, HALVES, DOTS, X_FMT, IEEE, UPCAST)
+            if PRELOAD:
+                b_ha, b_hb = _act_tiles(p_hj, m_hj, 0, I, 1, BLOCK_K, HALVES)
+                acc = _dot2(acc, b_ha, b_hb, b_w0a, b_w0b, HALVES, DOTS, X_FMT, IEEE, UPCAST)
+            if PDL:
+                gdc_launch_dependents()   # after our own wait
+            # y rounded to z's dtype as the model's product is, then weighted in fp32
+            wts = tl.load(p_wts + pairs, mask=m_j, other=0.).to(tl.float32)
+            y = acc.to(dtype).to(tl.float32) * wts[:, None]
+            y = tl.where(valid, y, float("nan"))   # an id outside [0, E): the token comes out NaN
+            o_nn = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            m_o = m_j[:, None] & (o_nn < L)[None, :]
+            tl.store(p_part + pairs[:, None].to(tl.int64) * L + o_nn[None, :], y, mask=m_o)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _combine_kernel(p_part, p_ids, p_out, M, A, E, L, s_om, s_ol, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr,
+                    PDL: tl.constexpr):
+    """out[m, n-tile] = Σ_a partial[m·A + a] in slot order (fp32, [A, BLOCK_N] in one load), NaN where an id of the
+    token is outside [0, E) (the sorted form leaves such pairs' partials unwritten; the decode form NaN ones)."""
+    m = tl.program_id(0)
+    i_n = tl.program_id(1)
+    if PDL:
+        gdc_wait()
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < L
+    o_a = tl.arange(0, BLOCK_A)
+    m_a = o_a < A
+    ids = tl.load(p_ids + m * A + o_a, mask=m_a, other=0)
+    bad = tl.sum((m_a & ((ids < 0) | (ids >= E))).to(tl.int32), axis=0) > 0
+    parts = tl.load(p_part + (m * A + o_a)[:, None].to(tl.int64) * L + o_n[None, :], mask=m_a[:, None] & m_n[None, :],
+                    other=0.)
+    total = tl.where(bad, float("nan"), tl.sum(parts, axis=0))
+    if PDL:
+        gdc_launch_dependents()
+    tl.store(p_out + m * s_om + o_n * s_ol, total.to(p_out.dtype.element_ty), mask=m_n)
+
+
+# --- host side --------------------------------------------------------------------------------------------
+
+def supports(z, experts, weights, w1, w3, w2, w1_scale) -> Reason:
+    if z.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {z.dtype} (the kernels take {[str(d) for d in SUPPORTED_DTYPES]})"
+    if z.shape[0] == 0 or experts.shape[1] == 0:
+        return "no tokens or no experts per token"
+    return None
+
+
+def _sorted_pairs(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order [P] int32: pair indices sorted by expert, stable; offsets [E + 1] int32: expert e's pairs are
+    order[offsets[e]:offsets[e + 1]]). Ids outside [0, E) sort last and belong to no expert. Static shapes, no
+    host sync: capturable."""
+    flat = experts.reshape(-1)
+    keys = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts).to(torch.int32)
+    sorted_keys, order = torch.sort(keys, stable=True)
+    bounds = torch.arange(num_experts + 1, dtype=torch.int32, device=experts.device)
+    offsets = torch.searchsorted(sorted_keys, bounds).to(torch.int32)
+    return order.to(torch.int32), offsets
+
+
+def _strides3(t: Optional[torch.Tensor]) -> tuple:
+    return tuple(t.stride()) if t is not None else (0, 0, 0)
+
+
+def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
+                       w3: torch.Tensor, w2: torch.Tensor, w1_scale: Optional[torch.Tensor] = None,
+                       w3_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
+                       beta: Optional[float] = None, linear_beta: Optional[float] = None, *,
+                       small_m_limit: int = 16, config: Optional[MoeConfig] = None,
+                       out: Optional[torch.Tensor] = None, only: Optional[str] = None) -> torch.Tensor:
+    """The routed experts by the kernels above (shapes as ``k3::moe_experts``; inputs checked by the op).
+
+    ``out`` [M, L] is allocated unless given (tests pass a NaN-poisoned one). ``only`` ("gate_up", "down",
+    "combine"): launch that kernel alone on uninitialised buffers (timing)."""
+    m, l = z.shape
+    a = experts.shape[1]
+    e_count, i_width = w1.shape[0], w1.shape[1]
+    mxfp4 = w1_scale is not None
+    if out is None:
+        out = torch.empty((m, l), dtype=z.dtype, device=z.device)
+    if m == 0 or l == 0:
+        return out
+    np_ = m * a
+    on_gpu = z.device.type == "cuda"
+    if config is None:
+        config = tuned_config(table(z.device), m, z.dtype, mxfp4, i_width, l) or default_config(m, z.dtype, mxfp4,
+                                                                                               on_gpu)
+    ids = experts.reshape(-1)
+    ids = ids if ids.is_contiguous() else ids.contiguous()
+    wts = weights.reshape(-1)
+    wts = wts if wts.is_contiguous() else wts.contiguous()
+    sorted_form = not decode_form(m, a, small_m_limit)
+    if sorted_form:
+        order, offsets = _sorted_pairs(experts, e_count)
+        slots = e_count
+    else:
+        order = offsets = ids   # unused
+        slots = np_
+    block_m = config.block_m if sorted_form else max(16, triton.next_power_of_2(m))   # decode: a row per token
+    block_a = triton.next_power_of_2(a)
+    h = torch.empty((np_, i_width), dtype=z.dtype, device=z.device)
+    part = torch.empty((np_, l), dtype=torch.float32, device=z.device)
+    n_tiles = triton.cdiv(l, config.block_n)
+    pdl = pdl_capable(z.device)
+    # Triton 3.7's interpreter computes 16-bit tl.dot wrongly: fp32 operands there (16-bit products are exact in fp32)
+    upcast = not on_gpu and z.dtype != torch.float32
+    ieee = z.dtype == torch.float32 or upcast
+    s1, s3, s2 = (w1_scale, w3_scale, w2_scale) if mxfp4 else (w1, w3, w2)   # placeholders when float
+    launch = dict(launch_pdl=True) if pdl else {}
+    # Triton's scaled product: bf16 / fp16 z on a GPU (the interpreter lacks it: there the halves below)
+    dots = mxfp4 and config.mxfp4_dot_scaled and on_gpu and z.dtype != torch.float32
+    halves = mxfp4 and not dots and (config.mxfp4_halves or config.mxfp4_dot_scaled)
+    # the PTX lookup: bf16 on an NVIDIA GPU (the interpreter runs no inline assembly)
+    asm = halves and config.mxfp4_asm and on_gpu and not is_rocm() and z.dtype == torch.bfloat16
+    x_fmt = "bf16" if z.dtype == torch.bfloat16 else "fp16"
+    on_device = torch.cuda.device(z.device) if on_gpu else contextlib.nullcontext()
+    with on_device:
+        if only in (None, "gate_up"):
+            _gate_up_kernel[(slots, triton.cdiv(i_width, config.block_i))](
+                z, ids, order, offsets, w1, w3, s1, s3, h,
+                m, a, e_count, i_width, l, float(beta or 0.0), float(linear_beta or 0.0),
+                z.stride(0), z.stride(1), *w1.stride(), *w3.stride(),
+                *(_strides3(w1_scale) if mxfp4 else (0, 0, 0)), *(_strides3(w3_scale) if mxfp4 else (0, 0, 0)),
+                h.stride(0),
+                BLOCK_M=block_m, BLOCK_I=config.block_i, BLOCK_L=config.block_l, BLOCK_A=block_a,
+                SORTED=sorted_form, MXFP4=mxfp4, HALVES=halves, ASM=asm, DOTS=dots, X_FMT=x_fmt,
+                HAS_BETA=beta is not None,
+                HAS_LINEAR_BETA=linear_beta is not None, IEEE=ieee, UPCAST=upcast, PDL=pdl,
+                num_warps=config.warps_up, num_stages=config.stages_up, **launch,
+            )
+        if only in (None, "down"):
+            _down_kernel[(slots, n_tiles)](
+                h, ids, order, offsets, wts, w2, s2, part,
+                m, a, e_count, i_width, l,
+                *w2.stride(), *(_strides3(w2_scale) if mxfp4 else (0, 0, 0)), h.stride(0),
+                BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_A=block_a,
+                SORTED=sorted_form, MXFP4=mxfp4, HALVES=halves, ASM=asm, DOTS=dots, X_FMT=x_fmt,
+                PRELOAD=config.preload,
+                IEEE=ieee, UPCAST=upcast, PDL=pdl, num_warps=config.warps_down, num_stages=config.stages_down,
+                **launch,
+            )
+        if only in (None, "combine"):
+            _combine_kernel[(m, n_tiles)](
+                part, ids, out, m, a, e_count, l, out.stride(0), out.stride(1),
+                BLOCK_N=config.block_n, BLOCK_A=block_a, PDL=pdl, num_warps=4, **launch,
+            )
+    return out
