@@ -33,6 +33,10 @@ step decode_tp1   ${T_DECODE:-120} python3 benchmarks/tp_decode.py --world-size 
 # the MLA decode layout table first (written into the tree, so the benchmark's dispatch reads it), then the sweep
 step mla_tune     ${T_MLA_TUNE:-150} python3 benchmarks/tune_mla_decode.py --out "$OUT/mla_decode_table_h200.json"
 step mla_decode   ${T_MLA:-240}   python3 benchmarks/mla_decode.py ${MLA_ARGS:-} --out "$OUT/mla_decode_h200.json"
+# not in the default STEPS (about 6 minutes): STEPS=decode_step
+step decode_step  ${T_STEP:-460}  python3 benchmarks/decode_step.py --tp 8 --layers 4 --batch 1,8 --context 1024 \
+                                  --providers eager,compile,optimize --json "$OUT/decode_step.json" \
+                                  --plot "$OUT/decode_step.svg"
 for f in $STEPS; do
     [ -f "$OUT/$f.log" ] && { echo "----- $f (tail)"; tail -n ${TAIL:-22} "$OUT/$f.log"; }
 done
