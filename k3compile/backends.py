@@ -30,9 +30,11 @@ contiguity). The cache doubles as the record that ``k3compile.report`` prints.
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import threading
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any, Callable, Hashable, Optional
 
 import torch
@@ -125,6 +127,64 @@ def cute_can_run_on(*tensors: torch.Tensor) -> Reason:
     return None
 
 
+class KernelModule:
+    """A kernel module (Triton, CuTe DSL, fla) that imports its package at the top, imported on first use.
+
+    An op's ``op.py`` takes its kernels and their predicates from one of these instead of importing the module,
+    so ``import k3compile`` and every ``k3::`` op work on a machine without the package. Where the module does
+    not import, :meth:`predicate` callables return why (dispatch records it as the fallback reason; a forced
+    backend raises), and everything else raises :class:`BackendUnavailableError` (dispatch reads that as the
+    reason too, see ``OpImpls._decide``); a kernel function is reached only after its ``available`` passed.
+
+        _TRITON = KernelModule("k3compile.ops.kda_decode.triton")
+        kda_decode_triton = _TRITON.kda_decode_triton            # imports on first call
+        triton_supports = _TRITON.predicate("triton_supports")   # the reason string where it does not import
+    """
+
+    def __init__(self, name: str, requires: Callable[[], Reason] = triton_importable):
+        self.name = name
+        self.requires = requires      # the package's own check, run first (its reason names the package)
+        self._loaded: Optional[ModuleType | str] = None
+
+    def _load(self) -> ModuleType | str:
+        if self._loaded is None:
+            loaded = self.requires()
+            if loaded is None:
+                try:
+                    loaded = importlib.import_module(self.name)
+                except Exception as e:
+                    loaded = f"{self.name} does not import ({type(e).__name__}: {e})"
+            self._loaded = loaded
+        return self._loaded
+
+    def reason(self) -> Reason:
+        """None where the module imports, else why not."""
+        loaded = self._load()
+        return loaded if isinstance(loaded, str) else None
+
+    def module(self) -> ModuleType:
+        loaded = self._load()
+        if isinstance(loaded, str):
+            raise BackendUnavailableError(loaded)
+        return loaded
+
+    def __getattr__(self, attr: str) -> Callable[..., Any]:
+        if attr.startswith("_"):
+            raise AttributeError(attr)
+
+        def call(*args, **kwargs):
+            return getattr(self.module(), attr)(*args, **kwargs)
+        call.__name__ = call.__qualname__ = attr
+        return call
+
+    def predicate(self, attr: str) -> Callable[..., Reason]:
+        """The module's predicate ``attr``; where the module does not import, a predicate that returns why."""
+        def check(*args, **kwargs) -> Reason:
+            return self.reason() or getattr(self.module(), attr)(*args, **kwargs)
+        check.__name__ = check.__qualname__ = attr
+        return check
+
+
 def _always(*args, **kwargs) -> Reason:
     return None
 
@@ -143,6 +203,14 @@ class Impl:
     available: Callable[..., Reason] = _always
     supports: Callable[..., Reason] = _always
     profitable: Callable[..., Reason] = _always
+
+
+def _reason_of(predicate: Callable[..., Reason], args: tuple) -> Reason:
+    """A predicate's answer; one taken from a ``KernelModule`` that does not import raises: its reason."""
+    try:
+        return predicate(*args)
+    except BackendUnavailableError as e:
+        return str(e)
 
 
 @dataclass
@@ -191,18 +259,18 @@ class OpImpls:
                     raise BackendUnavailableError(f"backend={backend!r}: {why}")
                 notes.append(f"{name}: {why}")
                 continue
-            why = impl.available(*args)
+            why = _reason_of(impl.available, args)
             if why is not None:
                 if backend == name:
                     raise BackendUnavailableError(f"{self.name}: backend={backend!r} cannot run here: {why}")
                 notes.append(f"{name}: {why}")
                 continue
-            why = impl.supports(*args)
+            why = _reason_of(impl.supports, args)
             if why is not None:
                 notes.append(f"{name}: {why}")
                 continue
             if backend == "auto" and name != "reference":
-                why = impl.profitable(*args)
+                why = _reason_of(impl.profitable, args)
                 if why is not None:  # the next kernel, or the vendor library, was measured faster
                     notes.append(f"{name}: {why}")
                     passed_over = passed_over or name
