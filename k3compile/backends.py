@@ -25,10 +25,14 @@ Rules:
 
 Choices are cached per (op, backend, key) so dispatch costs one dict lookup after the first call;
 ``key`` must capture everything the predicates read (dtypes, shapes or shape classes, device,
-contiguity). The cache doubles as the record that ``k3compile.report`` prints.
+contiguity). The cache is the whole process's record; each model ``optimize`` compiled keeps its own
+(:func:`recording_choices`, set around its calls), which ``k3compile.report`` prints.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import functools
 import importlib
 import os
@@ -185,6 +189,31 @@ class KernelModule:
         return check
 
 
+def forced_backend_reason(backend: str, devices: set) -> Reason:
+    """Why a forced ``backend`` ("cute" / "triton") can run no kernel on tensors on ``devices`` (the model's;
+    empty when unknown), or None. ``optimize`` raises on it before compiling anything."""
+    if backend == "triton":
+        for d in devices:
+            if d.type == "cpu" and not triton_interpret():
+                return "the model is on the CPU: Triton kernels need a GPU (or TRITON_INTERPRET=1, for tests)"
+            if d.type not in ("cpu", "cuda"):
+                return f"the model is on {d.type}: Triton kernels need a CUDA or ROCm GPU"
+        return triton_importable()
+    if backend == "cute":
+        for d in devices:
+            if d.type != "cuda":
+                where = "the CPU" if d.type == "cpu" else d.type
+                return f"the model is on {where}: CuTe kernels need CUDA tensors on an sm_90+ NVIDIA GPU"
+        reason = cute_importable()
+        if reason is None:
+            for d in devices:
+                major, minor = torch.cuda.get_device_capability(d)
+                if major < 9:
+                    return f"{d} is sm_{major}{minor}: CuTe kernels need sm_90+"
+        return reason
+    return None
+
+
 def _always(*args, **kwargs) -> Reason:
     return None
 
@@ -203,6 +232,29 @@ class Impl:
     available: Callable[..., Reason] = _always
     supports: Callable[..., Reason] = _always
     profitable: Callable[..., Reason] = _always
+
+
+# The choice records of the model whose compiled call is running (``optimize`` sets it around each call).
+_MODEL_CHOICES: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("k3compile_choices", default=None)
+
+
+@contextlib.contextmanager
+def recording_choices(into: dict):
+    """Within this block every dispatch is also recorded in ``into`` ((op, backend, key...) -> Choice)."""
+    token = _MODEL_CHOICES.set(into)
+    try:
+        yield
+    finally:
+        _MODEL_CHOICES.reset(token)
+
+
+def _record_for_model(ck: tuple, choice: "Choice") -> None:
+    into = _MODEL_CHOICES.get()
+    if into is not None:
+        mine = into.get(ck)
+        if mine is None:
+            mine = into.setdefault(ck, dataclasses.replace(choice, calls=0))
+        mine.calls += 1
 
 
 def _reason_of(predicate: Callable[..., Reason], args: tuple) -> Reason:
@@ -286,8 +338,9 @@ class OpImpls:
             impl_name, reason = self._decide(backend, args)
             choice = Choice(self.name, backend, impl_name, reason, key)
             with self._lock:
-                self._choices.setdefault(ck, choice)
+                choice = self._choices.setdefault(ck, choice)
         choice.calls += 1
+        _record_for_model((self.name, *ck), choice)
         return self.impl(choice.impl).fn
 
     def select_fixed(self, backend: str, key: Hashable, label: str, reason: str,
@@ -300,6 +353,7 @@ class OpImpls:
             with self._lock:
                 choice = self._choices.setdefault(ck, Choice(self.name, backend, label, reason, key))
         choice.calls += 1
+        _record_for_model((self.name, *ck), choice)
         return fn
 
     def choices(self) -> list[Choice]:

@@ -234,6 +234,12 @@ def facts(graph: torch.fx.Graph, options) -> dict:
     return {"graph_kda_prefill_solves": n}
 
 
+# What the pass manager's warning says where a graph had candidates and none was rewritten.
+EXPECTED = "the model has KDA layers and the graph holds kda_chunked's chunk solves: a prefill"
+MISSED = ("the prompt's KDA recurrence as Inductor compiles the model's chunk loop, not one k3::kda_prefill "
+          "(fla's chunk_kda on a GPU)")
+
+
 def expected(model_summary: dict) -> bool:
     """A K3 / Kimi Linear model with KDA layers, on a graph holding the chunked recurrence (a prefill)."""
     return (bool(model_summary.get("is_k3")) and model_summary.get("kda_layers", 0) > 0
