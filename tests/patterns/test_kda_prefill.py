@@ -140,6 +140,41 @@ def test_chunk_count_matches_kda_chunked_loop():
     assert n == 2
 
 
+class OneHiddenState(torch.nn.Module):
+    """q, k, v, g and beta cut from one [B, T, H, 4K+1] tensor, as a layer's projections of one hidden state share
+    B and T (separate inputs would each get their own symbols under dynamic shapes)."""
+    K = 8
+
+    def forward(self, x, state):
+        K = self.K
+        q, k, v, g = (x[..., i * K:(i + 1) * K] for i in range(4))
+        return kda_chunked(F.normalize(q, dim=-1) * K ** -0.5, F.normalize(k, dim=-1), v,
+                           -5.0 * torch.sigmoid(g), torch.sigmoid(x[..., -1]), state)
+
+
+def test_fires_on_the_recompiled_graphs_of_default_dynamic():
+    """torch.compile's default ``dynamic``: the first prompt compiles a static graph, a second length recompiles
+    with a symbolic T, a second batch size with a symbolic B (here also two chunks: n = 2). The pass fires on each
+    graph, and the states and outputs equal eager."""
+    import k3compile
+
+    torch._dynamo.reset()
+    model = OneHiddenState()
+    k3compile.optimize(model, backend="reference", passes=["kda_prefill"])
+    H, K = 2, OneHiddenState.K
+    for B, T in ((1, 3), (1, 5), (2, 20)):
+        gen = torch.Generator().manual_seed(T)
+        x, state = torch.randn(B, T, H, 4 * K + 1, generator=gen), torch.randn(B, H, K, K, generator=gen)
+        want_state = state.clone()
+        want = OneHiddenState.forward(model, x, want_state)
+        with torch.no_grad():
+            got = model(x, state)
+        assert rel(got, want) <= 1e-6 and rel(state, want_state) <= 1e-6, (B, T)
+    rep = k3compile.report(model)
+    assert [g.record.matches["kda_prefill"] for g in rep.graphs] == [1, 1, 1]
+    assert [g.record.facts["graph_kda_prefill_solves"] for g in rep.graphs] == [2, 2, 2]
+
+
 # ---------------------------------------------------------------------------------------------------
 # GPU: the same graph on CUDA tensors runs fla's chunk_kda
 
