@@ -35,13 +35,17 @@ import contextvars
 import dataclasses
 import functools
 import importlib
+import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable, Hashable, Optional
 
 import torch
+
+log = logging.getLogger("k3compile")
 
 BACKENDS = ("auto", "cute", "triton", "reference")
 IMPL_ORDER = ("cute", "triton", "reference")
@@ -257,6 +261,23 @@ def _record_for_model(ck: tuple, choice: "Choice") -> None:
         mine.calls += 1
 
 
+BUILD_LOG_SECONDS = 1.0   # a kernel's first call (its JIT build, unless cached on disk) logged above this
+
+
+def _logging_a_slow_build(fn: Callable[..., Any], choice: "Choice") -> Callable[..., Any]:
+    """``fn`` for a key's first call, which builds the kernel (Triton, CuTe DSL): logged where it takes long, so
+    a slow first step is not silent. Host time: the build blocks the host, the kernel itself runs on."""
+    def first_call(*args, **kwargs):
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        seconds = time.perf_counter() - start
+        if seconds > BUILD_LOG_SECONDS:
+            log.info("k3compile: k3::%s built its %s kernel for %s in %.1f s (first call; cached afterwards)",
+                     choice.op, choice.impl, choice.key, seconds)
+        return out
+    return first_call
+
+
 def _reason_of(predicate: Callable[..., Reason], args: tuple) -> Reason:
     """A predicate's answer; one taken from a ``KernelModule`` that does not import raises: its reason."""
     try:
@@ -334,14 +355,16 @@ class OpImpls:
         """The function to run for these arguments; records the choice under ``key``."""
         ck = (backend, key)
         choice = self._choices.get(ck)
-        if choice is None:
+        first = choice is None
+        if first:
             impl_name, reason = self._decide(backend, args)
             choice = Choice(self.name, backend, impl_name, reason, key)
             with self._lock:
                 choice = self._choices.setdefault(ck, choice)
         choice.calls += 1
         _record_for_model((self.name, *ck), choice)
-        return self.impl(choice.impl).fn
+        fn = self.impl(choice.impl).fn
+        return _logging_a_slow_build(fn, choice) if first and choice.impl in ("cute", "triton") else fn
 
     def select_fixed(self, backend: str, key: Hashable, label: str, reason: str,
                      fn: Callable[..., Any]) -> Callable[..., Any]:

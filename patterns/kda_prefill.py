@@ -266,6 +266,24 @@ def _graph_fake_mode(shape_env):
     return FakeTensorMode(shape_env=shape_env)
 
 
+def _shared_size_arithmetic(pattern: pm.PatternExpr) -> None:
+    """Let the pattern's size arithmetic (``ceil(T / C)``, the padding: SymInt expressions, Python operators on
+    sizes) have users outside the match: Inductor computes each once for every layer of the graph. The
+    expressions themselves are still compared exactly; the tensor ops keep their exact user counts."""
+    todo, seen = [pattern], set()
+    while todo:
+        p = todo.pop()
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if isinstance(p, pm.MultiOutputPattern):
+            todo.extend(o for o in p.outputs if o is not None)
+        elif isinstance(p, pm.CallFunction):
+            if any(not isinstance(f, torch._ops.OpOverload) or f is torch.ops.aten.sym_size.int for f in p.fns):
+                p.users = pm.MULTIPLE
+            todo.extend(a for a in p.flat_args_kwargs[0] if isinstance(a, pm.PatternExpr))
+
+
 def _build_pass(key: PrefillKey, backend: str) -> pm.PatternMatcherPass:
     import k3compile.ops.kda_prefill  # noqa: F401  (registers k3::kda_prefill)
 
@@ -274,6 +292,7 @@ def _build_pass(key: PrefillKey, backend: str) -> pm.PatternMatcherPass:
         search, argnames = _search_graph(key)
         # exact: sizes, constants and dtypes must all agree; device objects may not (cpu vs cuda:0)
         pattern = pm.fx_to_pattern(search, ignore_types=(torch.device,), argnames=argnames)
+        _shared_size_arithmetic(pattern)
         # pm_pass.patterns, not pm_pass: registering into the pass first pretty-prints the pattern to
         # look for duplicates, and the printed tree doubles with every chunk (each state feeds the next
         # chunk twice); one key registers one pattern, so there is no duplicate to find
