@@ -371,6 +371,15 @@ def _warn_if_nothing_done(state: K3State) -> None:
         state.tell_once("nothing done", logging.WARNING, "%s", msg)
 
 
+def _skipped_by_dynamo(model: torch.nn.Module) -> bool:
+    try:
+        from torch._dynamo import trace_rules
+
+        return bool(trace_rules.check(model.forward))
+    except Exception:   # pragma: no cover - a torch without this helper
+        return type(model).forward.__module__.startswith("torch.")
+
+
 def _recording(call, state: K3State):
     """``call`` with this model's kernel choices recorded in ``state.choices`` (``report`` reads them)."""
     @functools.wraps(call)
@@ -447,6 +456,14 @@ def optimize(model, *, backend: str = "auto", passes=None, strict: bool = False,
     state.compiler = compiler
     if isinstance(model, torch.nn.Module):
         model.compile(backend=compiler, **torch_compile_kwargs)
+        if _skipped_by_dynamo(model):
+            # torch.nn's own modules (nn.Sequential, ...): Dynamo skips frames of torch's files, so model.compile()
+            # alone compiles nothing; a frame of ours in front is traced and inlines them (as torch.compile(module))
+            call = model._call_impl
+
+            def frame(*args, **kwargs):
+                return call(*args, **kwargs)
+            model._compiled_call_impl = torch.compile(frame, backend=compiler, **torch_compile_kwargs)
         model._compiled_call_impl = _recording(model._compiled_call_impl, state)
         compiled = model
     else:

@@ -27,7 +27,7 @@ class Report:
 
     @property
     def cache_hits(self) -> int:
-        return sum(1 for g in self.graphs if g.source != "pass ran")
+        return sum(1 for g in self.graphs if g.source.startswith("cache hit"))
 
     def __str__(self) -> str:
         return self.format()
@@ -38,11 +38,12 @@ class Report:
                  f"{self.cache_hits} served from the cache, backend={self.backend!r}"]
         if self.notice:
             lines.append("  " + self.notice.removeprefix("k3compile: "))
-        stood_down = {g.stood_down for g in self.graphs if g.stood_down}
-        for why in stood_down:
+        stood_down = [g for g in self.graphs if g.stood_down]
+        for why in dict.fromkeys(g.stood_down for g in stood_down):
             lines.append(f"  {why}")
-        lines.append(f"  passes added {self.pass_seconds:.3f} s to {self.compile_seconds:.3f} s of "
-                     f"compilation (registration {self.registration_seconds:.3f} s)")
+        if len(stood_down) < len(self.graphs):
+            lines.append(f"  passes added {self.pass_seconds:.3f} s to {self.compile_seconds:.3f} s of "
+                         f"compilation (registration {self.registration_seconds:.3f} s)")
         for i, g in enumerate(self.graphs):
             what = g.source if g.source != "pass ran" else "passes ran"
             lines.append(f"  graph {i}{f' ({g.label})' if g.label else ''}: {what}, compile {g.compile_seconds:.3f} s"
