@@ -253,11 +253,13 @@ class K3Inductor(torch._TorchCompileInductorWrapper):
             compiled, graph = self._compile_with_passes(model_, inputs_, label, devices, kwargs)
         with state.lock:
             state.graphs.append(graph)
-        rewrites = ", ".join(f"{n} {name}" for name, n in (graph.record.matches if graph.record else {}).items()
-                             if n)
-        log.info("k3compile: %s compiled in %.1f s%s", describe(state, index, graph), graph.compile_seconds,
-                 "" if stood_down else f"; rewrites: {rewrites or 'none'}" if graph.record else
-                 f"; {graph.source}")
+        if stood_down:
+            done = ""
+        elif graph.record is None:
+            done = f"; {graph.source}"
+        else:
+            done = "; rewrites: " + (", ".join(f"{n} {name}" for name, n in graph.record.matches.items() if n) or "none")
+        log.info("k3compile: %s compiled in %.1f s%s", describe(state, index, graph), graph.compile_seconds, done)
         if graph.record is not None and not stood_down:
             _check_expected(state, index, graph)
         return compiled
@@ -348,7 +350,7 @@ def _check_backend(options: K3Options, model, strict: bool) -> None:
             raise K3PassMissingError(f"k3compile (strict=True): {why}")
 
 
-def _nothing_done(state: K3State) -> Optional[str]:
+def nothing_done(state: K3State) -> Optional[str]:
     """Why this model got nothing from k3compile, where that is so (None otherwise)."""
     with state.lock:
         graphs = list(state.graphs)
@@ -365,8 +367,8 @@ def _nothing_done(state: K3State) -> Optional[str]:
     return None
 
 
-def _warn_if_nothing_done(state: K3State) -> None:
-    msg = _nothing_done(state)
+def warn_if_nothing_done(state: K3State) -> None:
+    msg = nothing_done(state)
     if msg:
         state.tell_once("nothing done", logging.WARNING, "%s", msg)
 
@@ -469,7 +471,7 @@ def optimize(model, *, backend: str = "auto", passes=None, strict: bool = False,
     else:
         compiled = _recording(torch.compile(model, backend=compiler, **torch_compile_kwargs), state)
     setattr(compiled, STATE_ATTR, state)
-    weakref.finalize(compiled, _warn_if_nothing_done, state)
+    weakref.finalize(compiled, warn_if_nothing_done, state)
     return compiled
 
 

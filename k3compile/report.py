@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .backends import Choice
-from .optimize import CompiledGraph, _nothing_done, _warn_if_nothing_done, state_of
+from .optimize import CompiledGraph, nothing_done, state_of, warn_if_nothing_done
 from .passes import STATIC_WEIGHT_FACT
 
 
@@ -96,7 +96,7 @@ def report(model) -> Report:
     compilation. Truthful on a warm start: graphs served by the FX cache report the counts stored when they
     were compiled. Where the model compiled or rewrote nothing, the report says so and a warning is logged."""
     state = state_of(model)
-    _warn_if_nothing_done(state)
+    warn_if_nothing_done(state)
     with state.lock:
         graphs = list(state.graphs)
     matches: dict = {name: 0 for name in state.options.enabled}
@@ -128,5 +128,5 @@ def report(model) -> Report:
         pass_seconds=pass_s, registration_seconds=reg_s,
         compile_seconds=sum(g.compile_seconds for g in graphs), backend=state.options.backend,
         unknown_graphs=sum(1 for g in graphs if g.record is None), op_calls=op_calls, static_weight=static,
-        model_name=state.model_name, notice=_nothing_done(state) or "",
+        model_name=state.model_name, notice=nothing_done(state) or "",
     )
