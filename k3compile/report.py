@@ -33,7 +33,8 @@ class Report:
         return self.format()
 
     def format(self, verbose: bool = False) -> str:
-        """The table; ``verbose`` lists each shape's kernel choice instead of grouping equal choices."""
+        """The table; ``verbose`` lists each shape's kernel choice instead of grouping equal choices, and the
+        static-weight verdicts of CPU graphs too (a launch detail of GPU kernels, so shown for GPU graphs only)."""
         lines = [f"k3compile report for {self.model_name}: {len(self.graphs)} graph(s) compiled, "
                  f"{self.cache_hits} served from the cache, backend={self.backend!r}"]
         if self.notice:
@@ -55,9 +56,10 @@ class Report:
                 lines.append(f"    {name:<20} {self.matches.get(name, 0):>5}   per graph: {', '.join(per_graph)}")
         if self.unknown_graphs:
             lines.append(f"  ({self.unknown_graphs} cached graph(s) had no stored record: counts incomplete)")
-        if self.static_weight:
-            lines.append("  static weight (weight streamed before the PDL wait), GPU graphs, per op node:")
-        for op, r in self.static_weight.items():
+        show_static = self.static_weight and (verbose or any(g.on_gpu for g in self.graphs))
+        if show_static:
+            lines.append("  static weight (weight streamed before the PDL wait), per op node:")
+        for op, r in (self.static_weight if show_static else {}).items():
             why_not = r["not proven"]
             total = r["proven"] + sum(why_not.values())
             line = f"    {op:<20} proven {r['proven']} of {total}"
@@ -111,8 +113,6 @@ def report(model) -> Report:
             reg_s += g.record.registration_seconds
     static: dict = {}
     for g in graphs:
-        if not g.on_gpu:   # the proof's use (streaming the weight before a PDL wait) is a GPU launch detail
-            continue
         for op, r in ((g.record.facts.get(STATIC_WEIGHT_FACT) or {}) if g.record else {}).items():
             total = static.setdefault(op, {"proven": 0, "not proven": {}})
             total["proven"] += r.get("proven", 0)

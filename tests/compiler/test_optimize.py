@@ -262,7 +262,8 @@ def test_report_is_about_its_model_only():
         used(torch.randn(2, 16))
     rep = k3compile.report(used)
     assert [(c.op, c.impl, c.calls) for c in rep.choices] == [("skinny_gemm", "reference", 1)]
-    assert "PDL" not in str(rep) and not rep.static_weight    # GPU-only terms: not for a CPU graph
+    assert "PDL" not in str(rep) and "static weight" not in str(rep)    # GPU-only terms: not for a CPU graph
+    assert rep.static_weight["skinny_gemm"]["proven"] == 0 and "PDL" in rep.format(verbose=True)
     assert k3compile.report(idle).choices == []
 
 
