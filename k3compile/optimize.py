@@ -258,7 +258,8 @@ class K3Inductor(torch._TorchCompileInductorWrapper):
         elif graph.record is None:
             done = f"; {graph.source}"
         else:
-            done = "; rewrites: " + (", ".join(f"{n} {name}" for name, n in graph.record.matches.items() if n) or "none")
+            rewrites = ", ".join(f"{n} {name}" for name, n in graph.record.matches.items() if n)
+            done = f"; rewrites: {rewrites or 'none'}"
         log.info("k3compile: %s compiled in %.1f s%s", describe(state, index, graph), graph.compile_seconds, done)
         if graph.record is not None and not stood_down:
             _check_expected(state, index, graph)
