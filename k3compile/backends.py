@@ -25,17 +25,27 @@ Rules:
 
 Choices are cached per (op, backend, key) so dispatch costs one dict lookup after the first call;
 ``key`` must capture everything the predicates read (dtypes, shapes or shape classes, device,
-contiguity). The cache doubles as the record that ``k3compile.report`` prints.
+contiguity). The cache is the whole process's record; each model ``optimize`` compiled keeps its own
+(:func:`recording_choices`, set around its calls), which ``k3compile.report`` prints.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import functools
+import importlib
+import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any, Callable, Hashable, Optional
 
 import torch
+
+log = logging.getLogger("k3compile")
 
 BACKENDS = ("auto", "cute", "triton", "reference")
 IMPL_ORDER = ("cute", "triton", "reference")
@@ -125,6 +135,89 @@ def cute_can_run_on(*tensors: torch.Tensor) -> Reason:
     return None
 
 
+class KernelModule:
+    """A kernel module (Triton, CuTe DSL, fla) that imports its package at the top, imported on first use.
+
+    An op's ``op.py`` takes its kernels and their predicates from one of these instead of importing the module,
+    so ``import k3compile`` and every ``k3::`` op work on a machine without the package. Where the module does
+    not import, :meth:`predicate` callables return why (dispatch records it as the fallback reason; a forced
+    backend raises), and everything else raises :class:`BackendUnavailableError` (dispatch reads that as the
+    reason too, see ``OpImpls._decide``); a kernel function is reached only after its ``available`` passed.
+
+        _TRITON = KernelModule("k3compile.ops.kda_decode.triton")
+        kda_decode_triton = _TRITON.kda_decode_triton            # imports on first call
+        triton_supports = _TRITON.predicate("triton_supports")   # the reason string where it does not import
+    """
+
+    def __init__(self, name: str, requires: Callable[[], Reason] = triton_importable):
+        self.name = name
+        self.requires = requires      # the package's own check, run first (its reason names the package)
+        self._loaded: Optional[ModuleType | str] = None
+
+    def _load(self) -> ModuleType | str:
+        if self._loaded is None:
+            loaded = self.requires()
+            if loaded is None:
+                try:
+                    loaded = importlib.import_module(self.name)
+                except Exception as e:
+                    loaded = f"{self.name} does not import ({type(e).__name__}: {e})"
+            self._loaded = loaded
+        return self._loaded
+
+    def reason(self) -> Reason:
+        """None where the module imports, else why not."""
+        loaded = self._load()
+        return loaded if isinstance(loaded, str) else None
+
+    def module(self) -> ModuleType:
+        loaded = self._load()
+        if isinstance(loaded, str):
+            raise BackendUnavailableError(loaded)
+        return loaded
+
+    def __getattr__(self, attr: str) -> Callable[..., Any]:
+        if attr.startswith("_"):
+            raise AttributeError(attr)
+
+        def call(*args, **kwargs):
+            return getattr(self.module(), attr)(*args, **kwargs)
+        call.__name__ = call.__qualname__ = attr
+        return call
+
+    def predicate(self, attr: str) -> Callable[..., Reason]:
+        """The module's predicate ``attr``; where the module does not import, a predicate that returns why."""
+        def check(*args, **kwargs) -> Reason:
+            return self.reason() or getattr(self.module(), attr)(*args, **kwargs)
+        check.__name__ = check.__qualname__ = attr
+        return check
+
+
+def forced_backend_reason(backend: str, devices: set) -> Reason:
+    """Why a forced ``backend`` ("cute" / "triton") can run no kernel on tensors on ``devices`` (the model's;
+    empty when unknown), or None. ``optimize`` raises on it before compiling anything."""
+    if backend == "triton":
+        for d in devices:
+            if d.type == "cpu" and not triton_interpret():
+                return "the model is on the CPU: Triton kernels need a GPU (or TRITON_INTERPRET=1, for tests)"
+            if d.type not in ("cpu", "cuda"):
+                return f"the model is on {d.type}: Triton kernels need a CUDA or ROCm GPU"
+        return triton_importable()
+    if backend == "cute":
+        for d in devices:
+            if d.type != "cuda":
+                where = "the CPU" if d.type == "cpu" else d.type
+                return f"the model is on {where}: CuTe kernels need CUDA tensors on an sm_90+ NVIDIA GPU"
+        reason = cute_importable()
+        if reason is None:
+            for d in devices:
+                major, minor = torch.cuda.get_device_capability(d)
+                if major < 9:
+                    return f"{d} is sm_{major}{minor}: CuTe kernels need sm_90+"
+        return reason
+    return None
+
+
 def _always(*args, **kwargs) -> Reason:
     return None
 
@@ -143,6 +236,54 @@ class Impl:
     available: Callable[..., Reason] = _always
     supports: Callable[..., Reason] = _always
     profitable: Callable[..., Reason] = _always
+
+
+# The choice records of the model whose compiled call is running (``optimize`` sets it around each call).
+_MODEL_CHOICES: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("k3compile_choices", default=None)
+
+
+@contextlib.contextmanager
+def recording_choices(into: dict):
+    """Within this block every dispatch is also recorded in ``into`` ((op, backend, key...) -> Choice)."""
+    token = _MODEL_CHOICES.set(into)
+    try:
+        yield
+    finally:
+        _MODEL_CHOICES.reset(token)
+
+
+def _record_for_model(ck: tuple, choice: "Choice") -> None:
+    into = _MODEL_CHOICES.get()
+    if into is not None:
+        mine = into.get(ck)
+        if mine is None:
+            mine = into.setdefault(ck, dataclasses.replace(choice, calls=0))
+        mine.calls += 1
+
+
+BUILD_LOG_SECONDS = 1.0   # a kernel's first call (its JIT build, unless cached on disk) logged above this
+
+
+def _logging_a_slow_build(fn: Callable[..., Any], choice: "Choice") -> Callable[..., Any]:
+    """``fn`` for a key's first call, which builds the kernel (Triton, CuTe DSL): logged where it takes long, so
+    a slow first step is not silent. Host time: the build blocks the host, the kernel itself runs on."""
+    def first_call(*args, **kwargs):
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        seconds = time.perf_counter() - start
+        if seconds > BUILD_LOG_SECONDS:
+            log.info("k3compile: k3::%s built its %s kernel for %s in %.1f s (first call; cached afterwards)",
+                     choice.op, choice.impl, choice.key, seconds)
+        return out
+    return first_call
+
+
+def _reason_of(predicate: Callable[..., Reason], args: tuple) -> Reason:
+    """A predicate's answer; one taken from a ``KernelModule`` that does not import raises: its reason."""
+    try:
+        return predicate(*args)
+    except BackendUnavailableError as e:
+        return str(e)
 
 
 @dataclass
@@ -191,18 +332,18 @@ class OpImpls:
                     raise BackendUnavailableError(f"backend={backend!r}: {why}")
                 notes.append(f"{name}: {why}")
                 continue
-            why = impl.available(*args)
+            why = _reason_of(impl.available, args)
             if why is not None:
                 if backend == name:
                     raise BackendUnavailableError(f"{self.name}: backend={backend!r} cannot run here: {why}")
                 notes.append(f"{name}: {why}")
                 continue
-            why = impl.supports(*args)
+            why = _reason_of(impl.supports, args)
             if why is not None:
                 notes.append(f"{name}: {why}")
                 continue
             if backend == "auto" and name != "reference":
-                why = impl.profitable(*args)
+                why = _reason_of(impl.profitable, args)
                 if why is not None:  # the next kernel, or the vendor library, was measured faster
                     notes.append(f"{name}: {why}")
                     passed_over = passed_over or name
@@ -214,13 +355,16 @@ class OpImpls:
         """The function to run for these arguments; records the choice under ``key``."""
         ck = (backend, key)
         choice = self._choices.get(ck)
-        if choice is None:
+        first = choice is None
+        if first:
             impl_name, reason = self._decide(backend, args)
             choice = Choice(self.name, backend, impl_name, reason, key)
             with self._lock:
-                self._choices.setdefault(ck, choice)
+                choice = self._choices.setdefault(ck, choice)
         choice.calls += 1
-        return self.impl(choice.impl).fn
+        _record_for_model((self.name, *ck), choice)
+        fn = self.impl(choice.impl).fn
+        return _logging_a_slow_build(fn, choice) if first and choice.impl in ("cute", "triton") else fn
 
     def select_fixed(self, backend: str, key: Hashable, label: str, reason: str,
                      fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -232,6 +376,7 @@ class OpImpls:
             with self._lock:
                 choice = self._choices.setdefault(ck, Choice(self.name, backend, label, reason, key))
         choice.calls += 1
+        _record_for_model((self.name, *ck), choice)
         return fn
 
     def choices(self) -> list[Choice]:

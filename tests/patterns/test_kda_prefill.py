@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.utils import run_and_get_code
 
 from k3compile.model import kda as model_kda
@@ -138,6 +139,62 @@ def test_chunk_count_matches_kda_chunked_loop():
                                 make_inputs(1, 17, 1, 8, torch.float32, seed=2),
                                 make_inputs(1, 17, 1, 8, torch.float32, seed=3))
     assert n == 2
+
+
+class TwoLayersOfOneHiddenState(torch.nn.Module):
+    """Two layers' recurrences on q, k, v, g and beta cut from one [B, T, H, 8K+2] tensor: as a model's projections
+    of one hidden state, they share B and T (separate inputs would each get their own symbols under dynamic
+    shapes), so Inductor computes the size arithmetic (chunks, padding) once for both layers."""
+    K = 8
+
+    def forward(self, x, state_a, state_b):
+        K = self.K
+        outs = []
+        for half, state in zip(x.chunk(2, dim=-1), (state_a, state_b)):
+            q, k, v, g = (half[..., i * K:(i + 1) * K] for i in range(4))
+            outs.append(kda_chunked(F.normalize(q, dim=-1) * K ** -0.5, F.normalize(k, dim=-1), v,
+                                    -5.0 * torch.sigmoid(g), torch.sigmoid(half[..., -1]), state))
+        return torch.cat(outs, dim=-1)
+
+
+class SymbolicInputs(CustomGraphPass):
+    """Chained after ours: records whether each compiled graph takes symbolic sizes."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, graph):
+        self.seen.append(any(isinstance(n.meta.get("val"), torch.SymInt) for n in graph.find_nodes(op="placeholder")))
+
+    def uuid(self):
+        return "symbolic-inputs-v1"
+
+
+def test_fires_on_the_recompiled_graphs_of_default_dynamic():
+    """torch.compile's default ``dynamic``: the first prompt compiles a static graph; another batch size and length
+    recompile it with symbolic B and T (here two chunks: n = 2). The pass fires on both layers of each graph, and the
+    states and outputs equal eager."""
+    import k3compile
+
+    torch._dynamo.reset()
+    model, symbolic = TwoLayersOfOneHiddenState(), SymbolicInputs()
+    k3compile.optimize(model, backend="reference", passes=["kda_prefill"],
+                       options={"post_grad_custom_post_pass": symbolic})
+    H, K = 2, TwoLayersOfOneHiddenState.K
+    for B, T in ((1, 3), (2, 20)):
+        gen = torch.Generator().manual_seed(T)
+        x = torch.randn(B, T, H, 8 * K + 2, generator=gen)
+        states = [torch.randn(B, H, K, K, generator=gen) for _ in range(2)]
+        want_states = [s.clone() for s in states]
+        want = TwoLayersOfOneHiddenState.forward(model, x, *want_states)
+        with torch.no_grad():
+            got = model(x, *states)
+        assert rel(got, want) <= 1e-6, (B, T)
+        assert all(rel(s, w) <= 1e-6 for s, w in zip(states, want_states)), (B, T)
+    rep = k3compile.report(model)
+    assert symbolic.seen == [False, True]
+    assert [g.record.matches["kda_prefill"] for g in rep.graphs] == [2, 2]
+    assert [g.record.facts["graph_kda_prefill_solves"] for g in rep.graphs] == [4, 4]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -10,10 +10,13 @@ from typing import Optional
 import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_true
 
-from k3compile.backends import Impl, OpImpls, register_op_impls
+from k3compile.backends import Impl, KernelModule, OpImpls, register_op_impls
 
 from .reference import kda_decode_ref
-from .triton import kda_decode_triton, triton_available, triton_supports
+
+_TRITON = KernelModule(f"{__package__}.triton")   # imports triton: loaded at the first call that may run it
+kda_decode_triton = _TRITON.kda_decode_triton
+triton_available, triton_supports = _TRITON.predicate("triton_available"), _TRITON.predicate("triton_supports")
 
 KDA_DECODE = register_op_impls(OpImpls(
     "kda_decode",

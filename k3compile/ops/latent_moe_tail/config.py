@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 REDUCES = ("last", "kernel")
+MAX_BLOCK_M = 16   # one tensor-core tile of rows; the op's small-M limit may not exceed it
 
 
 @dataclass(frozen=True)

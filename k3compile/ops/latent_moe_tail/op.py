@@ -27,13 +27,16 @@ import importlib
 
 import torch
 
-from k3compile.backends import Impl, OpImpls, Reason, cute_can_run_on, register_op_impls
+from k3compile.backends import Impl, KernelModule, OpImpls, Reason, cute_can_run_on, register_op_impls
 
+from .config import MAX_BLOCK_M, m_bucket
 from .reference import latent_moe_tail_unfused
-from .split import latent_moe_tail_split, split_config
-from .triton import (
-    MAX_BLOCK_M, fused_profitable, latent_moe_tail_triton, m_bucket, triton_available, triton_supports,
-)
+
+# Both import triton: loaded at the first call that may run them.
+_TRITON, _SPLIT = KernelModule(f"{__package__}.triton"), KernelModule(f"{__package__}.split")
+fused_profitable, latent_moe_tail_triton = _TRITON.fused_profitable, _TRITON.latent_moe_tail_triton
+triton_available, triton_supports = _TRITON.predicate("triton_available"), _TRITON.predicate("triton_supports")
+latent_moe_tail_split, split_config = _SPLIT.latent_moe_tail_split, _SPLIT.split_config
 
 _CUTE_MODULE = "k3compile.ops.latent_moe_tail.cute"
 

@@ -45,10 +45,9 @@ except ImportError:  # pragma: no cover
 from k3compile.ops.arrival_counters import arrival_counters
 from k3compile.backends import Reason, is_rocm, sm_count, triton_can_run_on, triton_interpret
 
-from .config import TailConfig, m_bucket  # noqa: F401  (TailConfig and m_bucket are imported from here)
+from .config import MAX_BLOCK_M, TailConfig, m_bucket  # noqa: F401  (TailConfig and m_bucket are imported from here)
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MAX_BLOCK_M = 16   # one tensor-core tile of rows; the op's small-M limit may not exceed it
 
 
 # Measured on one H200 (benchmarks/moe_tail.py --sweep --m 1 4 16, 2026-11-30 03:03, copy ceiling 4.22 TB/s,

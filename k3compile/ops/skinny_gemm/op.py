@@ -20,10 +20,11 @@ from typing import Optional
 
 import torch
 
-from k3compile.backends import Impl, OpImpls, Reason, cute_can_run_on, register_op_impls
+from k3compile.backends import Impl, KernelModule, OpImpls, Reason, cute_can_run_on, register_op_impls
 
-from . import triton as triton_impl
 from .reference import skinny_gemm_reference
+
+triton_impl = KernelModule(f"{__package__}.triton")   # imports triton: loaded at the first call that may run it
 
 _CUTE_MODULE = "k3compile.ops.skinny_gemm.cute"
 
