@@ -3,10 +3,11 @@ import os
 
 import torch
 
-# Triton kernels run on CPU tensors through the interpreter when no GPU is present. Set before
-# anything imports triton.
+# Triton kernels run on CPU tensors through the interpreter when no GPU is present; CuTe DSL (where installed)
+# compiles for sm_90a, the H200's arch, not its own default. Set before anything imports triton or cutlass.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402

@@ -16,7 +16,9 @@ from hypothesis import strategies as st
 from k3compile.backends import BackendUnavailableError, triton_interpret
 from k3compile.ops.skinny_gemm import SKINNY_GEMM, skinny_gemm
 from k3compile.ops.skinny_gemm.reference import skinny_gemm_reference
-from k3compile.ops.skinny_gemm.triton import TritonConfig, choose_config, skinny_gemm_triton, supports
+from k3compile.ops.skinny_gemm import dispatch
+from k3compile.ops.skinny_gemm.triton import skinny_gemm_triton
+from k3compile.ops.skinny_gemm.triton_config import TritonConfig, heuristic, supports
 from k3compile.testing import rel_err
 
 # the kernel tests run on the GPU when there is one, else on CPU under the interpreter
@@ -57,7 +59,8 @@ def config_for(m, k, block_n, split_k, mode, num_stages=None):
     in the last split, which polls the others' partials."""
     fma = mode.startswith("fma")
     block_m = 1 << (m - 1).bit_length()
-    return TritonConfig(block_m if fma else max(16, block_m), block_n, 32 if k > 16 else 16, split_k,
+    return TritonConfig(block_m=block_m if fma else max(16, block_m), block_n=block_n, block_k=32 if k > 16 else 16,
+                        split_k=split_k,
                         num_stages=num_stages, one_launch="+1" in mode, fma=fma, poll=mode.endswith("+1p"))
 
 
@@ -112,14 +115,17 @@ def test_static_weight_without_pdl_is_a_no_op():
                          ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
 def test_triton_config_rejects_bad_preload_and_prefetch(bad):
     with pytest.raises(ValueError, match="bad config"):
-        TritonConfig(16, 32, 128, 1, **bad)
+        TritonConfig(block_m=16, block_n=32, block_k=128, split_k=1, **bad)
 
 
 def test_triton_config_tag_spells_the_pdl_flavour():
-    assert TritonConfig(16, 32, 128, 4, one_launch=True, tma=True).tag() == "dot-m16-n32-k128-s4x1-w4-std-tma"
-    assert TritonConfig(1, 8, 256, 1, num_stages=4, fma=True, tma=True, a_tma=True, pdl=True, prefetch_lines=0,
+    assert TritonConfig(block_m=16, block_n=32, block_k=128, split_k=4, one_launch=True,
+                        tma=True).tag() == "dot-m16-n32-k128-s4x1-w4-std-tma"
+    assert TritonConfig(block_m=1, block_n=8, block_k=256, split_k=1, num_stages=4, fma=True, tma=True, a_tma=True,
+                        pdl=True, prefetch_lines=0,
                         early_trigger=True).tag() == "fma-m1-n8-k256-s1-w4-st4-tma-atma-pdl0e"
-    cfg = TritonConfig(16, 32, 128, 4, one_launch=True, pdl=True, prefetch_lines=0, preload=2, early_trigger=True)
+    cfg = TritonConfig(block_m=16, block_n=32, block_k=128, split_k=4, one_launch=True, pdl=True, prefetch_lines=0,
+                       preload=2, early_trigger=True)
     assert cfg.tag() == "dot-m16-n32-k128-s4x1-w4-std-pdl0ep2"
     assert dataclasses.replace(cfg, poll=True).tag() == "dot-m16-n32-k128-s4x1-w4-std-pdl0ep2-poll"
 
@@ -204,9 +210,12 @@ def test_slot_taken_last_on_another_stream_waits_for_it(monkeypatch):
 
 
 @pytest.mark.parametrize("config,match", [
-    pytest.param(TritonConfig(2, 32, 32, 1, fma=True), "cannot hold M=3", id="block_m-below-M"),
-    pytest.param(TritonConfig(4, 32, 32, 1), "cannot hold M=3", id="dot-block_m-below-16"),
-    pytest.param(TritonConfig(6, 32, 32, 1, fma=True), "cannot hold M=3", id="block_m-not-pow2"),
+    pytest.param(TritonConfig(block_m=2, block_n=32, block_k=32, split_k=1, fma=True), "cannot hold M=3",
+                 id="block_m-below-M"),
+    pytest.param(TritonConfig(block_m=4, block_n=32, block_k=32, split_k=1), "cannot hold M=3",
+                 id="dot-block_m-below-16"),
+    pytest.param(TritonConfig(block_m=6, block_n=32, block_k=32, split_k=1, fma=True), "cannot hold M=3",
+                 id="block_m-not-pow2"),
 ])
 def test_triton_rejects_configs_that_cannot_hold_m(config, match):
     a, w, _, _ = make_inputs(3, 8, 16, torch.float32, bias=False, residual=False)
@@ -262,7 +271,7 @@ def test_triton_kernel_variants_on_gpu_in_a_cuda_graph(m, config):
     config = dict(config)
     static = config.pop("static", False)
     block_m = (1 << (m - 1).bit_length()) if config.get("fma") else 16
-    cfg = TritonConfig(block_m, **config)
+    cfg = TritonConfig(block_m=block_m, **config)
     a, w, b, r = make_inputs(m, 2112, 7168, torch.bfloat16)
     ref = skinny_gemm_reference(a, w, b, r)
     assert rel_err(run_triton(a, w, b, r, cfg, static), ref) < TOL[torch.bfloat16]
@@ -286,7 +295,7 @@ def test_polled_and_counted_split_k_on_many_streams_at_once():
     between them, many more than either ring holds: launches that overlap must never share a slot."""
     a, w, b, r = make_inputs(16, 2112, 7168, torch.bfloat16)
     ref = skinny_gemm_reference(a, w, b, r)
-    configs = [TritonConfig(16, 32, 128, split_k, one_launch=True, poll=poll)
+    configs = [TritonConfig(block_m=16, block_n=32, block_k=128, split_k=split_k, one_launch=True, poll=poll)
                for split_k, poll in ((3, True), (7, True), (4, False))]
     streams = [torch.cuda.Stream() for _ in range(4)]
     outs = [[torch.full((16, 2112), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(24)]
@@ -332,7 +341,7 @@ def test_triton_dependent_chain_in_a_cuda_graph(m, flavour):
     def chain():
         ins = [x] + outs
         for i, w in enumerate(ws):
-            cfg = replace(choose_config(m, *w.shape, sm_count(x.device)), **flavour)
+            cfg = replace(heuristic(m, *w.shape, sm_count(x.device)), **flavour)
             skinny_gemm_triton(ins[i], w, None, ins[i - 1] if i else None, config=cfg, out=outs[i],
                                static_weight=static)
 
@@ -437,10 +446,10 @@ def test_triton_rejects_what_it_cannot_do():
 
 
 def test_config_heuristic_splits_k_only_on_gpu():
-    assert choose_config(4, 2112, 7168, 0).split_k == 1
-    cfg = choose_config(4, 2112, 7168, 132)
+    assert heuristic(4, 2112, 7168, 0).split_k == 1
+    cfg = heuristic(4, 2112, 7168, 132)
     assert cfg.split_k > 1 and cfg.block_m == 16 and cfg.one_launch
-    assert choose_config(40, 7168, 2048, 132).block_m == 64
+    assert heuristic(40, 7168, 2048, 132).block_m == 64
 
 
 @pytest.mark.parametrize("n,k", [(896, 7168), (2112, 7168), (4608, 7168), (7168, 1536), (163840, 7168), (64, 7168)],
@@ -448,7 +457,7 @@ def test_config_heuristic_splits_k_only_on_gpu():
 def test_config_heuristic_fills_the_gpu_without_starving_splits(n, k):
     """About four programs per SM where K allows, never fewer than 7 K blocks per split."""
     for sms in (132, 114, 78):
-        cfg = choose_config(1, n, k, sms)
+        cfg = heuristic(1, n, k, sms)
         grid = -(-n // cfg.block_n) * cfg.split_k
         assert cfg.split_k == 1 or -(-k // cfg.block_k) // cfg.split_k >= 7
         assert grid >= min(sms, -(-n // cfg.block_n) * (-(-k // cfg.block_k) // 7))
@@ -462,13 +471,13 @@ def test_config_heuristic_fits_two_products_per_sm_with_few_splits(n, k):
     ``MIN_PER_SM`` programs per SM and fits beside the next product's grid (2 x per-SM count <= residency),
     pipelined deep enough for ``IN_FLIGHT_PER_SM`` of weight tiles per SM (or as deep as the loop /
     MAX_STAGES allow). (GPUs of 114 and 78 SMs too: the rule, not the H200's table.)"""
-    from k3compile.ops.skinny_gemm.triton_config import (IN_FLIGHT_PER_SM, MAX_STAGES, MIN_PER_SM, TABLE,
-                                                         _dot_heuristic, resident_per_sm)
+    from k3compile.ops.skinny_gemm.triton_config import (IN_FLIGHT_PER_SM, MAX_STAGES, MIN_PER_SM, _dot_heuristic,
+                                                         resident_per_sm)
 
     for sms in (132, 114, 78):
         for m in (1, 8, 16):
-            if sms == 132 and (16, n, k) in TABLE:
-                continue  # a measured pick
+            if (sms, n, k) == (132, 2112, 7168):
+                continue  # the H200's table lists another pick, and the rule lands elsewhere
             cfg = _dot_heuristic(m, n, k, sms)  # (one row may take FMA_ROW instead: the next test)
             tiles = -(-n // cfg.block_n)
             grid = tiles * cfg.split_k
@@ -491,13 +500,14 @@ def test_config_heuristic_fits_two_products_per_sm_with_few_splits(n, k):
 def test_config_heuristic_picks_the_h200_winners(n, k, split, stages, fma_stages):
     from k3compile.ops.skinny_gemm.triton_config import FMA_ROW
 
+    h200 = dispatch.Gpu(dispatch.table_for("NVIDIA H200"), 132)
     for m in (1, 2, 4, 8, 16):
-        cfg = choose_config(m, n, k, 132)
+        cfg = dispatch.triton_config_for(torch.bfloat16, m, n, k, h200)   # the table's pick, else the rule's
         if m == 1 and fma_stages:
             assert cfg == dataclasses.replace(FMA_ROW, block_m=m, num_stages=fma_stages)
         else:
             assert (cfg.split_k, cfg.num_stages, cfg.num_warps, cfg.block_n) == (split, stages, 2, 32)
-            assert cfg.poll == (split > 1 and n != 2112)  # 2112 x 7168: the measured table's counter grid
+            assert cfg.poll == (split > 1 and n != 2112)
 
 
 @pytest.mark.parametrize("n,k,sms,fma_row", [
@@ -513,18 +523,18 @@ def test_config_one_row_takes_fma_row_only_where_the_dot_grid_splits_and_both_fi
     more keep the tensor cores."""
     from k3compile.ops.skinny_gemm.triton_config import FMA_ROW, FMA_ROW_MIN_PER_SM, FMA_ROW_RESIDENT
 
-    cfg = choose_config(1, n, k, sms)
+    cfg = heuristic(1, n, k, sms)
     assert (cfg == dataclasses.replace(FMA_ROW, block_m=1, num_stages=cfg.num_stages)) == fma_row
     programs = -(-n // FMA_ROW.block_n)
     if fma_row:
         assert programs >= FMA_ROW_MIN_PER_SM * sms and 2 * -(-programs // sms) <= FMA_ROW_RESIDENT
-    assert not any(choose_config(m, n, k, sms).fma for m in (2, 3, 16))
+    assert not any(heuristic(m, n, k, sms).fma for m in (2, 3, 16))
 
 
 def test_config_heuristic_triggers_late_where_two_grids_do_not_fit():
-    big = choose_config(1, 20480, 7168, 132)          # 640 column tiles: 5 per SM, twice is past residency
+    big = heuristic(1, 20480, 7168, 132)          # 640 column tiles: 5 per SM, twice is past residency
     assert big.pdl and not big.early_trigger and big.split_k == 1
-    assert not choose_config(32, 4608, 7168, 132).pdl and not choose_config(1, 896, 7168, 132).pdl
+    assert not heuristic(32, 4608, 7168, 132).pdl and not heuristic(1, 896, 7168, 132).pdl
 
 
 @pytest.mark.parametrize("block_n,stages,resident", [(32, 3, 9), (32, 4, 6), (32, 5, 4), (64, 3, 5), (64, 4, 3)],
@@ -534,20 +544,18 @@ def test_resident_per_sm_matches_the_h200_occupancy_calculator(block_n, stages, 
     benchmarks/results/skinny_gemm_triton_variants_h200.log): shared memory bounds them."""
     from k3compile.ops.skinny_gemm.triton_config import resident_per_sm
 
-    assert resident_per_sm(TritonConfig(16, block_n, 128, 1, num_stages=stages)) == resident
+    assert resident_per_sm(TritonConfig(block_m=16, block_n=block_n, block_k=128, split_k=1,
+                                        num_stages=stages)) == resident
 
 
-def test_config_is_the_same_with_a_static_weight():
-    for m, n, k in ((1, 4608, 7168), (16, 7168, 3584), (4, 20480, 7168)):
-        assert choose_config(m, n, k, 132, True) == choose_config(m, n, k, 132)
-
-
-def test_config_table_applies_only_to_the_measured_gpu():
-    from k3compile.ops.skinny_gemm.triton_config import TABLE, TABLE_SMS
-
-    (m, n, k), cfg = next(iter(TABLE.items()))
-    assert choose_config(m, n, k, TABLE_SMS) == cfg
-    assert choose_config(m, n, k, TABLE_SMS - 18) != cfg
+def test_config_table_applies_only_to_a_gpu_of_its_sm_count():
+    """The table's Triton picks are grids sized for its GPU's SMs: another GPU's SM count takes the heuristic."""
+    table = dispatch.table_for("NVIDIA H200")
+    (dt, m, n, k, static), pick = next((key, p) for key, p in table.picks.items() if "triton" in p.configs)
+    dtype = getattr(torch, dt)
+    assert dispatch.triton_config_for(dtype, m, n, k, dispatch.Gpu(table, table.sms)) == pick.configs["triton"]
+    assert dispatch.triton_config_for(dtype, m, n, k, dispatch.Gpu(table, table.sms - 18)) == \
+        heuristic(m, n, k, table.sms - 18)
 
 
 @pytest.mark.parametrize("m,n,k,wins", [
@@ -562,15 +570,8 @@ def test_config_table_applies_only_to_the_measured_gpu():
     pytest.param(1, 7168, 1536, False, id="M1-7168x1536-cublas"),
     pytest.param(1, 896, 7168, False, id="M1-896x7168-cublas"),
 ])
-def test_profitable_follows_the_h200_figures(m, n, k, wins):
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from k3compile.ops.skinny_gemm.triton import profitable
-
-    with FakeTensorMode():  # CUDA tensors without a GPU: profitable() reads only device and shapes
-        a = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
-        w = torch.empty(n, k, device="cuda", dtype=torch.bfloat16)
-    assert (profitable(a, w) is None) == wins
+def test_triton_beats_cublas_follows_the_h200_figures(m, n, k, wins):
+    assert dispatch.triton_beats_cublas(m, n, k) == wins
 
 
 @pytest.fixture

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from .op import KDA_PREFILL, kda_prefill_op
+from .dispatch import KDA_PREFILL
+from .op import kda_prefill_op
 
 __all__ = ["kda_prefill", "KDA_PREFILL"]
 

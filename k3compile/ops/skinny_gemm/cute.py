@@ -42,9 +42,8 @@ from typing import Optional
 
 import torch
 
-from k3compile.backends import cute_can_run_on
-from k3compile.ops.skinny_gemm import config as _config
-from k3compile.ops.skinny_gemm.cute_compile import VEC, compile_kernel
+from k3compile.kernels.cute.configs import VEC, KernelConfig, MmaConfig, WgmmaConfig
+from k3compile.ops.skinny_gemm.cute_compile import compile_kernel
 
 MAX_M = 16
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -52,11 +51,6 @@ _DTYPES = (torch.bfloat16, torch.float16)
 
 # --------------------------------------------------------------------------------------------------
 # predicates (no cutlass needed)
-
-def available(a, w, bias=None, residual=None) -> Optional[str]:
-    """None when the CuTe kernel can run on this machine for these tensors, else the reason."""
-    return cute_can_run_on(a, w, bias, residual)
-
 
 def supports(a, w, bias=None, residual=None) -> Optional[str]:
     """None when the kernel handles these shapes/dtypes/strides, else the reason."""
@@ -84,27 +78,6 @@ def supports(a, w, bias=None, residual=None) -> Optional[str]:
         if residual.shape != (m, n) or residual.dtype != a.dtype or residual.stride(1) != 1:
             return f"residual must be a row-major [{m}, {n}] {a.dtype} tensor"
     return None
-
-
-def profitable(a, w, bias=None, residual=None) -> Optional[str]:
-    """None where the H200 table (or its heuristic) has the kernel ahead of cuBLAS and of the Triton kernel,
-    else the reason (the dispatch then tries the next implementation)."""
-    m, k = a.shape
-    n = w.shape[0]
-    if _config.choose(m, n, k) is None:
-        return f"cuBLAS measured faster for M={m} N={n} K={k} (config table)"
-    if a.dtype == torch.bfloat16 and (_config.m_bucket(m), n, k) in _config.TRITON_AHEAD:
-        return f"the Triton kernel measured faster for M={m} N={n} K={k} (config.TRITON_AHEAD)"
-    return None
-
-
-def pick(a: torch.Tensor, w: torch.Tensor, bias=None, residual=None,
-         static_weight: bool = False) -> _config.KernelConfig:
-    """The configuration (and so the kernel) ``skinny_gemm_cute`` runs for these tensors: the table's or the
-    heuristic's. Both kernels take the same tensors (``supports``), so the choice reads shapes only."""
-    m, k = a.shape
-    n = w.shape[0]
-    return _config.choose(m, n, k, static_weight) or _config.heuristic(m, n, k, static_weight)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -169,7 +142,7 @@ def _kernel_class():
         """C[M, N] = A[M, K] · B[N, K]ᵀ (+ bias[N]) (+ R[M, N]); M, dtype and tiling fixed. The cp.async ring main
         loop and A's paths are inherited (``cute_ring.py``)."""
 
-        def __init__(self, dtype, m: int, cfg: _config.SkinnyConfig, has_bias: bool, has_res: bool,
+        def __init__(self, dtype, m: int, cfg: MmaConfig, has_bias: bool, has_res: bool,
                      static_weight: bool, norm_eps: Optional[float] = None):
             self.dtype = dtype
             self.m = m
@@ -488,26 +461,20 @@ def _kernel_class():
 # --------------------------------------------------------------------------------------------------
 # public entry points
 
-def skinny_gemm_cute(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                     residual: Optional[torch.Tensor] = None,
-                     cfg: Optional[_config.KernelConfig] = None,
-                     out: Optional[torch.Tensor] = None, static_weight: bool = False) -> torch.Tensor:
-    """``a @ w.T (+ bias) (+ residual)`` on the current CUDA stream; returns a new [M, N] tensor.
+def skinny_gemm_cute(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
+                     cfg: KernelConfig, out: Optional[torch.Tensor] = None, static_weight: bool = False) -> torch.Tensor:
+    """``a @ w.T (+ bias) (+ residual)`` on the current CUDA stream; returns a new [M, N] tensor (or fills ``out``).
 
-    a: [M, K] (M ≤ 16), w: [N, K], bias: [N], residual: [M, N]; bf16 or fp16; K % 8 == 0. Call
-    ``available``/``supports`` first (the op's dispatch does). ``cfg`` overrides the table (benchmarks); a
-    ``WgmmaConfig`` (from the table or given) runs ``cute_wgmma.py``'s kernel (``pick``).
-    ``out`` (a contiguous [M, N] tensor of a's dtype) receives the result instead of a new tensor.
-    ``static_weight=True`` promises that no kernel writes ``w`` (a module parameter): the kernel then
-    starts streaming it before waiting on the previous kernel (PDL), which is unsafe otherwise; and with a
-    ``trigger_first`` configuration it lets the next kernel launch before its own wait (the op's docstring says
-    what a caller then vouches for).
+    a: [M, K] (M <= 16), w: [N, K], bias: [N], residual: [M, N]; bf16 or fp16; K % 8 == 0 (``supports``). ``cfg``
+    names the kernel and its work division (``dispatch.cute_config`` gives the op's): an ``MmaConfig`` runs the
+    mma.sync kernel, a ``WgmmaConfig`` the wgmma kernel. ``out``: a contiguous [M, N] tensor of a's dtype.
+    ``static_weight=True`` promises that no kernel writes ``w`` (a module parameter): the kernel then starts
+    streaming it before waiting on the previous kernel (PDL), which is unsafe otherwise; and with a ``trigger_first``
+    configuration it lets the next kernel launch before its own wait (``op.py`` says what a caller vouches for).
     """
     m, k = a.shape
     n = w.shape[0]
-    if cfg is None:
-        cfg = pick(a, w, bias, residual, static_weight)
-    if not isinstance(cfg, _config.SkinnyConfig) and not cfg.share_fits(k):
+    if isinstance(cfg, WgmmaConfig) and not cfg.share_fits(k):
         raise ValueError(f"{cfg.tag()}: a block's share of K={k} does not suit its register tiles / resident A "
                          f"({cfg.reg_stages}..{cfg.a_tiles()} tiles of {cfg.block_k})")
     fn = compile_kernel(a.dtype, m, cfg, bias is not None, residual is not None, static_weight)
@@ -517,16 +484,7 @@ def skinny_gemm_cute(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tens
     return out
 
 
-def warmup(dtype: torch.dtype, m: int, n: Optional[int] = None, k: Optional[int] = None,
-           has_bias: bool = False, has_residual: bool = False,
-           cfg: Optional[_config.KernelConfig] = None, static_weight: bool = False) -> None:
-    """Compile (or load) the variant a later call will use, so CUDA-graph capture never compiles.
-
-    With n and k, the configuration those shapes choose (either kernel: ``compile_kernel`` follows the entry's
-    type); else ``cfg`` or the heuristic's default.
-    """
-    if cfg is None:
-        cfg = (_config.choose(m, n, k, static_weight) if n is not None and k is not None
-               else _config.heuristic(m, 4096, 4096, static_weight))
-    if cfg is not None:
-        compile_kernel(dtype, m, cfg, has_bias, has_residual, static_weight)
+def warmup(dtype: torch.dtype, m: int, cfg: KernelConfig, has_bias: bool = False, has_residual: bool = False,
+           static_weight: bool = False) -> None:
+    """Compile (or load) the variant a later call will use, so that CUDA-graph capture never compiles."""
+    compile_kernel(dtype, m, cfg, has_bias, has_residual, static_weight)

@@ -19,9 +19,7 @@ from typing import Optional
 
 import torch
 
-from k3compile.ops.skinny_gemm import config as _config
-
-VEC = 8  # elements per 128-bit load: K and the row strides are declared multiples of it
+from k3compile.kernels.cute.configs import VEC, KernelConfig, MmaConfig
 
 _compiled: dict = {}
 _compile_lock = threading.Lock()
@@ -107,12 +105,12 @@ def _source_fingerprint() -> str:
     for f in ("cute.py", "cute_ring.py", "cute_compile.py"):
         with open(os.path.join(os.path.dirname(__file__), f), "rb") as fh:
             h.update(fh.read())
-    h.update(inspect.getsource(_config.SkinnyConfig).encode())
+    h.update(inspect.getsource(MmaConfig).encode())
     h.update(dsl_and_arch().encode())
     return h.hexdigest()[:16]
 
 
-def compile_kernel(dtype: torch.dtype, m: int, cfg: _config.KernelConfig, has_bias: bool, has_res: bool,
+def compile_kernel(dtype: torch.dtype, m: int, cfg: KernelConfig, has_bias: bool, has_res: bool,
                    static_weight: bool = False, norm_eps: Optional[float] = None):
     """The compiled kernel for this variant: from memory, else from disk, else compiled (and saved).
 
@@ -121,7 +119,7 @@ def compile_kernel(dtype: torch.dtype, m: int, cfg: _config.KernelConfig, has_bi
     A ``WgmmaConfig`` compiles ``cute_wgmma.py``'s kernel instead (its own cache, the same call signature:
     ``fn(a, w, out, bias, residual, norm_weight)``).
     """
-    if not isinstance(cfg, _config.SkinnyConfig):
+    if not isinstance(cfg, MmaConfig):
         from k3compile.ops.skinny_gemm import cute_wgmma
         return cute_wgmma.compile_kernel(dtype, m, cfg, has_bias, has_res, static_weight, norm_eps)
     key = (dtype, m, cfg, has_bias, has_res, static_weight, None if norm_eps is None else float(norm_eps))

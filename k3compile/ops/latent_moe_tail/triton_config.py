@@ -1,13 +1,19 @@
-"""Compile-time knobs of the one-kernel Triton tail (``triton.py``, ``streamk.py``) and the M buckets its
-measured tables are keyed by."""
+"""The one-kernel Triton tail's compile-time knobs (``TailConfig``: ``triton.py``'s grid, ``streamk.py``'s
+persistent form), its heuristic for a shape no table lists, and what it takes. Nothing here imports Triton."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Optional
+
+import torch
 
 REDUCES = ("last", "kernel")
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_BLOCK_M = 16   # one tensor-core tile of rows; the op's small-M limit may not exceed it
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TailConfig:
     """Compile-time knobs of the kernel (swept by ``benchmarks/moe_tail.py --sweep``).
 
@@ -68,9 +74,51 @@ class TailConfig:
                 + ("-pre" if self.prenorm else ""))
 
 
-def m_bucket(m: int) -> int:
-    """The M the measured tables are keyed by (the kernel itself serves every M ≤ 16)."""
-    for b in (1, 2, 4, 8, 16):
-        if m <= b:
-            return b
-    return m
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()   # as triton.next_power_of_2
+
+
+# The form an H200 sweep found best for 16-bit tiles where nothing was measured: stream-K, 128 x 128 weight tiles
+# through TMA, 8 warps, 4 stages, a second kernel reducing.
+STREAM_K_TMA = TailConfig(block_n=128, block_k=128, num_warps=8, num_stages=4, reduce="kernel", stream_k=True,
+                          tma=True)
+
+
+def heuristic(m: int, d: int, l: int, dtype: torch.dtype, sm_count: int) -> TailConfig:
+    """The configuration where no table lists one: 16-bit on a GPU, ``STREAM_K_TMA``; fp32 (tiles twice the bytes) a
+    split-K grid of 64-column tiles to ~2 programs per SM, 3 stages. ``sm_count`` 0 (the interpreter): no split,
+    fewer programs."""
+    if sm_count and dtype != torch.float32:
+        return for_dtype(STREAM_K_TMA, dtype)
+    block_k = 128 if l >= 128 else max(16, next_power_of_2(l))
+    block_n = 64 if d >= 64 or not sm_count else max(16, next_power_of_2(d))
+    split_k = 1
+    if sm_count:
+        want = max(1, (2 * sm_count) // cdiv(d, block_n))
+        split_k = max(1, min(want, cdiv(l, block_k) // 4, 16))
+    return TailConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4, num_stages=3,
+                      reduce="last", prenorm=dtype == torch.float16)
+
+
+def for_dtype(cfg: TailConfig, dtype: torch.dtype) -> TailConfig:
+    """fp16 normalises each row before the dot (``prenorm``): x·g of an unnormalised latent can overflow fp16."""
+    return dataclasses.replace(cfg, prenorm=True) if dtype == torch.float16 else cfg
+
+
+def supports(latent, shared, norm_weight, up_weight, eps, small_m_limit=MAX_BLOCK_M) -> Optional[str]:
+    """None if the one-kernel tail takes these tensors, else why not."""
+    dtypes = {latent.dtype, shared.dtype, norm_weight.dtype, up_weight.dtype}
+    if len(dtypes) != 1:
+        return f"mixed dtypes {sorted(str(d) for d in dtypes)} (the kernel takes one dtype)"
+    if latent.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {latent.dtype} (kernel has {[str(d) for d in SUPPORTED_DTYPES]})"
+    m = latent.shape[0]
+    if m > min(small_m_limit, MAX_BLOCK_M):
+        return f"M > {min(small_m_limit, MAX_BLOCK_M)}, the small-M limit (norm + addmm is faster there)"
+    if m == 0 or latent.shape[1] == 0:
+        return "empty input"
+    return None
