@@ -26,11 +26,16 @@ TOL = 1e-2  # bf16: x·g is rounded before normalising, ~1 ulp from the model's 
 
 # the wgmma form: one block per row tile, a split-K cluster (the rows' sums of squares meet through DSMEM too), the
 # producer warp, 64-wide K tiles, the MMA warps alone letting the next kernel launch
-WGMMA_FORMS = [WG(block_n=64, block_k=128, stages=6, split_k=1, evict_hints=True), WG(block_n=64, block_k=64, stages=8,
-                                                                                      split_k=2, evict_hints=True),
-               WG(block_n=64, block_k=128, stages=4, split_k=4, producer_warp=True, evict_hints=True), WG(block_n=128,
-                                                                                                          block_k=64, stages=6, split_k=1, producer_warp=True),
+WGMMA_FORMS = [WG(block_n=64, block_k=128, stages=6, split_k=1, evict_hints=True),
+               WG(block_n=64, block_k=64, stages=8, split_k=2, evict_hints=True),
+               WG(block_n=64, block_k=128, stages=4, split_k=4, producer_warp=True, evict_hints=True),
+               WG(block_n=128, block_k=64, stages=6, split_k=1, producer_warp=True),
                WG(block_n=64, block_k=128, stages=6, split_k=1, producer_warp=True, evict_hints=True, mma_trigger=True)]
+
+
+def mma(row_groups, warps_n, warps_k, unroll, **options):
+    """An MmaConfig, its block's four dimensions first."""
+    return MmaConfig(row_groups=row_groups, warps_n=warps_n, warps_k=warps_k, unroll=unroll, **options)
 
 
 def op_config(m, d, l, static_weight=False):
@@ -109,10 +114,9 @@ def test_compiles_for_sm90a_without_gpu(monkeypatch, tmp_path):
     monkeypatch.setenv("CUTE_DSL_ARCH", os.environ.get("CUTE_DSL_ARCH", "sm_90a"))
     monkeypatch.setenv("K3_CUTE_CACHE_DIR", str(tmp_path))
     h200 = dispatch.table_for("NVIDIA H200")
-    variants = [(1, h200.get("bfloat16", 1, 7168, 3584, False).configs["cute"]), (9, MmaConfig(row_groups=2, warps_n=2,
-                                                                                               warps_k=2, unroll=1, stages=3)),
-                (16, MmaConfig(row_groups=1, warps_n=1, warps_k=4, unroll=2, stages=4, split_k=2)), (16,
-                                                                                                     h200.get("bfloat16", 16, 7168, 3584, True).configs["cute"]),
+    static_pick = h200.get("bfloat16", 16, 7168, 3584, True).configs["cute"]
+    variants = [(1, h200.get("bfloat16", 1, 7168, 3584, False).configs["cute"]), (9, mma(2, 2, 2, 1, stages=3)),
+                (16, mma(1, 1, 4, 2, stages=4, split_k=2)), (16, static_pick),
                 (5, WG(block_n=64, block_k=64, stages=8, split_k=2, evict_hints=True))]
     for m, cfg in variants:
         assert kc.compile_kernel(torch.bfloat16, m, cfg, False, True, False, 1e-6) is not None
@@ -180,15 +184,13 @@ def test_wgmma_form_matches_reference_random_shapes(m, l, d, form, static_weight
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [MmaConfig(row_groups=1, warps_n=1, warps_k=1, unroll=1), MmaConfig(row_groups=2,
-                                                                                                    warps_n=2, warps_k=2, unroll=1, stages=3),
-                                 MmaConfig(row_groups=1, warps_n=1, warps_k=8, unroll=2, stages=3),
-                                 MmaConfig(row_groups=1, warps_n=1, warps_k=4, unroll=2, stages=4, split_k=2),
-                                 MmaConfig(row_groups=1, warps_n=1, warps_k=2, unroll=4, split_k=4),
-                                 MmaConfig(row_groups=1, warps_n=2, warps_k=4, unroll=2, stages=3, a_ring=True,
-                                           a_share=True),
-                                 MmaConfig(row_groups=1, warps_n=1, warps_k=4, unroll=2, stages=4,
-                                           a_l1=True)] + WGMMA_FORMS,
+@pytest.mark.parametrize("cfg", [mma(1, 1, 1, 1),
+                                 mma(2, 2, 2, 1, stages=3),
+                                 mma(1, 1, 8, 2, stages=3),
+                                 mma(1, 1, 4, 2, stages=4, split_k=2),
+                                 mma(1, 1, 2, 4, split_k=4),
+                                 mma(1, 2, 4, 2, stages=3, a_ring=True, a_l1=True),
+                                 mma(1, 1, 4, 2, stages=4, a_l1=True)] + WGMMA_FORMS,
                          ids=lambda c: c.tag())
 @pytest.mark.parametrize("m", [1, 8, 9, 16], ids=lambda m: f"M{m}")
 @pytest.mark.parametrize("static_weight", [False, True], ids=["dynamic_w", "static_w"])

@@ -22,22 +22,16 @@ HAS_CUTLASS = importlib.util.find_spec("cutlass") is not None
 needs_cutlass = pytest.mark.skipif(not HAS_CUTLASS, reason="CuTe DSL (nvidia-cutlass-dsl) not installed")
 
 
+def mma(row_groups, warps_n, warps_k, unroll, **options):
+    """An MmaConfig, its block's four dimensions first."""
+    return MmaConfig(row_groups=row_groups, warps_n=warps_n, warps_k=warps_k, unroll=unroll, **options)
+
+
 def tol(dtype):
     return 8e-3 if dtype == torch.bfloat16 else 2e-3
 
 
 # ---------------------------------------------------------------------------------------- CPU tests
-
-def test_module_imports_without_cutlass_at_import_time():
-    with open(kc.__file__) as f:
-        head = f.read().split("def _kernel_class")[0]
-    assert "import cutlass" not in head.replace("`import cutlass`", "")
-    from k3compile.ops.skinny_gemm import cute_compile, cute_ring
-    for mod in (cute_compile, cute_ring):
-        with open(mod.__file__) as f:
-            top_level = [ln for ln in f.read().splitlines() if ln.startswith(("import", "from"))]
-        assert not [ln for ln in top_level if "cutlass" in ln]
-
 
 def test_available_says_why_on_cpu_tensors():
     a, w = torch.randn(2, 64, dtype=torch.bfloat16), torch.randn(128, 64, dtype=torch.bfloat16)
@@ -73,12 +67,10 @@ def test_supports_accepts_decode_shape():
 def test_compiles_for_sm90a_without_gpu(monkeypatch, tmp_path):
     monkeypatch.setenv("CUTE_DSL_ARCH", os.environ.get("CUTE_DSL_ARCH", "sm_90a"))
     monkeypatch.setenv("K3_CUTE_CACHE_DIR", str(tmp_path))
-    for cfg, static in [(MmaConfig(row_groups=2, warps_n=1, warps_k=2, unroll=2), False), (MmaConfig(row_groups=1,
-                                                                                                     warps_n=1, warps_k=4, unroll=2, stages=3), False),
-                        (MmaConfig(row_groups=1, warps_n=1, warps_k=4, unroll=2, stages=3), True),
-                        (MmaConfig(row_groups=1, warps_n=1, warps_k=4, unroll=2, stages=4, split_k=4), False),
-                        (MmaConfig(row_groups=1, warps_n=2, warps_k=4, unroll=2, stages=3, a_ring=True, a_share=True,
-                                   a_l1=True), False)]:
+    for cfg, static in [(mma(2, 1, 2, 2), False), (mma(1, 1, 4, 2, stages=3), False),
+                        (mma(1, 1, 4, 2, stages=3), True),
+                        (mma(1, 1, 4, 2, stages=4, split_k=4), False),
+                        (mma(1, 2, 4, 2, stages=3, a_ring=True, a_l1=True), False)]:
         assert kc.compile_kernel(torch.bfloat16, 3, cfg, True, True, static) is not None
     assert len([p for p in tmp_path.rglob("*.o")]) == 5  # the on-disk cache a second process loads
 
@@ -96,9 +88,8 @@ print(json.dumps([ln.rstrip(";") for ln in lines if ln.startswith("griddepcontro
 
 
 @needs_cutlass
-@pytest.mark.parametrize("cfg", [MmaConfig(row_groups=1, warps_n=1, warps_k=4, unroll=2, stages=3, split_k=2,
-                                           a_ring=True, trigger_first=True),
-                                 MmaConfig(row_groups=1, warps_n=1, warps_k=4, unroll=4, trigger_first=True),
+@pytest.mark.parametrize("cfg", [mma(1, 1, 4, 2, stages=3, split_k=2, a_ring=True, trigger_first=True),
+                                 mma(1, 1, 4, 4, trigger_first=True),
                                  WgmmaConfig(block_n=64, block_k=64, stages=4, split_k=2, producer_warp=True,
                                              evict_hints=True, trigger_first=True),
                                  WgmmaConfig(block_n=64, block_k=64, stages=4, split_k=4, producer_warp=True,
@@ -136,38 +127,19 @@ def test_config_rejects_unlaunchable(kwargs):
 
 
 def test_config_tag_names_split_k():
-    assert MmaConfig(row_groups=1, warps_n=1, warps_k=8, unroll=2, stages=3, split_k=2).tag() == "rg1-wn1-wk8-u2-s3-c2"
-
-
-def test_config_a_share_tag_smem_and_rejects():
-    c = MmaConfig(row_groups=1, warps_n=4, warps_k=2, unroll=2, stages=4, a_ring=True, a_share=True)
-    assert c.tag() == "rg1-wn4-wk2-u2-s4-a-sh"
-    per_warp = MmaConfig(row_groups=1, warps_n=4, warps_k=2, unroll=2, stages=4, a_ring=True)
-    # A's rings: one per K slice (2) instead of one per warp (8); each 4 stages x 2 steps x 2 halves (M > 8) x 512 B
-    assert per_warp.smem_bytes(16) - c.smem_bytes(16) == (8 - 2) * 4 * 2 * 2 * 512
-    for bad in (dict(a_share=True), dict(stages=3, a_share=True), dict(warps_k=16, warps_n=1, stages=3, a_ring=True,
-                                                                        a_share=True, unroll=1)):
-        with pytest.raises(ValueError):
-            MmaConfig(**{"row_groups": 1, "warps_n": 2, "warps_k": 2, "unroll": 2, **bad})
+    assert mma(1, 1, 8, 2, stages=3, split_k=2).tag() == "rg1-wn1-wk8-u2-s3-c2"
 
 
 def test_config_tag_names_a_l1():
-    assert MmaConfig(row_groups=1, warps_n=1, warps_k=8, unroll=2, stages=3, a_ring=True,
-                     a_l1=True).tag() == "rg1-wn1-wk8-u2-s3-a-ca"
+    assert mma(1, 1, 8, 2, stages=3, a_ring=True, a_l1=True).tag() == "rg1-wn1-wk8-u2-s3-a-ca"
 
 
 def test_config_tag_names_pdl_options():
-    assert MmaConfig(row_groups=1, warps_n=1, warps_k=8, unroll=2, stages=3, early=True,
-                     l2_kb=112).tag() == "rg1-wn1-wk8-u2-s3-e-l112"
-    assert MmaConfig(row_groups=1, warps_n=1, warps_k=8, unroll=2, stages=3,
-                     trigger_first=True).tag() == "rg1-wn1-wk8-u2-s3-tf"
-    assert MmaConfig(row_groups=1, warps_n=1, warps_k=4, unroll=2, stages=8, a_ring=True).tag() == "rg1-wn1-wk4-u2-s8-a"
+    assert mma(1, 1, 8, 2, stages=3, early=True, l2_kb=112).tag() == "rg1-wn1-wk8-u2-s3-e-l112"
+    assert mma(1, 1, 8, 2, stages=3, trigger_first=True).tag() == "rg1-wn1-wk8-u2-s3-tf"
+    assert mma(1, 1, 4, 2, stages=8, a_ring=True).tag() == "rg1-wn1-wk4-u2-s8-a"
     with pytest.raises(ValueError):
-        MmaConfig(row_groups=1, warps_n=1, warps_k=4, unroll=4, a_ring=True)  # A rides the cp.async ring: needs one
-    assert MmaConfig(row_groups=1, warps_n=1, warps_k=8, unroll=2, stages=3, a_pipe=True).tag() == "rg1-wn1-wk8-u2-s3-p"
-    for bad in (dict(a_pipe=True), dict(stages=3, a_ring=True, a_pipe=True)):
-        with pytest.raises(ValueError):
-            MmaConfig(row_groups=1, warps_n=1, warps_k=4, unroll=4, **bad)  # a_pipe needs the ring and plain A loads
+        mma(1, 1, 4, 4, a_ring=True)  # A rides the cp.async ring: needs one
 
 
 # ---------------------------------------------------------------------------------------- GPU tests
@@ -200,41 +172,25 @@ def test_matches_reference_random_shapes(m, n, k, dtype, bias, residual):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [MmaConfig(row_groups=1, warps_n=1, warps_k=1, unroll=1), MmaConfig(row_groups=4,
-                                                                                                    warps_n=2, warps_k=2, unroll=8),
-                                 MmaConfig(row_groups=2, warps_n=4, warps_k=1, unroll=2), MmaConfig(row_groups=1,
-                                                                                                    warps_n=1, warps_k=8, unroll=4),
-                                 MmaConfig(row_groups=1, warps_n=1, warps_k=8, unroll=2,
-                                           stages=4), MmaConfig(row_groups=2, warps_n=2, warps_k=2, unroll=1, stages=3),
-                                 MmaConfig(row_groups=1, warps_n=1, warps_k=8, unroll=2, stages=3, split_k=2),
-                                 MmaConfig(row_groups=1, warps_n=1, warps_k=4, unroll=4, split_k=4),
-                                 MmaConfig(row_groups=2, warps_n=1, warps_k=2, unroll=2, stages=4, split_k=8),
-                                 MmaConfig(row_groups=1, warps_n=1, warps_k=4, unroll=4, early=True, l2_kb=4),
-                                 MmaConfig(row_groups=1, warps_n=1, warps_k=4, unroll=2, stages=3, split_k=2,
-                                           early=True, l2_kb=1000),
-                                 MmaConfig(row_groups=2, warps_n=1, warps_k=4, unroll=2, stages=4, early=True,
-                                           a_ring=True),
-                                 MmaConfig(row_groups=1, warps_n=1, warps_k=2, unroll=2, stages=8, split_k=8,
-                                           a_ring=True),
-                                 MmaConfig(row_groups=2, warps_n=1, warps_k=2, unroll=2, stages=5, split_k=7,
-                                           early=True, a_ring=True),
-                                 MmaConfig(row_groups=1, warps_n=1, warps_k=8, unroll=2, stages=3, l2_kb=16,
-                                           a_pipe=True),
-                                 MmaConfig(row_groups=2, warps_n=1, warps_k=4, unroll=2, stages=3, split_k=3,
-                                           a_pipe=True),
-                                 MmaConfig(row_groups=1, warps_n=2, warps_k=4, unroll=2, stages=3, a_ring=True,
-                                           a_share=True),
-                                 MmaConfig(row_groups=2, warps_n=4, warps_k=2, unroll=1, stages=4, split_k=2,
-                                           a_ring=True, a_share=True),
-                                 MmaConfig(row_groups=1, warps_n=1, warps_k=8, unroll=2, stages=3, l2_kb=16, a_l1=True),
-                                 MmaConfig(row_groups=1, warps_n=1, warps_k=4, unroll=4, a_l1=True),
-                                 MmaConfig(row_groups=2, warps_n=2, warps_k=2, unroll=2, stages=4, split_k=2,
-                                           a_ring=True, a_share=True, a_l1=True),
-                                 MmaConfig(row_groups=1, warps_n=1, warps_k=8, unroll=2, stages=3, l2_kb=16,
-                                           trigger_first=True),
-                                 MmaConfig(row_groups=2, warps_n=1, warps_k=4, unroll=2, stages=4, split_k=4,
-                                           early=True, a_ring=True,
-                                                     a_l1=True, trigger_first=True)],
+@pytest.mark.parametrize("cfg", [mma(1, 1, 1, 1),
+                                 mma(4, 2, 2, 8),
+                                 mma(2, 4, 1, 2),
+                                 mma(1, 1, 8, 4),
+                                 mma(1, 1, 8, 2, stages=4),
+                                 mma(2, 2, 2, 1, stages=3),
+                                 mma(1, 1, 8, 2, stages=3, split_k=2),
+                                 mma(1, 1, 4, 4, split_k=4),
+                                 mma(2, 1, 2, 2, stages=4, split_k=8),
+                                 mma(1, 1, 4, 4, early=True, l2_kb=4),
+                                 mma(1, 1, 4, 2, stages=3, split_k=2, early=True, l2_kb=1000),
+                                 mma(2, 1, 4, 2, stages=4, early=True, a_ring=True),
+                                 mma(1, 1, 2, 2, stages=8, split_k=8, a_ring=True),
+                                 mma(2, 1, 2, 2, stages=5, split_k=7, early=True, a_ring=True),
+                                 mma(1, 1, 8, 2, stages=3, l2_kb=16, a_l1=True),
+                                 mma(1, 1, 4, 4, a_l1=True),
+                                 mma(1, 1, 8, 2, stages=3, l2_kb=16, trigger_first=True),
+                                 mma(2, 1, 4, 2, stages=4, split_k=4, early=True, a_ring=True, a_l1=True,
+                                     trigger_first=True)],
                          ids=lambda c: c.tag())
 @pytest.mark.parametrize("m", [1, 8, 9, 16], ids=lambda m: f"M{m}")
 @pytest.mark.parametrize("static_weight", [False, True], ids=["dynamic_w", "static_w"])
@@ -273,22 +229,12 @@ def test_cuda_graph_capture_and_replay(m, n, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [MmaConfig(row_groups=1, warps_n=1, warps_k=8, unroll=2, stages=3, early=True,
-                                           l2_kb=32),
-                                 MmaConfig(row_groups=1, warps_n=1, warps_k=4, unroll=4, early=True, l2_kb=16),
-                                 MmaConfig(row_groups=1, warps_n=1, warps_k=4, unroll=2, stages=4, split_k=2,
-                                           early=True, l2_kb=16),
-                                 MmaConfig(row_groups=1, warps_n=1, warps_k=4, unroll=2, stages=8, split_k=4,
-                                           early=True, a_ring=True),
-                                 MmaConfig(row_groups=1, warps_n=1, warps_k=8, unroll=2, stages=5, early=True,
-                                           l2_kb=16, a_pipe=True),
-                                 MmaConfig(row_groups=1, warps_n=4, warps_k=2, unroll=2, stages=4, early=True,
-                                           a_ring=True, a_share=True),
-                                 MmaConfig(row_groups=1, warps_n=1, warps_k=8, unroll=2, stages=4, a_ring=True,
-                                           a_l1=True, trigger_first=True),
-                                 MmaConfig(row_groups=2, warps_n=1, warps_k=4, unroll=2, stages=4, split_k=4,
-                                           early=True, a_ring=True,
-                                                     trigger_first=True)],
+@pytest.mark.parametrize("cfg", [mma(1, 1, 8, 2, stages=3, early=True, l2_kb=32),
+                                 mma(1, 1, 4, 4, early=True, l2_kb=16),
+                                 mma(1, 1, 4, 2, stages=4, split_k=2, early=True, l2_kb=16),
+                                 mma(1, 1, 4, 2, stages=8, split_k=4, early=True, a_ring=True),
+                                 mma(1, 1, 8, 2, stages=4, a_ring=True, a_l1=True, trigger_first=True),
+                                 mma(2, 1, 4, 2, stages=4, split_k=4, early=True, a_ring=True, trigger_first=True)],
                          ids=lambda c: c.tag())
 @pytest.mark.parametrize("static_weight", [False, True], ids=["dynamic_w", "static_w"])
 def test_chained_products_under_graph_replay(cfg, static_weight):

@@ -1,4 +1,4 @@
-"""The wgmma CuTe skinny GEMM (``cute_wgmma.py`` + ``cute_wgmma_kernel.py``) against the reference.
+"""The wgmma CuTe skinny GEMM (``k3compile/kernels/cute/wgmma.py``) against the reference.
 
 CPU (CI): the module imports without cutlass, its predicates give reasons, configurations are checked (tag,
 shared-memory budget, rejects), the table/heuristic give launchable configurations, and (when CuTe DSL is
@@ -14,9 +14,9 @@ import torch
 from hypothesis import example, given, settings, strategies as st
 
 from k3compile.backends import cute_can_run_on
-from k3compile.kernels.cute import configs
+from k3compile.kernels.cute import compile as cc, configs
 from k3compile.kernels.cute.configs import WgmmaConfig as C
-from k3compile.ops.skinny_gemm import cute as kc, cute_config, cute_wgmma as wg, dispatch
+from k3compile.ops.skinny_gemm import cute as kc, cute_config, dispatch
 from k3compile.ops.skinny_gemm.reference import skinny_gemm_reference
 from k3compile.testing import check_chain_replays, rel_err
 
@@ -41,13 +41,6 @@ def tol(dtype):
 
 
 # ---------------------------------------------------------------------------------------- CPU tests
-
-def test_modules_import_without_cutlass_at_import_time():
-    from k3compile.ops.skinny_gemm import cute_wgmma_kernel
-    for mod in (wg, cute_wgmma_kernel):
-        top = [ln for ln in open(mod.__file__).read().splitlines() if ln.startswith(("import", "from"))]
-        assert not [ln for ln in top if "cutlass" in ln], mod.__name__
-
 
 def test_config_tag_spells_every_field():
     assert C(block_n=128, block_k=64, stages=6, split_k=3).tag() == "wg-n128-k64-s6-c3"
@@ -207,12 +200,12 @@ def test_compiles_for_sm90a_without_gpu(monkeypatch, tmp_path):
         pytest.skip("GPU present: the GPU tests compile for the real device")
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     monkeypatch.setenv("K3_CUTE_CACHE_DIR", str(tmp_path))
-    wg._source_fingerprint.cache_clear()
+    cc.fingerprint.cache_clear()
     try:
-        fn = wg.compile_kernel(torch.bfloat16, 12, C(block_n=64, block_k=64, stages=4, split_k=2, producer_warp=True,
+        fn = cc.compile_kernel(torch.bfloat16, 12, C(block_n=64, block_k=64, stages=4, split_k=2, producer_warp=True,
                                                      evict_hints=True), True, True, True)
     finally:
-        wg._source_fingerprint.cache_clear()
+        cc.fingerprint.cache_clear()
     assert fn is not None
     assert any(p.suffix == ".o" for p in tmp_path.rglob("*"))
 
@@ -233,7 +226,7 @@ def test_fused_tail_budget_fits_shared_memory(bn, bk, stages, split, m):
 
 def test_fused_tail_variant_name_spells_the_exact_eps():
     key = (torch.bfloat16, 4, C(), False, True, False)
-    plain, norm5, norm6 = (wg._variant_name(key + (e,)) for e in (None, 1e-5, 1e-6))
+    plain, norm5, norm6 = (cc.variant_name(key + (e,)) for e in (None, 1e-5, 1e-6))
     assert "_norm" not in plain and len({plain, norm5, norm6}) == 3
 
 
@@ -257,26 +250,28 @@ def _run(m, n, k, dtype, bias, residual, cfg=None, static_weight=False, out_shif
     assert e < tol(dtype), f"rel={e:.2e}"
 
 
-GPU_CONFIGS = [C(block_n=64, block_k=64, stages=4, split_k=1), C(block_n=64, block_k=64, stages=8, split_k=3),
-               C(block_n=128, block_k=64, stages=6, split_k=2), C(block_n=64, block_k=128, stages=4,
-                                                                  split_k=4), C(block_n=128, block_k=128, stages=3,
-                                                                                split_k=1),
-               C(block_n=64, block_k=64, stages=4, split_k=1, producer_warp=True), C(block_n=128, block_k=64, stages=6,
-                                                                                     split_k=3, producer_warp=True, evict_hints=True, early=True), C(block_n=64, block_k=64, stages=6, split_k=2, producer_warp=True, mma_trigger=True),
-               C(block_n=64, block_k=128, stages=6, split_k=1, evict_hints=True, trigger_first=True), C(block_n=64,
-                                                                                                        block_k=64, stages=6, split_k=3, producer_warp=True, evict_hints=True, trigger_first=True),
-               C(block_n=64, block_k=64, stages=6, split_k=3, producer_warp=True, evict_hints=True,
-                 push_partials=True), C(block_n=128, block_k=64, stages=4, split_k=2, push_partials=True),
-               C(block_n=64, block_k=128, stages=4, split_k=8, producer_warp=True, evict_hints=True,
-                 trigger_first=True, push_partials=True),
-               C(block_n=64, block_k=64, stages=3, split_k=16, producer_warp=True, evict_hints=True,
-                 trigger_first=True, push_partials=True, owners=4),
+GPU_CONFIGS = [C(block_n=64, block_k=64, stages=4, split_k=1),
+               C(block_n=64, block_k=64, stages=8, split_k=3),
+               C(block_n=128, block_k=64, stages=6, split_k=2),
+               C(block_n=64, block_k=128, stages=4, split_k=4),
+               C(block_n=128, block_k=128, stages=3, split_k=1),
+               C(block_n=64, block_k=64, stages=4, split_k=1, producer_warp=True),
+               C(block_n=128, block_k=64, stages=6, split_k=3, producer_warp=True, evict_hints=True, early=True),
+               C(block_n=64, block_k=64, stages=6, split_k=2, producer_warp=True, mma_trigger=True),
+               C(block_n=64, block_k=128, stages=6, split_k=1, evict_hints=True, trigger_first=True),
+               C(block_n=64, block_k=64, stages=6, split_k=3, producer_warp=True, evict_hints=True, trigger_first=True),
+               C(block_n=64, block_k=64, stages=6, split_k=3, producer_warp=True, evict_hints=True, push_partials=True),
+               C(block_n=128, block_k=64, stages=4, split_k=2, push_partials=True),
+               C(block_n=64, block_k=128, stages=4, split_k=8, producer_warp=True, evict_hints=True, trigger_first=True,
+                 push_partials=True),
+               C(block_n=64, block_k=64, stages=3, split_k=16, producer_warp=True, evict_hints=True, trigger_first=True,
+                 push_partials=True, owners=4),
                C(block_n=64, block_k=64, stages=6, split_k=3, producer_warp=True, evict_hints=True, push_partials=True,
                  owners=1),
                # register tiles: K 2056 gives shares of 2-3 tiles of 128 (a block with no ring MMAs, and one with)
                # and of 4-5 tiles of 64; block_n 128 (two m64 tiles) with the partial tiles read, not pushed
-               C(block_n=64, block_k=128, stages=2, split_k=8, producer_warp=True, evict_hints=True,
-                 trigger_first=True, push_partials=True, owners=2, reg_stages=2),
+               C(block_n=64, block_k=128, stages=2, split_k=8, producer_warp=True, evict_hints=True, trigger_first=True,
+                 push_partials=True, owners=2, reg_stages=2),
                C(block_n=64, block_k=64, stages=3, split_k=8, producer_warp=True, evict_hints=True, push_partials=True,
                  reg_stages=2),
                C(block_n=128, block_k=64, stages=3, split_k=8, producer_warp=True, evict_hints=True, reg_stages=2)]
@@ -355,8 +350,9 @@ def test_decode_shapes_chosen_config(m, n, k):
     _run(m, n, k, torch.bfloat16, False, True)
 
 
-CHAINED_CONFIGS = [C(block_n=64, block_k=64, stages=8, split_k=2), C(block_n=64, block_k=128, stages=6, split_k=2,
-                                                                     producer_warp=True, evict_hints=True, trigger_first=True),
+CHAINED_CONFIGS = [C(block_n=64, block_k=64, stages=8, split_k=2),
+                   C(block_n=64, block_k=128, stages=6, split_k=2, producer_warp=True, evict_hints=True,
+                     trigger_first=True),
                    C(block_n=64, block_k=128, stages=4, split_k=8, producer_warp=True, evict_hints=True,
                      trigger_first=True, push_partials=True),
                    C(block_n=64, block_k=64, stages=2, split_k=16, producer_warp=True, evict_hints=True,

@@ -31,8 +31,6 @@ class MmaConfig:
     early: bool = False      # PDL: let the next kernel launch right after our own wait, not after the K loop
     l2_kb: int = 0           # >0: before the wait, bulk-prefetch up to this many KB of the block's weight into L2
     a_ring: bool = False     # (stages > 1) A rides the cp.async ring with the weight, not plain loads
-    a_pipe: bool = False     # (stages > 1, not a_ring) A's plain loads run one chunk ahead, in registers
-    a_share: bool = False    # (a_ring) one A ring per K slice, shared by its warps_n warps: A read once per block
     a_l1: bool = False       # keep A in L1 (ring copies .ca, plain loads evict_last; register weight loads evict_first)
     trigger_first: bool = False  # PDL, static weight only: the next kernel may launch as soon as our blocks start
 
@@ -42,10 +40,6 @@ class MmaConfig:
         if self.stages < 1 or not 1 <= self.split_k <= 8:  # a portable cluster holds <= 8 blocks
             raise ValueError(f"bad config {self}")
         if self.l2_kb < 0 or (self.a_ring and self.stages == 1):
-            raise ValueError(f"bad config {self}")
-        if self.a_pipe and (self.stages == 1 or self.a_ring):
-            raise ValueError(f"bad config {self}")
-        if self.a_share and (not self.a_ring or self.warps_k > 15):  # one named barrier (1..15) per K slice
             raise ValueError(f"bad config {self}")
         if self.threads > MAX_THREADS:
             raise ValueError(f"{self} needs {self.threads} threads > {MAX_THREADS}")
@@ -66,8 +60,7 @@ class MmaConfig:
             return 4 * self.warps_k * self.block_n * 16 + 128
         ring = self.stages * self.row_groups * self.unroll * 512 * self.warps_n * self.warps_k
         if self.a_ring:
-            a_rings = self.warps_k * (1 if self.a_share else self.warps_n)
-            ring += self.stages * self.unroll * (2 if m > 8 else 1) * 512 * a_rings
+            ring += self.stages * self.unroll * (2 if m > 8 else 1) * 512 * self.warps_n * self.warps_k
         return 4 * self.warps_k * self.block_n * 16 + ring + 128  # + alignment slack
 
     def tag(self) -> str:
@@ -75,8 +68,7 @@ class MmaConfig:
                 + ("" if self.prefetch else "-nopf") + (f"-s{self.stages}" if self.stages > 1 else "")
                 + (f"-c{self.split_k}" if self.split_k > 1 else "") + ("-e" if self.early else "")
                 + (f"-l{self.l2_kb}" if self.l2_kb else "") + ("-a" if self.a_ring else "")
-                + ("-sh" if self.a_share else "") + ("-ca" if self.a_l1 else "") + ("-p" if self.a_pipe else "")
-                + ("-tf" if self.trigger_first else ""))
+                + ("-ca" if self.a_l1 else "") + ("-tf" if self.trigger_first else ""))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -29,7 +29,7 @@ import torch
 
 from k3compile.kernels.cute.configs import KernelConfig, WgmmaConfig
 from k3compile.ops.skinny_gemm import cute as _skinny
-from k3compile.ops.skinny_gemm.cute_compile import compile_kernel
+from k3compile.kernels.cute.compile import compile_kernel
 
 
 def supports(latent, shared, norm_weight, up_weight, eps) -> Optional[str]:
