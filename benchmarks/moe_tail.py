@@ -19,7 +19,7 @@ static-weight proof fires (the latent's producer is a kernel of the same graph),
 runs the op with ``static_weight=True``. Both columns of the pair run the same combine; their ratio is printed
 against ``compile(combine)``. The headline ``compile`` / ``compile+k3`` columns are unchanged.
 
-Method (docs/anchors.md): CUDA graphs, median; the up-projection weight rotates through enough
+Method (docs/measuring.md): CUDA graphs, median; the up-projection weight rotates through enough
 copies (> 640 MB) that every call streams it from HBM; a device-to-device copy measured in the same run
 is the 100% line. Each row first checks its output against an fp32 reference on fresh random inputs.
 Single GPU: ``--repeats`` passes (default 3) over all providers in turn, each a fresh capture; a row is the

@@ -3,13 +3,12 @@
     python benchmarks/skinny_gemm_triton_configs.py [--json OUT.json] [--budget-s 100] [--ms 1,4,16] [--shapes 4608x7168,...]
     python benchmarks/skinny_gemm_triton_configs.py --defaults [--json OUT.json]     # what the dispatch picks only
 
-What the Triton heuristic (k3compile/ops/skinny_gemm/triton_config.py) was read off (benchmarks/results/
-skinny_gemm_triton_sweep_h200.{json,log}; the PDL flavours: skinny_gemm_triton_pdl_h200.{json,log}).
+What the Triton heuristic (k3compile/ops/skinny_gemm/triton_config.py) was read off (docs/tuning/skinny_gemm.md).
 ``MM_SMOKE_DEVICE=cpu`` with ``TRITON_INTERPRET=1`` checks the logic.
 
 ``--defaults``: only the dispatch's picks, with ``static_weight`` off and on (what the dispatch runs where
 the compiler proved the weight static; today the same kernel, so the two columns also show the run's noise), on
-the >= 32 MB decode shapes at M 1/2/4/8/16 -- the figures issue 3 asks for (% of the ceiling, ratio to cuBLAS).
+the >= 32 MB decode shapes at M 1/2/4/8/16 (% of the ceiling, ratio to cuBLAS).
 
 For every (N, K, M): the current heuristic, dot configs around "n programs per SM" (BLOCK_N 32/64/128,
 split-K one-launch or two-launch, num_stages, num_warps) and, for M <= 4, CUDA-core (fma) configs.

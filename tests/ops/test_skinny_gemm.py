@@ -540,8 +540,8 @@ def test_config_heuristic_triggers_late_where_two_grids_do_not_fit():
 @pytest.mark.parametrize("block_n,stages,resident", [(32, 3, 9), (32, 4, 6), (32, 5, 4), (64, 3, 5), (64, 4, 3)],
                          ids=lambda v: str(v))
 def test_resident_per_sm_matches_the_h200_occupancy_calculator(block_n, stages, resident):
-    """The driver's counts for these bf16 configs on the H200 (cuOccupancyMaxActiveBlocksPerMultiprocessor,
-    benchmarks/results/skinny_gemm_triton_variants_h200.log): shared memory bounds them."""
+    """The driver's counts for these bf16 configs on the H200 (cuOccupancyMaxActiveBlocksPerMultiprocessor): shared
+    memory bounds them."""
     from k3compile.ops.skinny_gemm.triton_config import resident_per_sm
 
     assert resident_per_sm(TritonConfig(block_m=16, block_n=block_n, block_k=128, split_k=1,

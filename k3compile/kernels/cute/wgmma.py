@@ -185,7 +185,7 @@ class WgmmaSkinnyGemm:
         acc = cute.make_rmem_tensor(thr.partition_shape_C((BN, MP)), cutlass.Float32)
         acc.fill(0.0)
         # the odd k16 steps accumulate apart: two independent wgmma chains, summed after the K loop (1-3% faster
-        # than one at M 1-16: run 4 of benchmarks/results/skinny_gemm_h200_s11_owners.log)
+        # than one at M 1-16)
         acc_odd = cute.make_rmem_tensor(thr.partition_shape_C((BN, MP)), cutlass.Float32)
         acc_odd.fill(0.0)
 
@@ -576,9 +576,8 @@ class WgmmaSkinnyGemm:
                     n0):
         """(push_partials, an owner group of whole warps) Stage the group's outputs (acc, bias / residual added) in
         C's dtype in our own rank's receive slots (nobody pushes there) as [m, the group's n], then store them along
-        n in 16-byte pieces: whole 32-byte segments of C. The fragments' 2-byte stores wrote half segments and cost
-        0.6-2.8% at M16 (benchmarks/results/skinny_gemm_h200_s12.log, run 8). A C row not 16-byte aligned, or the N
-        tail, takes 2-byte stores."""
+        n in 16-byte pieces: whole 32-byte segments of C (the fragments' 2-byte stores wrote half segments and cost
+        0.6-2.8% at M16). A C row not 16-byte aligned, or the N tail, takes 2-byte stores."""
         M: cutlass.Constexpr = self.m
         MP: cutlass.Constexpr = self.mp
         G: cutlass.Constexpr = 128 // self.owners

@@ -33,11 +33,10 @@ class KernelConfig(NamedTuple):
 
 
 def default_config(B: int, H: int, K: int, V: int) -> KernelConfig:
-    """The layout measured fastest for the decode shapes (H200, K = V = 128, CUDA-graph medians; benchmarks/results/
-    kda_decode_layouts_h200.* and kda_decode_layouts2_h200.*): few heads in flight want V
-    splits (more programs than SMs); up to about one wave of programs, one program per head walking 8-row
-    tiles three loads ahead in registers; more heads, the tile loop pipelined through shared memory (3 tiles
-    in flight, no registers held: 9 programs an SM). A persistent grid was slower at every shape."""
+    """The layout measured fastest for the decode shapes (H200, K = V = 128; docs/tuning/kda_decode.md): few heads in
+    flight want V splits (more programs than SMs); up to about one wave of programs, one program per head walking
+    8-row tiles three loads ahead in registers; more heads, the tile loop pipelined through shared memory (3 tiles in
+    flight, no registers held: 9 programs an SM)."""
     if K * V < 64 * 128:   # small heads (tests, tiny models): the whole tile in one program
         return KernelConfig(1, next_power_of_2(V), 4)
     heads = B * H
@@ -51,9 +50,8 @@ def default_config(B: int, H: int, K: int, V: int) -> KernelConfig:
     return KernelConfig(1, 8, 4, stages=4)
 
 
-def supports(q, k, v, conv_state_q, conv_state_k, conv_state_v, conv_weight_q, conv_weight_k,
-                    conv_weight_v, f, A_log, dt_bias, lower_bound, beta_logits, out_gate, o_norm_weight,
-                    state, eps) -> Optional[str]:
+def supports(q, k, v, conv_state_q, conv_state_k, conv_state_v, conv_weight_q, conv_weight_k, conv_weight_v, f,
+             A_log, dt_bias, lower_bound, beta_logits, out_gate, o_norm_weight, state, eps) -> Optional[str]:
     B, HV, V, K = state.shape
     if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
         return f"head dims K={K}, V={V} > {MAX_HEAD_DIM} (the state tile would not fit in registers)"

@@ -1,4 +1,4 @@
-"""The fused latent-MoE tail: ``RMSNorm(latent) @ up_weightᵀ + shared`` (spec §6.2, steps 4 and 6)."""
+"""The fused latent-MoE tail: ``RMSNorm(latent) @ up_weightᵀ + shared`` (the end of ``model/moe.py``'s latent MoE)."""
 from __future__ import annotations
 
 import torch
