@@ -13,7 +13,6 @@ confirm, and record the run in ``benchmarks/results/README.md``.
 from __future__ import annotations
 
 import argparse
-import json
 import dataclasses
 import math
 import os
@@ -22,7 +21,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _tuning import picks_from_timings, time_us  # noqa: E402
+from _tuning import add_arguments, keep, time_rotated, write_table  # noqa: E402
 
 from k3compile import tables  # noqa: E402
 from k3compile.kernels.cute.configs import WgmmaConfig  # noqa: E402
@@ -78,9 +77,7 @@ def tune(ms, widths, dtypes, passes: int, replays: int, table) -> dict:
                 ref = latent_moe_tail_ref(lat.float(), sh.float(), g.float(), ws[0].float(), EPS).double()
                 for static in (False, True):
                     def timed(f):
-                        err = lambda: ((f(ws[0]).double() - ref).norm() / ref.norm()).item()  # noqa: E731
-                        us = time_us(lambda: [f(w) for w in ws], err, 1, replays, passes)
-                        return None if us is None else us / len(ws)
+                        return time_rotated(f, ws, ref, replays, passes)
 
                     pick = table.get(name, m, d, l, static) if table is not None else None
                     current = pick.configs if pick is not None else {}
@@ -93,12 +90,7 @@ def tune(ms, widths, dtypes, passes: int, replays: int, table) -> dict:
                         per["cute"] = [(timed(lambda w, c=c: cute.latent_moe_tail_cute(lat, sh, g, w, EPS, c,
                                                                                        static_weight=static)), c)
                                        for c in cute_candidates(m, d, l, static, current.get("cute"))]
-                    per = {impl: [(us, c) for us, c in runs if us is not None] for impl, runs in per.items()}
-                    timings[(name, tables.m_bucket(m), d, l, static)] = per
-                    best = {impl: min(runs, key=lambda r: r[0]) for impl, runs in per.items() if runs}
-                    print(f"{name} M{m} D{d} L{l} static={int(static)}: " + "  ".join(
-                        f"{impl} {us:.2f} µs" + (f" [{c.tag()}]" if c is not None else "")
-                        for impl, (us, c) in best.items()), flush=True)
+                    keep(timings, (name, tables.m_bucket(m), d, l, static), per)
             del ws
             torch.cuda.empty_cache()
     return timings
@@ -108,29 +100,12 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--m", default="1,2,4,8,16")
     ap.add_argument("--widths", default="7168x3584", help="D x L list (output width x latent width)")
-    ap.add_argument("--dtypes", default="bfloat16,float16")
-    ap.add_argument("--out", default=None, help="default: the dispatch's table path for this GPU")
-    ap.add_argument("--merge", action="store_true", help="keep an existing table's rows for shapes not timed now")
-    ap.add_argument("--passes", type=int, default=3)
-    ap.add_argument("--replays", type=int, default=15)
+    add_arguments(ap, dtypes="bfloat16,float16")
     args = ap.parse_args(argv)
-    name = torch.cuda.get_device_name()
-    out = args.out or os.path.join(os.path.dirname(dispatch.__file__), "tables", tables.gpu_slug(name) + ".json")
     widths = [tuple(int(v) for v in s.split("x")) for s in args.widths.split(",")]
     timings = tune([int(m) for m in args.m.split(",")], widths, [getattr(torch, d) for d in args.dtypes.split(",")],
-                   args.passes, args.replays, dispatch.table_for(name))
-    picks = picks_from_timings(timings, "split", ("cute", "triton"))
-    if args.merge and os.path.exists(out):
-        timed = {(k[0], k[2], k[3]) for k in picks}
-        picks = {**{key: p for key, p in tables.load(out, dispatch.KERNELS).picks.items()
-                    if (key[0], key[2], key[3]) not in timed}, **picks}
-    from k3compile.backends import sm_count
-    text = tables.dumps("latent_moe_tail", name, sm_count(torch.device("cuda")), picks, dispatch.KERNEL_OF,
-                        "benchmarks/tune_latent_moe_tail.py", f"written by: {' '.join(sys.argv)}")
-    tables.parse(json.loads(text), dispatch.KERNELS)   # what the dispatch will read
-    with open(out, "w") as f:
-        f.write(text)
-    print(f"wrote {len(picks)} picks to {out}")
+                   args.passes, args.replays, dispatch.table_for(torch.cuda.get_device_name()))
+    write_table("latent_moe_tail", dispatch, timings, "split", args.out, args.merge)
 
 
 if __name__ == "__main__":

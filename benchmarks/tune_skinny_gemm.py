@@ -14,7 +14,6 @@ run in ``benchmarks/results/README.md``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -22,7 +21,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _tuning import picks_from_timings, time_us  # noqa: E402
+from _tuning import add_arguments, keep, time_rotated, write_table  # noqa: E402
 
 from k3compile import tables  # noqa: E402
 from k3compile.kernels.cute.configs import MmaConfig, WgmmaConfig  # noqa: E402
@@ -94,9 +93,7 @@ def tune(shapes, ms, dtypes, passes: int, replays: int, table) -> dict:
                 ref = F.linear(a.double(), ws[0].double())
                 for static in (False, True):
                     def timed(f):
-                        err = lambda: ((f(ws[0]).double() - ref).norm() / ref.norm()).item()  # noqa: E731
-                        us = time_us(lambda: [f(w) for w in ws], err, 1, replays, passes)
-                        return None if us is None else us / len(ws)
+                        return time_rotated(f, ws, ref, replays, passes)
 
                     per = {"cublas": [(timed(lambda w: F.linear(a, w)), None)]}
                     name = str(dtype).removeprefix("torch.")
@@ -108,12 +105,7 @@ def tune(shapes, ms, dtypes, passes: int, replays: int, table) -> dict:
                         per["cute"] = [(timed(lambda w, c=c: cute.skinny_gemm_cute(a, w, None, None, c,
                                                                                    static_weight=static)), c)
                                        for c in cute_candidates(m, n, k, static, current.get("cute"))]
-                    per = {impl: [(us, c) for us, c in runs if us is not None] for impl, runs in per.items()}
-                    timings[(name, tables.m_bucket(m), n, k, static)] = per
-                    best = {impl: min(runs, key=lambda r: r[0]) for impl, runs in per.items() if runs}
-                    print(f"{name} M{m} N{n} K{k} static={int(static)}: " + "  ".join(
-                        f"{impl} {us:.2f} µs" + (f" [{c.tag()}]" if c is not None else "")
-                        for impl, (us, c) in best.items()), flush=True)
+                    keep(timings, (name, tables.m_bucket(m), n, k, static), per)
             del ws
             torch.cuda.empty_cache()
     return timings
@@ -123,31 +115,12 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=None, help="N x K list, e.g. 896x7168,4608x7168 (default: K3's)")
     ap.add_argument("--ms", default="1,2,4,8,16")
-    ap.add_argument("--dtypes", default="bfloat16")
-    ap.add_argument("--out", default=None, help="default: the dispatch's table path for this GPU")
-    ap.add_argument("--merge", action="store_true", help="keep an existing table's rows for shapes not timed now")
-    ap.add_argument("--passes", type=int, default=3)
-    ap.add_argument("--replays", type=int, default=15)
+    add_arguments(ap, dtypes="bfloat16")
     args = ap.parse_args(argv)
     shapes = K3_SHAPES if args.shapes is None else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    name = torch.cuda.get_device_name()
-    op_dir = os.path.dirname(dispatch.__file__)
-    out = args.out or os.path.join(op_dir, "tables", tables.gpu_slug(name) + ".json")
-    current = dispatch.table_for(name)
     timings = tune(shapes, [int(m) for m in args.ms.split(",")], [getattr(torch, d) for d in args.dtypes.split(",")],
-                   args.passes, args.replays, current)
-    picks = picks_from_timings(timings, "cublas", ("cute", "triton"))
-    if args.merge and os.path.exists(out):
-        old = tables.load(out, dispatch.KERNELS).picks
-        picks = {**{key: p for key, p in old.items() if (key[0], key[2], key[3]) not in
-                    {(k[0], k[2], k[3]) for k in picks}}, **picks}
-    from k3compile.backends import sm_count
-    text = tables.dumps("skinny_gemm", name, sm_count(torch.device("cuda")), picks, dispatch.KERNEL_OF,
-                        "benchmarks/tune_skinny_gemm.py", f"written by: {' '.join(sys.argv)}")
-    tables.parse(json.loads(text), dispatch.KERNELS)   # what the dispatch will read
-    with open(out, "w") as f:
-        f.write(text)
-    print(f"wrote {len(picks)} picks to {out}")
+                   args.passes, args.replays, dispatch.table_for(torch.cuda.get_device_name()))
+    write_table("skinny_gemm", dispatch, timings, "cublas", args.out, args.merge)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ from k3compile.ops.latent_moe_tail import LATENT_MOE_TAIL, latent_moe_tail, stre
 from k3compile.ops.latent_moe_tail.reference import kimi_rms_norm, latent_moe_tail_ref, latent_moe_tail_unfused
 from k3compile.ops.latent_moe_tail.triton import latent_moe_tail_triton
 from k3compile.ops.latent_moe_tail.triton_config import TailConfig
-from k3compile.ops.skinny_gemm import SKINNY_GEMM
 from k3compile.testing import latent_moe_tail_inputs as make_inputs, rel_err
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -181,7 +180,7 @@ def test_grid_tma_layouts(layout):
 
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 @pytest.mark.parametrize("layout", ["latent-T", "weight-T", "shared-strided"])
-def test_triton_non_contiguous(layout, dtype, clean_records):
+def test_triton_non_contiguous(layout, dtype, tail_records):
     dt = DTYPES[dtype]
     latent, shared, norm_weight, up_weight = make_inputs(4, 96, 48, dt)
     if layout == "latent-T":
@@ -192,7 +191,7 @@ def test_triton_non_contiguous(layout, dtype, clean_records):
         shared = torch.cat([shared, shared], dim=1)[:, ::2]
     out = latent_moe_tail(latent, shared, norm_weight, up_weight, 1e-5)
     assert rel_err(out, truth(latent, shared, norm_weight, up_weight, 1e-5)) < TOL[dt]
-    assert "strides" in _choices()[0].key   # the key tells a CuTe-incompatible layout apart
+    assert "strides" in tail_records()[0].key   # the key tells a CuTe-incompatible layout apart
 
 
 @given(m=st.integers(17, 48), l=st.integers(1, 200), d=st.integers(1, 120),
@@ -216,31 +215,31 @@ def test_unfused_equals_model_sequence(dtype):
 @pytest.mark.parametrize("m,limit,impl", [(1, 16, "triton"), (16, 16, "triton"), (17, 16, "reference"),
                                           (8, 4, "reference"), (4, 4, "triton"), (8, 64, "triton")],
                          ids=["M1-lim16", "M16-lim16", "M17-lim16", "M8-lim4", "M4-lim4", "M8-lim64"])
-def test_dispatch_by_m(m, limit, impl, clean_records):
+def test_dispatch_by_m(m, limit, impl, tail_records):
     args = make_inputs(m, 40, 24, torch.float32)
     out = latent_moe_tail(*args, 1e-5, small_m_limit=limit)
     assert rel_err(out, truth(*args, 1e-5)) < TOL[torch.float32]
-    main = _choices()[0]
+    main = tail_records()[0]
     assert main.impl == impl, main
     if impl == "reference":
         assert "small-M limit" in main.reason
 
 
-def test_dtype_the_kernel_lacks_falls_back_recorded(clean_records):
+def test_dtype_the_kernel_lacks_falls_back_recorded(tail_records):
     args = make_inputs(3, 40, 24, torch.float64)
     out = latent_moe_tail(*args, 1e-5, backend="triton")
     assert rel_err(out, truth(*args, 1e-5)) < 1e-6
-    (choice,) = _choices("triton")
+    (choice,) = tail_records("triton")
     assert choice.impl == "reference" and "float64" in choice.reason, choice
 
 
-def test_forced_triton_without_interpreter_raises(monkeypatch, clean_records):
+def test_forced_triton_without_interpreter_raises(monkeypatch, tail_records):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(BackendUnavailableError, match="latent_moe_tail"):
         latent_moe_tail(*make_inputs(2, 40, 24, torch.float32), 1e-5, backend="triton")
     LATENT_MOE_TAIL.clear()
     out = latent_moe_tail(*make_inputs(2, 40, 24, torch.float32), 1e-5, backend="auto")
-    assert _choices()[0].impl == "reference" and not out.isnan().any()
+    assert tail_records()[0].impl == "reference" and not out.isnan().any()
 
 
 def _bad(case):
@@ -296,17 +295,7 @@ def test_opcheck():
 # ---------------------------------------------------------------------------------------------
 # the op (dispatch records: test_latent_moe_tail_dispatch.py)
 
-def _choices(backend="auto", impl=None):
-    return [c for c in LATENT_MOE_TAIL.choices() if c.backend == backend and (impl is None or c.impl == impl)]
 
-
-@pytest.fixture
-def clean_records():
-    LATENT_MOE_TAIL.clear()
-    SKINNY_GEMM.clear()
-    yield
-    LATENT_MOE_TAIL.clear()
-    SKINNY_GEMM.clear()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,7 +307,7 @@ GPU_TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 16, 17], ids=lambda m: f"M{m}-L3584-D7168")
-def test_cuda_real_widths(m, dtype, clean_records):
+def test_cuda_real_widths(m, dtype, tail_records):
     """The one-kernel tail (default config, both reductions) and the op at K3's widths."""
     dt = DTYPES[dtype]
     args = [t.cuda() for t in make_inputs(m, 3584, 7168, dt, seed=m)]
@@ -342,7 +331,7 @@ def test_cuda_real_widths(m, dtype, clean_records):
                 assert counters_all_zero()
     out = latent_moe_tail(*args, 1e-5)
     assert rel_err(out.cpu(), ref) < GPU_TOL[dt]
-    main = _choices()[0]
+    main = tail_records()[0]
     assert main.impl == ("reference" if m > 16 else "cute" if main.impl == "cute" else "triton"), main
 
 

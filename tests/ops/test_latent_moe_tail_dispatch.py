@@ -26,17 +26,7 @@ def truth(latent, shared, norm_weight, up_weight, eps):
     return latent_moe_tail_ref(latent.float(), shared.float(), norm_weight.float(), up_weight.float(), eps)
 
 
-def _choices(backend="auto", impl=None):
-    return [c for c in LATENT_MOE_TAIL.choices() if c.backend == backend and (impl is None or c.impl == impl)]
 
-
-@pytest.fixture
-def clean_records():
-    LATENT_MOE_TAIL.clear()
-    SKINNY_GEMM.clear()
-    yield
-    LATENT_MOE_TAIL.clear()
-    SKINNY_GEMM.clear()
 
 
 class _Cuda:
@@ -58,17 +48,17 @@ def _profitable(impl, m, l=3584, d=7168, dtype=torch.bfloat16):
     return (dispatch._cute_profitable if impl == "cute" else dispatch._triton_profitable)(*args)
 
 
-def test_auto_on_cpu_runs_the_one_kernel_recorded(clean_records):
+def test_auto_on_cpu_runs_the_one_kernel_recorded(tail_records):
     """CPU CI: CuTe cannot run (recorded why), the one-kernel Triton tail runs; nothing else is recorded."""
     args = make_inputs(4, 64, 48, torch.bfloat16)
     out = latent_moe_tail(*args, 1e-5)
     assert rel_err(out, truth(*args, 1e-5)) < TOL
-    (main,) = _choices()
+    (main,) = tail_records()
     assert main.impl == "triton" and main.reason.startswith("cute: ") and main.key == "cpu bfloat16 M=4 L=64 D=48"
     assert SKINNY_GEMM.choices() == []
 
 
-def test_split_path_where_the_one_kernel_measured_slower(clean_records, monkeypatch):
+def test_split_path_where_the_one_kernel_measured_slower(monkeypatch, tail_records):
     """Where the one-kernel tail declines, auto takes the split path (OpImpls' ``aten``), recorded with the reason;
     its GEMM runs as the skinny GEMM's own auto pick, not recorded as a skinny_gemm choice."""
     monkeypatch.setattr(LATENT_MOE_TAIL, "triton", dataclasses.replace(
@@ -76,16 +66,16 @@ def test_split_path_where_the_one_kernel_measured_slower(clean_records, monkeypa
     args = make_inputs(4, 64, 48, torch.bfloat16)
     out = latent_moe_tail(*args, 1e-5)
     assert rel_err(out, truth(*args, 1e-5)) < TOL
-    (main,) = _choices()
+    (main,) = tail_records()
     assert main.impl == "aten" and "measured slower (test)" in main.reason
     assert SKINNY_GEMM.choices() == []
 
 
-def test_forced_triton_runs_the_one_kernel_even_where_it_measured_slower(clean_records, monkeypatch):
+def test_forced_triton_runs_the_one_kernel_even_where_it_measured_slower(monkeypatch, tail_records):
     monkeypatch.setattr(LATENT_MOE_TAIL, "triton", dataclasses.replace(
         LATENT_MOE_TAIL.triton, profitable=lambda *args: "measured slower (test)"))
     latent_moe_tail(*make_inputs(4, 64, 48, torch.bfloat16), 1e-5, backend="triton")
-    assert [c.impl for c in _choices("triton")] == ["triton"]
+    assert [c.impl for c in tail_records("triton")] == ["triton"]
 
 
 def test_h200_one_kernel_forms_where_measured(on_h200):
@@ -148,7 +138,7 @@ def test_h200_table_wgmma_entries_fit_their_shapes():
 # ------------------------------------------------------------------------------ a stand-in CuTe tail on CPU tensors
 
 @pytest.fixture
-def fake_cute(monkeypatch, clean_records):
+def fake_cute(monkeypatch, tail_records):
     """A CuTe tail that 'runs' on CPU tensors: the reference behind cute.py's entry point."""
     calls = []
 
@@ -161,49 +151,49 @@ def fake_cute(monkeypatch, clean_records):
     return calls
 
 
-def test_cute_not_taken_by_auto_until_measured_faster(fake_cute):
+def test_cute_not_taken_by_auto_until_measured_faster(fake_cute, tail_records):
     latent_moe_tail(*make_inputs(4, 64, 48, torch.bfloat16), 1e-5)
     assert fake_cute == []
-    (main,) = _choices(impl="triton")
+    (main,) = tail_records(impl="triton")
     assert "cute: not measured faster" in main.reason, main
 
 
-def test_cute_taken_by_auto_where_measured_faster(fake_cute, monkeypatch):
+def test_cute_taken_by_auto_where_measured_faster(fake_cute, monkeypatch, tail_records):
     table = dataclasses.replace(H200, picks={("bfloat16", 4, 48, 64, s): tables.Pick(("cute",), {})
                                              for s in (False, True)})
     monkeypatch.setattr(dispatch, "table_of", lambda device: table)
     args = make_inputs(3, 64, 48, torch.bfloat16)
     out = latent_moe_tail(*args, 1e-5)
     assert fake_cute == [3] and rel_err(out, truth(*args, 1e-5)) < TOL
-    assert [(c.impl, c.reason) for c in _choices()] == [("cute", "preferred")]
+    assert [(c.impl, c.reason) for c in tail_records()] == [("cute", "preferred")]
     latent_moe_tail(*make_inputs(5, 64, 48, torch.bfloat16), 1e-5)   # M bucket 8: not measured
     assert fake_cute == [3]
 
 
-def test_forced_cute_runs_where_it_can(fake_cute):
+def test_forced_cute_runs_where_it_can(fake_cute, tail_records):
     args = make_inputs(2, 64, 48, torch.bfloat16)
     out = latent_moe_tail(*args, 1e-5, backend="cute")
     assert fake_cute == [2] and rel_err(out, truth(*args, 1e-5)) < TOL
     # above the small-M limit even a forced cute falls to the reference, recorded
     latent_moe_tail(*make_inputs(17, 64, 48, torch.bfloat16), 1e-5, backend="cute")
-    (ref,) = _choices("cute", "reference")
+    (ref,) = tail_records("cute", "reference")
     assert "small-M limit" in ref.reason and fake_cute == [2]
 
 
-def test_cute_declining_falls_back_recorded(fake_cute, monkeypatch):
+def test_cute_declining_falls_back_recorded(fake_cute, monkeypatch, tail_records):
     monkeypatch.setattr(dispatch.cute, "supports", lambda *args: "fp16 declined (test)")
     args = make_inputs(2, 64, 48, torch.float16)
     out = latent_moe_tail(*args, 1e-5, backend="cute")
     assert fake_cute == [] and rel_err(out, truth(*args, 1e-5)) < 5e-3
-    (main,) = _choices("cute", "triton")
+    (main,) = tail_records("cute", "triton")
     assert "fp16 declined (test)" in main.reason
 
 
-def test_cute_without_cutlass(clean_records):
+def test_cute_without_cutlass(tail_records):
     """CI: auto records why CuTe cannot run; a forced cute raises (the user asked for the impossible)."""
     args = make_inputs(2, 64, 48, torch.bfloat16)
     latent_moe_tail(*args, 1e-5)
-    (main,) = _choices(impl="triton")
+    (main,) = tail_records(impl="triton")
     assert main.reason.startswith("cute: ")
     with pytest.raises(BackendUnavailableError, match="latent_moe_tail"):
         latent_moe_tail(*args, 1e-5, backend="cute")
