@@ -1,4 +1,4 @@
-"""What every GPU benchmark here shares: the same-run HBM copy ceiling (docs/anchors.md, "Method"), graph-timed
+"""What every GPU benchmark here shares: the same-run HBM copy ceiling (docs/measuring.md), graph-timed
 replays, and providers timed in interleaved passes."""
 import torch
 
@@ -7,7 +7,7 @@ def copy_ceiling_tbps() -> float:
     """Bytes read + written per second by a 1 GiB bf16 device-to-device ``copy_`` (2 GiB moved): the 100% line.
 
     The best of the events-timed and the graph-timed median: on the H200 a graph-timed copy of this size has
-    read ~2.7 TB/s in runs where the events-timed one read ~4.2 TB/s, the figure anchors.md measured.
+    read ~2.7 TB/s in runs where the events-timed one read ~4.2 TB/s, the anchor figure of docs/measuring.md.
     """
     from triton.testing import do_bench, do_bench_cudagraph
 

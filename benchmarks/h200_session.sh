@@ -27,7 +27,8 @@ step kda_prefill  ${T_KDAP:-40}   python3 benchmarks/kda_prefill.py --tokens 512
                                   --out "$OUT/kda_prefill.json"
 step moe_tail     ${T_MOE:-110}   python3 benchmarks/moe_tail.py --m 1 2 4 8 16 --json "$OUT/moe_tail_tp1.json"
 [ "$NGPU" -ge 2 ] && step moe_tail_tp2 ${T_MOE2:-100} python3 benchmarks/moe_tail.py --tp 2 --m 1 4 16 --json "$OUT/moe_tail_tp2.json"
-step skinny       ${T_SKINNY:-240} python3 benchmarks/skinny_gemm.py --sweep --json "$OUT/skinny_sweep.json"
+step skinny       ${T_SKINNY:-300} python3 benchmarks/skinny_gemm.py --json "$OUT/skinny_gemm_h200.json" \
+                                  --png "$OUT/skinny_gemm_h200.png"
 step decode_tp1   ${T_DECODE:-120} python3 benchmarks/tp_decode.py --world-size 1 --backend nccl --config slice \
                                   --batch 1,16 --steps 3 --json "$OUT/decode_tp1.json"
 # the MLA decode layout table first (written into the tree, so the benchmark's dispatch reads it), then the sweep

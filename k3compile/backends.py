@@ -2,12 +2,12 @@
 
 Every op in ``k3compile/ops/<op>/`` has up to three implementations side by side: ``reference``
 (plain PyTorch, any device, the ground truth), ``triton`` (any GPU; CPU tensors under
-``TRITON_INTERPRET=1``) and ``cute`` (NVIDIA sm_90+, CuTe DSL). An op declares them once::
+``TRITON_INTERPRET=1``) and ``cute`` (NVIDIA sm_90+, CuTe DSL). The op's ``dispatch.py`` declares them once::
 
-    SKINNY_GEMM = OpImpls("skinny_gemm", reference=Impl(...), triton=Impl(...), cute=Impl(...))
+    SKINNY_GEMM = OpImpls("skinny_gemm", reference=Impl(...), triton=Impl(...), cute=Impl(...), aten=Impl(...))
 
-and its custom op body calls ``SKINNY_GEMM.select(backend, key, *args)`` with the backend string
-the pass baked into the graph. Each ``Impl`` has two predicates that return ``None`` when they
+and the custom op body calls ``SKINNY_GEMM.select(backend, key, *args)`` (through the dispatch) with the backend
+string the pass baked into the graph. Each ``Impl`` has two predicates that return ``None`` when they
 pass and a human-readable reason when they do not:
 
 - ``available(*args)``: can this implementation run on this machine / device at all
@@ -227,9 +227,9 @@ class Impl:
     """One implementation of an op: the function and its predicates (see module doc).
 
     ``profitable(*args)``: None where this kernel is measured (or expected) to beat what would run instead:
-    the next kernel in order, or the op's vendor-library path (``OpImpls.aten``, e.g. cuBLAS), else the
-    reason. Under ``backend="auto"`` an unprofitable kernel is passed over; if nothing after it but the
-    reference can run, the vendor path runs, or without one the kernel after all. A forced backend runs
+    the next kernel in order, or the op's fallback (``OpImpls.aten``: cuBLAS for the skinny GEMM, the split path
+    for the latent-MoE tail), else the reason. Under ``backend="auto"`` an unprofitable kernel is passed over; if
+    nothing after it but the reference can run, the fallback runs, or without one the kernel after all. A forced backend runs
     the kernel it names wherever it can.
     """
     fn: Callable[..., Any]
@@ -303,7 +303,7 @@ class OpImpls:
     reference: Impl
     triton: Optional[Impl] = None
     cute: Optional[Impl] = None
-    aten: Optional[Impl] = None      # the vendor-library path an unprofitable kernel yields to
+    aten: Optional[Impl] = None      # the fallback an unprofitable kernel yields to (e.g. cuBLAS)
     _choices: dict = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
