@@ -20,7 +20,8 @@ from k3compile.model.moe import experts_dense, experts_gathered
 from k3compile.ops.moe_experts import MOE_EXPERTS, moe_experts
 from k3compile.ops.moe_experts import dispatch
 from k3compile.ops.moe_experts.reference import dequantize_mxfp4, moe_experts_ref
-from k3compile.ops.moe_experts.triton import MoeConfig, _mxfp4_tile, decode_form, moe_experts_triton
+from k3compile.ops.moe_experts.triton import MoeConfig, decode_form, moe_experts_triton
+from k3compile.ops.moe_experts.triton_tiles import _mxfp4_tile
 from k3compile.testing import moe_experts_inputs, rel_err
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -397,7 +398,7 @@ def test_gpu_id_outside_range_poisons_only_its_token():
 
 
 # ---------------------------------------------------------------------------------------------
-# the PTX lookup (triton.E2M1_BF16_PTX), emulated instruction by instruction
+# the PTX lookup (triton_tiles.E2M1_BF16_PTX), emulated instruction by instruction
 
 def _run_ptx(asm: str, regs: dict) -> dict:
     """Execute the straight-line PTX of ``asm`` (mov, and, or, shl, shr, prmt, fma.rn.bf16x2 on .b32) on ``regs``
@@ -443,7 +444,7 @@ def _run_ptx(asm: str, regs: dict) -> dict:
 @pytest.mark.parametrize("scale", [127, 120, 140, 0, 254], ids=lambda s: f"e8m0-{s}")
 def test_ptx_lookup_emulated_every_byte(scale):
     """Every code byte in every position of the 32-bit word, against the reference dequantisation."""
-    from k3compile.ops.moe_experts.triton import E2M1_BF16_PTX
+    from k3compile.ops.moe_experts.triton_tiles import E2M1_BF16_PTX
 
     g = torch.Generator().manual_seed(scale)
     sb = (0x40 if scale == 0 else scale << 7)                                # the bf16 scale, as _e8m0_bf16

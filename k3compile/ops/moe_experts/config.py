@@ -31,7 +31,7 @@ class MoeConfig:
     stages_down: int = 3
     preload: bool = True     # the down kernel's first w2 tile loaded before its PDL wait
     mxfp4_halves: bool = False   # MXFP4: even and odd columns as two products (no interleaving of the codes)
-    mxfp4_asm: bool = False      # with mxfp4_halves, bf16 on a GPU: the codes looked up in PTX (triton.E2M1_BF16_PTX)
+    mxfp4_asm: bool = False      # with mxfp4_halves, bf16 on a GPU: codes looked up in PTX (triton_tiles.E2M1_BF16_PTX)
     mxfp4_dot_scaled: bool = False   # MXFP4 with bf16 / fp16 z on a GPU: the codes straight to tl.dot_scaled
 
     def __post_init__(self):
