@@ -7,7 +7,7 @@ torch's own Inductor wrapper (mode, options and CUDA graphs behave exactly as wi
 
 - on an FX-cache miss our pass runs and leaves a ``GraphRecord`` in ``passes.COMPILE_RECORD``; we
   keep it and also store it in a small sidecar JSON under the Inductor cache directory, keyed by
-  the Dynamo graph's code, its inputs' metadata and our pass's uuid;
+  the Dynamo graph's code, its inputs' metadata and our pass's uuid (``graph_records.py``);
 - on a hit no pass runs (Inductor serves the compiled artifact); we load the sidecar instead, so
   the report stays truthful on a warm start;
 - under ``backend="auto"`` a graph whose tensors no k3 kernel can run on (CPU tensors without Triton's
@@ -20,11 +20,8 @@ application configures logging; ``logging.getLogger("k3compile").setLevel(loggin
 from __future__ import annotations
 
 import functools
-import hashlib
 import inspect
-import json
 import logging
-import os
 import sys
 import threading
 import time
@@ -37,6 +34,10 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .backends import BackendUnavailableError, REGISTRY, forced_backend_reason, recording_choices
+from .graph_records import (
+    STOOD_DOWN, CompiledGraph, cache_counters, device_types, graph_key, graph_label, load_record, merge_records,
+    save_record,
+)
 from .passes import (
     COMPILE_RECORD, GraphRecord, K3Options, K3PostGradPass, pattern_module, stand_down_reason, summarize_model,
 )
@@ -74,26 +75,6 @@ class K3PassMissingError(RuntimeError):
 
 
 @dataclass
-class CompiledGraph:
-    """One graph Dynamo handed to the compiler, and what our passes did to it."""
-    key: str
-    record: Optional[GraphRecord]   # None: served from cache and no sidecar found
-    source: str                     # "pass ran" | "cache hit (sidecar)" | "cache hit (no record)" | STOOD_DOWN
-    compile_seconds: float          # wall time of compile_fx for this graph
-    cache_hits: dict = field(default_factory=dict)   # counter deltas during compile_fx
-    label: str = ""                 # what the graph computes: "prefill, batch 1, 8 tokens", "decode, batch 2", ""
-    devices: tuple = ()             # device types of its tensors, e.g. ("cuda",)
-    stood_down: str = ""            # why our passes left it alone (backend="auto" where no k3 kernel runs)
-
-    @property
-    def on_gpu(self) -> bool:
-        return "cuda" in self.devices
-
-
-STOOD_DOWN = "compiled as plain torch.compile"
-
-
-@dataclass
 class K3State:
     options: K3Options
     strict: bool
@@ -109,90 +90,6 @@ class K3State:
         if what not in self.told:
             self.told.add(what)
             log.log(level, msg, *args)
-
-
-def _sidecar_dir() -> str:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    return os.path.join(cache_dir(), "k3compile")
-
-
-def _input_meta(x: Any) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"T({x.dtype},{tuple(x.shape)},{tuple(x.stride())},{x.device.type})"
-    return f"{type(x).__name__}({x})"
-
-
-def graph_key(gm: torch.fx.GraphModule, inputs: list, uuid: Optional[str]) -> str:
-    """Stable across processes: the Dynamo graph's code, its inputs' metadata, our pass uuid."""
-    h = hashlib.sha256()
-    h.update(str(uuid).encode())
-    h.update(gm.code.encode())
-    for x in inputs:
-        h.update(_input_meta(x).encode())
-    return h.hexdigest()[:32]
-
-
-def _save_sidecar(key: str, record: GraphRecord) -> None:
-    try:
-        d = _sidecar_dir()
-        os.makedirs(d, exist_ok=True)
-        tmp = os.path.join(d, f"{key}.json.{os.getpid()}.tmp")
-        with open(tmp, "w") as f:
-            json.dump(record.to_json(), f)
-        os.replace(tmp, os.path.join(d, f"{key}.json"))
-    except OSError as e:  # a read-only cache dir costs only the warm-start report
-        log.warning("k3compile: could not store the pass record (%s)", e)
-
-
-def _load_sidecar(key: str) -> Optional[GraphRecord]:
-    try:
-        with open(os.path.join(_sidecar_dir(), f"{key}.json")) as f:
-            return GraphRecord.from_json(json.load(f))
-    except (OSError, ValueError, TypeError):
-        return None
-
-
-def _merge(records: list[GraphRecord]) -> GraphRecord:
-    out = GraphRecord()
-    for r in records:
-        for name, n in r.matches.items():
-            out.matches[name] = out.matches.get(name, 0) + n
-        out.seconds += r.seconds
-        out.registration_seconds += r.registration_seconds
-        out.facts.update(r.facts)
-    return out
-
-
-_CACHE_COUNTERS = (("inductor", "fxgraph_cache_hit"), ("aot_autograd", "autograd_cache_hit"),
-                   ("inductor", "fxgraph_cache_miss"), ("inductor", "fxgraph_cache_bypass"))
-
-
-def _counters() -> dict:
-    from torch._dynamo.utils import counters
-
-    return {name: counters[group][name] for group, name in _CACHE_COUNTERS}
-
-
-def graph_label(gm: torch.fx.GraphModule, inputs: list) -> str:
-    """What a Dynamo graph of a language model computes, read off its token ids ``[B, T]`` (or embeddings
-    ``[B, T, D]``): "decode, batch B" (T = 1), "prefill, batch B, T tokens", with "any" for a symbolic size;
-    "" for a graph without them."""
-    for node, x in zip(gm.graph.find_nodes(op="placeholder"), inputs):
-        value = node.meta.get("example_value", x)
-        name = node.name.lower()
-        if not isinstance(value, torch.Tensor) or not (
-                ("input_ids" in name and value.dim() == 2) or ("inputs_embeds" in name and value.dim() == 3)):
-            continue
-        batch, tokens = (s if isinstance(s, int) else "any" for s in value.shape[:2])
-        if tokens == 1:
-            return f"decode, batch {batch}"
-        return f"prefill, batch {batch}, {tokens} tokens" if tokens != "any" else f"prefill, batch {batch}, any length"
-    return ""
-
-
-def _device_types(inputs: list) -> tuple:
-    return tuple(sorted({x.device.type for x in inputs if isinstance(x, torch.Tensor)}))
 
 
 def describe(state: K3State, index: int, graph: Optional[CompiledGraph] = None, label: str = "") -> str:
@@ -234,7 +131,7 @@ class K3Inductor(torch._TorchCompileInductorWrapper):
         state = self.k3_state
         with state.lock:
             index = len(state.graphs)
-        label, devices = graph_label(model_, inputs_), _device_types(inputs_)
+        label, devices = graph_label(model_, inputs_), device_types(inputs_)
         stood_down = stand_down_reason(state.options, set(devices))
         if stood_down:
             if state.strict:
@@ -269,17 +166,17 @@ class K3Inductor(torch._TorchCompileInductorWrapper):
         pass_ = self.config["post_grad_custom_post_pass"]
         key = graph_key(model_, inputs_, pass_.uuid())
         COMPILE_RECORD.take()  # drop records left by an unrelated compile in this thread
-        before = _counters()
+        before = cache_counters()
         t0 = time.perf_counter()
         compiled = self._compile(model_, inputs_, **kwargs)
         seconds = time.perf_counter() - t0
-        after = _counters()
+        after = cache_counters()
         records = COMPILE_RECORD.take()
         if records:
-            record, source = _merge(records), "pass ran"
-            _save_sidecar(key, record)
+            record, source = merge_records(records), "pass ran"
+            save_record(key, record)
         else:
-            record = _load_sidecar(key)
+            record = load_record(key)
             source = "cache hit (sidecar)" if record is not None else "cache hit (no record)"
         return compiled, CompiledGraph(key, record, source, seconds,
                                        {k: after[k] - before[k] for k in after if after[k] != before[k]}, label,

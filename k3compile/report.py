@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .backends import Choice
-from .optimize import CompiledGraph, nothing_done, state_of, warn_if_nothing_done
+from .graph_records import CompiledGraph
+from .optimize import nothing_done, state_of, warn_if_nothing_done
 from .passes import STATIC_WEIGHT_FACT
 
 
