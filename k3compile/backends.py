@@ -34,13 +34,11 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import importlib
 import logging
 import os
 import threading
 import time
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any, Callable, Hashable, Optional
 
 import torch
@@ -135,64 +133,6 @@ def cute_can_run_on(*tensors: torch.Tensor) -> Reason:
     return None
 
 
-class KernelModule:
-    """A kernel module (Triton, CuTe DSL, fla) that imports its package at the top, imported on first use.
-
-    An op's ``op.py`` takes its kernels and their predicates from one of these instead of importing the module,
-    so ``import k3compile`` and every ``k3::`` op work on a machine without the package. Where the module does
-    not import, :meth:`predicate` callables return why (dispatch records it as the fallback reason; a forced
-    backend raises), and everything else raises :class:`BackendUnavailableError` (dispatch reads that as the
-    reason too, see ``OpImpls._decide``); a kernel function is reached only after its ``available`` passed.
-
-        _TRITON = KernelModule("k3compile.ops.kda_decode.triton")
-        kda_decode_triton = _TRITON.kda_decode_triton            # imports on first call
-        triton_supports = _TRITON.predicate("triton_supports")   # the reason string where it does not import
-    """
-
-    def __init__(self, name: str, requires: Callable[[], Reason] = triton_importable):
-        self.name = name
-        self.requires = requires      # the package's own check, run first (its reason names the package)
-        self._loaded: Optional[ModuleType | str] = None
-
-    def _load(self) -> ModuleType | str:
-        if self._loaded is None:
-            loaded = self.requires()
-            if loaded is None:
-                try:
-                    loaded = importlib.import_module(self.name)
-                except Exception as e:
-                    loaded = f"{self.name} does not import ({type(e).__name__}: {e})"
-            self._loaded = loaded
-        return self._loaded
-
-    def reason(self) -> Reason:
-        """None where the module imports, else why not."""
-        loaded = self._load()
-        return loaded if isinstance(loaded, str) else None
-
-    def module(self) -> ModuleType:
-        loaded = self._load()
-        if isinstance(loaded, str):
-            raise BackendUnavailableError(loaded)
-        return loaded
-
-    def __getattr__(self, attr: str) -> Callable[..., Any]:
-        if attr.startswith("_"):
-            raise AttributeError(attr)
-
-        def call(*args, **kwargs):
-            return getattr(self.module(), attr)(*args, **kwargs)
-        call.__name__ = call.__qualname__ = attr
-        return call
-
-    def predicate(self, attr: str) -> Callable[..., Reason]:
-        """The module's predicate ``attr``; where the module does not import, a predicate that returns why."""
-        def check(*args, **kwargs) -> Reason:
-            return self.reason() or getattr(self.module(), attr)(*args, **kwargs)
-        check.__name__ = check.__qualname__ = attr
-        return check
-
-
 def forced_backend_reason(backend: str, devices: set) -> Reason:
     """Why a forced ``backend`` ("cute" / "triton") can run no kernel on tensors on ``devices`` (the model's;
     empty when unknown), or None. ``optimize`` raises on it before compiling anything."""
@@ -229,8 +169,9 @@ class Impl:
     ``profitable(*args)``: None where this kernel is measured (or expected) to beat what would run instead:
     the next kernel in order, or the op's fallback (``OpImpls.aten``: cuBLAS for the skinny GEMM, the split path
     for the latent-MoE tail), else the reason. Under ``backend="auto"`` an unprofitable kernel is passed over; if
-    nothing after it but the reference can run, the fallback runs, or without one the kernel after all. A forced backend runs
-    the kernel it names wherever it can.
+    nothing after it but the reference can run, the fallback runs (where its ``available`` passes), else the kernel
+    after all. A forced backend runs the kernel it names wherever it can. Only ``fn`` and ``available`` of the
+    fallback are read.
     """
     fn: Callable[..., Any]
     available: Callable[..., Reason] = _always
@@ -265,8 +206,9 @@ BUILD_LOG_SECONDS = 1.0   # a kernel's first call (its JIT build, unless cached 
 
 
 def _logging_a_slow_build(fn: Callable[..., Any], choice: "Choice") -> Callable[..., Any]:
-    """``fn`` for a key's first call, which builds the kernel (Triton, CuTe DSL): logged where it takes long, so
-    a slow first step is not silent. Host time: the build blocks the host, the kernel itself runs on."""
+    """``fn`` for a key's first call, which builds the kernels it runs (Triton, CuTe DSL; the latent-MoE tail's
+    fallback builds two): logged where it takes long, so a slow first step is not silent. Host time: the build
+    blocks the host, the kernel itself runs on."""
     def first_call(*args, **kwargs):
         start = time.perf_counter()
         out = fn(*args, **kwargs)
@@ -310,7 +252,9 @@ class OpImpls:
     def impl(self, impl_name: str) -> Optional[Impl]:
         return getattr(self, impl_name)
 
-    def _decide(self, backend: str, args: tuple) -> tuple[str, str]:
+    def decide(self, backend: str, args: tuple) -> tuple[str, str]:
+        """(the implementation to run for these arguments, why), by the rules of the module doc; nothing recorded
+        (``select`` records). An op whose own implementation composes another op decides that one here."""
         check_backend(backend)
         if backend == "reference":
             return "reference", "backend='reference' requested"
@@ -322,8 +266,11 @@ class OpImpls:
         passed_over = None   # the first kernel that could run but was measured slower than another path
         for name in order:
             if name == "reference" and passed_over is not None:
-                # the vendor library where the op has one; else the kernel after all (it beats the reference)
-                pick = "aten" if self.aten is not None else passed_over
+                # the op's fallback where it has one that can run, else the kernel after all (it beats the reference)
+                why = _reason_of(self.aten.available, args) if self.aten is not None else None
+                if why is not None:
+                    notes.append(f"aten: {why}")
+                pick = "aten" if self.aten is not None and why is None else passed_over
                 return pick, "; ".join(notes) + " -> " + pick
             impl = self.impl(name)
             if impl is None:
@@ -357,14 +304,14 @@ class OpImpls:
         choice = self._choices.get(ck)
         first = choice is None
         if first:
-            impl_name, reason = self._decide(backend, args)
+            impl_name, reason = self.decide(backend, args)
             choice = Choice(self.name, backend, impl_name, reason, key)
             with self._lock:
                 choice = self._choices.setdefault(ck, choice)
         choice.calls += 1
         _record_for_model((self.name, *ck), choice)
         fn = self.impl(choice.impl).fn
-        return _logging_a_slow_build(fn, choice) if first and choice.impl in ("cute", "triton") else fn
+        return _logging_a_slow_build(fn, choice) if first and choice.impl != "reference" else fn
 
     def select_fixed(self, backend: str, key: Hashable, label: str, reason: str,
                      fn: Callable[..., Any]) -> Callable[..., Any]:

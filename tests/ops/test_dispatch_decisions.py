@@ -67,7 +67,7 @@ def _simulate(monkeypatch, kind):
 
 def _decide(impls, backend, args):
     try:
-        impl, _ = impls._decide(backend, args)
+        impl, _ = impls.decide(backend, args)
     except backends.BackendUnavailableError:
         return "raises"
     return impl

@@ -124,5 +124,5 @@ def test_run_auto_decides_as_the_op_and_records_nothing(monkeypatch):
     a, w, r = torch.randn(3, 40), torch.randn(20, 40), torch.randn(3, 20)
     out = dispatch.run_auto(a, w, None, r)
     assert torch.allclose(out, a @ w.T + r, atol=1e-5) and dispatch.SKINNY_GEMM.choices() == []
-    impl, _ = dispatch.SKINNY_GEMM._decide("auto", (a, w, None, r))
+    impl, _ = dispatch.SKINNY_GEMM.decide("auto", (a, w, None, r))
     assert dispatch._AUTO[dispatch.key(a, w, None, r)] is dispatch.SKINNY_GEMM.impl(impl).fn

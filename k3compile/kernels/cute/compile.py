@@ -9,7 +9,8 @@ The fingerprint hashes this package's sources, the DSL version and the target ar
 with ``CUTE_DSL_ARCH=sm_90a`` serves an H200. Every compiled kernel is called ``fn(a, w, out, bias, residual, g)``
 (``g``: the fused norm's weight, else None) on the current torch stream, through TVM-FFI.
 
-Nothing here imports cutlass at its top: the kernel modules load on the first build.
+Nothing here imports cutlass at its top: the kernel modules load on the first build (``KERNEL_MODULES``; an op's
+``available`` predicate adds :func:`unavailable`, so a DSL that does not import them is a recorded fallback).
 """
 from __future__ import annotations
 
@@ -22,11 +23,25 @@ from typing import Optional
 
 import torch
 
-from k3compile.kernels.cute.configs import VEC, KernelConfig, MmaConfig
+from k3compile.backends import Reason, cute_importable
+from k3compile.kernel_module import KernelModule
+from k3compile.kernels.cute.configs import VEC, KernelConfig, MmaConfig, WgmmaConfig
 
 _compiled: dict = {}
 _compile_lock = threading.Lock()   # cute.compile is not thread-safe
 _SOURCES = ("asm.py", "compile.py", "configs.py", "mma.py", "mma_ring.py", "wgmma.py")
+# the kernel class of each configuration type, in a module that imports cutlass at its top
+KERNEL_MODULES = {MmaConfig: (KernelModule(f"{__package__}.mma", cute_importable), "MmaSkinnyGemm"),
+                  WgmmaConfig: (KernelModule(f"{__package__}.wgmma", cute_importable), "WgmmaSkinnyGemm")}
+
+
+def unavailable() -> Reason:
+    """None where CuTe DSL imports both kernel modules, else why not."""
+    for module, _ in KERNEL_MODULES.values():
+        reason = module.reason()
+        if reason is not None:
+            return reason
+    return None
 
 
 def compile_kernel(dtype: torch.dtype, m: int, cfg: KernelConfig, has_bias: bool, has_res: bool,
@@ -111,13 +126,12 @@ def build(key):
     import cutlass.cute as cute
 
     dtype, m, cfg, has_bias, has_res, static_w, eps = key
-    if isinstance(cfg, MmaConfig):
-        from k3compile.kernels.cute.mma import MmaSkinnyGemm as Kernel
-    else:
+    if isinstance(cfg, WgmmaConfig):
         bad = cfg.invalid()
         if bad:
             raise ValueError(f"WgmmaConfig {cfg.tag()}: {bad}")
-        from k3compile.kernels.cute.wgmma import WgmmaSkinnyGemm as Kernel
+    module, name = KERNEL_MODULES[type(cfg)]
+    Kernel = getattr(module.module(), name)
     kernel = Kernel(cute_dtype(dtype), m, cfg, has_bias, has_res, static_w, eps)
     fake = fake_args(dtype, m, has_bias, has_res, eps is not None, static_m=isinstance(cfg, MmaConfig))
     return cute.compile(kernel, *fake, options="--enable-tvm-ffi")

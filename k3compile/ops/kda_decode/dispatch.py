@@ -1,23 +1,23 @@
 """Which implementation of ``k3::kda_decode`` runs: the Triton kernel (``triton.py``) wherever it can run and takes
 the shapes (``triton_config.supports``; it is measured ahead of fla's recurrent kernel at every decode shape), else
-the reference. The kernel's layout per shape is ``triton_config.default_config``. Nothing here imports Triton."""
+the reference. The kernel's layout per shape is ``triton_config.default_config``. Nothing here imports Triton: the
+kernel module loads on first use (``KernelModule``; where it does not import, ``available`` says why)."""
 from __future__ import annotations
 
-import importlib
-
 from k3compile.backends import Impl, OpImpls, Reason, register_op_impls, triton_can_run_on
+from k3compile.kernel_module import KernelModule
 
 from . import triton_config
 from .reference import kda_decode_ref
 
+_TRITON = KernelModule(f"{__package__}.triton")   # imports Triton
 
 def _triton_available(*args) -> Reason:
-    return triton_can_run_on(*(a for a in args if hasattr(a, "device")))
+    return triton_can_run_on(*(a for a in args if hasattr(a, "device"))) or _TRITON.reason()
 
 
 def _triton(*args):
-    kernel = importlib.import_module(f"{__package__}.triton")   # imports Triton: loaded where it runs
-    return kernel.kda_decode_triton(*args)
+    return _TRITON.kda_decode_triton(*args)
 
 
 KDA_DECODE = register_op_impls(OpImpls(

@@ -18,12 +18,13 @@ Configuration: the table's, else a heuristic: CuTe the skinny GEMM's mma.sync pi
 wgmma entries were measured without the norm warps, and their stages leave the resident A no room), Triton
 ``triton_config.heuristic``.
 
-Nothing here imports Triton or cutlass: the kernel modules load on first use.
+Nothing here imports Triton or cutlass: the kernel modules load on first use (``KernelModule``), and where one does
+not import, the implementation's ``available`` says why (recorded as the fallback's reason; the split path is
+yielded to only where it can run).
 """
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 from typing import Optional
 
@@ -32,6 +33,8 @@ import torch
 from k3compile import tables
 from k3compile.backends import (Impl, OpImpls, Reason, cute_can_run_on, is_rocm, register_op_impls, sm_count,
                                 triton_can_run_on)
+from k3compile.kernel_module import KernelModule
+from k3compile.kernels.cute import compile as cute_kernels
 from k3compile.kernels.cute.configs import KernelConfig, MmaConfig, WgmmaConfig
 from k3compile.ops.skinny_gemm import cute_config as gemm_heuristics
 from k3compile.ops.skinny_gemm import dispatch as gemm_dispatch
@@ -42,6 +45,7 @@ from .triton_config import MAX_BLOCK_M, TailConfig
 
 KERNELS = {"cute": {"cute_mma": MmaConfig, "cute_wgmma": WgmmaConfig}, "triton": {"triton_tail": TailConfig}}
 KERNEL_OF = {MmaConfig: "cute_mma", WgmmaConfig: "cute_wgmma", TailConfig: "triton_tail"}
+_TRITON, _SPLIT = KernelModule(f"{__package__}.triton"), KernelModule(f"{__package__}.split")   # both import Triton
 
 
 @functools.cache
@@ -102,11 +106,15 @@ def _triton_supports(latent, shared, norm_weight, up_weight, eps, small_m_limit)
 
 
 def _cute_available(latent, shared, norm_weight, up_weight, eps, small_m_limit) -> Reason:
-    return cute_can_run_on(latent, shared, norm_weight, up_weight)
+    return cute_can_run_on(latent, shared, norm_weight, up_weight) or cute_kernels.unavailable()
 
 
 def _triton_available(latent, shared, norm_weight, up_weight, eps, small_m_limit) -> Reason:
-    return triton_can_run_on(latent, shared, norm_weight, up_weight)
+    return triton_can_run_on(latent, shared, norm_weight, up_weight) or _TRITON.reason()
+
+
+def _split_available(latent, shared, norm_weight, up_weight, eps, small_m_limit) -> Reason:
+    return triton_can_run_on(latent, shared, norm_weight, up_weight) or _SPLIT.reason()
 
 
 def _pick(latent, up_weight) -> Optional[tables.Pick]:
@@ -153,14 +161,11 @@ def _triton(latent, shared, norm_weight, up_weight, eps, small_m_limit, static_w
     m, l = latent.shape
     cfg = triton_config_for(latent.dtype, m, up_weight.shape[0], l, static_weight, table_of(latent.device),
                             sm_count(latent.device))
-    kernel = importlib.import_module(f"{__package__}.triton")   # imports Triton: loaded where it runs
-    return kernel.latent_moe_tail_triton(latent, shared, norm_weight, up_weight, eps, cfg,
-                                         static_weight=static_weight)
+    return _TRITON.latent_moe_tail_triton(latent, shared, norm_weight, up_weight, eps, cfg, static_weight=static_weight)
 
 
 def _split(latent, shared, norm_weight, up_weight, eps, small_m_limit, static_weight=False):
-    split = importlib.import_module(f"{__package__}.split")   # imports Triton: loaded where it runs
-    return split.latent_moe_tail_split(latent, shared, norm_weight, up_weight, eps)
+    return _SPLIT.latent_moe_tail_split(latent, shared, norm_weight, up_weight, eps)
 
 
 def _reference(latent, shared, norm_weight, up_weight, eps, small_m_limit, static_weight=False):
@@ -172,7 +177,7 @@ LATENT_MOE_TAIL = register_op_impls(OpImpls(
     reference=Impl(_reference),
     triton=Impl(_triton, _triton_available, _triton_supports, _triton_profitable),
     cute=Impl(_cute, _cute_available, _cute_supports, _cute_profitable),
-    aten=Impl(_split),
+    aten=Impl(_split, _split_available),
 ))
 
 

@@ -15,12 +15,12 @@ Configuration: the table's for the implementation that runs, else its heuristic 
 are sized by it). ``static_weight`` may change the configuration, never the implementation: the choice is cached
 before the op knows it.
 
-Nothing here imports Triton or cutlass: the kernel modules load on first use.
+Nothing here imports Triton or cutlass: the kernel modules load on first use (``KernelModule``), and where one does
+not import, the implementation's ``available`` says why (recorded as the fallback's reason).
 """
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -29,6 +29,8 @@ import torch
 from k3compile import tables
 from k3compile.backends import (Impl, OpImpls, Reason, cute_can_run_on, is_rocm, register_op_impls, sm_count,
                                 triton_can_run_on)
+from k3compile.kernel_module import KernelModule
+from k3compile.kernels.cute import compile as cute_kernels
 from k3compile.kernels.cute.configs import KernelConfig, MmaConfig, WgmmaConfig
 
 from . import cute, cute_config, triton_config
@@ -38,6 +40,7 @@ from .triton_config import TritonConfig
 # the table's implementations, in the order tried, and the configurations each may run
 KERNELS = {"cute": {"cute_mma": MmaConfig, "cute_wgmma": WgmmaConfig}, "triton": {"triton_gemm": TritonConfig}}
 KERNEL_OF = {MmaConfig: "cute_mma", WgmmaConfig: "cute_wgmma", TritonConfig: "triton_gemm"}
+_TRITON = KernelModule(f"{__package__}.triton")   # imports Triton
 
 
 def triton_beats_cublas(m: int, n: int, k: int) -> bool:
@@ -121,6 +124,14 @@ def _measured(impl: str, a, w) -> Reason:
             + (f"({g.table.label()})" if listed else "(dispatch.triton_beats_cublas)"))
 
 
+def _cute_available(a, w, bias, residual) -> Reason:
+    return cute_can_run_on(a, w, bias, residual) or cute_kernels.unavailable()
+
+
+def _triton_available(a, w, bias, residual) -> Reason:
+    return triton_can_run_on(a, w, bias, residual) or _TRITON.reason()
+
+
 def _cute_profitable(a, w, bias, residual) -> Reason:
     return _measured("cute", a, w)
 
@@ -138,8 +149,7 @@ def _cute(a, w, bias, residual, static_weight=False):
 def _triton(a, w, bias, residual, static_weight=False):
     m, k = a.shape
     cfg = triton_config_for(a.dtype, m, w.shape[0], k, gpu_of(a.device))
-    kernel = importlib.import_module(f"{__package__}.triton")   # imports Triton: loaded where it runs
-    return kernel.skinny_gemm_triton(a, w, bias, residual, config=cfg, static_weight=static_weight)
+    return _TRITON.skinny_gemm_triton(a, w, bias, residual, config=cfg, static_weight=static_weight)
 
 
 def _reference(a, w, bias, residual, static_weight=False):
@@ -155,8 +165,8 @@ def _cublas(a, w, bias, residual, static_weight=False):
 SKINNY_GEMM = register_op_impls(OpImpls(
     "skinny_gemm",
     reference=Impl(_reference),
-    triton=Impl(_triton, triton_can_run_on, triton_config.supports, _triton_profitable),
-    cute=Impl(_cute, cute_can_run_on, cute.supports, _cute_profitable),
+    triton=Impl(_triton, _triton_available, triton_config.supports, _triton_profitable),
+    cute=Impl(_cute, _cute_available, cute.supports, _cute_profitable),
     aten=Impl(_cublas),
 ))
 
@@ -190,6 +200,6 @@ def run_auto(a, w, bias=None, residual=None, static_weight: bool = False) -> tor
     k_ = key(a, w, bias, residual)
     fn = _AUTO.get(k_)
     if fn is None:
-        impl, _ = SKINNY_GEMM._decide("auto", (a, w, bias, residual))
+        impl, _ = SKINNY_GEMM.decide("auto", (a, w, bias, residual))
         fn = _AUTO[k_] = SKINNY_GEMM.impl(impl).fn
     return fn(a, w, bias, residual, static_weight=static_weight)
