@@ -131,6 +131,16 @@ def test_triton_k3_widths_read_only_the_valid_prefix(T, H, start, fused):
     check_kernel(inputs, TritonConfig(block_s=16, min_split_tiles=1, fused_readback=fused))
 
 
+@pytest.mark.parametrize("B,fused", [(1, True), (3, False)], ids=["B1-fused", "B3-combine"])
+def test_triton_grid_sized_for_an_h200(B, fused):
+    """The grids the host lays out for 132 SMs (on the interpreter, which counts none): as many splits as two
+    programs an SM allow, the per-head products narrowed to 16 or 32 output columns, the combine's tiles shaped by
+    the split count; K3's widths, left-padded rows."""
+    inputs = make_inputs(B, 1, 12, *K3_DIMS, S=200, pos=150, dtype=torch.bfloat16, start=[0, 40, 151][:B], seed=5)
+    with mock.patch.object(mla_triton, "sm_count", lambda device: 132):
+        check_kernel(inputs, TritonConfig(block_s=16, min_split_tiles=1, fused_readback=fused))
+
+
 def test_query_before_its_row_start_sees_its_own_key():
     """A left-padding query of a prompt (pos + t < start_b) sees its own key alone, as the model's rule has it: its
     output is its own value read back, w_v c_kv[pos + t]."""

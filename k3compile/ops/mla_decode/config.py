@@ -50,14 +50,15 @@ def split_count(batch: int, row_blocks: int, alloc: int, sms: int, config: Trito
 
 
 def default_config(rows: int, batch: Optional[int] = None) -> TritonConfig:
-    """Where no measured pick exists. 16 query rows: 4 warps, 3 stages (sm_90a: 195 registers and 93 KB of shared
-    memory a program, so two programs an SM keep four 36 KB tiles in flight); above, 8 warps (a [64, Lk] fp32
-    accumulator needs two warpgroups; with one, ptxas spills: tests/ops/test_mla_decode.py compiles both for sm_90a).
-    The fused combine + read-back for batch <= 2 (``batch`` None: not fused)."""
+    """Where no measured pick exists (sm_90a figures from compiling the split kernel at K3's widths; a 32-key tile of
+    c_kv and k_pe is 36 KB). 16 query rows: 4 warps, 3 stages -- 195 registers and 93 KB of shared memory, so two
+    programs an SM keep four tiles in flight. 64 rows: 8 warps (a [64, Lk] fp32 accumulator needs two warpgroups;
+    with one, ptxas spills), 4 stages -- 237 registers and 221 KB, one program an SM with three tiles in flight, so
+    one program an SM in the split count. The fused combine + read-back for batch <= 2 (``batch`` None: not fused)."""
     fused = batch is not None and batch <= 2
     if row_block(rows) <= 16:
         return TritonConfig(fused_readback=fused)
-    return TritonConfig(num_warps=8, fused_readback=fused)
+    return TritonConfig(num_warps=8, num_stages=4, programs_per_sm=1, fused_readback=fused)
 
 
 def row_block(rows: int) -> int:
