@@ -180,7 +180,8 @@ def main(argv=None) -> int:
                 continue
             near = min(layout_batches, key=lambda b: abs(math.log(b) - math.log(B)))
             pool = pool_for(B, H, T, split_lengths)
-            candidates = [default_config(rows, B)] + list(split_rules(best_layout[near], B))
+            base_config = default_config(rows, B)
+            candidates = [base_config] + [c for c in split_rules(best_layout[near], B) if c != base_config]
             (base, _), (us, pick) = best(pool, candidates, split_lengths, key)
             gain = base / us - 1
             if gain > args.min_gain:
