@@ -122,8 +122,8 @@ def test_combine_in_several_steps(B, T, start, fused):
         check_kernel(inputs, TritonConfig(block_s=16, min_split_tiles=1, fused_readback=fused))
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["combine", "fused"])
-@pytest.mark.parametrize("T,H,start", [(1, 6, None), (2, 12, [0, 23])], ids=["T1-H6", "T2-H12-start"])
+@pytest.mark.parametrize("T,H,start,fused", [(1, 6, None, False), (2, 12, [0, 23], False), (2, 6, [0, 23], True)],
+                         ids=["T1-H6", "T2-H12-start", "T2-H6-start-fused"])
 def test_triton_k3_widths_read_only_the_valid_prefix(T, H, start, fused):
     """K3's widths (N 128, R 64, Vd 128, Lk 512; 6 or 12 heads a rank): the rows outside [start_b, pos + T) are NaN,
     the output is finite and equals the reference, with either read-back."""
@@ -131,12 +131,12 @@ def test_triton_k3_widths_read_only_the_valid_prefix(T, H, start, fused):
     check_kernel(inputs, TritonConfig(block_s=16, min_split_tiles=1, fused_readback=fused))
 
 
-@pytest.mark.parametrize("B,fused", [(1, True), (3, False)], ids=["B1-fused", "B3-combine"])
+@pytest.mark.parametrize("B,fused", [(1, True), (2, False)], ids=["B1-fused", "B2-combine"])
 def test_triton_grid_sized_for_an_h200(B, fused):
     """The grids the host lays out for 132 SMs (on the interpreter, which counts none): as many splits as two
     programs an SM allow, the per-head products narrowed to 16 or 32 output columns, the combine's tiles shaped by
     the split count; K3's widths, left-padded rows."""
-    inputs = make_inputs(B, 1, 12, *K3_DIMS, S=200, pos=150, dtype=torch.bfloat16, start=[0, 40, 151][:B], seed=5)
+    inputs = make_inputs(B, 1, 12, *K3_DIMS, S=160, pos=150, dtype=torch.bfloat16, start=[0, 40][:B], seed=5)
     with mock.patch.object(mla_triton, "sm_count", lambda device: 132):
         check_kernel(inputs, TritonConfig(block_s=16, min_split_tiles=1, fused_readback=fused))
 
