@@ -23,9 +23,11 @@ length, not the allocation. On sm_90+ the kernels launch with PDL: each waits fo
 launch's latency hides under the previous kernel's tail. Before the wait a kernel may only
 - prefetch lines into L2 (``prefetch.global.L2``: coherent, it orders nothing and returns nothing): the first kernel
   its ``w_k`` slice, the split kernel the first keys of its split, the read-back its ``w_v`` slice;
-- and, in the kernels after the first (``early``), read the op's inputs (``pos``, ``start``, ``w_kv_b``): these were
-  written before the op's first kernel began, and every kernel of ours lets the next one launch only after its own
-  wait, so by the time the second starts, every kernel before the first has completed.
+- and, in the kernels after the first (``early``), read the op's inputs (``pos``, ``start``, ``w_kv_b``) through L2:
+  these were written before the op's first kernel began, and every kernel of ours lets the next one launch only
+  after its own wait, so by the time the second starts, every kernel before the first has completed -- provided
+  every PDL kernel before ours also waits before it triggers, as k3compile/static_weights.py assumes: not while
+  Inductor's own PDL codegen is on (``early_reads_safe``).
 Runs on CUDA/ROCm, and on CPU tensors under ``TRITON_INTERPRET=1``.
 """
 from __future__ import annotations
@@ -111,6 +113,15 @@ def _valid_range(pos, start, i_b, m_b, T, HAS_START: tl.constexpr):
 
 
 @triton.jit
+def _split_range(pos, start, i_b, i_sp, T, N_SPLIT, BS: tl.constexpr, min_tiles, HAS_START: tl.constexpr):
+    """(pos, end of row ``i_b``'s valid keys, first key and end of its split ``i_sp``)."""
+    p, first, end, n = _valid_range(pos, start, i_b, i_b >= 0, T, HAS_START)
+    split = _split_len(n, N_SPLIT, BS, min_tiles)
+    s0 = first + i_sp * split
+    return p, end, s0, tl.minimum(s0 + split, end)
+
+
+@triton.jit
 def _per_head_matmul(x, w, y, M, T, H, K, NOUT,
                      stride_xb, stride_xt, stride_xh, stride_xk,
                      stride_wh, stride_wk, stride_wn,
@@ -165,18 +176,16 @@ def _mla_split(q_lat, q_pe, c_kv, k_pe, pos, start, o_part, m_part, l_part,
     p_c = c_kv + i_b * stride_cb
     p_k = k_pe + i_b * stride_kb
     if EARLY:
-        p, first, end, n = _valid_range(pos, start, i_b, i_b >= 0, T, HAS_START)
-        s0 = first + i_sp * _split_len(n, N_SPLIT, BS, min_tiles)
-        s1 = tl.minimum(s0 + _split_len(n, N_SPLIT, BS, min_tiles), end)
-        if PREFETCH > 0:   # rows clamped into the split (a split past the end: the last valid row, no branch
-            o_pf = tl.minimum(s0 + tl.arange(0, PREFETCH), s1 - 1)     # here, or LLVM duplicates the wait)
+        p, end, s0, s1 = _split_range(pos, start, i_b, i_sp, T, N_SPLIT, BS, min_tiles, HAS_START)
+        if PREFETCH > 0:
+            # rows clamped into the split, a split past the end on the last valid row: a branch here would have
+            # LLVM duplicate the wait below into both paths
+            o_pf = tl.minimum(s0 + tl.arange(0, PREFETCH), s1 - 1)
             _prefetch_rows(p_c, o_pf, stride_cs, stride_cl, LK, BL)
             _prefetch_rows(p_k, o_pf, stride_ks, stride_kr, R, BR)
     _pdl_enter(PDL)
     if not EARLY:
-        p, first, end, n = _valid_range(pos, start, i_b, i_b >= 0, T, HAS_START)
-        s0 = first + i_sp * _split_len(n, N_SPLIT, BS, min_tiles)
-        s1 = tl.minimum(s0 + _split_len(n, N_SPLIT, BS, min_tiles), end)
+        p, end, s0, s1 = _split_range(pos, start, i_b, i_sp, T, N_SPLIT, BS, min_tiles, HAS_START)
     if s0 < end:
         o_m = i_m * BM + tl.arange(0, BM)
         m_m = o_m < TH
