@@ -259,13 +259,14 @@ PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 MEMORY = ("ld.global", "cp.async", "st.global", "atom.global", "red.global", "prefetch.global")
 
 
-def build(kernel, ptrs, consts, warps, stages):
+def build(kernel, ptrs, consts, warps, stages, div16=()):
     names = kernel.arg_names
     sig = {n: "constexpr" if n in consts else ptrs.get(n) or ("i64" if n.startswith("stride") else
            "fp32" if n == "qk_scale" else "i32") for n in names}
-    # what a launch specialises on: 16-byte aligned pointers and strides, unit last-dim strides
+    # what a launch specialises on: 16-byte aligned pointers and strides, unit last-dim strides, the integer
+    # arguments that are multiples of 16 at K3's widths (div16)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if n in ptrs or (n.startswith("stride") and n not in consts)}
+             if n in ptrs or (n.startswith("stride") and n not in consts) or n in div16}
     k = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
@@ -310,10 +311,10 @@ out["combine-readback"] = build(mt._mla_combine_readback, dict(parts, w_v=bf16, 
 for bm in (16, 64):   # the absorption (w_k [N, Lk] rows contiguous) and the read-back (w_v columns contiguous)
     out[f"absorb-bm{bm}"] = build(mt._per_head_matmul, dict(x=bf16, w=bf16, y=bf16), dict(
         BM=bm, BK=mt.MATMUL_BLOCK, BN=32, KP=128, UPCAST=False, PDL=True, PREFETCH=True, W_K_CONTIG=False,
-        stride_xk=1, stride_wn=1), 4, 3)
+        stride_xk=1, stride_wn=1), 4, 3, div16=("K", "NOUT"))
     out[f"readback-bm{bm}"] = build(mt._per_head_matmul, dict(x=bf16, w=bf16, y=bf16), dict(
         BM=bm, BK=mt.MATMUL_BLOCK, BN=16, KP=512, UPCAST=False, PDL=True, PREFETCH=True, W_K_CONTIG=True,
-        stride_xk=1, stride_wk=1), 4, 3)
+        stride_xk=1, stride_wk=1), 4, 3, div16=("K", "NOUT"))
 print(json.dumps(out))
 """
 
@@ -324,7 +325,8 @@ def test_kernels_compile_for_sm90_without_spills():
     kernel (the absorption, which may follow the kernel that wrote q_nope) only prefetches lines into L2; the later
     ones also read the op's inputs, through L2 (``ld.global.cg``), and write nothing (no store, atomic or cp.async);
     the split kernel without early reads touches no memory before it. The split kernel streams its cache tiles
-    through cp.async (a load the pipeliner cannot take would stall each tile), the combines their partials."""
+    through cp.async (a load the pipeliner cannot take would stall each tile), the combines their partials, the
+    per-head products their tiles."""
     from k3compile.testing import ptx_in_a_fresh_process
 
     pytest.importorskip("triton.backends.nvidia")
@@ -341,6 +343,8 @@ def test_kernels_compile_for_sm90_without_spills():
             assert r["pre_wait"] == [] or name != "split-late", (name, r)
         if name.startswith("combine"):
             assert r["async_copies"] >= 3, (name, r)       # m, l and o partials, pipelined over the splits
+        if name.startswith(("absorb", "readback")):
+            assert r["async_copies"] >= 2, (name, r)       # x and w tiles, pipelined over K
 
 
 # ---------------------------------------------------------------------------------------------------

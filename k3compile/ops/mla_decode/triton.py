@@ -81,15 +81,18 @@ def _pdl_enter(PDL: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_rows(p, o_row, stride_row, stride_col, width, BW: tl.constexpr):
-    """Rows ``o_row`` (offsets, already inside the tensor) of ``p``, columns ``[0, width)`` (at most ``BW``), into
-    L2: one ``prefetch.global.L2`` per 128-byte line. GPU only (the interpreter has no inline assembly)."""
+def _prefetch_rows(p, o_row, m_row, stride_row, stride_col, width, BW: tl.constexpr):
+    """Rows ``o_row`` where ``m_row`` (offsets inside the tensor even where masked) of ``p``, columns ``[0, width)``
+    (at most ``BW``), into L2: one ``prefetch.global.L2`` per 128-byte line, predicated off for masked rows (a
+    clamped row would send every masked lane's request to the same few lines, all to one L2 slice). GPU only (the
+    interpreter has no inline assembly)."""
     LINE: tl.constexpr = 1024 // p.dtype.element_ty.primitive_bitwidth      # elements per line
     N_LINES: tl.constexpr = max(1, BW // LINE)
     o_col = tl.minimum(tl.arange(0, N_LINES) * LINE, width - 1)
     p_pf = p + o_row.to(tl.int64)[:, None] * stride_row + o_col[None, :] * stride_col
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [p_pf], dtype=tl.int32,
-                              is_pure=False, pack=1)
+    m_pf = (m_row[:, None] & (o_col >= 0)[None, :]).to(tl.int32)
+    tl.inline_asm_elementwise("{ .reg .pred %pf; setp.ne.b32 %pf, $2, 0; @%pf prefetch.global.L2 [$1]; }\n"
+                              "mov.u32 $0, 0;", "=r,l,r", [p_pf, m_pf], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -138,9 +141,10 @@ def _per_head_matmul(x, w, y, M, T, H, K, NOUT,
     p_w = w + i_h * stride_wh
     if PREFETCH:   # a weight slice into L2 while the previous kernel finishes (a prefetch reads nothing back)
         if W_K_CONTIG:
-            _prefetch_rows(p_w, tl.minimum(o_n, NOUT - 1), stride_wn, stride_wk, K, KP)
+            _prefetch_rows(p_w, tl.minimum(o_n, NOUT - 1), m_n, stride_wn, stride_wk, K, KP)
         else:
-            _prefetch_rows(p_w + i_n * BN * stride_wn, tl.minimum(tl.arange(0, KP), K - 1), stride_wk, stride_wn,
+            o_pk = tl.arange(0, KP)
+            _prefetch_rows(p_w + i_n * BN * stride_wn, tl.minimum(o_pk, K - 1), o_pk < K, stride_wk, stride_wn,
                            tl.minimum(BN, NOUT - i_n * BN), BN)
     _pdl_enter(PDL)
     o_m = i_m * BM + tl.arange(0, BM)
@@ -177,12 +181,12 @@ def _mla_split(q_lat, q_pe, c_kv, k_pe, pos, start, o_part, m_part, l_part,
     p_k = k_pe + i_b * stride_kb
     if EARLY:
         p, end, s0, s1 = _split_range(pos, start, i_b, i_sp, T, N_SPLIT, BS, min_tiles, HAS_START)
-        if PREFETCH > 0:
-            # rows clamped into the split, a split past the end on the last valid row: a branch here would have
-            # LLVM duplicate the wait below into both paths
-            o_pf = tl.minimum(s0 + tl.arange(0, PREFETCH), s1 - 1)
-            _prefetch_rows(p_c, o_pf, stride_cs, stride_cl, LK, BL)
-            _prefetch_rows(p_k, o_pf, stride_ks, stride_kr, R, BR)
+        if PREFETCH > 0:   # predicated, not branched: LLVM would duplicate the wait below into both paths
+            o_pf = s0 + tl.arange(0, PREFETCH)
+            m_pf = o_pf < s1                                         # none in a split past the valid keys
+            o_pf = tl.minimum(o_pf, end - 1)
+            _prefetch_rows(p_c, o_pf, m_pf, stride_cs, stride_cl, LK, BL)
+            _prefetch_rows(p_k, o_pf, m_pf, stride_ks, stride_kr, R, BR)
     _pdl_enter(PDL)
     if not EARLY:
         p, end, s0, s1 = _split_range(pos, start, i_b, i_sp, T, N_SPLIT, BS, min_tiles, HAS_START)
