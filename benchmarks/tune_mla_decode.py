@@ -69,6 +69,14 @@ def split_rules(layout, batch: int):
         yield dataclasses.replace(layout, min_split_tiles=tiles, fused_readback=fuse)
 
 
+def tag(c) -> str:
+    """A layout in a few characters: keys/warps/stages, programs an SM, fewest tiles a split, fused read-back,
+    L2 prefetch tiles (where not 2), PDL off: "32/4/3p2 t4 fused", "32/4/3p2 t4 pf0", "32/4/3p2 t4 nopdl"."""
+    return (f"{c.block_s}/{c.num_warps}/{c.num_stages}p{c.programs_per_sm} t{c.min_split_tiles}"
+            f"{' fused' if c.fused_readback else ''}{'' if c.prefetch_tiles == 2 else f' pf{c.prefetch_tiles}'}"
+            f"{'' if c.pdl else ' nopdl'}")
+
+
 def gpu_name() -> str:
     """The table's file name: the model token of the device name ("NVIDIA H200" -> "h200")."""
     name = torch.cuda.get_device_name().lower().replace("nvidia", "").strip()
@@ -134,8 +142,7 @@ def main(argv=None) -> int:
         pool.set_length(lengths[0])
         expect = bench.k3_call(pool.args(0), candidates[0])().clone()
         scored = [(score(pool, c, lengths, None if i == 0 else expect), c) for i, c in enumerate(candidates)]
-        for us, c in scored:
-            print(f"  {label} {c.to_json()}: {us:.2f} µs", flush=True)
+        print(f"  {label}: " + ", ".join(f"{tag(c)} {us:.2f}" for us, c in scored), flush=True)
         return scored[0], min(scored, key=lambda x: x[0])
 
     picks, notes = {}, {}
@@ -167,9 +174,10 @@ def main(argv=None) -> int:
         best_layout = {}
         for B in layout_batches:
             pool = pool_for(B, H, T, layout_lengths)
-            _, (us, best_layout[B]) = best(pool, list(layouts(rows)), layout_lengths, f"rows {rows} B {B} layout")
-            print(f"rows {rows} B {B}: layout {best_layout[B].to_json()} ({us:.2f} µs geomean; "
-                  f"{time.time() - t0:.0f} s)", flush=True)
+            _, (us, best_layout[B]) = best(pool, list(layouts(rows)), layout_lengths,
+                                           f"rows {rows} B {B} layouts, µs geomean of {layout_lengths}")
+            print(f"rows {rows} B {B}: layout {tag(best_layout[B])} ({us:.2f} µs geomean; {time.time() - t0:.0f} s)",
+                  flush=True)
             del pool
             _free(args.dry_run)
         for B in batches:
@@ -182,12 +190,12 @@ def main(argv=None) -> int:
             pool = pool_for(B, H, T, split_lengths)
             base_config = default_config(rows, B)
             candidates = [base_config] + [c for c in split_rules(best_layout[near], B) if c != base_config]
-            (base, _), (us, pick) = best(pool, candidates, split_lengths, key)
+            (base, _), (us, pick) = best(pool, candidates, split_lengths, f"{key}, µs geomean of {split_lengths}")
             gain = base / us - 1
             if gain > args.min_gain:
                 picks[key] = pick.to_json()
             notes[key] = dict(default_us=base, pick_us=us, pick=pick.to_json(), kept=gain > args.min_gain)
-            print(f"{key}: default {base:.2f} µs, best {us:.2f} µs ({100 * gain:+.1f}%) {pick.to_json()}"
+            print(f"{key}: default {base:.2f} µs, best {us:.2f} µs ({100 * gain:+.1f}%) {tag(pick)}"
                   f"{'' if gain > args.min_gain else ' -> default kept'} ({time.time() - t0:.0f} s)", flush=True)
             del pool
             _free(args.dry_run)
