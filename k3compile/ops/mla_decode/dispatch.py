@@ -54,9 +54,9 @@ def load_table(device_name: str) -> dict[str, TritonConfig]:
 def triton_config(c_kv: torch.Tensor, rows: int, batch: int) -> TritonConfig:
     """The measured pick for this GPU and shape class, else ``config.default_config``."""
     if c_kv.device.type != "cuda":
-        return default_config(rows)
+        return default_config(rows, batch)
     table = load_table(torch.cuda.get_device_name(c_kv.device))
-    return table.get(table_key(c_kv.dtype, rows, batch), default_config(rows))
+    return table.get(table_key(c_kv.dtype, rows, batch), default_config(rows, batch))
 
 
 # The predicates and implementations get the op's arguments: (q_nope, q_pe, c_kv, k_pe, w_kv_b, pos, scale, start).
