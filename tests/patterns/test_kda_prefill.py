@@ -162,7 +162,7 @@ class SymbolicInputs(CustomGraphPass):
         return "symbolic-inputs-v1"
 
 
-def test_fires_on_the_recompiled_graphs_of_default_dynamic():
+def test_fires_on_the_recompiled_graphs_of_default_dynamic(no_graph_caches):
     """torch.compile's default ``dynamic``: the first prompt compiles a static graph; another batch size and length
     recompile it with symbolic B and T (here two chunks: n = 2). The pass fires on both layers of each graph, and the
     states and outputs equal eager."""
