@@ -62,19 +62,23 @@ ROTATE_BYTES = 400 * 2**20
 SMOKE = "--smoke" in sys.argv
 DEVICE = "cpu" if SMOKE else "cuda"
 
-# The configurations --sweep-m times (tune picks among them): gate/up tiles with the default down tiles, then the
-# down tiles with the default gate/up tiles; MXFP4 also as even/odd halves.
-# (H200 run 2, TP=8 bf16, with the combine kernel: the defaults 42.9 / 436.8 us at M = 1 / 16; n128-w8 48.6 /
-# 523.8; i16, i64-w8 and n32 were only timed beside the in-kernel combine since removed: docs/tuning/moe_experts.md)
-SWEEP = [MoeConfig(), MoeConfig(block_i=16, stages_up=6), MoeConfig(block_i=64, warps_up=8),
-         MoeConfig(block_n=32), MoeConfig(block_n=32, block_k=256, stages_down=2),
-         MoeConfig(block_n=64, block_k=64, stages_down=4), MoeConfig(block_n=128, warps_down=8)]
+# The configurations --sweep-m times (tune picks among them; docs/tuning/moe_experts.md, run 3, predicts each).
+# bf16: the defaults (run 2: 42.9 / 436.8 us at M = 1 / 16), then PDL's early trigger (the down kernel's programs
+# resident and preloading w2 while gate/up streams), the whole-K down tile preloaded before the wait, fatter down
+# programs, and the weight rows form (weights as the products' rows: wgmma, every K-loop load pipelined).
+_EARLY = dict(trigger_early=True)
+_ROWS = dict(weight_rows=True, trigger_early=True)
+SWEEP = [MoeConfig(), MoeConfig(**_EARLY), MoeConfig(block_n=32, block_k=512, stages_down=1, **_EARLY),
+         MoeConfig(block_n=128, warps_down=8, **_EARLY), MoeConfig(block_n=32, **_EARLY), MoeConfig(**_ROWS),
+         MoeConfig(block_i=16, **_ROWS), MoeConfig(block_n=32, block_k=512, stages_down=1, **_ROWS)]
+# MXFP4 (bf16 z): the table's pick (halves + byte lookup, run 2: 106.6 / 898.0 us with the in-kernel combine since
+# removed), tl.dot_scaled (never timed; its scale bytes now load as words), and the weight rows form with the
+# bit-move conversion (E2M1_BF16_BITS): R = 2·block_i rows of w1/w3 and block_n rows of w2 a wgmma tile
 _ASM = dict(mxfp4_halves=True, mxfp4_asm=True)
-SWEEP_MXFP4 = [MoeConfig(), MoeConfig(**_ASM), MoeConfig(mxfp4_dot_scaled=True),
-               MoeConfig(block_i=64, block_l=256, stages_up=3, **_ASM),
-               MoeConfig(block_i=64, block_l=256, stages_up=3, mxfp4_dot_scaled=True),
-               MoeConfig(block_i=32, block_l=256, stages_up=3, block_n=32, block_k=256, stages_down=2,
-                         mxfp4_dot_scaled=True)]
+_MXROWS = dict(weight_rows=True, mxfp4_asm=True, trigger_early=True, block_l=256, stages_up=3, block_n=128)
+SWEEP_MXFP4 = [MoeConfig(**_ASM), MoeConfig(mxfp4_dot_scaled=True, **_EARLY), MoeConfig(**_MXROWS),
+               MoeConfig(stages_down=4, **dict(_MXROWS, stages_up=4)), MoeConfig(block_i=64, warps_up=8, **_MXROWS),
+               MoeConfig(block_i=16, warps_up=2, **dict(_MXROWS, stages_up=4))]
 # --kernels-m: each kernel of the default configuration alone (its buffers uninitialised: timing only)
 KERNELS = {"k3[gate_up]": ("gate_up", None), "k3[down]": ("down", None), "k3[combine]": ("combine", None)}
 
@@ -91,6 +95,10 @@ def parse_args(argv=None):
     p.add_argument("--autotune-m", type=int, nargs="*", default=[], help="Ms with max-autotune (bf16, TP 8)")
     p.add_argument("--sweep-m", type=int, nargs="*", default=[], help="Ms at which the SWEEP configurations run")
     p.add_argument("--kernels-m", type=int, nargs="*", default=[], help="Ms at which each kernel is timed alone")
+    p.add_argument("--autotune-budget", type=float, default=45.0,
+                   help="seconds one max-autotune compile may take (per M); past it the provider is skipped")
+    p.add_argument("--prewarm", type=int, default=8,
+                   help="processes that compile the swept configurations in parallel before timing (0: none)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved timing passes; a row is their median")
     p.add_argument("--replays", type=int, default=20, help="graph replays per pass")
     p.add_argument("--json", default=None)
@@ -241,9 +249,31 @@ def time_us(run, n_layers: int, replays: int) -> float:
     return graph_replay_us(run, iters=1, replays=replays, warmup=2) / n_layers
 
 
+class CompileBudgetExceeded(Exception):
+    pass
+
+
+def bounded(fn, seconds: float):
+    """``fn()``, interrupted (CompileBudgetExceeded) once it has run ``seconds`` (main thread; 0: unbounded)."""
+    if seconds <= 0 or SMOKE:
+        return fn()
+    import signal
+
+    def alarm(signum, frame):
+        raise CompileBudgetExceeded(f"compile still running after {seconds:.0f} s (--autotune-budget)")
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        return fn()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def check(name, fn, s, weights, m, routing) -> float:
     """Relative error of ``fn`` against the fp32 reference on fresh inputs; the swept kernels write into a
-    NaN-poisoned output (the other providers allocate their own)."""
+    NaN-poisoned output (the other providers allocate their own). The first call of a compiled provider compiles."""
     z, experts, wts = make_routing(m, s, routing, layer=99, seed=7)
     args = (z, experts, wts, *weights)
     if name.startswith("k3["):
@@ -267,13 +297,18 @@ def run_point(args, s, fmt, weights, m, routing, providers, ceiling) -> list:
             break
         n_layers *= 2
     floor_us = sum(layer_bytes) / len(layer_bytes) / (ceiling * 1e12) * 1e6
-    rows, runs, errs = [], {}, {}
+    rows, runs, errs, compile_s = [], {}, {}, {}
     for name, fn in providers.items():
+        t0 = time.time()
         try:
-            errs[name] = check(name, fn, s, weights, m, routing)
+            budget = args.autotune_budget if name == "max-autotune" else 0
+            errs[name] = bounded(lambda: check(name, fn, s, weights, m, routing), budget)
         except Exception as e:   # one provider that cannot run (a compile error) must not take the others with it
-            print(f"   {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            print(f"   {name}: {type(e).__name__}: {str(e)[:300]} ({time.time() - t0:.1f} s)", flush=True)
             continue
+        if name in ("compile", "max-autotune"):
+            compile_s[name] = time.time() - t0
+            print(f"   {name}: compiled and checked in {compile_s[name]:.1f} s", flush=True)
         outs = [None] * n_layers
 
         def run(fn=fn, outs=outs):
@@ -292,6 +327,7 @@ def run_point(args, s, fmt, weights, m, routing, providers, ceiling) -> list:
         rows.append(dict(tp=FULL_I // s["i"] if not SMOKE else 8, format=fmt, routing=routing, m=m, provider=name,
                          us=us, us_passes=samples[name], floor_us=floor_us, pct_floor=100 * floor_us / us,
                          distinct_experts=sum(distinct) / len(distinct), layers=n_layers, rel_err=errs[name],
+                         compile_s=compile_s.get(name),
                          speedup_vs_compile=times["compile"] / us if "compile" in times else None,
                          speedup_vs_autotune=times["max-autotune"] / us if "max-autotune" in times else None))
     return rows
@@ -316,6 +352,42 @@ def providers_for(args, tp, fmt, m) -> dict:
     if fmt == "bf16" and not gathered:
         out["dense"] = dense_fallback
     return out
+
+
+def _prewarm_one(task) -> float:
+    """Compile one swept configuration's kernels (a worker process): the K3 widths with 16 experts, so every
+    argument Triton specialises on (alignments, multiples of 16, the constexprs) is that of the timed calls and the
+    timed process finds the kernels in Triton's on-disk cache."""
+    fmt, tp, config, ms = task
+    t0 = time.time()
+    s = dict(shapes(tp), e=16)
+    weights = make_weights(s, fmt)
+    for m in ms:
+        z, experts, wts = make_routing(m, s, "random", layer=0, seed=0)
+        moe_experts_triton(z, experts, wts, *weights, *BETAS, config=MoeConfig(**config))
+    torch.cuda.synchronize()
+    return time.time() - t0
+
+
+def prewarm(args) -> None:
+    """Compile every swept configuration in ``args.prewarm`` processes at once (each is three kernels, seconds of
+    compile: in one process they would take most of a benchmark step's time limit)."""
+    if SMOKE or args.prewarm <= 0 or not args.sweep_m:
+        return
+    import multiprocessing
+
+    tasks = [(fmt, tp, dataclasses.asdict(c), sorted(set(args.sweep_m)))
+             for tp in args.tp for fmt in args.formats for c in (SWEEP if fmt == "bf16" else SWEEP_MXFP4)]
+    t0 = time.time()
+    pool = multiprocessing.get_context("spawn").Pool(min(args.prewarm, len(tasks)))
+    try:
+        done = pool.map_async(_prewarm_one, tasks).get(timeout=150)
+        print(f"prewarm: {len(done)} configurations compiled in {time.time() - t0:.1f} s "
+              f"({args.prewarm} processes; slowest {max(done):.1f} s)", flush=True)
+    except Exception as e:   # the timed process compiles whatever is missing
+        print(f"prewarm: {type(e).__name__}: {str(e)[:200]} after {time.time() - t0:.1f} s", flush=True)
+    finally:
+        pool.terminate()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -436,6 +508,7 @@ def main(argv=None):
     print(f"{info['device']}  torch {info['torch']}  triton {info['triton']}  copy ceiling {ceiling:.2f} TB/s")
     rows = []
     t_start = time.time()
+    prewarm(args)
     for tp in args.tp:
         s = shapes(tp)
         for fmt in args.formats:

@@ -36,7 +36,7 @@ step tp16     ${T_TP16:-40}    python $B --tp 16 --formats bf16 mxfp4 --m 1 8 16
                                --json "$OUT/tp16.json"
 step autotune ${T_AUTOTUNE:-120} python $B --tp 8 --formats bf16 --m ${AUTOTUNE_M:-1 8} \
                                --autotune-m ${AUTOTUNE_M:-1 8} --compile-m ${AUTOTUNE_M:-1 8} --skewed-m \
-                               --json "$OUT/autotune.json"
+                               --autotune-budget ${AUTOTUNE_BUDGET:-45} --json "$OUT/autotune.json"
 for f in $STEPS; do   # the headline rows (every row is in $OUT/<step>.log and .json)
     [ -f "$OUT/$f.log" ] && { echo "----- $f"; grep -E "passed|failed|Error" "$OUT/$f.log" | tail -3;
         sed -n '/all rows/,$p' "$OUT/$f.log" | grep -E " (k3|compile|max-autotune|dense|k3\[[a-z_-]+\]) " \

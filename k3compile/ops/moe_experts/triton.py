@@ -150,6 +150,38 @@ mov.b32 x, $4;
                  + "}\n")
 E2M1_BF16_ASM = tl.constexpr(E2M1_BF16_PTX)   # a jit function reads globals only as constexpr
 
+# E2M1 -> bf16 for two code bytes by bit moves (``_mxfp4_rows`` with ASM), sm_90 PTX. Inputs: $2 two code bytes (low
+# 16 bits), $3 the bf16 scale twice; outputs: $0 the low nibbles' values (elements 0 and 2), $1 the high nibbles'
+# (1 and 3). The bytes spread to [0, b0, 0, b1] (prmt); each nibble's sign lands on bit 15 / 31 of a bf16 pair and
+# its three magnitude bits on bits 8:6 / 24:22 (shifts and masks): a bf16 of exponent field e and mantissa m,
+# 2^(e-127)·(1 + m/2) or, for e = 0, the subnormal m·2^-127, i.e. the E2M1 value times 2^-126; times 2^126 (bf16
+# 0x7E80) gives it exactly, times the scale (a power of two) rounds nothing: each fma with -0 keeps -0 and NaN.
+# 16 instructions for four values (the byte lookup above: 27 for eight, and its inputs assembled from two loads
+# where the dot operand layout gives a thread two contiguous bytes). tests/ops/test_moe_experts.py emulates it.
+E2M1_BF16_BITS_PTX = """
+{
+.reg .b32 q, t, a, b, k, nz, z0;
+mov.b32 z0, 0;
+mov.b32 k, 0x7E807E80;
+mov.b32 nz, 0x80008000;
+prmt.b32 q, $2, z0, 0x1404;
+shr.b32 t, q, 6;
+and.b32 t, t, 0x01C001C0;
+and.b32 a, q, 0x80008000;
+or.b32 a, a, t;
+shr.b32 t, q, 2;
+and.b32 t, t, 0x01C001C0;
+shl.b32 b, q, 4;
+and.b32 b, b, 0x80008000;
+or.b32 b, b, t;
+fma.rn.bf16x2 a, a, k, nz;
+fma.rn.bf16x2 b, b, k, nz;
+fma.rn.bf16x2 $1, a, $3, nz;
+fma.rn.bf16x2 $0, b, $3, nz;
+}
+"""
+E2M1_BF16_BITS = tl.constexpr(E2M1_BF16_BITS_PTX)
+
 
 @triton.jit
 def _e8m0_bf16(s):
@@ -187,25 +219,31 @@ def _mxfp4_halves(p_codes, p_scales, o_r, m_r, k0, K, s_cr, s_ck, s_sr, s_sk, R:
 
 
 @triton.jit
-def _mxfp4_raw(p_codes, p_scales, o_r, m_r, k0, K, s_cr, s_ck, s_sr, s_sk, BK: tl.constexpr):
-    """Rows ``o_r`` x logical columns [k0, k0 + BK) of an MXFP4 matrix as stored: codes [R, BK/2], scales [R, BK/32]."""
+def _mxfp4_raw(p_codes, p_scales, o_r, m_r, k0, K, s_cr, s_ck, s_sr, s_sk, BK: tl.constexpr, EVEN_K: tl.constexpr):
+    """Rows ``o_r`` x logical columns [k0, k0 + BK) of an MXFP4 matrix as stored: codes [R, BK/2], scales [R, BK/32].
+    EVEN_K (BK divides K): row-constant masks, so the scale bytes load as words (and pipeline)."""
     o_b = k0 // 2 + tl.arange(0, BK // 2)
     o_g = k0 // 32 + tl.arange(0, BK // 32)
-    b_c = tl.load(p_codes + o_r[:, None] * s_cr + o_b[None, :] * s_ck, mask=m_r[:, None] & (o_b < K // 2)[None, :],
-                  other=0, eviction_policy="evict_first")
-    b_s = tl.load(p_scales + o_r[:, None] * s_sr + o_g[None, :] * s_sk, mask=m_r[:, None] & (o_g < K // 32)[None, :],
-                  other=127, eviction_policy="evict_first")
+    if EVEN_K:
+        m_c = tl.broadcast_to(m_r[:, None], (o_r.shape[0], BK // 2))
+        m_s = tl.broadcast_to(m_r[:, None], (o_r.shape[0], BK // 32))
+    else:
+        m_c = m_r[:, None] & (o_b < K // 2)[None, :]
+        m_s = m_r[:, None] & (o_g < K // 32)[None, :]
+    b_c = tl.load(p_codes + o_r[:, None] * s_cr + o_b[None, :] * s_ck, mask=m_c, other=0, eviction_policy="evict_first")
+    b_s = tl.load(p_scales + o_r[:, None] * s_sr + o_g[None, :] * s_sk, mask=m_s, other=127,
+                  eviction_policy="evict_first")
     return b_c, b_s
 
 
 @triton.jit
 def _weight_tiles(p_w, p_s, o_r, m_r, k0, K, s_wr, s_wk, s_sr, s_sk, R: tl.constexpr, BK: tl.constexpr,
                   MXFP4: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr, DOTS: tl.constexpr,
-                  DTYPE: tl.constexpr):
+                  DTYPE: tl.constexpr, EVEN_K: tl.constexpr = False):
     """DOTS: an MXFP4 tile as stored (codes, scales) for ``tl.dot_scaled``; HALVES: its even and odd columns
     dequantised (``_mxfp4_halves``); else the whole tile in DTYPE, twice."""
     if DOTS:
-        return _mxfp4_raw(p_w, p_s, o_r, m_r, k0, K, s_wr, s_wk, s_sr, s_sk, BK)
+        return _mxfp4_raw(p_w, p_s, o_r, m_r, k0, K, s_wr, s_wk, s_sr, s_sk, BK, EVEN_K)
     elif HALVES:
         return _mxfp4_halves(p_w, p_s, o_r, m_r, k0, K, s_wr, s_wk, s_sr, s_sk, R, BK, DTYPE, ASM)
     else:
@@ -316,6 +354,73 @@ def _chunk_pairs(p_ids, p_order, e, start, c, count_rows, M, A, SORTED: tl.const
         return o_t * A + slot_of, tl.sum(nth.to(tl.int32), axis=1) > 0
 
 
+@triton.jit
+def _mxfp4_rows(p_wr, p_sr, m_r, k0, K, s_wk, s_sk, R: tl.constexpr, BK: tl.constexpr, DTYPE: tl.constexpr,
+                ASM: tl.constexpr, EVEN_K: tl.constexpr):
+    """The even and odd logical columns of [k0, k0 + BK) of MXFP4 rows (``p_wr`` / ``p_sr``: each row's first code
+    / scale byte, [R]), [R, BK/2] each in DTYPE; codes [R, groups, 16] and scales [R, groups] as stored, so both
+    loads are contiguous per row. ASM (bf16, a GPU): ``E2M1_BF16_BITS`` on code byte pairs. EVEN_K (BK divides K):
+    masks constant along a row, so the scale bytes load as words and pipeline."""
+    G: tl.constexpr = BK // 32
+    o_g = k0 // 32 + tl.arange(0, G)
+    if EVEN_K:
+        m_g = tl.broadcast_to(m_r[:, None], (R, G))
+    else:
+        m_g = m_r[:, None] & (o_g < K // 32)[None, :]
+    o_b = o_g[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+    b_c = tl.load(p_wr[:, None, None] + o_b * s_wk, mask=m_g[:, :, None], other=0,
+                  eviction_policy="evict_first")                                      # [R, G, 16] uint8
+    b_s = tl.load(p_sr[:, None] + o_g[None, :] * s_sk, mask=m_g, other=127, eviction_policy="evict_first")
+    if ASM:
+        b_sb = tl.broadcast_to(_e8m0_bf16(b_s)[:, :, None], (R, G, 16))
+        lo, hi = tl.inline_asm_elementwise(E2M1_BF16_BITS, "=r,=r,r,r", [b_c, b_sb],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
+        return tl.reshape(lo, (R, BK // 2)), tl.reshape(hi, (R, BK // 2))
+    else:
+        b_ci = b_c.to(tl.int32)
+        b_f = _e8m0(b_s)[:, :, None]
+        lo = tl.reshape(_e2m1(b_ci & 15) * b_f, (R, BK // 2))
+        hi = tl.reshape(_e2m1(b_ci >> 4) * b_f, (R, BK // 2))
+        return lo.to(DTYPE), hi.to(DTYPE)
+
+
+@triton.jit
+def _rows_tiles(p_wr, p_sr, m_r, k0, K, s_wk, s_sk, R: tl.constexpr, BK: tl.constexpr, MXFP4: tl.constexpr,
+                ASM: tl.constexpr, DTYPE: tl.constexpr, EVEN_K: tl.constexpr):
+    """Rows (each row's first element at ``p_wr``) x columns [k0, k0 + BK): MXFP4 as even/odd halves
+    (``_mxfp4_rows``), float weights as one tile, twice."""
+    if MXFP4:
+        return _mxfp4_rows(p_wr, p_sr, m_r, k0, K, s_wk, s_sk, R, BK, DTYPE, ASM, EVEN_K)
+    else:
+        o_k = k0 + tl.arange(0, BK)
+        m_w = m_r[:, None] if EVEN_K else m_r[:, None] & (o_k < K)[None, :]
+        b_w = tl.load(p_wr[:, None] + o_k[None, :] * s_wk, mask=m_w, other=0., eviction_policy="evict_first")
+        return b_w, b_w
+
+
+@triton.jit
+def _act_rows(p_rows, m_rows, k0, K, s_k, BM: tl.constexpr, BK: tl.constexpr, HALVES: tl.constexpr,
+              EVEN_K: tl.constexpr):
+    """Activation rows (pointers [BM, 1]) over columns [k0, k0 + BK), loaded contiguous (the load pipelines); with
+    HALVES split into the even and the odd columns in registers."""
+    o_k = k0 + tl.arange(0, BK)
+    m_x = m_rows if EVEN_K else m_rows & (o_k < K)[None, :]
+    b_x = tl.load(p_rows + o_k[None, :] * s_k, mask=m_x, other=0.)
+    if HALVES:
+        return tl.split(tl.reshape(b_x, (BM, BK // 2, 2)))
+    else:
+        return b_x, b_x
+
+
+@triton.jit
+def _rows_dot(acc, b_wa, b_wb, b_xa, b_xb, HALVES: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc [R, BM] + w · xᵀ`` (HALVES: the even columns' product plus the odd columns')."""
+    acc = _dot(acc, b_wa, b_xa, IEEE, UPCAST)
+    if HALVES:
+        acc = _dot(acc, b_wb, b_xb, IEEE, UPCAST)
+    return acc
+
+
 # --- kernels ----------------------------------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=["M"])
@@ -326,12 +431,14 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_A: tl.constexpr,
     SORTED: tl.constexpr, MXFP4: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr, DOTS: tl.constexpr,
     X_FMT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr, IEEE: tl.constexpr,
-    UPCAST: tl.constexpr, PDL: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     slot = tl.program_id(0)
     i_i = tl.program_id(1)
     if PDL:
         gdc_wait()   # z, the ids and the router weights are the previous kernels' outputs
+        if EARLY:
+            gdc_launch_dependents()   # after our own wait (static_weights.py, step 1)
     e, runs, start, chunks, count = _my_expert(p_ids, p_offsets, slot, M, A, SORTED, BLOCK_M, BLOCK_A)
     valid = (e >= 0) & (e < E)
     if runs & valid:
@@ -351,13 +458,13 @@ def _gate_up_kernel(
             acc_u = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
             for l0 in range(0, L, BLOCK_L):
                 b_w1a, b_w1b = _weight_tiles(p_w1e, p_s1e, o_i, m_i, l0, L, s_1i, s_1l, s_s1i, s_s1l, BLOCK_I,
-                                             BLOCK_L, MXFP4, HALVES, ASM, DOTS, dtype)
+                                             BLOCK_L, MXFP4, HALVES, ASM, DOTS, dtype, EVEN_K)
                 b_w3a, b_w3b = _weight_tiles(p_w3e, p_s3e, o_i, m_i, l0, L, s_3i, s_3l, s_s3i, s_s3l, BLOCK_I,
-                                             BLOCK_L, MXFP4, HALVES, ASM, DOTS, dtype)
+                                             BLOCK_L, MXFP4, HALVES, ASM, DOTS, dtype, EVEN_K)
                 b_za, b_zb = _act_tiles(p_zj, m_z, l0, L, s_zl, BLOCK_L, HALVES)
                 acc_g = _dot2(acc_g, b_za, b_zb, b_w1a, b_w1b, HALVES, DOTS, X_FMT, IEEE, UPCAST)
                 acc_u = _dot2(acc_u, b_za, b_zb, b_w3a, b_w3b, HALVES, DOTS, X_FMT, IEEE, UPCAST)
-            if PDL:
+            if PDL and not EARLY:
                 gdc_launch_dependents()   # after our own wait (static_weights.py, step 1); again is a no-op
             # the model rounds both products, then h, to z's dtype (model/moe.py experts_gathered)
             gate = acc_g.to(dtype).to(tl.float32)
@@ -375,6 +482,7 @@ def _down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_A: tl.constexpr,
     SORTED: tl.constexpr, MXFP4: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr, DOTS: tl.constexpr,
     X_FMT: tl.constexpr, PRELOAD: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+    EARLY: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     slot = tl.program_id(0)
     i_n = tl.program_id(1)
@@ -391,9 +499,11 @@ def _down_kernel(
         dtype = p_h.dtype.element_ty
         if PRELOAD:
             b_w0a, b_w0b = _weight_tiles(p_w2e, p_s2e, o_n, m_n, 0, I, s_2l, s_2i, s_s2l, s_s2i, BLOCK_N, BLOCK_K,
-                                         MXFP4, HALVES, ASM, DOTS, dtype)
+                                         MXFP4, HALVES, ASM, DOTS, dtype, EVEN_K)
         if PDL:
             gdc_wait()
+            if EARLY:
+                gdc_launch_dependents()   # after our own wait
         for c in range(0, chunks):
             pairs, m_j = _chunk_pairs(p_ids, p_order, e, start, c, count, M, A, SORTED, BLOCK_M, BLOCK_A)
             p_hj = p_h + pairs[:, None].to(tl.int64) * s_hp
@@ -402,13 +512,13 @@ def _down_kernel(
             k_start = BLOCK_K if PRELOAD else 0
             for k0 in range(k_start, I, BLOCK_K):
                 b_wa, b_wb = _weight_tiles(p_w2e, p_s2e, o_n, m_n, k0, I, s_2l, s_2i, s_s2l, s_s2i, BLOCK_N,
-                                           BLOCK_K, MXFP4, HALVES, ASM, DOTS, dtype)
+                                           BLOCK_K, MXFP4, HALVES, ASM, DOTS, dtype, EVEN_K)
                 b_ha, b_hb = _act_tiles(p_hj, m_hj, k0, I, 1, BLOCK_K, HALVES)
                 acc = _dot2(acc, b_ha, b_hb, b_wa, b_wb, HALVES, DOTS, X_FMT, IEEE, UPCAST)
             if PRELOAD:
                 b_ha, b_hb = _act_tiles(p_hj, m_hj, 0, I, 1, BLOCK_K, HALVES)
                 acc = _dot2(acc, b_ha, b_hb, b_w0a, b_w0b, HALVES, DOTS, X_FMT, IEEE, UPCAST)
-            if PDL:
+            if PDL and not EARLY:
                 gdc_launch_dependents()   # after our own wait
             # y rounded to z's dtype as the model's product is, then weighted in fp32
             wts = tl.load(p_wts + pairs, mask=m_j, other=0.).to(tl.float32)
@@ -417,6 +527,112 @@ def _down_kernel(
             o_nn = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
             m_o = m_j[:, None] & (o_nn < L)[None, :]
             tl.store(p_part + pairs[:, None].to(tl.int64) * L + o_nn[None, :], y, mask=m_o)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gate_up_rows_kernel(
+    p_z, p_ids, p_order, p_offsets, p_w1, p_w3, p_s1, p_s3, p_h,
+    M, A, E, I, L, beta, linear_beta,
+    s_zm, s_zl, s_1e, s_1i, s_3e, s_3i, s_wl, s_s1e, s_s1i, s_s3e, s_s3i, s_sl, s_hp,
+    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_A: tl.constexpr,
+    SORTED: tl.constexpr, MXFP4: tl.constexpr, ASM: tl.constexpr, HAS_BETA: tl.constexpr,
+    HAS_LINEAR_BETA: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """``_gate_up_kernel`` with the weights as the product's rows: ``BLOCK_I`` rows of w1 above the same rows of w3
+    in one [2·BLOCK_I, BLOCK_L] tile (one load of each kind a step, all pipelined), acc [2·BLOCK_I, BLOCK_M] =
+    w · zᵀ, then split into gate and up. w1 and w3 share their column strides (``s_wl``, scales ``s_sl``)."""
+    slot = tl.program_id(0)
+    i_i = tl.program_id(1)
+    if PDL:
+        gdc_wait()   # z, the ids and the router weights are the previous kernels' outputs
+        if EARLY:
+            gdc_launch_dependents()   # after our own wait (static_weights.py, step 1)
+    e, runs, start, chunks, count = _my_expert(p_ids, p_offsets, slot, M, A, SORTED, BLOCK_M, BLOCK_A)
+    valid = (e >= 0) & (e < E)
+    if runs & valid:
+        R: tl.constexpr = 2 * BLOCK_I
+        o_r = tl.arange(0, R)
+        is_up = o_r >= BLOCK_I
+        o_i = i_i * BLOCK_I + o_r % BLOCK_I
+        m_r = o_i < I
+        e64 = e.to(tl.int64)   # E·I·L may pass 2**31
+        p_wr = tl.where(is_up, p_w3 + e64 * s_3e + o_i * s_3i, p_w1 + e64 * s_1e + o_i * s_1i)
+        p_sr = tl.where(is_up, p_s3 + e64 * s_s3e + o_i * s_s3i, p_s1 + e64 * s_s1e + o_i * s_s1i)
+        dtype = p_z.dtype.element_ty
+        for c in range(0, chunks):   # one chunk unless more than BLOCK_M pairs chose e
+            pairs, m_j = _chunk_pairs(p_ids, p_order, e, start, c, count, M, A, SORTED, BLOCK_M, BLOCK_A)
+            p_zj = p_z + (pairs // A)[:, None] * s_zm
+            acc = tl.zeros([R, BLOCK_M], dtype=tl.float32)
+            for l0 in range(0, L, BLOCK_L):
+                b_wa, b_wb = _rows_tiles(p_wr, p_sr, m_r, l0, L, s_wl, s_sl, R, BLOCK_L, MXFP4, ASM, dtype, EVEN_K)
+                b_za, b_zb = _act_rows(p_zj, m_j[:, None], l0, L, s_zl, BLOCK_M, BLOCK_L, MXFP4, EVEN_K)
+                acc = _rows_dot(acc, b_wa, b_wb, b_za, b_zb, MXFP4, IEEE, UPCAST)
+            if PDL and not EARLY:
+                gdc_launch_dependents()   # after our own wait
+            # the model rounds both products, then h, to z's dtype (model/moe.py experts_gathered)
+            acc = acc.to(dtype).to(tl.float32)
+            gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_I, BLOCK_M)), (1, 2, 0)))   # [BLOCK_I, BLOCK_M]
+            b_h = _situ_glu(gate, up, beta, linear_beta, HAS_BETA, HAS_LINEAR_BETA)
+            o_ih = i_i * BLOCK_I + tl.arange(0, BLOCK_I)
+            tl.store(p_h + pairs[None, :].to(tl.int64) * s_hp + o_ih[:, None], b_h.to(dtype),
+                     mask=m_j[None, :] & (o_ih < I)[:, None])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _down_rows_kernel(
+    p_h, p_ids, p_order, p_offsets, p_wts, p_w2, p_s2, p_part,
+    M, A, E, I, L,
+    s_2e, s_2l, s_2i, s_s2e, s_s2l, s_s2i, s_hp,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_A: tl.constexpr,
+    SORTED: tl.constexpr, MXFP4: tl.constexpr, ASM: tl.constexpr, S_ALIGN: tl.constexpr, PRELOAD: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """``_down_kernel`` with w2's rows as the product's rows: acc [BLOCK_N, BLOCK_M] = w2 · hᵀ; the PDL order of
+    ``_down_kernel``. ``S_ALIGN``: a power of two dividing the scales' row stride (wider scale loads)."""
+    slot = tl.program_id(0)
+    i_n = tl.program_id(1)
+    e, runs, start, chunks, count = _my_expert(p_ids, p_offsets, slot, M, A, SORTED, BLOCK_M, BLOCK_A)
+    if runs:
+        valid = (e >= 0) & (e < E)
+        e64 = tl.where(valid, e, 0).to(tl.int64)
+        o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_n = (o_n < L) & valid
+        if S_ALIGN > 1:   # the host checked S_ALIGN divides it; spelled so Triton's alignment analysis sees it
+            s_s2l = (s_s2l // S_ALIGN) * S_ALIGN
+        p_wr = p_w2 + e64 * s_2e + o_n * s_2l
+        p_sr = p_s2 + e64 * s_s2e + o_n * s_s2l
+        dtype = p_h.dtype.element_ty
+        if PRELOAD:
+            b_w0a, b_w0b = _rows_tiles(p_wr, p_sr, m_n, 0, I, s_2i, s_s2i, BLOCK_N, BLOCK_K, MXFP4, ASM, dtype,
+                                       EVEN_K)
+        if PDL:
+            gdc_wait()
+            if EARLY:
+                gdc_launch_dependents()   # after our own wait
+        for c in range(0, chunks):
+            pairs, m_j = _chunk_pairs(p_ids, p_order, e, start, c, count, M, A, SORTED, BLOCK_M, BLOCK_A)
+            p_hj = p_h + pairs[:, None].to(tl.int64) * s_hp
+            m_hj = m_j[:, None] & valid   # an invalid expert wrote no h
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            k_start = BLOCK_K if PRELOAD else 0
+            for k0 in range(k_start, I, BLOCK_K):
+                b_wa, b_wb = _rows_tiles(p_wr, p_sr, m_n, k0, I, s_2i, s_s2i, BLOCK_N, BLOCK_K, MXFP4, ASM, dtype,
+                                         EVEN_K)
+                b_ha, b_hb = _act_rows(p_hj, m_hj, k0, I, 1, BLOCK_M, BLOCK_K, MXFP4, EVEN_K)
+                acc = _rows_dot(acc, b_wa, b_wb, b_ha, b_hb, MXFP4, IEEE, UPCAST)
+            if PRELOAD:
+                b_ha, b_hb = _act_rows(p_hj, m_hj, 0, I, 1, BLOCK_M, BLOCK_K, MXFP4, EVEN_K)
+                acc = _rows_dot(acc, b_w0a, b_w0b, b_ha, b_hb, MXFP4, IEEE, UPCAST)
+            if PDL and not EARLY:
+                gdc_launch_dependents()   # after our own wait
+            # y rounded to z's dtype as the model's product is, then weighted in fp32
+            wts = tl.load(p_wts + pairs, mask=m_j, other=0.).to(tl.float32)
+            y = acc.to(dtype).to(tl.float32) * wts[None, :]
+            y = tl.where(valid, y, float("nan"))   # an id outside [0, E): the token comes out NaN
+            o_nn = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            m_o = m_j[None, :] & (o_nn < L)[:, None]
+            tl.store(p_part + pairs[None, :].to(tl.int64) * L + o_nn[:, None], y, mask=m_o)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -468,6 +684,51 @@ def _strides3(t: Optional[torch.Tensor]) -> tuple:
     return tuple(t.stride()) if t is not None else (0, 0, 0)
 
 
+def _rows_fit(w1, w3, w1_scale, w3_scale) -> bool:
+    """The stacked gate/up tile reads w1 and w3 rows with one column stride (and one for their scales)."""
+    return w1.stride(2) == w3.stride(2) and (w1_scale is None or w1_scale.stride(2) == w3_scale.stride(2))
+
+
+def _pow2_dividing(n: int, cap: int = 16) -> int:
+    p = 1
+    while p < cap and n % (2 * p) == 0:
+        p *= 2
+    return p
+
+
+def _launch_rows(z, ids, order, offsets, wts, w1, w3, w2, w1_scale, w3_scale, w2_scale, h, part, beta, linear_beta,
+                 slots, block_m, block_a, n_tiles, sorted_form, mxfp4, asm, ieee, upcast, pdl, early, config, launch,
+                 only):
+    """The gate/up and down kernels of the ``weight_rows`` form (``MoeConfig.weight_rows``)."""
+    m, l = z.shape
+    a = ids.numel() // m
+    e_count, i_width = w1.shape[0], w1.shape[1]
+    s1, s3, s2 = (w1_scale, w3_scale, w2_scale) if mxfp4 else (w1, w3, w2)   # placeholders when float
+    ss1, ss3, ss2 = (_strides3(w1_scale), _strides3(w3_scale), _strides3(w2_scale)) if mxfp4 else ((0, 0, 0),) * 3
+    if only in (None, "gate_up"):
+        _gate_up_rows_kernel[(slots, triton.cdiv(i_width, config.block_i))](
+            z, ids, order, offsets, w1, w3, s1, s3, h,
+            m, a, e_count, i_width, l, float(beta or 0.0), float(linear_beta or 0.0),
+            z.stride(0), z.stride(1), w1.stride(0), w1.stride(1), w3.stride(0), w3.stride(1), w1.stride(2),
+            ss1[0], ss1[1], ss3[0], ss3[1], ss1[2], h.stride(0),
+            BLOCK_M=block_m, BLOCK_I=config.block_i, BLOCK_L=config.block_l, BLOCK_A=block_a, SORTED=sorted_form,
+            MXFP4=mxfp4, ASM=asm, HAS_BETA=beta is not None, HAS_LINEAR_BETA=linear_beta is not None, IEEE=ieee,
+            UPCAST=upcast, PDL=pdl, EARLY=early, EVEN_K=l % config.block_l == 0, num_warps=config.warps_up,
+            num_stages=config.stages_up, **launch,
+        )
+    if only in (None, "down"):
+        _down_rows_kernel[(slots, n_tiles)](
+            h, ids, order, offsets, wts, w2, s2, part,
+            m, a, e_count, i_width, l,
+            *w2.stride(), *ss2, h.stride(0),
+            BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_A=block_a, SORTED=sorted_form,
+            MXFP4=mxfp4, ASM=asm, S_ALIGN=_pow2_dividing(ss2[1]) if mxfp4 and z.is_cuda else 1,
+            PRELOAD=config.preload, IEEE=ieee, UPCAST=upcast, PDL=pdl, EARLY=early,
+            EVEN_K=i_width % config.block_k == 0, num_warps=config.warps_down,
+            num_stages=config.stages_down, **launch,
+        )
+
+
 def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
                        w3: torch.Tensor, w2: torch.Tensor, w1_scale: Optional[torch.Tensor] = None,
                        w3_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
@@ -516,12 +777,19 @@ def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Te
     # Triton's scaled product: bf16 / fp16 z on a GPU (the interpreter lacks it: there the halves below)
     dots = mxfp4 and config.mxfp4_dot_scaled and on_gpu and z.dtype != torch.float32
     halves = mxfp4 and not dots and (config.mxfp4_halves or config.mxfp4_dot_scaled)
-    # the PTX lookup: bf16 on an NVIDIA GPU (the interpreter runs no inline assembly)
-    asm = halves and config.mxfp4_asm and on_gpu and not is_rocm() and z.dtype == torch.bfloat16
+    # the PTX conversions: bf16 on an NVIDIA GPU (the interpreter runs no inline assembly)
+    ptx_ok = config.mxfp4_asm and on_gpu and not is_rocm() and z.dtype == torch.bfloat16
+    asm = halves and ptx_ok
     x_fmt = "bf16" if z.dtype == torch.bfloat16 else "fp16"
+    rows = config.weight_rows and _rows_fit(w1, w3, w1_scale, w3_scale)
+    early = pdl and config.trigger_early
     on_device = torch.cuda.device(z.device) if on_gpu else contextlib.nullcontext()
     with on_device:
-        if only in (None, "gate_up"):
+        if rows:
+            _launch_rows(z, ids, order, offsets, wts, w1, w3, w2, w1_scale, w3_scale, w2_scale, h, part, beta,
+                         linear_beta, slots, block_m, block_a, n_tiles, sorted_form, mxfp4, mxfp4 and ptx_ok, ieee,
+                         upcast, pdl, early, config, launch, only)
+        if only in (None, "gate_up") and not rows:
             _gate_up_kernel[(slots, triton.cdiv(i_width, config.block_i))](
                 z, ids, order, offsets, w1, w3, s1, s3, h,
                 m, a, e_count, i_width, l, float(beta or 0.0), float(linear_beta or 0.0),
@@ -531,10 +799,10 @@ def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Te
                 BLOCK_M=block_m, BLOCK_I=config.block_i, BLOCK_L=config.block_l, BLOCK_A=block_a,
                 SORTED=sorted_form, MXFP4=mxfp4, HALVES=halves, ASM=asm, DOTS=dots, X_FMT=x_fmt,
                 HAS_BETA=beta is not None,
-                HAS_LINEAR_BETA=linear_beta is not None, IEEE=ieee, UPCAST=upcast, PDL=pdl,
-                num_warps=config.warps_up, num_stages=config.stages_up, **launch,
+                HAS_LINEAR_BETA=linear_beta is not None, IEEE=ieee, UPCAST=upcast, PDL=pdl, EARLY=early,
+                EVEN_K=dots and l % config.block_l == 0, num_warps=config.warps_up, num_stages=config.stages_up, **launch,
             )
-        if only in (None, "down"):
+        if only in (None, "down") and not rows:
             _down_kernel[(slots, n_tiles)](
                 h, ids, order, offsets, wts, w2, s2, part,
                 m, a, e_count, i_width, l,
@@ -542,7 +810,9 @@ def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Te
                 BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_A=block_a,
                 SORTED=sorted_form, MXFP4=mxfp4, HALVES=halves, ASM=asm, DOTS=dots, X_FMT=x_fmt,
                 PRELOAD=config.preload,
-                IEEE=ieee, UPCAST=upcast, PDL=pdl, num_warps=config.warps_down, num_stages=config.stages_down,
+                IEEE=ieee, UPCAST=upcast, PDL=pdl, EARLY=early, EVEN_K=dots and i_width % config.block_k == 0,
+                num_warps=config.warps_down,
+                num_stages=config.stages_down,
                 **launch,
             )
         if only in (None, "combine"):
