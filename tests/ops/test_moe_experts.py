@@ -513,7 +513,7 @@ def test_gpu_id_outside_range_poisons_only_its_token():
 # the PTX lookup (triton.E2M1_BF16_PTX), emulated instruction by instruction
 
 def _run_ptx(asm: str, regs: dict) -> dict:
-    """Execute the straight-line PTX of ``asm`` (mov, and, or, shl, shr, prmt, fma.rn.bf16x2 on .b32) on ``regs``
+    """Execute the straight-line PTX of ``asm`` (mov, and, or, shl, shr, mul.hi/lo, prmt, fma.rn.bf16x2) on ``regs``
     ({"$4": value, ...}); returns every register."""
     def val(op):
         op = op.strip()
@@ -539,6 +539,10 @@ def _run_ptx(asm: str, regs: dict) -> dict:
             r = (a[0] << a[1]) & 0xFFFFFFFF
         elif op == "shr.b32":
             r = a[0] >> a[1]
+        elif op == "mul.hi.u32":
+            r = (a[0] * a[1]) >> 32
+        elif op == "mul.lo.u32":
+            r = (a[0] * a[1]) & 0xFFFFFFFF
         elif op == "prmt.b32":
             pool = [(a[0] >> 8 * k) & 0xFF for k in range(4)] + [(a[1] >> 8 * k) & 0xFF for k in range(4)]
             sel = [(a[2] >> 4 * i) & 0xF for i in range(4)]

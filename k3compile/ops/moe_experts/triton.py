@@ -156,8 +156,10 @@ E2M1_BF16_ASM = tl.constexpr(E2M1_BF16_PTX)   # a jit function reads globals onl
 # its three magnitude bits on bits 8:6 / 24:22 (shifts and masks): a bf16 of exponent field e and mantissa m,
 # 2^(e-127)·(1 + m/2) or, for e = 0, the subnormal m·2^-127, i.e. the E2M1 value times 2^-126; times 2^126 (bf16
 # 0x7E80) gives it exactly, times the scale (a power of two) rounds nothing: each fma with -0 keeps -0 and NaN.
-# 16 instructions for four values (the byte lookup above: 27 for eight, and its inputs assembled from two loads
-# where the dot operand layout gives a thread two contiguous bytes). tests/ops/test_moe_experts.py emulates it.
+# The shifts are spelled as multiplies (mul.hi by 2^26 is >> 6), which ptxas issues on the FMA pipe: of the 13
+# instructions left for four values, 5 use the integer pipe (prmt, 4 lop3), the one an MXFP4 GEMV saturates (the
+# byte lookup above: 27 for eight values, its inputs assembled from two loads where the dot operand layout gives a
+# thread two contiguous bytes). tests/ops/test_moe_experts.py emulates it.
 E2M1_BF16_BITS_PTX = """
 {
 .reg .b32 q, t, a, b, k, nz, z0;
@@ -165,13 +167,13 @@ mov.b32 z0, 0;
 mov.b32 k, 0x7E807E80;
 mov.b32 nz, 0x80008000;
 prmt.b32 q, $2, z0, 0x1404;
-shr.b32 t, q, 6;
+mul.hi.u32 t, q, 0x04000000;
 and.b32 t, t, 0x01C001C0;
 and.b32 a, q, 0x80008000;
 or.b32 a, a, t;
-shr.b32 t, q, 2;
+mul.hi.u32 t, q, 0x40000000;
 and.b32 t, t, 0x01C001C0;
-shl.b32 b, q, 4;
+mul.lo.u32 b, q, 16;
 and.b32 b, b, 0x80008000;
 or.b32 b, b, t;
 fma.rn.bf16x2 a, a, k, nz;
@@ -798,9 +800,9 @@ def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Te
                 h.stride(0),
                 BLOCK_M=block_m, BLOCK_I=config.block_i, BLOCK_L=config.block_l, BLOCK_A=block_a,
                 SORTED=sorted_form, MXFP4=mxfp4, HALVES=halves, ASM=asm, DOTS=dots, X_FMT=x_fmt,
-                HAS_BETA=beta is not None,
-                HAS_LINEAR_BETA=linear_beta is not None, IEEE=ieee, UPCAST=upcast, PDL=pdl, EARLY=early,
-                EVEN_K=dots and l % config.block_l == 0, num_warps=config.warps_up, num_stages=config.stages_up, **launch,
+                HAS_BETA=beta is not None, HAS_LINEAR_BETA=linear_beta is not None, IEEE=ieee, UPCAST=upcast,
+                PDL=pdl, EARLY=early, EVEN_K=dots and l % config.block_l == 0, num_warps=config.warps_up,
+                num_stages=config.stages_up, **launch,
             )
         if only in (None, "down") and not rows:
             _down_kernel[(slots, n_tiles)](
