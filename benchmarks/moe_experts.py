@@ -64,13 +64,15 @@ DEVICE = "cpu" if SMOKE else "cuda"
 
 # The configurations --sweep-m times (tune picks among them; docs/tuning/moe_experts.md, run 3, predicts each).
 # bf16: the defaults (run 2: 42.9 / 436.8 us at M = 1 / 16), then PDL's early trigger (the down kernel's programs
-# resident and preloading w2 while gate/up streams), the whole-K down tile preloaded before the wait, fatter down
-# programs, and the weight rows form (weights as the products' rows: wgmma, every K-loop load pipelined).
+# resident and preloading w2 while gate/up streams), fatter or thinner down programs, the weight rows form (weights
+# as the products' rows: wgmma, every K-loop load pipelined), and the down product with the combine in one kernel
+# (a program per token and column tile streaming its A experts in one pipelined loop: no partials, no third launch).
 _EARLY = dict(trigger_early=True)
 _ROWS = dict(weight_rows=True, trigger_early=True)
-SWEEP = [MoeConfig(), MoeConfig(**_EARLY), MoeConfig(block_n=32, block_k=512, stages_down=1, **_EARLY),
-         MoeConfig(block_n=128, warps_down=8, **_EARLY), MoeConfig(block_n=32, **_EARLY), MoeConfig(**_ROWS),
-         MoeConfig(block_i=16, **_ROWS), MoeConfig(block_n=32, block_k=512, stages_down=1, **_ROWS)]
+_TOKEN = dict(down_by_token=True, trigger_early=True, block_n=16, stages_down=8)
+SWEEP = [MoeConfig(), MoeConfig(**_EARLY), MoeConfig(block_n=128, warps_down=8, **_EARLY),
+         MoeConfig(block_n=32, **_EARLY), MoeConfig(**_ROWS), MoeConfig(block_i=16, **_ROWS), MoeConfig(**_TOKEN),
+         MoeConfig(**dict(_TOKEN, block_n=32, stages_down=6)), MoeConfig(weight_rows=True, **_TOKEN)]
 # MXFP4 (bf16 z): the table's pick (halves + byte lookup, run 2: 106.6 / 898.0 us with the in-kernel combine since
 # removed), tl.dot_scaled (never timed; its scale bytes now load as words), and the weight rows form with the
 # bit-move conversion (E2M1_BF16_BITS): R = 2·block_i rows of w1/w3 and block_n rows of w2 a wgmma tile

@@ -94,14 +94,22 @@ def test_triton_mxfp4_matches_reference(m, a, e, i, l, dtype, routing, limit, ha
 @given(m=st.integers(1, 5), a=st.integers(1, 3), e=st.integers(1, 6), i=st.sampled_from([32, 48, 96]),
        l=st.sampled_from([32, 64, 96]), dtype=st.sampled_from(list(DTYPES)), mxfp4=st.booleans(),
        routing=st.sampled_from(["random", "skewed", "repeat", "one"]), limit=st.sampled_from([1, 16]),
-       tiles=st.sampled_from(["even", "ragged"]), seed=st.integers(0, 2**16))
-@example(m=1, a=3, e=6, i=96, l=64, dtype="bf16", mxfp4=True, routing="random", limit=16, tiles="even", seed=0)
-@example(m=4, a=2, e=3, i=48, l=64, dtype="fp32", mxfp4=False, routing="repeat", limit=1, tiles="ragged", seed=1)
-@example(m=3, a=3, e=2, i=96, l=96, dtype="fp16", mxfp4=True, routing="one", limit=16, tiles="ragged", seed=2)
-def test_triton_weight_rows_matches_reference(m, a, e, i, l, dtype, mxfp4, routing, limit, tiles, seed):
+       tiles=st.sampled_from(["even", "ragged"]), rows=st.booleans(), by_token=st.booleans(),
+       seed=st.integers(0, 2**16))
+@example(m=1, a=3, e=6, i=96, l=64, dtype="bf16", mxfp4=True, routing="random", limit=16, tiles="even", rows=True,
+         by_token=False, seed=0)
+@example(m=4, a=2, e=3, i=48, l=64, dtype="fp32", mxfp4=False, routing="repeat", limit=1, tiles="ragged", rows=True,
+         by_token=True, seed=1)
+@example(m=3, a=3, e=2, i=96, l=96, dtype="fp16", mxfp4=True, routing="one", limit=16, tiles="ragged", rows=False,
+         by_token=True, seed=2)
+@example(m=5, a=3, e=4, i=48, l=32, dtype="bf16", mxfp4=False, routing="repeat", limit=16, tiles="even", rows=True,
+         by_token=True, seed=3)
+def test_triton_weight_rows_matches_reference(m, a, e, i, l, dtype, mxfp4, routing, limit, tiles, rows, by_token,
+                                              seed):
     """``MoeConfig.weight_rows``: w1 and w3 rows stacked in one tile, the weights as the products' rows, z split into
-    even and odd columns in registers (MXFP4); decode and sorted forms; steps that divide the widths (the row-constant
-    masks of EVEN_K) and steps that do not (64 columns over I = 48 or 96, L = 96)."""
+    even and odd columns in registers (MXFP4); ``down_by_token``: the down product and the combine in one kernel
+    (decode form; the sorted form keeps the combine); decode and sorted forms; steps that divide the widths (the
+    row-constant masks of EVEN_K) and steps that do not (64 columns over I = 48 or 96, L = 96)."""
     if routing in ("random", "skewed") and a > e:
         a = e
     if mxfp4 and i % 32:
@@ -110,9 +118,10 @@ def test_triton_weight_rows_matches_reference(m, a, e, i, l, dtype, mxfp4, routi
     args = moe_experts_inputs(m, a, e, i, l, dt, routing, mxfp4=mxfp4, seed=seed)
     step = 32 if tiles == "even" else 64
     config = MoeConfig(block_i=16, block_l=step, block_n=16, block_k=step, stages_up=1, stages_down=1,
-                       weight_rows=True, trigger_early=True)
+                       weight_rows=rows, trigger_early=True, down_by_token=by_token)
     out = run_triton(args, small_m_limit=limit, config=config)
-    assert rel_err(out, truth(args)) < TOL[dt], f"M{m}-A{a}-E{e}-I{i}-L{l}-{dtype}-mx{mxfp4}-{routing}-lim{limit}"
+    assert rel_err(out, truth(args)) < TOL[dt], \
+        f"M{m}-A{a}-E{e}-I{i}-L{l}-{dtype}-mx{mxfp4}-{routing}-lim{limit}-rows{rows}-token{by_token}"
 
 
 def test_triton_weight_rows_strided_up_falls_back():
@@ -129,15 +138,17 @@ def test_triton_other_activations(betas):
     assert rel_err(run_triton(args, betas), truth(args, betas)) < TOL[torch.float32]
 
 
-@pytest.mark.parametrize("limit", [16, 1], ids=["decode", "sorted"])
-def test_triton_id_outside_range_poisons_only_its_token(limit):
+@pytest.mark.parametrize("limit,config", [(16, None), (1, None), (16, MoeConfig(weight_rows=True)),
+                                          (16, MoeConfig(down_by_token=True))],
+                         ids=["decode", "sorted", "decode-rows", "decode-by-token"])
+def test_triton_id_outside_range_poisons_only_its_token(limit, config):
     """An id of -1 or E reads no weight: the tokens holding one come out NaN, the others exact."""
     args = list(moe_experts_inputs(4, 2, 5, 24, 40, torch.float32, seed=4))
     experts = args[1].clone()
     experts[1, 0], experts[2, 1] = -1, 5
     args[1] = experts
     out = torch.full_like(args[0], 7.0)
-    moe_experts_triton(*args, *K3_BETAS, out=out, small_m_limit=limit)
+    moe_experts_triton(*args, *K3_BETAS, out=out, small_m_limit=limit, config=config)
     assert out[1].isnan().all() and out[2].isnan().all()
     good = [0, 3]
     ref = moe_experts_ref(args[0][good], args[1][good], args[2][good], *args[3:], *K3_BETAS)
@@ -314,7 +325,7 @@ for name, flavour in json.loads(sys.argv[1]).items():
     options = dict(num_warps=flavour.pop("num_warps", 4), num_stages=flavour.pop("num_stages", 3))
     const = dict(BLOCK_M=16, BLOCK_A=16, SORTED=False, MXFP4=False, HALVES=False, ASM=False, DOTS=False,
                  X_FMT="fp16" if dtype == "fp16" else "bf16", IEEE=dtype == "fp32",
-                 UPCAST=False, PDL=True, EARLY=False, EVEN_K=False, S_ALIGN=1)
+                 UPCAST=False, PDL=True, EARLY=False, EVEN_K=False, S_ALIGN=1, BLOCK_N=64, BLOCK_K=128)
     # unit inner strides as Triton specialises them at a launch (the loads vectorise)
     const.update(dict(BLOCK_I=32, BLOCK_L=128, HAS_BETA=True, HAS_LINEAR_BETA=True, s_zl=1, s_1l=1, s_3l=1, s_s1l=1,
                       s_s3l=1, s_wl=1, s_sl=1) if kind.startswith("gate_up")
@@ -379,6 +390,8 @@ PTX_FLAVOURS = {
     "down_rows-bf16-mxfp4-bits": dict(kernel="down_rows", dtype="bf16", ASM=True, EARLY=True, EVEN_K=True,
                                       S_ALIGN=4, BLOCK_N=128, **_MX_DOWN),
     "gate_up_rows-fp16-mxfp4-sorted": dict(kernel="gate_up_rows", dtype="fp16", MXFP4=True, SORTED=True),
+    # down_by_token: the down product and the combine in one kernel
+    "down_token-bf16": dict(kernel="down_token", dtype="bf16", EARLY=True, EVEN_K=True, BLOCK_N=16, num_stages=8),
 }
 
 
@@ -402,12 +415,12 @@ def test_pdl_order_in_sm90_ptx(sm90_ptx, flavour):
     assert not any(op in line for line in before for op in ("st.global", "atom.global", "red.global"))
     if flavour.startswith("gate_up"):
         assert not any("ld.global" in line for line in before)
-    if "-early" in flavour or flavour.startswith(("gate_up_rows-bf16", "down_rows-bf16")) and "sorted" not in flavour:
+    if "-early" in flavour or flavour.startswith(("gate_up_rows-bf16", "down_rows-bf16", "down_token")):
         # trigger_early: the trigger follows the wait with no load between (the next kernel launches at once)
         assert not any("ld.global" in line or "cp.async" in line for line in ptx[min(wait):min(trigger)])
 
 
-@pytest.mark.parametrize("flavour", sorted(f for f in PTX_FLAVOURS if "_rows" in f or "whole-k" in f))
+@pytest.mark.parametrize("flavour", sorted(f for f in PTX_FLAVOURS if "_rows" in f or "_token" in f or "whole-k" in f))
 def test_candidates_sm90_loads_pipelined_no_spills(sm90_ptx, flavour):
     """The sweep's new candidates as ptxas sees them: no spills; the weight rows form pipelines every load of its K
     loop through cp.async (16-byte weight copies, the scale bytes as words: no byte loads left in the loop); the
@@ -471,7 +484,8 @@ def test_gpu_other_dtypes(dtype):
 
 GRAPH_CONFIGS = {"table": None, "early": MoeConfig(trigger_early=True),
                  "whole-k-early": MoeConfig(block_n=32, block_k=512, stages_down=1, trigger_early=True),
-                 "rows-early": MoeConfig(weight_rows=True, trigger_early=True)}
+                 "rows-early": MoeConfig(weight_rows=True, trigger_early=True),
+                 "by-token-early": MoeConfig(down_by_token=True, block_n=16, stages_down=8, trigger_early=True)}
 
 
 @pytest.mark.gpu

@@ -40,6 +40,9 @@ class MoeConfig:
     # PDL: each kernel lets the next launch right after its own wait instead of after its K loop, so the next
     # kernel's programs are resident and stream their static weights (preload) while this one still runs
     trigger_early: bool = False
+    # decode form: the down product and the combine in one kernel, a program per (token, block_n columns) looping
+    # over the token's slots in order (no partials, no combine launch; an expert two tokens chose is read twice)
+    down_by_token: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_i", "block_l", "block_n", "block_k"):
@@ -54,7 +57,8 @@ class MoeConfig:
                 f"-n{self.block_n}-k{self.block_k}-w{self.warps_down}s{self.stages_down}"
                 f"{'-pre' if self.preload else ''}{'-halves' if self.mxfp4_halves else ''}"
                 f"{'-asm' if self.mxfp4_asm else ''}{'-dots' if self.mxfp4_dot_scaled else ''}"
-                f"{'-rows' if self.weight_rows else ''}{'-early' if self.trigger_early else ''}")
+                f"{'-rows' if self.weight_rows else ''}{'-early' if self.trigger_early else ''}"
+                f"{'-bytoken' if self.down_by_token else ''}")
 
 
 def tuned_config(table: dict, m: int, dtype: torch.dtype, mxfp4: bool, i: int, l: int) -> Optional[MoeConfig]:

@@ -25,15 +25,28 @@ How a program finds its expert's pairs (CUDA-graph capturable: no host sync, no 
 Every pair is covered by exactly one program, whatever the ids (duplicates within a token, every token on one
 expert). An id outside [0, E) reads no weight: its pairs' partials are NaN, so those tokens come out NaN.
 
+Other forms of the same math (``config.MoeConfig`` picks; ``benchmarks/moe_experts.py`` measures them):
+
+- ``weight_rows``: ``_gate_up_rows_kernel`` / ``_down_rows_kernel`` take the weights as the products' rows
+  (acc [weight rows, tokens] = w · zᵀ: the weights fill the MMA's 64-row side, a wgmma on sm_90, where the tokens
+  left 15 of 16 rows empty at M = 1); gate/up stacks ``BLOCK_I`` rows of w1 over the same rows of w3 in one tile;
+  z is loaded contiguous and (MXFP4) split into even and odd columns in registers, so every load of the K loop
+  pipelines (cp.async);
+- ``down_by_token`` (decode): ``_down_token_kernel`` does the down product and the combine, a program per (token,
+  n-tile) streaming the token's A experts in slot order: no partials and no third launch.
+
 MXFP4 weights: codes and scales are loaded as bytes and dequantised in registers to z's dtype, exactly as
 ``model/moe.py`` dequantises them, before the products: interleaved into one tile (``_mxfp4_tile``), or as even and
-odd columns (``_mxfp4_halves``; on an NVIDIA GPU in bf16 through byte lookups in PTX, ``E2M1_BF16_PTX``), or left
-to Triton's ``tl.dot_scaled`` (``MoeConfig.mxfp4_dot_scaled``, a GPU only: the interpreter lacks it).
+odd columns (``_mxfp4_halves``; on an NVIDIA GPU in bf16 through byte lookups in PTX, ``E2M1_BF16_PTX``; in the
+weight rows form by bit moves, ``E2M1_BF16_BITS_PTX``), or left to Triton's ``tl.dot_scaled``
+(``MoeConfig.mxfp4_dot_scaled``, a GPU only: the interpreter lacks it).
 
 PDL (sm_90+): the gate/up kernel waits before reading anything and lets the down kernel launch after its loop;
 the down kernel reads the ids, the router weights and its first ``w2`` tile before its wait (the gate/up kernel
 triggers only after its own wait, so every kernel before it has completed: only ``h`` is the gate/up kernel's),
-and lets the next kernel launch after its loop.
+and lets the next kernel launch after its loop. ``trigger_early``: each kernel triggers right after its own wait
+instead, so the next kernel's programs are resident (and the down kernel's first w2 tile loaded) while this one
+streams; still after the wait, so the argument above holds.
 """
 from __future__ import annotations
 
@@ -638,6 +651,66 @@ def _down_rows_kernel(
 
 
 @triton.jit(do_not_specialize=["M"])
+def _down_token_kernel(
+    p_h, p_ids, p_wts, p_w2, p_s2, p_out,
+    M, A, E, I, L,
+    s_2e, s_2l, s_2i, s_s2e, s_s2l, s_s2i, s_hp, s_om, s_ol,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_A: tl.constexpr, MXFP4: tl.constexpr, ASM: tl.constexpr,
+    S_ALIGN: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """Decode form, the down product and the combine in one kernel (``MoeConfig.down_by_token``): program (token m,
+    n-tile) streams w2[e] rows [BLOCK_N, I] for each of the token's A slots in slot order, one flat loop over
+    (slot, k step) so the pipeline never drains between slots; acc [BLOCK_N, 16] = w2 · hᵀ with the pair's h row in
+    column 0 (the other 15 masked to zero), y rounded to z's dtype, weighted in fp32 and added to the token's sum,
+    which is stored once: no partials, no combine kernel, the same fixed order on every run. A token's experts are
+    read once for that token (tokens sharing an expert read it again; at M = 1 none do). A token holding an id
+    outside [0, E) comes out NaN, reading no weight for it."""
+    m = tl.program_id(0)
+    i_n = tl.program_id(1)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < L
+    row0 = (tl.arange(0, 16) == 0)[:, None]   # h's rows in the product: this pair's in row 0
+    k_steps = tl.cdiv(I, BLOCK_K)
+    if S_ALIGN > 1:   # the host checked S_ALIGN divides it; spelled so Triton's alignment analysis sees it
+        s_s2l = (s_s2l // S_ALIGN) * S_ALIGN
+    dtype = p_h.dtype.element_ty
+    # the token's router weights in registers (a load in the loop would wait out its latency every slot: only loads
+    # feeding the product pipeline); ids and weights are inputs of the op, readable before the wait
+    o_a = tl.arange(0, BLOCK_A)
+    wts = tl.load(p_wts + m * A + o_a, mask=o_a < A, other=0.).to(tl.float32)
+    if PDL:
+        gdc_wait()   # h is the gate/up kernel's output
+        if EARLY:
+            gdc_launch_dependents()   # after our own wait
+    acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    total = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    bad = m < 0
+    for it in range(0, A * k_steps):
+        a = it // k_steps
+        k0 = (it - a * k_steps) * BLOCK_K
+        pair = m * A + a
+        e = tl.load(p_ids + pair)
+        valid = (e >= 0) & (e < E)
+        e64 = tl.where(valid, e, 0).to(tl.int64)
+        b_wa, b_wb = _rows_tiles(p_w2 + e64 * s_2e + o_n * s_2l, p_s2 + e64 * s_s2e + o_n * s_s2l, m_n & valid, k0, I,
+                                 s_2i, s_s2i, BLOCK_N, BLOCK_K, MXFP4, ASM, dtype, EVEN_K)
+        b_ha, b_hb = _act_rows(p_h + pair.to(tl.int64) * s_hp + tl.zeros([16, 1], dtype=tl.int32), row0 & valid, k0,
+                               I, 1, 16, BLOCK_K, MXFP4, EVEN_K)
+        acc = _rows_dot(acc, b_wa, b_wb, b_ha, b_hb, MXFP4, IEEE, UPCAST)
+        # the slot's last step: y rounded to z's dtype as the model's product is, weighted in fp32, summed in order
+        last = k0 + BLOCK_K >= I
+        wt = tl.sum(tl.where(o_a == a, wts, 0.), axis=0)
+        total = tl.where(last, total + acc.to(dtype).to(tl.float32) * wt, total)
+        acc = tl.where(last, 0., acc)
+        bad = bad | (valid == 0)
+    if PDL and not EARLY:
+        gdc_launch_dependents()   # after our own wait
+    out = tl.where(bad, float("nan"), tl.sum(total, axis=1))   # column 0 only is non-zero
+    tl.store(p_out + m * s_om + o_n * s_ol, out.to(p_out.dtype.element_ty), mask=m_n)
+
+
+@triton.jit(do_not_specialize=["M"])
 def _combine_kernel(p_part, p_ids, p_out, M, A, E, L, s_om, s_ol, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr,
                     PDL: tl.constexpr):
     """out[m, n-tile] = Σ_a partial[m·A + a] in slot order (fp32, [A, BLOCK_N] in one load), NaN where an id of the
@@ -698,16 +771,18 @@ def _pow2_dividing(n: int, cap: int = 16) -> int:
     return p
 
 
-def _launch_rows(z, ids, order, offsets, wts, w1, w3, w2, w1_scale, w3_scale, w2_scale, h, part, beta, linear_beta,
-                 slots, block_m, block_a, n_tiles, sorted_form, mxfp4, asm, ieee, upcast, pdl, early, config, launch,
-                 only):
-    """The gate/up and down kernels of the ``weight_rows`` form (``MoeConfig.weight_rows``)."""
+def _launch_rows(z, ids, order, offsets, wts, w1, w3, w2, w1_scale, w3_scale, w2_scale, h, part, out, beta,
+                 linear_beta, slots, block_m, block_a, n_tiles, sorted_form, mxfp4, asm, ieee, upcast, pdl, early,
+                 config, launch, gate_up, down, by_token):
+    """The gate/up and down kernels of the ``weight_rows`` form (``MoeConfig.weight_rows``; ``gate_up`` / ``down``:
+    which), and the down kernel of ``MoeConfig.down_by_token`` (into ``out``, no combine after it)."""
     m, l = z.shape
     a = ids.numel() // m
     e_count, i_width = w1.shape[0], w1.shape[1]
     s1, s3, s2 = (w1_scale, w3_scale, w2_scale) if mxfp4 else (w1, w3, w2)   # placeholders when float
     ss1, ss3, ss2 = (_strides3(w1_scale), _strides3(w3_scale), _strides3(w2_scale)) if mxfp4 else ((0, 0, 0),) * 3
-    if only in (None, "gate_up"):
+    s_align = _pow2_dividing(ss2[1]) if mxfp4 and z.is_cuda else 1
+    if gate_up:
         _gate_up_rows_kernel[(slots, triton.cdiv(i_width, config.block_i))](
             z, ids, order, offsets, w1, w3, s1, s3, h,
             m, a, e_count, i_width, l, float(beta or 0.0), float(linear_beta or 0.0),
@@ -718,15 +793,24 @@ def _launch_rows(z, ids, order, offsets, wts, w1, w3, w2, w1_scale, w3_scale, w2
             UPCAST=upcast, PDL=pdl, EARLY=early, EVEN_K=l % config.block_l == 0, num_warps=config.warps_up,
             num_stages=config.stages_up, **launch,
         )
-    if only in (None, "down"):
+    if down and by_token:
+        _down_token_kernel[(m, n_tiles)](
+            h, ids, wts, w2, s2, out,
+            m, a, e_count, i_width, l,
+            *w2.stride(), *ss2, h.stride(0), out.stride(0), out.stride(1),
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_A=triton.next_power_of_2(a), MXFP4=mxfp4, ASM=asm,
+            S_ALIGN=s_align, IEEE=ieee,
+            UPCAST=upcast, PDL=pdl, EARLY=early, EVEN_K=i_width % config.block_k == 0, num_warps=config.warps_down,
+            num_stages=config.stages_down, **launch,
+        )
+    elif down:
         _down_rows_kernel[(slots, n_tiles)](
             h, ids, order, offsets, wts, w2, s2, part,
             m, a, e_count, i_width, l,
             *w2.stride(), *ss2, h.stride(0),
             BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_A=block_a, SORTED=sorted_form,
-            MXFP4=mxfp4, ASM=asm, S_ALIGN=_pow2_dividing(ss2[1]) if mxfp4 and z.is_cuda else 1,
-            PRELOAD=config.preload, IEEE=ieee, UPCAST=upcast, PDL=pdl, EARLY=early,
-            EVEN_K=i_width % config.block_k == 0, num_warps=config.warps_down,
+            MXFP4=mxfp4, ASM=asm, S_ALIGN=s_align, PRELOAD=config.preload, IEEE=ieee, UPCAST=upcast, PDL=pdl,
+            EARLY=early, EVEN_K=i_width % config.block_k == 0, num_warps=config.warps_down,
             num_stages=config.stages_down, **launch,
         )
 
@@ -768,7 +852,8 @@ def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Te
     block_m = config.block_m if sorted_form else max(16, triton.next_power_of_2(m))   # decode: a row per token
     block_a = triton.next_power_of_2(a)
     h = torch.empty((np_, i_width), dtype=z.dtype, device=z.device)
-    part = torch.empty((np_, l), dtype=torch.float32, device=z.device)
+    by_token = config.down_by_token and not sorted_form   # the down kernel sums each token itself: no partials
+    part = torch.empty((0 if by_token else np_, l), dtype=torch.float32, device=z.device)
     n_tiles = triton.cdiv(l, config.block_n)
     pdl = pdl_capable(z.device)
     # Triton 3.7's interpreter computes 16-bit tl.dot wrongly: fp32 operands there (16-bit products are exact in fp32)
@@ -785,13 +870,17 @@ def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Te
     x_fmt = "bf16" if z.dtype == torch.bfloat16 else "fp16"
     rows = config.weight_rows and _rows_fit(w1, w3, w1_scale, w3_scale)
     early = pdl and config.trigger_early
+    run_gate_up, run_down = only in (None, "gate_up"), only in (None, "down")
     on_device = torch.cuda.device(z.device) if on_gpu else contextlib.nullcontext()
+    def launch_rows(gate_up: bool, down: bool):
+        _launch_rows(z, ids, order, offsets, wts, w1, w3, w2, w1_scale, w3_scale, w2_scale, h, part, out, beta,
+                     linear_beta, slots, block_m, block_a, n_tiles, sorted_form, mxfp4, mxfp4 and ptx_ok, ieee, upcast,
+                     pdl, early, config, launch, gate_up=gate_up, down=down, by_token=by_token)
+
     with on_device:
-        if rows:
-            _launch_rows(z, ids, order, offsets, wts, w1, w3, w2, w1_scale, w3_scale, w2_scale, h, part, beta,
-                         linear_beta, slots, block_m, block_a, n_tiles, sorted_form, mxfp4, mxfp4 and ptx_ok, ieee,
-                         upcast, pdl, early, config, launch, only)
-        if only in (None, "gate_up") and not rows:
+        if run_gate_up and rows:
+            launch_rows(gate_up=True, down=False)
+        if run_gate_up and not rows:
             _gate_up_kernel[(slots, triton.cdiv(i_width, config.block_i))](
                 z, ids, order, offsets, w1, w3, s1, s3, h,
                 m, a, e_count, i_width, l, float(beta or 0.0), float(linear_beta or 0.0),
@@ -804,7 +893,9 @@ def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Te
                 PDL=pdl, EARLY=early, EVEN_K=dots and l % config.block_l == 0, num_warps=config.warps_up,
                 num_stages=config.stages_up, **launch,
             )
-        if only in (None, "down") and not rows:
+        if run_down and (rows or by_token):
+            launch_rows(gate_up=False, down=True)
+        if run_down and not rows and not by_token:
             _down_kernel[(slots, n_tiles)](
                 h, ids, order, offsets, wts, w2, s2, part,
                 m, a, e_count, i_width, l,
@@ -817,7 +908,7 @@ def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Te
                 num_stages=config.stages_down,
                 **launch,
             )
-        if only in (None, "combine"):
+        if only in (None, "combine") and not by_token:
             _combine_kernel[(m, n_tiles)](
                 part, ids, out, m, a, e_count, l, out.stride(0), out.stride(1),
                 BLOCK_N=config.block_n, BLOCK_A=block_a, PDL=pdl, num_warps=4, **launch,
