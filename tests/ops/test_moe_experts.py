@@ -325,10 +325,10 @@ for name, flavour in json.loads(sys.argv[1]).items():
     options = dict(num_warps=flavour.pop("num_warps", 4), num_stages=flavour.pop("num_stages", 3))
     const = dict(BLOCK_M=16, BLOCK_A=16, SORTED=False, MXFP4=False, HALVES=False, ASM=False, DOTS=False,
                  X_FMT="fp16" if dtype == "fp16" else "bf16", IEEE=dtype == "fp32",
-                 UPCAST=False, PDL=True, EARLY=False, EVEN_K=False, S_ALIGN=1, BLOCK_N=64, BLOCK_K=128)
+                 UPCAST=False, PDL=True, EARLY=False, EVEN_K=False, ROWS=False, S_ALIGN=1, BLOCK_N=64, BLOCK_K=128)
     # unit inner strides as Triton specialises them at a launch (the loads vectorise)
     const.update(dict(BLOCK_I=32, BLOCK_L=128, HAS_BETA=True, HAS_LINEAR_BETA=True, s_zl=1, s_1l=1, s_3l=1, s_s1l=1,
-                      s_s3l=1, s_wl=1, s_sl=1) if kind.startswith("gate_up")
+                      s_s3l=1) if kind == "gate_up"
                  else dict(BLOCK_N=64, BLOCK_K=128, PRELOAD=True, s_2i=1, s_s2i=1))
     const.update(flavour)
     const = {k: v for k, v in const.items() if k in kernel.arg_names}
@@ -383,13 +383,13 @@ PTX_FLAVOURS = {
     "down-bf16-early-whole-k": dict(kernel="down", dtype="bf16", EARLY=True, BLOCK_N=32, BLOCK_K=512,
                                     num_stages=1),
     # weight_rows: the weights as the products' rows (benchmarks/moe_experts.py sweeps these at K3 TP=8 tiles)
-    "gate_up_rows-bf16": dict(kernel="gate_up_rows", dtype="bf16", EARLY=True, EVEN_K=True, num_stages=4),
-    "down_rows-bf16": dict(kernel="down_rows", dtype="bf16", EARLY=True, EVEN_K=True),
-    "gate_up_rows-bf16-mxfp4-bits": dict(kernel="gate_up_rows", dtype="bf16", MXFP4=True, ASM=True, EARLY=True,
+    "gate_up_rows-bf16": dict(kernel="gate_up", dtype="bf16", ROWS=True, EARLY=True, EVEN_K=True, num_stages=4),
+    "down_rows-bf16": dict(kernel="down", dtype="bf16", ROWS=True, EARLY=True, EVEN_K=True),
+    "gate_up_rows-bf16-mxfp4-bits": dict(kernel="gate_up", dtype="bf16", ROWS=True, MXFP4=True, ASM=True, EARLY=True,
                                          EVEN_K=True, BLOCK_L=256),
-    "down_rows-bf16-mxfp4-bits": dict(kernel="down_rows", dtype="bf16", ASM=True, EARLY=True, EVEN_K=True,
+    "down_rows-bf16-mxfp4-bits": dict(kernel="down", dtype="bf16", ROWS=True, ASM=True, EARLY=True, EVEN_K=True,
                                       S_ALIGN=4, BLOCK_N=128, **_MX_DOWN),
-    "gate_up_rows-fp16-mxfp4-sorted": dict(kernel="gate_up_rows", dtype="fp16", MXFP4=True, SORTED=True),
+    "gate_up_rows-fp16-mxfp4-sorted": dict(kernel="gate_up", dtype="fp16", ROWS=True, MXFP4=True, SORTED=True),
     # down_by_token: the down product and the combine in one kernel
     "down_token-bf16": dict(kernel="down_token", dtype="bf16", EARLY=True, EVEN_K=True, BLOCK_N=16, num_stages=8),
 }
@@ -422,9 +422,10 @@ def test_pdl_order_in_sm90_ptx(sm90_ptx, flavour):
 
 @pytest.mark.parametrize("flavour", sorted(f for f in PTX_FLAVOURS if "_rows" in f or "_token" in f or "whole-k" in f))
 def test_candidates_sm90_loads_pipelined_no_spills(sm90_ptx, flavour):
-    """The sweep's new candidates as ptxas sees them: no spills; the weight rows form pipelines every load of its K
-    loop through cp.async (16-byte weight copies, the scale bytes as words: no byte loads left in the loop); the
-    whole-K down form issues all of its w2 tile as 16-byte loads before its wait."""
+    """The sweep's new candidates as ptxas sees them: no spills; the weight rows form runs wgmma and pipelines every
+    load of its K loop through cp.async (16-byte weight copies, the scale bytes as words: no byte loads left in the
+    loop), as does the down-by-token kernel; the whole-K down form issues all of its w2 tile as 16-byte loads before
+    its wait."""
     got = sm90_ptx[flavour]
     if got["ptxas"]:
         assert " 0 bytes spill stores" in got["ptxas"], got["ptxas"]
@@ -437,6 +438,8 @@ def test_candidates_sm90_loads_pipelined_no_spills(sm90_ptx, flavour):
     loop = ttgir[ttgir.rindex("scf.for"):]
     loop = loop[:loop.index("scf.yield")]
     assert any("cp.async.cg.shared.global" in line and "0x10" in line for line in ptx.splitlines())
+    if "_rows" in flavour:   # 64+ weight rows on 4 warps: a wgmma with the weights as its register operand
+        assert "wgmma.mma_async" in ptx
     if "sorted" not in flavour:
         assert "tt.load " not in loop, "a load of the K loop is not pipelined"
     if "mxfp4" in flavour:

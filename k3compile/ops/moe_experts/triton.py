@@ -27,7 +27,7 @@ expert). An id outside [0, E) reads no weight: its pairs' partials are NaN, so t
 
 Other forms of the same math (``config.MoeConfig`` picks; ``benchmarks/moe_experts.py`` measures them):
 
-- ``weight_rows``: ``_gate_up_rows_kernel`` / ``_down_rows_kernel`` take the weights as the products' rows
+- ``weight_rows`` (``ROWS``): the gate/up and down kernels take the weights as the products' rows
   (acc [weight rows, tokens] = w · zᵀ: the weights fill the MMA's 64-row side, a wgmma on sm_90, where the tokens
   left 15 of 16 rows empty at M = 1); gate/up stacks ``BLOCK_I`` rows of w1 over the same rows of w3 in one tile;
   z is loaded contiguous and (MXFP4) split into even and odd columns in registers, so every load of the K loop
@@ -210,27 +210,9 @@ def _e8m0_bf16(s):
 def _mxfp4_halves(p_codes, p_scales, o_r, m_r, k0, K, s_cr, s_ck, s_sr, s_sk, R: tl.constexpr, BK: tl.constexpr,
                   DTYPE: tl.constexpr, ASM: tl.constexpr):
     """The even and the odd logical columns of rows ``o_r`` x [k0, k0 + BK) of an MXFP4 matrix, [R, BK/2] each in
-    DTYPE: the codes as [R, groups, 16] bytes, so each group's scale broadcasts without reshaping the codes.
-    ASM (bf16, a GPU): byte lookups in PTX (``E2M1_BF16_ASM``) instead of arithmetic on every code."""
-    G: tl.constexpr = BK // 32
-    o_g = k0 // 32 + tl.arange(0, G)
-    m_g = m_r[:, None] & (o_g < K // 32)[None, :]
-    o_b = o_g[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
-    b_c = tl.load(p_codes + o_r[:, None, None] * s_cr + o_b * s_ck, mask=m_g[:, :, None], other=0,
-                  eviction_policy="evict_first")                                      # [R, G, 16] uint8
-    b_s = tl.load(p_scales + o_r[:, None] * s_sr + o_g[None, :] * s_sk, mask=m_g, other=127,
-                  eviction_policy="evict_first")
-    if ASM:
-        b_sb = tl.broadcast_to(_e8m0_bf16(b_s)[:, :, None], (R, G, 16))
-        lo, hi = tl.inline_asm_elementwise(E2M1_BF16_ASM, "=r,=r,=r,=r,r,r,r", [b_c, b_sb],
-                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-        return tl.reshape(lo, (R, BK // 2)), tl.reshape(hi, (R, BK // 2))
-    else:
-        b_ci = b_c.to(tl.int32)
-        b_f = _e8m0(b_s)[:, :, None]
-        lo = tl.reshape(_e2m1(b_ci & 15) * b_f, (R, BK // 2))
-        hi = tl.reshape(_e2m1(b_ci >> 4) * b_f, (R, BK // 2))
-        return lo.to(DTYPE), hi.to(DTYPE)
+    DTYPE (``_mxfp4_rows``). ASM (bf16, a GPU): byte lookups in PTX (``E2M1_BF16_ASM``)."""
+    return _mxfp4_rows(p_codes + o_r * s_cr, p_scales + o_r * s_sr, m_r, k0, K, s_ck, s_sk, R, BK, DTYPE, ASM, False,
+                       False)
 
 
 @triton.jit
@@ -371,11 +353,13 @@ def _chunk_pairs(p_ids, p_order, e, start, c, count_rows, M, A, SORTED: tl.const
 
 @triton.jit
 def _mxfp4_rows(p_wr, p_sr, m_r, k0, K, s_wk, s_sk, R: tl.constexpr, BK: tl.constexpr, DTYPE: tl.constexpr,
-                ASM: tl.constexpr, EVEN_K: tl.constexpr):
+                ASM: tl.constexpr, EVEN_K: tl.constexpr, BITS: tl.constexpr):
     """The even and odd logical columns of [k0, k0 + BK) of MXFP4 rows (``p_wr`` / ``p_sr``: each row's first code
     / scale byte, [R]), [R, BK/2] each in DTYPE; codes [R, groups, 16] and scales [R, groups] as stored, so both
-    loads are contiguous per row. ASM (bf16, a GPU): ``E2M1_BF16_BITS`` on code byte pairs. EVEN_K (BK divides K):
-    masks constant along a row, so the scale bytes load as words and pipeline."""
+    loads are contiguous per row, each group's scale broadcasting without reshaping the codes. ASM (bf16, a GPU):
+    in PTX, by bit moves on code byte pairs (BITS, ``E2M1_BF16_BITS``) or byte lookups on four bytes
+    (``E2M1_BF16_ASM``). EVEN_K (BK divides K): masks constant along a row, so the scale bytes load as words and
+    pipeline."""
     G: tl.constexpr = BK // 32
     o_g = k0 // 32 + tl.arange(0, G)
     if EVEN_K:
@@ -388,8 +372,12 @@ def _mxfp4_rows(p_wr, p_sr, m_r, k0, K, s_wk, s_sk, R: tl.constexpr, BK: tl.cons
     b_s = tl.load(p_sr[:, None] + o_g[None, :] * s_sk, mask=m_g, other=127, eviction_policy="evict_first")
     if ASM:
         b_sb = tl.broadcast_to(_e8m0_bf16(b_s)[:, :, None], (R, G, 16))
-        lo, hi = tl.inline_asm_elementwise(E2M1_BF16_BITS, "=r,=r,r,r", [b_c, b_sb],
-                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
+        if BITS:
+            lo, hi = tl.inline_asm_elementwise(E2M1_BF16_BITS, "=r,=r,r,r", [b_c, b_sb],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
+        else:
+            lo, hi = tl.inline_asm_elementwise(E2M1_BF16_ASM, "=r,=r,=r,=r,r,r,r", [b_c, b_sb],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
         return tl.reshape(lo, (R, BK // 2)), tl.reshape(hi, (R, BK // 2))
     else:
         b_ci = b_c.to(tl.int32)
@@ -405,7 +393,7 @@ def _rows_tiles(p_wr, p_sr, m_r, k0, K, s_wk, s_sk, R: tl.constexpr, BK: tl.cons
     """Rows (each row's first element at ``p_wr``) x columns [k0, k0 + BK): MXFP4 as even/odd halves
     (``_mxfp4_rows``), float weights as one tile, twice."""
     if MXFP4:
-        return _mxfp4_rows(p_wr, p_sr, m_r, k0, K, s_wk, s_sk, R, BK, DTYPE, ASM, EVEN_K)
+        return _mxfp4_rows(p_wr, p_sr, m_r, k0, K, s_wk, s_sk, R, BK, DTYPE, ASM, EVEN_K, True)
     else:
         o_k = k0 + tl.arange(0, BK)
         m_w = m_r[:, None] if EVEN_K else m_r[:, None] & (o_k < K)[None, :]
@@ -446,8 +434,11 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_A: tl.constexpr,
     SORTED: tl.constexpr, MXFP4: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr, DOTS: tl.constexpr,
     X_FMT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr, IEEE: tl.constexpr,
-    UPCAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, EVEN_K: tl.constexpr, ROWS: tl.constexpr,
 ):
+    """ROWS (``MoeConfig.weight_rows``): ``BLOCK_I`` rows of w1 above the same rows of w3 in one [2·BLOCK_I,
+    BLOCK_L] tile, acc [2·BLOCK_I, BLOCK_M] = w · zᵀ split into gate and up after the loop; w1 and w3 then share
+    their column strides (``s_1l``, scales ``s_s1l``; the host checks)."""
     slot = tl.program_id(0)
     i_i = tl.program_id(1)
     if PDL:
@@ -464,6 +455,11 @@ def _gate_up_kernel(
         p_w3e = p_w3 + e64 * s_3e
         p_s1e = p_s1 + e64 * s_s1e
         p_s3e = p_s3 + e64 * s_s3e
+        if ROWS:   # each stacked row's first code (element) and scale
+            o_r = tl.arange(0, 2 * BLOCK_I)
+            o_ir = i_i * BLOCK_I + o_r % BLOCK_I
+            p_wr = tl.where(o_r >= BLOCK_I, p_w3e + o_ir * s_3i, p_w1e + o_ir * s_1i)
+            p_sr = tl.where(o_r >= BLOCK_I, p_s3e + o_ir * s_s3i, p_s1e + o_ir * s_s1i)
         dtype = p_z.dtype.element_ty
         for c in range(0, chunks):   # one chunk unless more than BLOCK_M pairs chose e
             pairs, m_j = _chunk_pairs(p_ids, p_order, e, start, c, count, M, A, SORTED, BLOCK_M, BLOCK_A)
@@ -471,22 +467,65 @@ def _gate_up_kernel(
             m_z = m_j[:, None]
             acc_g = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
+            acc = tl.zeros([2 * BLOCK_I, BLOCK_M], dtype=tl.float32)
             for l0 in range(0, L, BLOCK_L):
-                b_w1a, b_w1b = _weight_tiles(p_w1e, p_s1e, o_i, m_i, l0, L, s_1i, s_1l, s_s1i, s_s1l, BLOCK_I,
-                                             BLOCK_L, MXFP4, HALVES, ASM, DOTS, dtype, EVEN_K)
-                b_w3a, b_w3b = _weight_tiles(p_w3e, p_s3e, o_i, m_i, l0, L, s_3i, s_3l, s_s3i, s_s3l, BLOCK_I,
-                                             BLOCK_L, MXFP4, HALVES, ASM, DOTS, dtype, EVEN_K)
-                b_za, b_zb = _act_tiles(p_zj, m_z, l0, L, s_zl, BLOCK_L, HALVES)
-                acc_g = _dot2(acc_g, b_za, b_zb, b_w1a, b_w1b, HALVES, DOTS, X_FMT, IEEE, UPCAST)
-                acc_u = _dot2(acc_u, b_za, b_zb, b_w3a, b_w3b, HALVES, DOTS, X_FMT, IEEE, UPCAST)
+                if ROWS:
+                    b_wa, b_wb = _rows_tiles(p_wr, p_sr, o_ir < I, l0, L, s_1l, s_s1l, 2 * BLOCK_I, BLOCK_L, MXFP4,
+                                             ASM, dtype, EVEN_K)
+                    b_za, b_zb = _act_rows(p_zj, m_z, l0, L, s_zl, BLOCK_M, BLOCK_L, MXFP4, EVEN_K)
+                    acc = _rows_dot(acc, b_wa, b_wb, b_za, b_zb, MXFP4, IEEE, UPCAST)
+                else:
+                    b_w1a, b_w1b = _weight_tiles(p_w1e, p_s1e, o_i, m_i, l0, L, s_1i, s_1l, s_s1i, s_s1l, BLOCK_I,
+                                                 BLOCK_L, MXFP4, HALVES, ASM, DOTS, dtype, EVEN_K)
+                    b_w3a, b_w3b = _weight_tiles(p_w3e, p_s3e, o_i, m_i, l0, L, s_3i, s_3l, s_s3i, s_s3l, BLOCK_I,
+                                                 BLOCK_L, MXFP4, HALVES, ASM, DOTS, dtype, EVEN_K)
+                    b_za, b_zb = _act_tiles(p_zj, m_z, l0, L, s_zl, BLOCK_L, HALVES)
+                    acc_g = _dot2(acc_g, b_za, b_zb, b_w1a, b_w1b, HALVES, DOTS, X_FMT, IEEE, UPCAST)
+                    acc_u = _dot2(acc_u, b_za, b_zb, b_w3a, b_w3b, HALVES, DOTS, X_FMT, IEEE, UPCAST)
             if PDL and not EARLY:
                 gdc_launch_dependents()   # after our own wait (static_weights.py, step 1); again is a no-op
-            # the model rounds both products, then h, to z's dtype (model/moe.py experts_gathered)
+            # the model rounds both products, then h, to z's dtype (model/moe.py experts_gathered). ROWS keeps the
+            # products' orientation to the store ([BLOCK_I, BLOCK_M]): a transpose of acc would let Triton swap the
+            # product's operands back
+            if ROWS:
+                acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_I, BLOCK_M)), (1, 2, 0)))
+                p_hi = p_h + pairs[None, :].to(tl.int64) * s_hp + o_i[:, None]
+                m_hi = m_j[None, :] & m_i[:, None]
+            else:
+                p_hi = p_h + pairs[:, None].to(tl.int64) * s_hp + o_i[None, :]
+                m_hi = m_j[:, None] & m_i[None, :]
             gate = acc_g.to(dtype).to(tl.float32)
             up = acc_u.to(dtype).to(tl.float32)
             b_h = _situ_glu(gate, up, beta, linear_beta, HAS_BETA, HAS_LINEAR_BETA)
-            tl.store(p_h + pairs[:, None].to(tl.int64) * s_hp + o_i[None, :], b_h.to(dtype),
-                     mask=m_j[:, None] & m_i[None, :])
+            tl.store(p_hi, b_h.to(dtype), mask=m_hi)
+
+
+@triton.jit
+def _w2_tiles(p_w2e, p_s2e, o_n, m_n, k0, I, s_2l, s_2i, s_s2l, s_s2i, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              MXFP4: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr, DOTS: tl.constexpr, DTYPE: tl.constexpr,
+              EVEN_K: tl.constexpr, ROWS: tl.constexpr):
+    """w2[e] rows ``o_n`` x columns [k0, k0 + BLOCK_K) as the down product takes them (``_rows_tiles`` for ROWS,
+    else ``_weight_tiles``)."""
+    if ROWS:
+        return _rows_tiles(p_w2e + o_n * s_2l, p_s2e + o_n * s_s2l, m_n, k0, I, s_2i, s_s2i, BLOCK_N, BLOCK_K, MXFP4,
+                           ASM, DTYPE, EVEN_K)
+    else:
+        return _weight_tiles(p_w2e, p_s2e, o_n, m_n, k0, I, s_2l, s_2i, s_s2l, s_s2i, BLOCK_N, BLOCK_K, MXFP4, HALVES,
+                             ASM, DOTS, DTYPE, EVEN_K)
+
+
+@triton.jit
+def _down_step(acc, b_wa, b_wb, p_hj, m_hj, k0, I, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+               MXFP4: tl.constexpr, HALVES: tl.constexpr, DOTS: tl.constexpr, X_FMT: tl.constexpr,
+               IEEE: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr, ROWS: tl.constexpr):
+    """``acc`` plus the product of one w2 step with the pairs' h columns [k0, k0 + BLOCK_K): [BLOCK_N, BLOCK_M]
+    (ROWS) or [BLOCK_M, BLOCK_N]."""
+    if ROWS:
+        b_ha, b_hb = _act_rows(p_hj, m_hj, k0, I, 1, BLOCK_M, BLOCK_K, MXFP4, EVEN_K)
+        return _rows_dot(acc, b_wa, b_wb, b_ha, b_hb, MXFP4, IEEE, UPCAST)
+    else:
+        b_ha, b_hb = _act_tiles(p_hj, m_hj, k0, I, 1, BLOCK_K, HALVES)
+        return _dot2(acc, b_ha, b_hb, b_wa, b_wb, HALVES, DOTS, X_FMT, IEEE, UPCAST)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -497,8 +536,10 @@ def _down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_A: tl.constexpr,
     SORTED: tl.constexpr, MXFP4: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr, DOTS: tl.constexpr,
     X_FMT: tl.constexpr, PRELOAD: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
-    EARLY: tl.constexpr, EVEN_K: tl.constexpr,
+    EARLY: tl.constexpr, EVEN_K: tl.constexpr, ROWS: tl.constexpr, S_ALIGN: tl.constexpr,
 ):
+    """ROWS: w2's rows as the product's rows, acc [BLOCK_N, BLOCK_M] = w2 · hᵀ. ``S_ALIGN``: a power of two dividing
+    the scales' row stride (so the scale bytes load as words)."""
     slot = tl.program_id(0)
     i_n = tl.program_id(1)
     # the ids, offsets, router weights and w2 are inputs of the op: the gate/up kernel before us triggered after
@@ -509,118 +550,14 @@ def _down_kernel(
         e64 = tl.where(valid, e, 0).to(tl.int64)
         p_w2e = p_w2 + e64 * s_2e
         p_s2e = p_s2 + e64 * s_s2e
-        o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_n = (o_n < L) & valid
-        dtype = p_h.dtype.element_ty
-        if PRELOAD:
-            b_w0a, b_w0b = _weight_tiles(p_w2e, p_s2e, o_n, m_n, 0, I, s_2l, s_2i, s_s2l, s_s2i, BLOCK_N, BLOCK_K,
-                                         MXFP4, HALVES, ASM, DOTS, dtype, EVEN_K)
-        if PDL:
-            gdc_wait()
-            if EARLY:
-                gdc_launch_dependents()   # after our own wait
-        for c in range(0, chunks):
-            pairs, m_j = _chunk_pairs(p_ids, p_order, e, start, c, count, M, A, SORTED, BLOCK_M, BLOCK_A)
-            p_hj = p_h + pairs[:, None].to(tl.int64) * s_hp
-            m_hj = m_j[:, None] & valid   # an invalid expert wrote no h
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            k_start = BLOCK_K if PRELOAD else 0
-            for k0 in range(k_start, I, BLOCK_K):
-                b_wa, b_wb = _weight_tiles(p_w2e, p_s2e, o_n, m_n, k0, I, s_2l, s_2i, s_s2l, s_s2i, BLOCK_N,
-                                           BLOCK_K, MXFP4, HALVES, ASM, DOTS, dtype, EVEN_K)
-                b_ha, b_hb = _act_tiles(p_hj, m_hj, k0, I, 1, BLOCK_K, HALVES)
-                acc = _dot2(acc, b_ha, b_hb, b_wa, b_wb, HALVES, DOTS, X_FMT, IEEE, UPCAST)
-            if PRELOAD:
-                b_ha, b_hb = _act_tiles(p_hj, m_hj, 0, I, 1, BLOCK_K, HALVES)
-                acc = _dot2(acc, b_ha, b_hb, b_w0a, b_w0b, HALVES, DOTS, X_FMT, IEEE, UPCAST)
-            if PDL and not EARLY:
-                gdc_launch_dependents()   # after our own wait
-            # y rounded to z's dtype as the model's product is, then weighted in fp32
-            wts = tl.load(p_wts + pairs, mask=m_j, other=0.).to(tl.float32)
-            y = acc.to(dtype).to(tl.float32) * wts[:, None]
-            y = tl.where(valid, y, float("nan"))   # an id outside [0, E): the token comes out NaN
-            o_nn = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            m_o = m_j[:, None] & (o_nn < L)[None, :]
-            tl.store(p_part + pairs[:, None].to(tl.int64) * L + o_nn[None, :], y, mask=m_o)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _gate_up_rows_kernel(
-    p_z, p_ids, p_order, p_offsets, p_w1, p_w3, p_s1, p_s3, p_h,
-    M, A, E, I, L, beta, linear_beta,
-    s_zm, s_zl, s_1e, s_1i, s_3e, s_3i, s_wl, s_s1e, s_s1i, s_s3e, s_s3i, s_sl, s_hp,
-    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_A: tl.constexpr,
-    SORTED: tl.constexpr, MXFP4: tl.constexpr, ASM: tl.constexpr, HAS_BETA: tl.constexpr,
-    HAS_LINEAR_BETA: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
-    EVEN_K: tl.constexpr,
-):
-    """``_gate_up_kernel`` with the weights as the product's rows: ``BLOCK_I`` rows of w1 above the same rows of w3
-    in one [2·BLOCK_I, BLOCK_L] tile (one load of each kind a step, all pipelined), acc [2·BLOCK_I, BLOCK_M] =
-    w · zᵀ, then split into gate and up. w1 and w3 share their column strides (``s_wl``, scales ``s_sl``)."""
-    slot = tl.program_id(0)
-    i_i = tl.program_id(1)
-    if PDL:
-        gdc_wait()   # z, the ids and the router weights are the previous kernels' outputs
-        if EARLY:
-            gdc_launch_dependents()   # after our own wait (static_weights.py, step 1)
-    e, runs, start, chunks, count = _my_expert(p_ids, p_offsets, slot, M, A, SORTED, BLOCK_M, BLOCK_A)
-    valid = (e >= 0) & (e < E)
-    if runs & valid:
-        R: tl.constexpr = 2 * BLOCK_I
-        o_r = tl.arange(0, R)
-        is_up = o_r >= BLOCK_I
-        o_i = i_i * BLOCK_I + o_r % BLOCK_I
-        m_r = o_i < I
-        e64 = e.to(tl.int64)   # E·I·L may pass 2**31
-        p_wr = tl.where(is_up, p_w3 + e64 * s_3e + o_i * s_3i, p_w1 + e64 * s_1e + o_i * s_1i)
-        p_sr = tl.where(is_up, p_s3 + e64 * s_s3e + o_i * s_s3i, p_s1 + e64 * s_s1e + o_i * s_s1i)
-        dtype = p_z.dtype.element_ty
-        for c in range(0, chunks):   # one chunk unless more than BLOCK_M pairs chose e
-            pairs, m_j = _chunk_pairs(p_ids, p_order, e, start, c, count, M, A, SORTED, BLOCK_M, BLOCK_A)
-            p_zj = p_z + (pairs // A)[:, None] * s_zm
-            acc = tl.zeros([R, BLOCK_M], dtype=tl.float32)
-            for l0 in range(0, L, BLOCK_L):
-                b_wa, b_wb = _rows_tiles(p_wr, p_sr, m_r, l0, L, s_wl, s_sl, R, BLOCK_L, MXFP4, ASM, dtype, EVEN_K)
-                b_za, b_zb = _act_rows(p_zj, m_j[:, None], l0, L, s_zl, BLOCK_M, BLOCK_L, MXFP4, EVEN_K)
-                acc = _rows_dot(acc, b_wa, b_wb, b_za, b_zb, MXFP4, IEEE, UPCAST)
-            if PDL and not EARLY:
-                gdc_launch_dependents()   # after our own wait
-            # the model rounds both products, then h, to z's dtype (model/moe.py experts_gathered)
-            acc = acc.to(dtype).to(tl.float32)
-            gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_I, BLOCK_M)), (1, 2, 0)))   # [BLOCK_I, BLOCK_M]
-            b_h = _situ_glu(gate, up, beta, linear_beta, HAS_BETA, HAS_LINEAR_BETA)
-            o_ih = i_i * BLOCK_I + tl.arange(0, BLOCK_I)
-            tl.store(p_h + pairs[None, :].to(tl.int64) * s_hp + o_ih[:, None], b_h.to(dtype),
-                     mask=m_j[None, :] & (o_ih < I)[:, None])
-
-
-@triton.jit(do_not_specialize=["M"])
-def _down_rows_kernel(
-    p_h, p_ids, p_order, p_offsets, p_wts, p_w2, p_s2, p_part,
-    M, A, E, I, L,
-    s_2e, s_2l, s_2i, s_s2e, s_s2l, s_s2i, s_hp,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_A: tl.constexpr,
-    SORTED: tl.constexpr, MXFP4: tl.constexpr, ASM: tl.constexpr, S_ALIGN: tl.constexpr, PRELOAD: tl.constexpr,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, EVEN_K: tl.constexpr,
-):
-    """``_down_kernel`` with w2's rows as the product's rows: acc [BLOCK_N, BLOCK_M] = w2 · hᵀ; the PDL order of
-    ``_down_kernel``. ``S_ALIGN``: a power of two dividing the scales' row stride (wider scale loads)."""
-    slot = tl.program_id(0)
-    i_n = tl.program_id(1)
-    e, runs, start, chunks, count = _my_expert(p_ids, p_offsets, slot, M, A, SORTED, BLOCK_M, BLOCK_A)
-    if runs:
-        valid = (e >= 0) & (e < E)
-        e64 = tl.where(valid, e, 0).to(tl.int64)
-        o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_n = (o_n < L) & valid
         if S_ALIGN > 1:   # the host checked S_ALIGN divides it; spelled so Triton's alignment analysis sees it
             s_s2l = (s_s2l // S_ALIGN) * S_ALIGN
-        p_wr = p_w2 + e64 * s_2e + o_n * s_2l
-        p_sr = p_s2 + e64 * s_s2e + o_n * s_s2l
+        o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_n = (o_n < L) & valid
         dtype = p_h.dtype.element_ty
         if PRELOAD:
-            b_w0a, b_w0b = _rows_tiles(p_wr, p_sr, m_n, 0, I, s_2i, s_s2i, BLOCK_N, BLOCK_K, MXFP4, ASM, dtype,
-                                       EVEN_K)
+            b_w0a, b_w0b = _w2_tiles(p_w2e, p_s2e, o_n, m_n, 0, I, s_2l, s_2i, s_s2l, s_s2i, BLOCK_N, BLOCK_K, MXFP4,
+                                     HALVES, ASM, DOTS, dtype, EVEN_K, ROWS)
         if PDL:
             gdc_wait()
             if EARLY:
@@ -629,25 +566,35 @@ def _down_rows_kernel(
             pairs, m_j = _chunk_pairs(p_ids, p_order, e, start, c, count, M, A, SORTED, BLOCK_M, BLOCK_A)
             p_hj = p_h + pairs[:, None].to(tl.int64) * s_hp
             m_hj = m_j[:, None] & valid   # an invalid expert wrote no h
-            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            if ROWS:
+                acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            else:
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             k_start = BLOCK_K if PRELOAD else 0
             for k0 in range(k_start, I, BLOCK_K):
-                b_wa, b_wb = _rows_tiles(p_wr, p_sr, m_n, k0, I, s_2i, s_s2i, BLOCK_N, BLOCK_K, MXFP4, ASM, dtype,
-                                         EVEN_K)
-                b_ha, b_hb = _act_rows(p_hj, m_hj, k0, I, 1, BLOCK_M, BLOCK_K, MXFP4, EVEN_K)
-                acc = _rows_dot(acc, b_wa, b_wb, b_ha, b_hb, MXFP4, IEEE, UPCAST)
+                b_wa, b_wb = _w2_tiles(p_w2e, p_s2e, o_n, m_n, k0, I, s_2l, s_2i, s_s2l, s_s2i, BLOCK_N, BLOCK_K,
+                                       MXFP4, HALVES, ASM, DOTS, dtype, EVEN_K, ROWS)
+                acc = _down_step(acc, b_wa, b_wb, p_hj, m_hj, k0, I, BLOCK_M, BLOCK_K, MXFP4, HALVES, DOTS, X_FMT,
+                                 IEEE, UPCAST, EVEN_K, ROWS)
             if PRELOAD:
-                b_ha, b_hb = _act_rows(p_hj, m_hj, 0, I, 1, BLOCK_M, BLOCK_K, MXFP4, EVEN_K)
-                acc = _rows_dot(acc, b_w0a, b_w0b, b_ha, b_hb, MXFP4, IEEE, UPCAST)
+                acc = _down_step(acc, b_w0a, b_w0b, p_hj, m_hj, 0, I, BLOCK_M, BLOCK_K, MXFP4, HALVES, DOTS, X_FMT,
+                                 IEEE, UPCAST, EVEN_K, ROWS)
             if PDL and not EARLY:
                 gdc_launch_dependents()   # after our own wait
-            # y rounded to z's dtype as the model's product is, then weighted in fp32
+            # y rounded to z's dtype as the model's product is, then weighted in fp32; ROWS stores [BLOCK_N, BLOCK_M]
+            # as the product left it (see _gate_up_kernel)
             wts = tl.load(p_wts + pairs, mask=m_j, other=0.).to(tl.float32)
-            y = acc.to(dtype).to(tl.float32) * wts[None, :]
-            y = tl.where(valid, y, float("nan"))   # an id outside [0, E): the token comes out NaN
             o_nn = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            m_o = m_j[None, :] & (o_nn < L)[:, None]
-            tl.store(p_part + pairs[None, :].to(tl.int64) * L + o_nn[:, None], y, mask=m_o)
+            if ROWS:
+                y = acc.to(dtype).to(tl.float32) * wts[None, :]
+                p_o = p_part + pairs[None, :].to(tl.int64) * L + o_nn[:, None]
+                m_o = m_j[None, :] & (o_nn < L)[:, None]
+            else:
+                y = acc.to(dtype).to(tl.float32) * wts[:, None]
+                p_o = p_part + pairs[:, None].to(tl.int64) * L + o_nn[None, :]
+                m_o = m_j[:, None] & (o_nn < L)[None, :]
+            y = tl.where(valid, y, float("nan"))   # an id outside [0, E): the token comes out NaN
+            tl.store(p_o, y, mask=m_o)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -771,50 +718,6 @@ def _pow2_dividing(n: int, cap: int = 16) -> int:
     return p
 
 
-def _launch_rows(z, ids, order, offsets, wts, w1, w3, w2, w1_scale, w3_scale, w2_scale, h, part, out, beta,
-                 linear_beta, slots, block_m, block_a, n_tiles, sorted_form, mxfp4, asm, ieee, upcast, pdl, early,
-                 config, launch, gate_up, down, by_token):
-    """The gate/up and down kernels of the ``weight_rows`` form (``MoeConfig.weight_rows``; ``gate_up`` / ``down``:
-    which), and the down kernel of ``MoeConfig.down_by_token`` (into ``out``, no combine after it)."""
-    m, l = z.shape
-    a = ids.numel() // m
-    e_count, i_width = w1.shape[0], w1.shape[1]
-    s1, s3, s2 = (w1_scale, w3_scale, w2_scale) if mxfp4 else (w1, w3, w2)   # placeholders when float
-    ss1, ss3, ss2 = (_strides3(w1_scale), _strides3(w3_scale), _strides3(w2_scale)) if mxfp4 else ((0, 0, 0),) * 3
-    s_align = _pow2_dividing(ss2[1]) if mxfp4 and z.is_cuda else 1
-    if gate_up:
-        _gate_up_rows_kernel[(slots, triton.cdiv(i_width, config.block_i))](
-            z, ids, order, offsets, w1, w3, s1, s3, h,
-            m, a, e_count, i_width, l, float(beta or 0.0), float(linear_beta or 0.0),
-            z.stride(0), z.stride(1), w1.stride(0), w1.stride(1), w3.stride(0), w3.stride(1), w1.stride(2),
-            ss1[0], ss1[1], ss3[0], ss3[1], ss1[2], h.stride(0),
-            BLOCK_M=block_m, BLOCK_I=config.block_i, BLOCK_L=config.block_l, BLOCK_A=block_a, SORTED=sorted_form,
-            MXFP4=mxfp4, ASM=asm, HAS_BETA=beta is not None, HAS_LINEAR_BETA=linear_beta is not None, IEEE=ieee,
-            UPCAST=upcast, PDL=pdl, EARLY=early, EVEN_K=l % config.block_l == 0, num_warps=config.warps_up,
-            num_stages=config.stages_up, **launch,
-        )
-    if down and by_token:
-        _down_token_kernel[(m, n_tiles)](
-            h, ids, wts, w2, s2, out,
-            m, a, e_count, i_width, l,
-            *w2.stride(), *ss2, h.stride(0), out.stride(0), out.stride(1),
-            BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_A=triton.next_power_of_2(a), MXFP4=mxfp4, ASM=asm,
-            S_ALIGN=s_align, IEEE=ieee,
-            UPCAST=upcast, PDL=pdl, EARLY=early, EVEN_K=i_width % config.block_k == 0, num_warps=config.warps_down,
-            num_stages=config.stages_down, **launch,
-        )
-    elif down:
-        _down_rows_kernel[(slots, n_tiles)](
-            h, ids, order, offsets, wts, w2, s2, part,
-            m, a, e_count, i_width, l,
-            *w2.stride(), *ss2, h.stride(0),
-            BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_A=block_a, SORTED=sorted_form,
-            MXFP4=mxfp4, ASM=asm, S_ALIGN=s_align, PRELOAD=config.preload, IEEE=ieee, UPCAST=upcast, PDL=pdl,
-            EARLY=early, EVEN_K=i_width % config.block_k == 0, num_warps=config.warps_down,
-            num_stages=config.stages_down, **launch,
-        )
-
-
 def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
                        w3: torch.Tensor, w2: torch.Tensor, w1_scale: Optional[torch.Tensor] = None,
                        w3_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
@@ -860,53 +763,48 @@ def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Te
     upcast = not on_gpu and z.dtype != torch.float32
     ieee = z.dtype == torch.float32 or upcast
     s1, s3, s2 = (w1_scale, w3_scale, w2_scale) if mxfp4 else (w1, w3, w2)   # placeholders when float
+    ss1, ss3, ss2 = (_strides3(w1_scale), _strides3(w3_scale), _strides3(w2_scale)) if mxfp4 else ((0, 0, 0),) * 3
     launch = dict(launch_pdl=True) if pdl else {}
-    # Triton's scaled product: bf16 / fp16 z on a GPU (the interpreter lacks it: there the halves below)
-    dots = mxfp4 and config.mxfp4_dot_scaled and on_gpu and z.dtype != torch.float32
-    halves = mxfp4 and not dots and (config.mxfp4_halves or config.mxfp4_dot_scaled)
-    # the PTX conversions: bf16 on an NVIDIA GPU (the interpreter runs no inline assembly)
-    ptx_ok = config.mxfp4_asm and on_gpu and not is_rocm() and z.dtype == torch.bfloat16
-    asm = halves and ptx_ok
-    x_fmt = "bf16" if z.dtype == torch.bfloat16 else "fp16"
     rows = config.weight_rows and _rows_fit(w1, w3, w1_scale, w3_scale)
-    early = pdl and config.trigger_early
-    run_gate_up, run_down = only in (None, "gate_up"), only in (None, "down")
+    # Triton's scaled product: bf16 / fp16 z on a GPU (the interpreter lacks it: there the halves below)
+    dots = mxfp4 and config.mxfp4_dot_scaled and on_gpu and z.dtype != torch.float32 and not rows
+    halves = mxfp4 and not dots and (config.mxfp4_halves or config.mxfp4_dot_scaled or rows or by_token)
+    # the PTX conversions: bf16 on an NVIDIA GPU (the interpreter runs no inline assembly)
+    asm = halves and config.mxfp4_asm and on_gpu and not is_rocm() and z.dtype == torch.bfloat16
+    x_fmt = "bf16" if z.dtype == torch.bfloat16 else "fp16"
+    common = dict(MXFP4=mxfp4, ASM=asm, IEEE=ieee, UPCAST=upcast, PDL=pdl, EARLY=pdl and config.trigger_early)
+    # w2's scale rows are I/32 bytes apart (12 at K3 TP=8): the kernels load them as words where they are aligned
+    s_align = _pow2_dividing(ss2[1]) if mxfp4 and on_gpu else 1
     on_device = torch.cuda.device(z.device) if on_gpu else contextlib.nullcontext()
-    def launch_rows(gate_up: bool, down: bool):
-        _launch_rows(z, ids, order, offsets, wts, w1, w3, w2, w1_scale, w3_scale, w2_scale, h, part, out, beta,
-                     linear_beta, slots, block_m, block_a, n_tiles, sorted_form, mxfp4, mxfp4 and ptx_ok, ieee, upcast,
-                     pdl, early, config, launch, gate_up=gate_up, down=down, by_token=by_token)
-
     with on_device:
-        if run_gate_up and rows:
-            launch_rows(gate_up=True, down=False)
-        if run_gate_up and not rows:
+        if only in (None, "gate_up"):
             _gate_up_kernel[(slots, triton.cdiv(i_width, config.block_i))](
                 z, ids, order, offsets, w1, w3, s1, s3, h,
                 m, a, e_count, i_width, l, float(beta or 0.0), float(linear_beta or 0.0),
-                z.stride(0), z.stride(1), *w1.stride(), *w3.stride(),
-                *(_strides3(w1_scale) if mxfp4 else (0, 0, 0)), *(_strides3(w3_scale) if mxfp4 else (0, 0, 0)),
-                h.stride(0),
+                z.stride(0), z.stride(1), *w1.stride(), *w3.stride(), *ss1, *ss3, h.stride(0),
                 BLOCK_M=block_m, BLOCK_I=config.block_i, BLOCK_L=config.block_l, BLOCK_A=block_a,
-                SORTED=sorted_form, MXFP4=mxfp4, HALVES=halves, ASM=asm, DOTS=dots, X_FMT=x_fmt,
-                HAS_BETA=beta is not None, HAS_LINEAR_BETA=linear_beta is not None, IEEE=ieee, UPCAST=upcast,
-                PDL=pdl, EARLY=early, EVEN_K=dots and l % config.block_l == 0, num_warps=config.warps_up,
-                num_stages=config.stages_up, **launch,
+                SORTED=sorted_form, HALVES=halves, DOTS=dots, X_FMT=x_fmt, HAS_BETA=beta is not None,
+                HAS_LINEAR_BETA=linear_beta is not None, EVEN_K=(dots or rows) and l % config.block_l == 0,
+                ROWS=rows, num_warps=config.warps_up, num_stages=config.stages_up, **common, **launch,
             )
-        if run_down and (rows or by_token):
-            launch_rows(gate_up=False, down=True)
-        if run_down and not rows and not by_token:
+        if only in (None, "down") and by_token:
+            _down_token_kernel[(m, n_tiles)](
+                h, ids, wts, w2, s2, out,
+                m, a, e_count, i_width, l,
+                *w2.stride(), *ss2, h.stride(0), out.stride(0), out.stride(1),
+                BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_A=block_a, S_ALIGN=s_align,
+                EVEN_K=i_width % config.block_k == 0, num_warps=config.warps_down, num_stages=config.stages_down,
+                **common, **launch,
+            )
+        elif only in (None, "down"):
             _down_kernel[(slots, n_tiles)](
                 h, ids, order, offsets, wts, w2, s2, part,
                 m, a, e_count, i_width, l,
-                *w2.stride(), *(_strides3(w2_scale) if mxfp4 else (0, 0, 0)), h.stride(0),
+                *w2.stride(), *ss2, h.stride(0),
                 BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_A=block_a,
-                SORTED=sorted_form, MXFP4=mxfp4, HALVES=halves, ASM=asm, DOTS=dots, X_FMT=x_fmt,
-                PRELOAD=config.preload,
-                IEEE=ieee, UPCAST=upcast, PDL=pdl, EARLY=early, EVEN_K=dots and i_width % config.block_k == 0,
-                num_warps=config.warps_down,
-                num_stages=config.stages_down,
-                **launch,
+                SORTED=sorted_form, HALVES=halves, DOTS=dots, X_FMT=x_fmt, PRELOAD=config.preload,
+                EVEN_K=(dots or rows) and i_width % config.block_k == 0, ROWS=rows, S_ALIGN=s_align,
+                num_warps=config.warps_down, num_stages=config.stages_down, **common, **launch,
             )
         if only in (None, "combine") and not by_token:
             _combine_kernel[(m, n_tiles)](
