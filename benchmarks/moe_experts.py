@@ -81,8 +81,10 @@ _MXROWS = dict(weight_rows=True, mxfp4_asm=True, trigger_early=True, block_l=256
 SWEEP_MXFP4 = [MoeConfig(**_ASM), MoeConfig(mxfp4_dot_scaled=True, **_EARLY), MoeConfig(**_MXROWS),
                MoeConfig(stages_down=4, **dict(_MXROWS, stages_up=4)), MoeConfig(block_i=64, warps_up=8, **_MXROWS),
                MoeConfig(block_i=16, warps_up=2, **dict(_MXROWS, stages_up=4))]
-# --kernels-m: each kernel of the default configuration alone (its buffers uninitialised: timing only)
+# --kernels-m: each kernel of the default configuration alone (its buffers uninitialised: timing only); MXFP4 also
+# the weight rows form's two kernels (the sweep's third MXFP4 configuration: compiled once for both)
 KERNELS = {"k3[gate_up]": ("gate_up", None), "k3[down]": ("down", None), "k3[combine]": ("combine", None)}
+KERNELS_MXFP4 = {"k3[gate_up-rows]": ("gate_up", _MXROWS), "k3[down-rows]": ("down", _MXROWS)}
 
 
 def parse_args(argv=None):
@@ -343,7 +345,8 @@ def providers_for(args, tp, fmt, m) -> dict:
         for cfg in (SWEEP if fmt == "bf16" else SWEEP_MXFP4):
             out[f"k3:{cfg.tag()}"] = k3_config(cfg)
     if m in args.kernels_m:
-        out.update({name: k3_kernel(only, overrides) for name, (only, overrides) in KERNELS.items()})
+        kernels = dict(KERNELS, **(KERNELS_MXFP4 if fmt == "mxfp4" else {}))
+        out.update({name: k3_kernel(only, overrides) for name, (only, overrides) in kernels.items()})
     want_compile = args.compile_m is None or m in args.compile_m
     if want_compile and fmt == "bf16":
         out["compile"] = compiled(model_float)
@@ -383,7 +386,7 @@ def prewarm(args) -> None:
     t0 = time.time()
     pool = multiprocessing.get_context("spawn").Pool(min(args.prewarm, len(tasks)))
     try:
-        done = pool.map_async(_prewarm_one, tasks).get(timeout=150)
+        done = pool.map_async(_prewarm_one, tasks).get(timeout=75)
         print(f"prewarm: {len(done)} configurations compiled in {time.time() - t0:.1f} s "
               f"({args.prewarm} processes; slowest {max(done):.1f} s)", flush=True)
     except Exception as e:   # the timed process compiles whatever is missing
