@@ -5,8 +5,9 @@
 # STEPS picks steps (default: all); T_<STEP> overrides a step's seconds. The bf16 and mxfp4 steps merge their
 # measured picks into $OUT/h200.json, a copy of k3compile/ops/moe_experts/tables/h200.json (copy it back to use
 # them); they compile their swept configurations in 8 processes first ("prewarm:" in their logs). AUTOTUNE_BUDGET
-# bounds each max-autotune compile (seconds per M; past it that provider is skipped, the log says so). Without an installed checkout, the package mapping of setup.py is made with two links (k3compile/model,
-# k3compile/patterns) and PYTHONPATH.
+# bounds each max-autotune compile (seconds per M; past it that provider is skipped, the log says so). Without an
+# installed checkout, the package mapping of setup.py is made with two links (k3compile/model, k3compile/patterns)
+# and PYTHONPATH.
 set -u
 OUT=${OUT:-moe_out}; mkdir -p "$OUT"
 cp k3compile/ops/moe_experts/tables/h200.json "$OUT/h200.json"

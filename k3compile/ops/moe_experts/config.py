@@ -31,11 +31,13 @@ class MoeConfig:
     stages_down: int = 3
     preload: bool = True     # the down kernel's first w2 tile loaded before its PDL wait
     mxfp4_halves: bool = False   # MXFP4: even and odd columns as two products (no interleaving of the codes)
-    mxfp4_asm: bool = False      # with mxfp4_halves, bf16 on a GPU: the codes looked up in PTX (triton.E2M1_BF16_PTX)
+    # bf16 on a GPU, with mxfp4_halves: the codes looked up in PTX (triton.E2M1_BF16_PTX); with weight_rows: converted
+    # by bit moves in PTX (triton.E2M1_BF16_BITS_PTX)
+    mxfp4_asm: bool = False
     mxfp4_dot_scaled: bool = False   # MXFP4 with bf16 / fp16 z on a GPU: the codes straight to tl.dot_scaled
-    # decode form: the weights as the products' rows (acc [weight rows, tokens] = w @ zᵀ; gate/up: w1 and w3 rows
-    # stacked in one tile), z loaded contiguous (MXFP4: split into even/odd columns in registers) so every load of
-    # the K loop pipelines; MXFP4 with bf16 on a GPU converts by bit moves (triton.E2M1_BF16_BITS)
+    # the weights as the products' rows (acc [weight rows, tokens] = w @ zᵀ, a wgmma from 64 rows; gate/up: w1 and
+    # w3 rows stacked in one tile), z loaded contiguous (MXFP4: split into even/odd columns in registers) so every
+    # load of the K loop pipelines; MXFP4 always as even/odd halves (tl.dot_scaled is not used with it)
     weight_rows: bool = False
     # PDL: each kernel lets the next launch right after its own wait instead of after its K loop, so the next
     # kernel's programs are resident and stream their static weights (preload) while this one still runs
