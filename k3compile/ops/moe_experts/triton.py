@@ -163,7 +163,7 @@ mov.b32 x, $4;
                  + "}\n")
 E2M1_BF16_ASM = tl.constexpr(E2M1_BF16_PTX)   # a jit function reads globals only as constexpr
 
-# E2M1 -> bf16 for two code bytes by bit moves (``_mxfp4_rows`` with ASM), sm_90 PTX. Inputs: $2 two code bytes (low
+# E2M1 -> bf16 for two code bytes by bit moves (``_mxfp4_rows`` with ASM), sm_80+ PTX. Inputs: $2 two code bytes (low
 # 16 bits), $3 the bf16 scale twice; outputs: $0 the low nibbles' values (elements 0 and 2), $1 the high nibbles'
 # (1 and 3). The bytes spread to [0, b0, 0, b1] (prmt); each nibble's sign lands on bit 15 / 31 of a bf16 pair and
 # its three magnitude bits on bits 8:6 / 24:22 (shifts and masks): a bf16 of exponent field e and mantissa m,
