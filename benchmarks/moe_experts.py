@@ -38,6 +38,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Optional, Sequence
 
 if "--smoke" in sys.argv:   # before triton is imported: the kernels then run in its interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -486,9 +487,10 @@ def dense_entries(rows) -> list:
     return out
 
 
-def write_table(path: Path, configs: list, dense: list, rows: list) -> None:
+def write_table(path: Path, configs: list, dense: Optional[list] = None, rows: Sequence = ()) -> None:
     """Merge this run's picks into ``path`` (``tables/<gpu>.json``'s format): entries of the same dtype, format,
-    widths and M replaced, dense entries replaced for the widths this run measured in bf16, the rest kept."""
+    widths and M replaced, dense entries (unless None: kept) replaced for the widths this run measured in bf16, the
+    rest kept."""
     table = json.loads(path.read_text()) if path.exists() else {}
 
     def key(e):
@@ -496,9 +498,10 @@ def write_table(path: Path, configs: list, dense: list, rows: list) -> None:
 
     kept = {key(e): e for e in table.get("configs", [])}
     kept.update({key(e): e for e in configs})
-    measured = {(shapes(r["tp"])["i"], shapes(r["tp"])["l"]) for r in rows if r["format"] == "bf16"}
     table["configs"] = sorted(kept.values(), key=key)
-    table["dense"] = [e for e in table.get("dense", []) if (e["I"], e["L"]) not in measured] + dense
+    if dense is not None:
+        measured = {(shapes(r["tp"])["i"], shapes(r["tp"])["l"]) for r in rows if r["format"] == "bf16"}
+        table["dense"] = [e for e in table.get("dense", []) if (e["I"], e["L"]) not in measured] + dense
     path.write_text(json.dumps(table, indent=1) + "\n")
 
 
@@ -528,6 +531,8 @@ def main(argv=None):
                     print_table(point)
                     if args.json:   # after every point: a run cut short keeps what it measured
                         Path(args.json).write_text(json.dumps(dict(info, rows=rows), indent=1))
+                    if args.table and m in args.sweep_m:   # the picks so far, likewise (dense ones at the end)
+                        write_table(Path(args.table), best_configs(rows))
                     print(f"   ({time.time() - t0:.1f} s; {time.time() - t_start:.0f} s so far)", flush=True)
             del weights
             if not SMOKE:
