@@ -1,4 +1,4 @@
-"""What every GPU benchmark here shares: the same-run HBM copy ceiling (docs/anchors.md, "Method"), graph-timed
+"""What every GPU benchmark here shares: the same-run HBM copy ceiling (docs/measuring.md), graph-timed
 replays, and providers timed in interleaved passes."""
 import torch
 
@@ -7,7 +7,7 @@ def copy_ceiling_tbps() -> float:
     """Bytes read + written per second by a 1 GiB bf16 device-to-device ``copy_`` (2 GiB moved): the 100% line.
 
     The best of the events-timed and the graph-timed median: on the H200 a graph-timed copy of this size has
-    read ~2.7 TB/s in runs where the events-timed one read ~4.2 TB/s, the figure anchors.md measured.
+    read ~2.7 TB/s in runs where the events-timed one read ~4.2 TB/s, the anchor figure of docs/measuring.md.
     """
     from triton.testing import do_bench, do_bench_cudagraph
 
@@ -77,3 +77,41 @@ def interleaved_passes(timers: dict, passes: int) -> dict:
         for key, timer in timers.items():
             samples[key].append(timer())
     return samples
+
+
+# Teacher-forced checks (every decode benchmark): each step's logits against a reference's for the same given tokens.
+# Free-running greedy tokens fail at bf16 ties and hide real errors behind them. Rows can also differ for a reason
+# that is no error: in 16 bits a token's top-k may pick another expert at a near-tie of the router's scores (at K3's
+# widths, a few percent of the tokens of a layer), which moves that row's logits by 10-40%. So the check is on the
+# median over (step, row) of each row's relative error; the worst row and the share within the tolerance are reported.
+LOGITS_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 2e-2, torch.float32: 1e-4}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; NaN unless ``out`` is finite."""
+    if not torch.isfinite(out).all():
+        return float("nan")
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def compare_logits(logits: torch.Tensor, ref: torch.Tensor, tol: float) -> dict:
+    """logits, ref [steps, M, V]: each row's relative error ||a - b|| / ||b|| over V; ``ok`` when every logit is finite
+    and the median over (step, row) is within ``tol``. Also: the median, 90th percentile and worst error, each
+    step's error over [M, V], the share of rows within ``tol`` and the share keeping the reference's top-1."""
+    if not torch.isfinite(logits).all():
+        nan = float("nan")
+        return dict(rel_err=nan, rel_err_p90=nan, rel_err_max=nan, within_tol=0.0, top1_agree=0.0, ok=False,
+                    rel_err_steps=[nan] * logits.shape[0])
+    a, b = logits.double(), ref.double()
+    rows = ((a - b).norm(dim=-1) / b.norm(dim=-1)).flatten()            # [steps * M]
+    median = rows.median().item()
+    return dict(rel_err=median, rel_err_p90=rows.quantile(0.9).item(), rel_err_max=rows.max().item(),
+                rel_err_steps=[rel_err(x, y) for x, y in zip(logits, ref)],
+                within_tol=(rows <= tol).double().mean().item(),
+                top1_agree=(logits.argmax(-1) == ref.argmax(-1)).double().mean().item(), ok=bool(median <= tol))
+
+
+def decode_call(model, token: torch.Tensor, cache) -> torch.Tensor:
+    """One decode step through ``nn.Module.__call__`` (the compiled path where the model was compiled in place),
+    skipping the K3 model's own ``__call__``: it checks the ids on the host, a sync no CUDA graph can hold."""
+    return torch.nn.Module.__call__(model, token, cache=cache, logits_to_keep=1)

@@ -27,12 +27,18 @@ step kda_prefill  ${T_KDAP:-40}   python3 benchmarks/kda_prefill.py --tokens 512
                                   --out "$OUT/kda_prefill.json"
 step moe_tail     ${T_MOE:-110}   python3 benchmarks/moe_tail.py --m 1 2 4 8 16 --json "$OUT/moe_tail_tp1.json"
 [ "$NGPU" -ge 2 ] && step moe_tail_tp2 ${T_MOE2:-100} python3 benchmarks/moe_tail.py --tp 2 --m 1 4 16 --json "$OUT/moe_tail_tp2.json"
-step skinny       ${T_SKINNY:-240} python3 benchmarks/skinny_gemm.py --sweep --json "$OUT/skinny_sweep.json"
+step skinny       ${T_SKINNY:-300} python3 benchmarks/skinny_gemm.py --json "$OUT/skinny_gemm_h200.json" \
+                                  --png "$OUT/skinny_gemm_h200.png"
 step decode_tp1   ${T_DECODE:-120} python3 benchmarks/tp_decode.py --world-size 1 --backend nccl --config slice \
                                   --batch 1,16 --steps 3 --json "$OUT/decode_tp1.json"
 # the MLA decode layout table first (written into the tree, so the benchmark's dispatch reads it), then the sweep
-step mla_tune     ${T_MLA_TUNE:-150} python3 benchmarks/tune_mla_decode.py --out "$OUT/mla_decode_table_h200.json"
+step mla_tune     ${T_MLA_TUNE:-150} python3 benchmarks/tune_mla_decode.py --out "$OUT/mla_decode_table_h200.json" \
+                                  --log "$OUT/mla_tune_log.json"
 step mla_decode   ${T_MLA:-240}   python3 benchmarks/mla_decode.py ${MLA_ARGS:-} --out "$OUT/mla_decode_h200.json"
+# not in the default STEPS (about 6 minutes): STEPS=decode_step
+step decode_step  ${T_STEP:-460}  python3 benchmarks/decode_step.py --tp 8 --layers 4 --batch 1,8 --context 1024 \
+                                  --providers eager,compile,optimize --json "$OUT/decode_step.json" \
+                                  --plot "$OUT/decode_step.svg"
 for f in $STEPS; do
     [ -f "$OUT/$f.log" ] && { echo "----- $f (tail)"; tail -n ${TAIL:-22} "$OUT/$f.log"; }
 done

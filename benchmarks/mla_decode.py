@@ -111,6 +111,20 @@ def k3_call(args: tuple, config=None):
     return lambda: mla_decode_triton(*args, config=config)
 
 
+def k3_config(pool) -> dict:
+    """The Triton layout ``dispatch.py`` picks for the pool's shapes (the table's entry or the default)."""
+    from k3compile.ops.mla_decode.dispatch import triton_config
+
+    q_nope, c_kv = pool.args(0)[0], pool.args(0)[2]
+    return triton_config(c_kv, q_nope.shape[1] * q_nope.shape[2], q_nope.shape[0]).to_json()
+
+
+def _layout_tag(c: dict) -> str:
+    """keys/warps/stages, programs an SM, fewest tiles a split, read-back form: "32/4/3 p2 t4 fused"."""
+    return (f"{c['block_s']}/{c['num_warps']}/{c['num_stages']} p{c['programs_per_sm']} t{c['min_split_tiles']}"
+            f"{' fused' if c['fused_readback'] else ''}")
+
+
 _COMPILED = []
 
 
@@ -205,7 +219,7 @@ def run(args) -> dict:
         Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows, summary=summarise(rows)), indent=1))
 
     print(f"\n{'TP':>3} {'H':>3} {'B':>3} {'alloc':>7} {'L':>7} | {'k3 µs':>9} {'floor µs':>9} {'% floor':>8} | "
-          f"{'compile µs':>10} {'x compile':>9} | {'rot':>4} {'check':>8}", flush=True)
+          f"{'compile µs':>10} {'x compile':>9} | {'rot':>4} {'check':>8} | layout", flush=True)
     for tp, alloc, batches in shapes(args):
         H = w.heads // tp
         for B in batches:
@@ -228,7 +242,7 @@ def run(args) -> dict:
                 floor_us = latent_bytes(B, L, w) / bw * 1e6
                 row = dict(tp=tp, H=H, B=B, alloc=alloc, L=L, k3_us=k3_us, floor_us=floor_us,
                            frac_floor=floor_us / k3_us, rotation=n, rotated_bytes=n * latent_bytes(B, L, w),
-                           l2=n * latent_bytes(B, L, w) < 2 * L2_BYTES, rel_err=err)
+                           l2=n * latent_bytes(B, L, w) < 2 * L2_BYTES, rel_err=err, config=k3_config(pool))
                 if args.compile and L in args.compile_lengths and B in args.compile_batch:
                     fn = compiled_plain() if not args.dry_run else _plain()
                     a = pool.args(0)
@@ -246,7 +260,7 @@ def run(args) -> dict:
                 flag = " WRONG" if not err < 3e-2 else ""
                 print(f"{tp:>3} {H:>3} {B:>3} {alloc:>7} {L:>7} | {k3_us:>9.2f} {floor_us:>9.2f} "
                       f"{100 * floor_us / k3_us:>7.1f}% | {comp} | {n:>3}{'*' if row['l2'] else ' '} "
-                      f"{err:>8.1e}{flag}", flush=True)
+                      f"{err:>8.1e}{flag} | {_layout_tag(row['config'])}", flush=True)
             del pool
             if not args.dry_run:
                 torch.cuda.empty_cache()

@@ -19,7 +19,7 @@ static-weight proof fires (the latent's producer is a kernel of the same graph),
 runs the op with ``static_weight=True``. Both columns of the pair run the same combine; their ratio is printed
 against ``compile(combine)``. The headline ``compile`` / ``compile+k3`` columns are unchanged.
 
-Method (docs/anchors.md): CUDA graphs, median; the up-projection weight rotates through enough
+Method (docs/measuring.md): CUDA graphs, median; the up-projection weight rotates through enough
 copies (> 640 MB) that every call streams it from HBM; a device-to-device copy measured in the same run
 is the 100% line. Each row first checks its output against an fp32 reference on fresh random inputs.
 Single GPU: ``--repeats`` passes (default 3) over all providers in turn, each a fresh capture; a row is the
@@ -47,10 +47,11 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from k3compile.ops.latent_moe_tail import latent_moe_tail  # noqa: E402
-from k3compile.ops.latent_moe_tail.op import LATENT_MOE_TAIL  # noqa: E402
+from k3compile.ops.latent_moe_tail import LATENT_MOE_TAIL  # noqa: E402
 from k3compile.ops.latent_moe_tail.reference import kimi_rms_norm, latent_moe_tail_ref  # noqa: E402
 from k3compile.ops.latent_moe_tail.split import kimi_rms_norm_triton, latent_moe_tail_split  # noqa: E402
-from k3compile.ops.latent_moe_tail.triton import TailConfig, latent_moe_tail_triton  # noqa: E402
+from k3compile.ops.latent_moe_tail.triton import latent_moe_tail_triton  # noqa: E402
+from k3compile.ops.latent_moe_tail.triton_config import TailConfig  # noqa: E402
 from k3compile.ops.skinny_gemm import SKINNY_GEMM  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -102,12 +103,18 @@ def tail_fused(latent, shared, norm_weight, up_weight):
 
 
 def tail_one_kernel(latent, shared, norm_weight, up_weight):
-    """The one-kernel Triton tail (split-K weight stream), its measured or default configuration."""
-    return latent_moe_tail_triton(latent, shared, norm_weight, up_weight, EPS)
+    """The one-kernel Triton tail, the configuration the op's dispatch gives it on this GPU."""
+    from k3compile.backends import sm_count
+    from k3compile.ops.latent_moe_tail import dispatch
+
+    m, l = latent.shape
+    cfg = dispatch.triton_config_for(latent.dtype, m, up_weight.shape[0], l, False, dispatch.table_of(latent.device),
+                                     sm_count(latent.device))
+    return latent_moe_tail_triton(latent, shared, norm_weight, up_weight, EPS, cfg)
 
 
 def tail_split(latent, shared, norm_weight, up_weight):
-    """Triton RMSNorm, then k3::skinny_gemm (CuTe / Triton / cuBLAS) with the shared add."""
+    """Triton RMSNorm, then the skinny GEMM's own pick (CuTe / Triton / cuBLAS) with the shared add."""
     return latent_moe_tail_split(latent, shared, norm_weight, up_weight, EPS)
 
 
@@ -165,10 +172,11 @@ def tail_cute_static(latent, shared, norm_weight, up_weight):
 
 
 def cute_tail_runs(dtype) -> bool:
+    from k3compile.backends import cute_can_run_on
     from k3compile.ops.latent_moe_tail import cute as cute_tail
 
     lat, sh, g, (w,) = make_inputs(1, 64, 64, dtype, 1)
-    why = cute_tail.available(lat, sh, g, w, EPS) or cute_tail.supports(lat, sh, g, w, EPS)
+    why = cute_can_run_on(lat, sh, g, w) or cute_tail.supports(lat, sh, g, w, EPS)
     print(f"CuTe tail: {why or 'runs'}")
     return why is None
 
@@ -347,11 +355,13 @@ def sweep_configs(quick):
     C = TailConfig
 
     def sk(ctas, bn, bk, nw, ns, tma=False, reduce="kernel", pdl=False, pdl_tiles=1):
-        return C(bn, bk, num_warps=nw, num_stages=ns, stream_k=True, ctas_per_sm=ctas, tma=tma, reduce=reduce,
+        return C(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, stream_k=True, ctas_per_sm=ctas, tma=tma,
+                 reduce=reduce,
                  pdl=pdl, pdl_tiles=pdl_tiles)
 
     def grid(bn, bk, split, nw=2, ns=5, early=True):   # split-K grid, all tiles by TMA, PDL
-        return C(bn, bk, split, num_warps=nw, num_stages=ns, tma=True, pdl=True, early_trigger=early)
+        return C(block_n=bn, block_k=bk, split_k=split, num_warps=nw, num_stages=ns, tma=True, pdl=True,
+                 early_trigger=early)
 
     cfgs = [
         grid(32, 128, 1), grid(32, 128, 1, ns=4), grid(32, 256, 1, 4, 3), grid(64, 128, 1, 4, 4),
@@ -360,7 +370,7 @@ def sweep_configs(quick):
         sk(1, 128, 128, 8, 4, True, "last"), sk(1, 128, 128, 8, 4, True, "kernel", True),
         sk(1, 128, 128, 8, 4), sk(1, 128, 128, 8, 4, True), sk(2, 128, 64, 4, 5), sk(2, 128, 64, 4, 5, True),
         sk(1, 128, 128, 8, 5, True), sk(2, 64, 128, 4, 4, True), sk(1, 128, 128, 8, 5), sk(2, 64, 128, 4, 4),
-        sk(1, 128, 256, 8, 3, True), sk(1, 256, 64, 8, 4, True), C(128, 128, 4, 8, 4, swap_ab=True),
+        sk(1, 128, 256, 8, 3, True), sk(1, 256, 64, 8, 4, True), C(block_n=128, block_k=128, split_k=4, num_warps=8, num_stages=4, swap_ab=True),
         sk(2, 64, 64, 4, 8, True), sk(1, 128, 64, 8, 8, True), sk(1, 128, 128, 8, 6, True), sk(3, 64, 64, 4, 6, True),
         sk(1, 128, 128, 4, 4, True), sk(2, 128, 64, 8, 5, True), sk(1, 128, 256, 8, 3), sk(1, 256, 64, 8, 4),
         sk(4, 64, 64, 4, 4, True), sk(2, 64, 64, 4, 8), sk(1, 128, 64, 8, 8),
@@ -391,7 +401,7 @@ def check_graph_replay(cfg, m, l, d, dtype, replays=3):
 
 def bench_sweep(args):
     """Every configuration of the fused kernel at each M, against unfused torch.compile and the op's
-    current path (Triton norm + k3::skinny_gemm); rows sorted per M, best first. Stops adding
+    split path (Triton norm + the skinny GEMM's pick); rows sorted per M, best first. Stops adding
     configurations when ``--budget`` seconds have passed (the baselines always run)."""
     dtype = DTYPES[args.dtype]
     l, d = args.latent, args.hidden

@@ -1,11 +1,11 @@
 """How close can a kernel that only streams its weight get to the copy ceiling, back to back as a decode stack runs
-its products? The limit the skinny GEMM's PDL options chase (issue 4; ``ops/skinny_gemm/config.py`` cites it).
+its products? The limit the skinny GEMM's PDL options chase (docs/tuning/skinny_gemm.md cites it).
 
     python benchmarks/probe_weight_stream.py [--json out.json]
 
 Each program sums its contiguous chunk of one weight copy (32 or 64 KB, 128-bit loads) and stores one fp32, so the
 only traffic is the weight; the timed graph walks > 640 MB of copies (none stays in L2), CUDA-graph medians per
-product, the same-run 2 GiB copy as the 100% line (docs/anchors.md). Four launch forms:
+product, the same-run 2 GiB copy as the 100% line (docs/measuring.md). Four launch forms:
 
 - ``plain``: no PDL (each kernel starts when the one before has completed);
 - ``pdl-post-wait``: PDL, loads after ``gdc_wait`` (the weight may be the previous kernel's output), trigger after it;

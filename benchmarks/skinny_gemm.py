@@ -3,7 +3,7 @@
     python benchmarks/skinny_gemm.py [--json out.json] [--png out.png] [--ms 1,2,4,8,16] [--shapes 896x7168,...]
                                      [--no-triton] [--sweep] [--replays 15] [--passes 3]
 
-Method (docs/anchors.md): the ceiling is a 2 GiB device-to-device copy measured in the same run; each
+Method (docs/measuring.md): the ceiling is a 2 GiB device-to-device copy measured in the same run; each
 product streams its weight from HBM because the timed function walks through enough weight copies
 (> 600 MB) that none stays in L2, back to back as a decode layer stack runs them; times are medians of
 CUDA-graph replays divided by the number of products per replay; the providers of one (shape, M) are
@@ -13,8 +13,8 @@ float64 reference (NaN-poisoned output) before it is timed.
 
 Each kernel runs twice: with ``static_weight=False`` (the weight is read only after the PDL wait, but for
 L2 prefetches) and with ``static_weight=True`` ("+static": what compiled graphs run where the compiler
-proved the weight static). "dispatched" is the CuTe kernel with the table's configuration, or cuBLAS where
-the table says cuBLAS is faster (issue 4's CuTe-or-cuBLAS dispatch, composed from the two timings); "op" is
+proved the weight static). "dispatched" is the CuTe kernel with the table's configuration where the table tries
+CuTe first, else cuBLAS (a CuTe-or-cuBLAS dispatch, composed from the two timings); "op" is
 ``k3::skinny_gemm`` itself, timed as a unit: its dispatch between CuTe, Triton and cuBLAS, the path compiled
 graphs take. The summary prints the issue's four figures for each: median % of the ceiling on weights >= 32 MB
 and on 8-32 MB, geomean speedup over cuBLAS, and the router (896×7168) ratio per M.
@@ -41,21 +41,32 @@ ROTATE_BYTES = 640 * 2**20
 ROUTER = (896, 7168)
 
 
-def sweep_candidates(n, k):
+def table():
+    """The dispatch's table for this GPU (``k3compile/ops/skinny_gemm/tables/``)."""
+    from k3compile.ops.skinny_gemm import dispatch
+    return dispatch.gpu_of(torch.device("cuda")).table
+
+
+def sweep_candidates(n, k, dtype=torch.bfloat16):
     """Configurations worth timing for a shape: the table's, the heuristic's, and divisions that won on the
     H200 (cp.async rings for long K, registers for short K; early trigger and L2 prefetch of the block's
     whole weight share, or of a part of it when the weight outgrows L2; split-K clusters for few rows)."""
-    from k3compile.ops.skinny_gemm import config as cc
-    C = cc.SkinnyConfig
+    from k3compile.kernels.cute.configs import K_STEP, MmaConfig
+    from k3compile.ops.skinny_gemm import cute_config, dispatch
+
+    def C(rg, wn, wk, u, **kw):
+        return MmaConfig(row_groups=rg, warps_n=wn, warps_k=wk, unroll=u, **kw)
+
     row_kb = k * 2 * 8 // 1024  # one 8-row group's whole K, in KB
     out = [c for st in (False, True) for m in (1, 16)  # the mma.sync kernel's (a table entry may name the wgmma one)
-           for c in (cc.choose(m, n, k, st), cc.heuristic(m, n, k, st)) if isinstance(c, cc.SkinnyConfig)]
+           for c in (dispatch.cute_config_for(dtype, m, n, k, st, table()), cute_config.mma_heuristic(m, n, k))
+           if isinstance(c, MmaConfig)]
     out += [C(1, 1, 8, 2, stages=3, early=True, l2_kb=row_kb), C(1, 1, 8, 2, stages=3, early=True, l2_kb=16),
             C(1, 1, 8, 2, stages=3, split_k=2, early=True, l2_kb=row_kb // 2),
             C(2, 1, 4, 2, stages=4, early=True, l2_kb=2 * row_kb), C(1, 1, 4, 4, early=True, l2_kb=row_kb)]
     seen = []
     for c in out:
-        if c not in seen and n >= 8 * c.row_groups * c.split_k and k // (cc.K_STEP * c.unroll * c.split_k) >= c.warps_k:
+        if c not in seen and n >= 8 * c.row_groups * c.split_k and k // (K_STEP * c.unroll * c.split_k) >= c.warps_k:
             seen.append(c)
     return seen
 
@@ -78,11 +89,11 @@ def providers(with_triton=True):
     except Exception as e:
         print(f"# k3::skinny_gemm not benchmarked: {type(e).__name__}: {e}", file=sys.stderr)
     try:
+        from k3compile.backends import cute_can_run_on
         from k3compile.ops.skinny_gemm import cute as kc
-        if kc.available(torch.empty(1, 8, device="cuda", dtype=torch.bfloat16),
-                        torch.empty(8, 8, device="cuda", dtype=torch.bfloat16)) is None:
-            out["cute"] = lambda a, w, cfg=None: kc.skinny_gemm_cute(a, w, cfg=cfg, static_weight=False)
-            out["cute+static"] = lambda a, w, cfg=None: kc.skinny_gemm_cute(a, w, cfg=cfg, static_weight=True)
+        if cute_can_run_on(torch.empty(1, 8, device="cuda", dtype=torch.bfloat16)) is None:
+            out["cute"] = lambda a, w, cfg=None: kc.skinny_gemm_cute(a, w, None, None, cfg, static_weight=False)
+            out["cute+static"] = lambda a, w, cfg=None: kc.skinny_gemm_cute(a, w, None, None, cfg, static_weight=True)
     except Exception as e:
         print(f"# cute kernel not benchmarked: {type(e).__name__}: {e}", file=sys.stderr)
     return out
@@ -140,7 +151,7 @@ def main():
     ap.add_argument("--passes", type=int, default=3,
                     help="interleaved timings of every provider per (shape, M); the median is kept (not with --sweep)")
     args = ap.parse_args()
-    from k3compile.ops.skinny_gemm import config as cc
+    from k3compile.ops.skinny_gemm import dispatch
     dtype = getattr(torch, args.dtype)
     ms = [int(x) for x in args.ms.split(",")]
     shapes = K3_SHAPES if args.shapes is None else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
@@ -161,7 +172,8 @@ def main():
                 static = name.endswith("+static")
                 cfgs = [None]
                 if name.startswith("cute"):
-                    cfgs = sweep_candidates(n, k) if args.sweep else [cc.choose(m, n, k, static) or cc.heuristic(m, n, k, static)]
+                    cfgs = sweep_candidates(n, k, dtype) if args.sweep else \
+                        [dispatch.cute_config_for(dtype, m, n, k, static, table())]
                 runs += [(name, f, cfg) for cfg in cfgs]
             # the providers take turns over the passes; each keeps its median
             timers = {i: (lambda name=name, f=f, cfg=cfg: time_one(name, f, a, ws, ref, cfg, args.replays))
@@ -187,7 +199,7 @@ def main():
                 if name not in res:
                     continue
                 us, cfg = res[name]
-                use_cute = us < cub if args.sweep else cc.choose(m, n, k) is not None
+                use_cute = us < cub if args.sweep else dispatch.order(dtype, m, n, k, table())[:1] == ("cute",)
                 picked = us if use_cute else cub
                 tag = cfg.tag() if use_cute else "cuBLAS"
                 rows.append(dict(provider=disp, m=m, n=n, k=k, us=picked, frac=floor_us / picked, cfg=tag))

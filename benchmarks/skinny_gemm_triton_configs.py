@@ -1,15 +1,14 @@
 """Config sweep of the Triton skinny GEMM on one GPU: % of the same-run HBM copy ceiling per config.
 
     python benchmarks/skinny_gemm_triton_configs.py [--json OUT.json] [--budget-s 100] [--ms 1,4,16] [--shapes 4608x7168,...]
-    python benchmarks/skinny_gemm_triton_configs.py --defaults [--json OUT.json]     # what choose_config picks only
+    python benchmarks/skinny_gemm_triton_configs.py --defaults [--json OUT.json]     # what the dispatch picks only
 
-What ``choose_config`` in k3compile/ops/skinny_gemm/triton.py was read off (benchmarks/results/
-skinny_gemm_triton_sweep_h200.{json,log}; the PDL flavours: skinny_gemm_triton_pdl_h200.{json,log}).
+What the Triton heuristic (k3compile/ops/skinny_gemm/triton_config.py) was read off (docs/tuning/skinny_gemm.md).
 ``MM_SMOKE_DEVICE=cpu`` with ``TRITON_INTERPRET=1`` checks the logic.
 
-``--defaults``: only ``choose_config``'s picks, with ``static_weight`` off and on (what the dispatch runs where
+``--defaults``: only the dispatch's picks, with ``static_weight`` off and on (what the dispatch runs where
 the compiler proved the weight static; today the same kernel, so the two columns also show the run's noise), on
-the >= 32 MB decode shapes at M 1/2/4/8/16 -- the figures issue 3 asks for (% of the ceiling, ratio to cuBLAS).
+the >= 32 MB decode shapes at M 1/2/4/8/16 (% of the ceiling, ratio to cuBLAS).
 
 For every (N, K, M): the current heuristic, dot configs around "n programs per SM" (BLOCK_N 32/64/128,
 split-K one-launch or two-launch, num_stages, num_warps) and, for M <= 4, CUDA-core (fma) configs.
@@ -53,13 +52,16 @@ def eff_split(k, bk, split):
 
 
 def candidates(m, n, k, sms, defaults=False):
-    """(config, static_weight) pairs to time; the first is what ``choose_config`` picks for a weight not
-    proven static."""
-    from k3compile.ops.skinny_gemm.triton import TritonConfig, choose_config
+    """(config, static_weight) pairs to time; the first is what the dispatch picks (its table on this GPU, else
+    the heuristic) for a weight not proven static."""
+    from k3compile.ops.skinny_gemm import dispatch
+    from k3compile.ops.skinny_gemm.triton_config import TritonConfig
 
+    pick = dispatch.triton_config_for(torch.bfloat16, m, n, k, dispatch.Gpu(dispatch.gpu_of(torch.device("cuda")).table,
+                                                                            sms))
     if defaults:
-        return [(choose_config(m, n, k, sms), False), (choose_config(m, n, k, sms, True), True)]
-    out = [choose_config(m, n, k, sms)]
+        return [(pick, False), (pick, True)]
+    out = [pick]
 
     def add(c):
         if c not in out and c.block_m >= m:
@@ -79,31 +81,42 @@ def candidates(m, n, k, sms, defaults=False):
     bm = max(16, pow2(m))
     for bn in (32, 64, 128):
         for per_sm in (2, 4, 8):
-            add(TritonConfig(bm, bn, 128, split_for(bn, 128, per_sm), 4, None, True))
+            add(TritonConfig(block_m=bm, block_n=bn, block_k=128, split_k=split_for(bn, 128, per_sm), num_warps=4,
+                             num_stages=None, one_launch=True))
         s = exact_split(bn, 128)
         if s:
-            add(TritonConfig(bm, bn, 128, s, 4, None, True))
+            add(TritonConfig(block_m=bm, block_n=bn, block_k=128, split_k=s, num_warps=4, num_stages=None,
+                             one_launch=True))
     s4 = split_for(64, 128, 4)
-    add(TritonConfig(bm, 64, 128, s4, 4, None, False))          # what the second launch costs
+    add(TritonConfig(block_m=bm, block_n=64, block_k=128, split_k=s4, num_warps=4, num_stages=None,
+                     one_launch=False))          # what the second launch costs
     for st in (2, 4, 5):
-        add(TritonConfig(bm, 64, 128, s4, 4, st, True))
-    add(TritonConfig(bm, 32, 128, split_for(32, 128, 4), 4, 4, True))
-    add(TritonConfig(bm, 32, 128, split_for(32, 128, 8), 4, 5, True))
-    add(TritonConfig(bm, 128, 128, split_for(128, 128, 4), 8, None, True))
-    add(TritonConfig(bm, 64, 256, split_for(64, 256, 4), 4, 3, True))
-    add(TritonConfig(bm, 64, 64, split_for(64, 64, 8), 4, 4, True))
+        add(TritonConfig(block_m=bm, block_n=64, block_k=128, split_k=s4, num_warps=4, num_stages=st, one_launch=True))
+    add(TritonConfig(block_m=bm, block_n=32, block_k=128, split_k=split_for(32, 128, 4), num_warps=4, num_stages=4,
+                     one_launch=True))
+    add(TritonConfig(block_m=bm, block_n=32, block_k=128, split_k=split_for(32, 128, 8), num_warps=4, num_stages=5,
+                     one_launch=True))
+    add(TritonConfig(block_m=bm, block_n=128, block_k=128, split_k=split_for(128, 128, 4), num_warps=8,
+                     num_stages=None, one_launch=True))
+    add(TritonConfig(block_m=bm, block_n=64, block_k=256, split_k=split_for(64, 256, 4), num_warps=4, num_stages=3,
+                     one_launch=True))
+    add(TritonConfig(block_m=bm, block_n=64, block_k=64, split_k=split_for(64, 64, 8), num_warps=4, num_stages=4,
+                     one_launch=True))
     for bn, per_sm, st in ((32, 4, None), (64, 4, None), (64, 8, None), (128, 4, None), (64, 4, 5), (32, 8, 5)):
-        add(TritonConfig(bm, bn, 128, split_for(bn, 128, per_sm), 4, st, True, tma=True))
+        add(TritonConfig(block_m=bm, block_n=bn, block_k=128, split_k=split_for(bn, 128, per_sm), num_warps=4,
+                         num_stages=st, one_launch=True, tma=True))
     # programmatic dependent launch: weight lines prefetched into L2 while the previous product finishes
     # (the next kernel is let in after the K loop since the 03:02 run, where it was let in at the start)
     for bn, per_sm, st, tma, lines in ((32, 4, None, True, 8), (32, 4, None, True, 32), (32, 4, None, False, 8),
                                        (64, 4, None, True, 8), (32, 8, None, True, 8), (32, 2, None, True, 16)):
-        add(TritonConfig(bm, bn, 128, split_for(bn, 128, per_sm), 4, st, True, tma=tma, pdl=True,
+        add(TritonConfig(block_m=bm, block_n=bn, block_k=128, split_k=split_for(bn, 128, per_sm), num_warps=4,
+                         num_stages=st, one_launch=True, tma=tma, pdl=True,
                          prefetch_lines=lines))
     # the early trigger (the next product let in right after our wait): only while the grid fits one wave
     for per_sm in (3.4, 2.5):
         s = max(1, min(int(per_sm * sms) // cdiv(n, 32), k // (2 * 128), 32))
-        add(TritonConfig(bm, 32, 128, eff_split(k, 128, s), 4, None, True, tma=True, pdl=True, prefetch_lines=0,
+        add(TritonConfig(block_m=bm, block_n=32, block_k=128, split_k=eff_split(k, 128, s), num_warps=4,
+                         num_stages=None, one_launch=True, tma=True, pdl=True, prefetch_lines=0,
                          early_trigger=True))
     # (CUDA-core fma configs: never within 5 points of the best in the 03:02 run; no longer swept)
     # the co-resident grids (two consecutive products fit on the SMs) around the pick: depth and warps
@@ -115,11 +128,7 @@ def candidates(m, n, k, sms, defaults=False):
         for st in (3, 4, 5):
             for w in (2, 4):
                 add(dataclasses.replace(base, num_stages=st, num_warps=w))
-    picks = [(c, False) for c in out]
-    static_pick = choose_config(m, n, k, sms, True)
-    if static_pick != out[0]:  # else static_weight changes nothing
-        picks.insert(1, (static_pick, True))
-    return picks
+    return [(c, False) for c in out]   # static_weight changes no Triton pick
 
 
 def spec(x):
@@ -182,7 +191,7 @@ def graph_us(fn, calls, replays=15):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default=None, help="default 1,4,16; 1,2,4,8,16 with --defaults")
-    ap.add_argument("--defaults", action="store_true", help="time only choose_config's picks (static off/on)")
+    ap.add_argument("--defaults", action="store_true", help="time only the dispatch's picks (static off/on)")
     ap.add_argument("--shapes", default=None)
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "mm_sweep.json"))
     ap.add_argument("--budget-s", type=float, default=100.0, help="stop sweeping (keep heuristic + cuBLAS) after this")
@@ -218,7 +227,8 @@ def main():
             ref = F.linear(a.double(), ws[0].double())
             cub = graph_us(lambda: [F.linear(a, w) for w in ws], copies)
             rows.append(dict(provider="cublas", m=m, n=n, k=k, us=cub, frac=floor_us / cub))
-            print(f"N{n:>6} K{k:>5} M{m:>2} floor {floor_us:6.2f}us  cuBLAS {cub:6.2f}us {floor_us / cub:6.1%}", flush=True)
+            print(f"N{n:>6} K{k:>5} M{m:>2} floor {floor_us:6.2f}us  cuBLAS {cub:6.2f}us {floor_us / cub:6.1%}",
+                  flush=True)
             res = []
             for i, (cfg, static) in enumerate(plan[(n, k, m)]):
                 if i > 0 and time.time() - T0 > args.budget_s:
@@ -243,7 +253,8 @@ def main():
                 frac = floor_us / us
                 res.append((us, cfg, static))
                 rows.append(dict(provider="triton", cfg=cfg.tag(), config=cfg.__dict__, heuristic=i == 0, static=static,
-                                 grid=cdiv(n, cfg.block_n) * eff_split(k, cfg.block_k, cfg.split_k), m=m, n=n, k=k, us=us, frac=frac, rel=err))
+                                 grid=cdiv(n, cfg.block_n) * eff_split(k, cfg.block_k,
+                                                                       cfg.split_k), m=m, n=n, k=k, us=us, frac=frac, rel=err))
                 grid = cdiv(n, cfg.block_n) * eff_split(k, cfg.block_k, cfg.split_k)
                 print(f"    {'H ' if i == 0 else '  '}{cfg.tag() + (' S' if static else ''):<34} grid {grid:>5} "
                       f"{us:7.2f}us {frac:6.1%} x{cub / us:4.2f} rel {err:.1e}", flush=True)
@@ -257,7 +268,7 @@ def main():
         del ws
         torch.cuda.empty_cache()
         dump(args.json, ceil, sms, rows)
-    if args.defaults:  # the issue-3 table: choose_config's picks against the ceiling and cuBLAS
+    if args.defaults:  # the dispatch's picks against the ceiling and cuBLAS
         cubs = {(r["n"], r["k"], r["m"]): r["us"] for r in rows if r["provider"] == "cublas"}
         print("# N x K      M | cuBLAS        | triton (weight not static) | triton (static weight)")
         for r0 in rows:

@@ -4,13 +4,17 @@ The table maps (cache dtype, query rows bucket, batch bucket) -- ``dispatch.tabl
 with the lowest geometric-mean time over a few valid lengths in a 128K allocation (K3 widths, bf16, CUDA-graph
 medians over rotated caches as in ``benchmarks/mla_decode.py``). Two stages keep it short:
 
-1. the tile layout (keys per tile, warps, pipeline stages; and the default without PDL) at batch 1, 8 and 64,
-   lengths 8K and 64K, with the default split rule;
-2. per batch bucket, the split rule (programs per SM, fewest tiles a split) under the layout stage 1 picked at the
-   nearest of those batches, lengths 1K, 8K, 128K.
+1. the split kernel's layout at batch 1, 8 and 64, lengths 8K and 64K: a handful of (keys per tile, warps, stages,
+   programs per SM) chosen so that the programs the split count assumes fit an SM at once (``layouts``; the
+   reasoning and the sm_90a figures are in docs/tuning/mla_decode.md), and the default without PDL, without and
+   with more L2 prefetch (what those gain shows in the log);
+2. per batch bucket, the split rule and read-back (fewest tiles a split; for batch <= 4 also the fused combine +
+   read-back) under the layout stage 1 picked at the nearest of those batches, lengths 1K, 8K, 128K.
 
-A pick goes into the table only where it beats ``config.default_config`` by more than ``--min-gain``; every
-candidate's time goes to the log (``--log``).
+Every candidate's output is checked against the default's on the first length before it is timed (a wrong one is
+logged and dropped). A pick goes into the table only where it beats ``config.default_config`` by more than
+``--min-gain``. Batch buckets run 1, 8, 64 first; past ``--budget-s`` the remaining ones are skipped (they keep the
+default; the log says so). The table is written after every bucket.
 
     python benchmarks/tune_mla_decode.py                       # rows 16 (12 or 6 heads, T = 1), batch 1-64
     python benchmarks/tune_mla_decode.py --rows 16 64          # also T x H = 48 (12 heads, T = 4)
@@ -33,23 +37,44 @@ import torch
 HERE = Path(__file__).resolve().parent
 TABLES = HERE.parent / "k3compile" / "ops" / "mla_decode" / "tables"
 K = 1024
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+BATCH_ORDER = (1, 8, 64, 2, 4, 16, 32)      # the goals' batches first: a run out of time still has them
 LAYOUT_BATCHES = (1, 8, 64)
+FUSED_MAX_BATCH = 4
 
 
 def layouts(rows: int):
-    """Tile layouts, and the default without PDL (what PDL gains shows in the log)."""
+    """The split kernel's layouts worth timing, each with the programs an SM it can hold (sm_90a, K3 widths; the
+    figures are docs/tuning/mla_decode.md's): the default first, then the same four or more tiles an SM in flight by
+    other shapes, fewer in flight (the previous default), and the default without PDL / with other L2 prefetch."""
     from k3compile.ops.mla_decode.config import TritonConfig, default_config
 
-    warps = (4, 8) if rows <= 16 else (8,)
-    for block_s, nw, stages in itertools.product((16, 32, 64), warps, (2, 3, 4)):
-        yield TritonConfig(block_s=block_s, num_warps=nw, num_stages=stages)
-    yield dataclasses.replace(default_config(rows), pdl=False)
+    base = default_config(rows)
+    yield base
+    if rows <= 16:
+        for block_s, warps, stages, per_sm in ((64, 4, 2, 2), (16, 4, 5, 2), (32, 4, 2, 2), (32, 4, 4, 1),
+                                               (64, 4, 3, 1), (32, 8, 4, 1), (64, 8, 3, 1)):
+            yield TritonConfig(block_s=block_s, num_warps=warps, num_stages=stages, programs_per_sm=per_sm)
+    else:
+        for block_s, stages in ((32, 3), (16, 4), (64, 2)):
+            yield dataclasses.replace(base, block_s=block_s, num_stages=stages)
+    yield dataclasses.replace(base, pdl=False)
+    yield dataclasses.replace(base, prefetch_tiles=0)
+    yield dataclasses.replace(base, prefetch_tiles=4)
 
 
-def splits(layout):
-    for per_sm, tiles in itertools.product((1, 2, 4), (1, 2, 4, 8)):
-        yield dataclasses.replace(layout, programs_per_sm=per_sm, min_split_tiles=tiles)
+def split_rules(layout, batch: int):
+    """The split rule and read-back under a layout: fewest tiles a split; the fused read-back for few rows."""
+    fused = (False, True) if batch <= FUSED_MAX_BATCH else (False,)
+    for tiles, fuse in itertools.product((1, 2, 4, 8), fused):
+        yield dataclasses.replace(layout, min_split_tiles=tiles, fused_readback=fuse)
+
+
+def tag(c) -> str:
+    """A layout in a few characters: keys/warps/stages, programs an SM, fewest tiles a split, fused read-back,
+    L2 prefetch tiles (where not 2), PDL off: "32/4/3p2 t4 fused", "32/4/3p2 t4 pf0", "32/4/3p2 t4 nopdl"."""
+    return (f"{c.block_s}/{c.num_warps}/{c.num_stages}p{c.programs_per_sm} t{c.min_split_tiles}"
+            f"{' fused' if c.fused_readback else ''}{'' if c.prefetch_tiles == 2 else f' pf{c.prefetch_tiles}'}"
+            f"{'' if c.pdl else ' nopdl'}")
 
 
 def gpu_name() -> str:
@@ -64,6 +89,7 @@ def main(argv=None) -> int:
     ap.add_argument("--alloc", type=int, default=128 * K)
     ap.add_argument("--replays", type=int, default=10)
     ap.add_argument("--min-gain", type=float, default=0.02, help="keep the default unless this much faster")
+    ap.add_argument("--budget-s", type=float, default=110, help="skip the batch buckets left after this many seconds")
     ap.add_argument("--out", default="", help="also write the table here (default: only under tables/)")
     ap.add_argument("--log", default="", help="every candidate's times as JSON")
     ap.add_argument("--dry-run", action="store_true")
@@ -84,25 +110,40 @@ def main(argv=None) -> int:
     alloc = 96 if args.dry_run else args.alloc
     layout_lengths = [40, 96] if args.dry_run else [8 * K, 64 * K]
     split_lengths = [1, 40, 96] if args.dry_run else [K, 8 * K, 128 * K]
-    batches = (1, 2) if args.dry_run else BATCH_BUCKETS
+    batches = (1, 2) if args.dry_run else BATCH_ORDER
     layout_batches = (1, 2) if args.dry_run else LAYOUT_BATCHES
     most = 1 if args.dry_run else bench.MAX_ROTATION
     log = []
 
-    def score(pool, config, lengths) -> float:
-        """Geometric mean of µs over ``lengths``; inf where the layout does not build or run."""
+    def score(pool, config, lengths, expect=None) -> float:
+        """Geometric mean of µs over ``lengths``; inf where the layout does not build or run, or (``expect``: the
+        default's output at the first length) its output differs."""
         total = 0.0
-        for L in lengths:
+        for i, L in enumerate(lengths):
             pool.set_length(L)
-            view = bench._Prefix(pool, bench.rotation_for(pool.B, L, alloc, w, most))
+            where = dict(B=pool.B, H=pool.H, L=L, config=config.to_json())
             try:
+                if i == 0 and expect is not None:
+                    err = bench.rel(bench.k3_call(pool.args(0), config)(), expect)
+                    if not err < 1e-2:
+                        log.append(dict(where, error=f"output off the default's by {err:.2e}"))
+                        return math.inf
+                view = bench._Prefix(pool, bench.rotation_for(pool.B, L, alloc, w, most))
                 us = bench.time_rotation(view, lambda a: bench.k3_call(a, config), args.replays, args.dry_run)
             except Exception as e:   # shared memory over the limit, a failed build: not a candidate
-                log.append(dict(B=pool.B, H=pool.H, L=L, config=config.to_json(), error=f"{type(e).__name__}: {e}"))
+                log.append(dict(where, error=f"{type(e).__name__}: {e}"))
                 return math.inf
-            log.append(dict(B=pool.B, H=pool.H, L=L, config=config.to_json(), us=us))
+            log.append(dict(where, us=us))
             total += math.log(us)
         return math.exp(total / len(lengths))
+
+    def best(pool, candidates, lengths, label):
+        """(µs, config) of the default (first) and of the fastest candidate that matches the default's output."""
+        pool.set_length(lengths[0])
+        expect = bench.k3_call(pool.args(0), candidates[0])().clone()
+        scored = [(score(pool, c, lengths, None if i == 0 else expect), c) for i, c in enumerate(candidates)]
+        print(f"  {label}: " + ", ".join(f"{tag(c)} {us:.2f}" for us, c in scored), flush=True)
+        return scored[0], min(scored, key=lambda x: x[0])
 
     picks, notes = {}, {}
     device_name = "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name()
@@ -122,37 +163,51 @@ def main(argv=None) -> int:
         if args.log:
             Path(args.log).write_text(json.dumps(log, indent=0))
 
+    def pool_for(B, H, T, lengths):
+        pool = bench.Pool(B, H, alloc, alloc, bench.rotation_for(B, lengths[0], alloc, w, most), w, device)
+        _with_tokens(pool, T, w, device)
+        return pool
+
     t0 = time.time()
     for rows in args.rows:
         H, T = max(1, w.heads // 8), 1 if rows <= 16 else 4          # TP 8's heads; 4 tokens for 48 rows
         best_layout = {}
         for B in layout_batches:
-            pool = bench.Pool(B, H, alloc, alloc, bench.rotation_for(B, layout_lengths[0], alloc, w, most), w, device)
-            _with_tokens(pool, T, w, device)
-            scored = [(score(pool, c, layout_lengths), c) for c in layouts(rows)]
-            best_layout[B] = min(scored, key=lambda x: x[0])[1]
-            print(f"rows {rows} B {B}: layout {best_layout[B].to_json()} ({min(scored, key=lambda x: x[0])[0]:.2f} µs "
-                  f"geomean; {time.time() - t0:.0f} s)", flush=True)
+            pool = pool_for(B, H, T, layout_lengths)
+            _, (us, best_layout[B]) = best(pool, list(layouts(rows)), layout_lengths,
+                                           f"rows {rows} B {B} layouts, µs geomean of {layout_lengths}")
+            print(f"rows {rows} B {B}: layout {tag(best_layout[B])} ({us:.2f} µs geomean; {time.time() - t0:.0f} s)",
+                  flush=True)
             del pool
+            _free(args.dry_run)
         for B in batches:
-            near = min(layout_batches, key=lambda b: abs(math.log(b) - math.log(B)))
-            pool = bench.Pool(B, H, alloc, alloc, bench.rotation_for(B, split_lengths[0], alloc, w, most), w, device)
-            _with_tokens(pool, T, w, device)
-            base = score(pool, default_config(rows), split_lengths)
-            us, pick = min(((score(pool, c, split_lengths), c) for c in splits(best_layout[near])), key=lambda x: x[0])
             key = table_key(torch.bfloat16, rows, B)
+            if time.time() - t0 > args.budget_s:
+                notes[key] = dict(skipped=f"over the {args.budget_s:.0f} s budget: the default applies")
+                print(f"{key}: skipped (over the {args.budget_s:.0f} s budget)", flush=True)
+                continue
+            near = min(layout_batches, key=lambda b: abs(math.log(b) - math.log(B)))
+            pool = pool_for(B, H, T, split_lengths)
+            base_config = default_config(rows, B)
+            candidates = [base_config] + [c for c in split_rules(best_layout[near], B) if c != base_config]
+            (base, _), (us, pick) = best(pool, candidates, split_lengths, f"{key}, µs geomean of {split_lengths}")
             gain = base / us - 1
             if gain > args.min_gain:
                 picks[key] = pick.to_json()
             notes[key] = dict(default_us=base, pick_us=us, pick=pick.to_json(), kept=gain > args.min_gain)
-            print(f"{key}: default {base:.2f} µs, best {us:.2f} µs ({100 * gain:+.1f}%) {pick.to_json()}"
+            print(f"{key}: default {base:.2f} µs, best {us:.2f} µs ({100 * gain:+.1f}%) {tag(pick)}"
                   f"{'' if gain > args.min_gain else ' -> default kept'} ({time.time() - t0:.0f} s)", flush=True)
             del pool
-            if not args.dry_run:
-                torch.cuda.empty_cache()
+            _free(args.dry_run)
             write()
-    print(f"wrote {'' if args.dry_run else TABLES / (gpu_name() + '.json')} {args.out}")
+    write()
+    print(f"wrote {'' if args.dry_run else TABLES / (gpu_name() + '.json')} {args.out} in {time.time() - t0:.0f} s")
     return 0
+
+
+def _free(dry_run: bool) -> None:
+    if not dry_run:
+        torch.cuda.empty_cache()
 
 
 def _with_tokens(pool, T: int, w, device) -> None:

@@ -2,12 +2,12 @@
 
 Every op in ``k3compile/ops/<op>/`` has up to three implementations side by side: ``reference``
 (plain PyTorch, any device, the ground truth), ``triton`` (any GPU; CPU tensors under
-``TRITON_INTERPRET=1``) and ``cute`` (NVIDIA sm_90+, CuTe DSL). An op declares them once::
+``TRITON_INTERPRET=1``) and ``cute`` (NVIDIA sm_90+, CuTe DSL). The op's ``dispatch.py`` declares them once::
 
-    SKINNY_GEMM = OpImpls("skinny_gemm", reference=Impl(...), triton=Impl(...), cute=Impl(...))
+    SKINNY_GEMM = OpImpls("skinny_gemm", reference=Impl(...), triton=Impl(...), cute=Impl(...), aten=Impl(...))
 
-and its custom op body calls ``SKINNY_GEMM.select(backend, key, *args)`` with the backend string
-the pass baked into the graph. Each ``Impl`` has two predicates that return ``None`` when they
+and the custom op body calls ``SKINNY_GEMM.select(backend, key, *args)`` (through the dispatch) with the backend
+string the pass baked into the graph. Each ``Impl`` has two predicates that return ``None`` when they
 pass and a human-readable reason when they do not:
 
 - ``available(*args)``: can this implementation run on this machine / device at all
@@ -25,17 +25,25 @@ Rules:
 
 Choices are cached per (op, backend, key) so dispatch costs one dict lookup after the first call;
 ``key`` must capture everything the predicates read (dtypes, shapes or shape classes, device,
-contiguity). The cache doubles as the record that ``k3compile.report`` prints.
+contiguity). The cache is the whole process's record; each model ``optimize`` compiled keeps its own
+(:func:`recording_choices`, set around its calls), which ``k3compile.report`` prints.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import functools
+import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Optional
 
 import torch
+
+log = logging.getLogger("k3compile")
 
 BACKENDS = ("auto", "cute", "triton", "reference")
 IMPL_ORDER = ("cute", "triton", "reference")
@@ -125,6 +133,31 @@ def cute_can_run_on(*tensors: torch.Tensor) -> Reason:
     return None
 
 
+def forced_backend_reason(backend: str, devices: set) -> Reason:
+    """Why a forced ``backend`` ("cute" / "triton") can run no kernel on tensors on ``devices`` (the model's;
+    empty when unknown), or None. ``optimize`` raises on it before compiling anything."""
+    if backend == "triton":
+        for d in devices:
+            if d.type == "cpu" and not triton_interpret():
+                return "the model is on the CPU: Triton kernels need a GPU (or TRITON_INTERPRET=1, for tests)"
+            if d.type not in ("cpu", "cuda"):
+                return f"the model is on {d.type}: Triton kernels need a CUDA or ROCm GPU"
+        return triton_importable()
+    if backend == "cute":
+        for d in devices:
+            if d.type != "cuda":
+                where = "the CPU" if d.type == "cpu" else d.type
+                return f"the model is on {where}: CuTe kernels need CUDA tensors on an sm_90+ NVIDIA GPU"
+        reason = cute_importable()
+        if reason is None:
+            for d in devices:
+                major, minor = torch.cuda.get_device_capability(d)
+                if major < 9:
+                    return f"{d} is sm_{major}{minor}: CuTe kernels need sm_90+"
+        return reason
+    return None
+
+
 def _always(*args, **kwargs) -> Reason:
     return None
 
@@ -134,15 +167,65 @@ class Impl:
     """One implementation of an op: the function and its predicates (see module doc).
 
     ``profitable(*args)``: None where this kernel is measured (or expected) to beat what would run instead:
-    the next kernel in order, or the op's vendor-library path (``OpImpls.aten``, e.g. cuBLAS), else the
-    reason. Under ``backend="auto"`` an unprofitable kernel is passed over; if nothing after it but the
-    reference can run, the vendor path runs, or without one the kernel after all. A forced backend runs
-    the kernel it names wherever it can.
+    the next kernel in order, or the op's fallback (``OpImpls.aten``: cuBLAS for the skinny GEMM, the split path
+    for the latent-MoE tail), else the reason. Under ``backend="auto"`` an unprofitable kernel is passed over; if
+    nothing after it but the reference can run, the fallback runs (where its ``available`` passes), else the kernel
+    after all. A forced backend runs the kernel it names wherever it can. Only ``fn`` and ``available`` of the
+    fallback are read.
     """
     fn: Callable[..., Any]
     available: Callable[..., Reason] = _always
     supports: Callable[..., Reason] = _always
     profitable: Callable[..., Reason] = _always
+
+
+# The choice records of the model whose compiled call is running (``optimize`` sets it around each call).
+_MODEL_CHOICES: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("k3compile_choices", default=None)
+
+
+@contextlib.contextmanager
+def recording_choices(into: dict):
+    """Within this block every dispatch is also recorded in ``into`` ((op, backend, key...) -> Choice)."""
+    token = _MODEL_CHOICES.set(into)
+    try:
+        yield
+    finally:
+        _MODEL_CHOICES.reset(token)
+
+
+def _record_for_model(ck: tuple, choice: "Choice") -> None:
+    into = _MODEL_CHOICES.get()
+    if into is not None:
+        mine = into.get(ck)
+        if mine is None:
+            mine = into.setdefault(ck, dataclasses.replace(choice, calls=0))
+        mine.calls += 1
+
+
+BUILD_LOG_SECONDS = 1.0   # a kernel's first call (its JIT build, unless cached on disk) logged above this
+
+
+def _logging_a_slow_build(fn: Callable[..., Any], choice: "Choice") -> Callable[..., Any]:
+    """``fn`` for a key's first call, which builds the kernels it runs (Triton, CuTe DSL; the latent-MoE tail's
+    fallback builds two): logged where it takes long, so a slow first step is not silent. Host time: the build
+    blocks the host, the kernel itself runs on."""
+    def first_call(*args, **kwargs):
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        seconds = time.perf_counter() - start
+        if seconds > BUILD_LOG_SECONDS:
+            log.info("k3compile: k3::%s built its %s kernel for %s in %.1f s (first call; cached afterwards)",
+                     choice.op, choice.impl, choice.key, seconds)
+        return out
+    return first_call
+
+
+def _reason_of(predicate: Callable[..., Reason], args: tuple) -> Reason:
+    """A predicate's answer; one taken from a ``KernelModule`` that does not import raises: its reason."""
+    try:
+        return predicate(*args)
+    except BackendUnavailableError as e:
+        return str(e)
 
 
 @dataclass
@@ -162,14 +245,16 @@ class OpImpls:
     reference: Impl
     triton: Optional[Impl] = None
     cute: Optional[Impl] = None
-    aten: Optional[Impl] = None      # the vendor-library path an unprofitable kernel yields to
+    aten: Optional[Impl] = None      # the fallback an unprofitable kernel yields to (e.g. cuBLAS)
     _choices: dict = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def impl(self, impl_name: str) -> Optional[Impl]:
         return getattr(self, impl_name)
 
-    def _decide(self, backend: str, args: tuple) -> tuple[str, str]:
+    def decide(self, backend: str, args: tuple) -> tuple[str, str]:
+        """(the implementation to run for these arguments, why), by the rules of the module doc; nothing recorded
+        (``select`` records). An op whose own implementation composes another op decides that one here."""
         check_backend(backend)
         if backend == "reference":
             return "reference", "backend='reference' requested"
@@ -181,8 +266,11 @@ class OpImpls:
         passed_over = None   # the first kernel that could run but was measured slower than another path
         for name in order:
             if name == "reference" and passed_over is not None:
-                # the vendor library where the op has one; else the kernel after all (it beats the reference)
-                pick = "aten" if self.aten is not None else passed_over
+                # the op's fallback where it has one that can run, else the kernel after all (it beats the reference)
+                why = _reason_of(self.aten.available, args) if self.aten is not None else None
+                if why is not None:
+                    notes.append(f"aten: {why}")
+                pick = "aten" if self.aten is not None and why is None else passed_over
                 return pick, "; ".join(notes) + " -> " + pick
             impl = self.impl(name)
             if impl is None:
@@ -191,18 +279,18 @@ class OpImpls:
                     raise BackendUnavailableError(f"backend={backend!r}: {why}")
                 notes.append(f"{name}: {why}")
                 continue
-            why = impl.available(*args)
+            why = _reason_of(impl.available, args)
             if why is not None:
                 if backend == name:
                     raise BackendUnavailableError(f"{self.name}: backend={backend!r} cannot run here: {why}")
                 notes.append(f"{name}: {why}")
                 continue
-            why = impl.supports(*args)
+            why = _reason_of(impl.supports, args)
             if why is not None:
                 notes.append(f"{name}: {why}")
                 continue
             if backend == "auto" and name != "reference":
-                why = impl.profitable(*args)
+                why = _reason_of(impl.profitable, args)
                 if why is not None:  # the next kernel, or the vendor library, was measured faster
                     notes.append(f"{name}: {why}")
                     passed_over = passed_over or name
@@ -214,13 +302,16 @@ class OpImpls:
         """The function to run for these arguments; records the choice under ``key``."""
         ck = (backend, key)
         choice = self._choices.get(ck)
-        if choice is None:
-            impl_name, reason = self._decide(backend, args)
+        first = choice is None
+        if first:
+            impl_name, reason = self.decide(backend, args)
             choice = Choice(self.name, backend, impl_name, reason, key)
             with self._lock:
-                self._choices.setdefault(ck, choice)
+                choice = self._choices.setdefault(ck, choice)
         choice.calls += 1
-        return self.impl(choice.impl).fn
+        _record_for_model((self.name, *ck), choice)
+        fn = self.impl(choice.impl).fn
+        return _logging_a_slow_build(fn, choice) if first and choice.impl != "reference" else fn
 
     def select_fixed(self, backend: str, key: Hashable, label: str, reason: str,
                      fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -232,6 +323,7 @@ class OpImpls:
             with self._lock:
                 choice = self._choices.setdefault(ck, Choice(self.name, backend, label, reason, key))
         choice.calls += 1
+        _record_for_model((self.name, *ck), choice)
         return fn
 
     def choices(self) -> list[Choice]:

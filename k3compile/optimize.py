@@ -7,45 +7,71 @@ torch's own Inductor wrapper (mode, options and CUDA graphs behave exactly as wi
 
 - on an FX-cache miss our pass runs and leaves a ``GraphRecord`` in ``passes.COMPILE_RECORD``; we
   keep it and also store it in a small sidecar JSON under the Inductor cache directory, keyed by
-  the Dynamo graph's code, its inputs' metadata and our pass's uuid;
+  the Dynamo graph's code, its inputs' metadata and our pass's uuid (``graph_records.py``);
 - on a hit no pass runs (Inductor serves the compiled artifact); we load the sidecar instead, so
-  the report stays truthful on a warm start.
+  the report stays truthful on a warm start;
+- under ``backend="auto"`` a graph whose tensors no k3 kernel can run on (CPU tensors without Triton's
+  interpreter) is compiled exactly as plain ``torch.compile`` compiles it, without our pass
+  (``passes.stand_down_reason``): the ops' PyTorch references would only be slower than Inductor's code.
+
+Each graph's compilation is announced on the ``k3compile`` logger (INFO, shown on stderr unless the
+application configures logging; ``logging.getLogger("k3compile").setLevel(logging.WARNING)`` hides it).
 """
 from __future__ import annotations
 
-import hashlib
+import functools
 import inspect
-import json
 import logging
-import os
+import sys
 import threading
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from .passes import COMPILE_RECORD, GraphRecord, K3Options, K3PostGradPass, pattern_module, summarize_model
+from .backends import BackendUnavailableError, REGISTRY, forced_backend_reason, recording_choices
+from .graph_records import (
+    STOOD_DOWN, CompiledGraph, cache_counters, device_types, graph_key, graph_label, load_record, merge_records,
+    save_record,
+)
+from .passes import (
+    COMPILE_RECORD, GraphRecord, K3Options, K3PostGradPass, pattern_module, stand_down_reason, summarize_model,
+)
 
 log = logging.getLogger("k3compile")
+
+
+class _UnlessConfigured(logging.StreamHandler):
+    """stderr (as it is now), for as long as the application has not configured logging (a root handler
+    then shows our records)."""
+
+    def emit(self, record):
+        if not logging.getLogger().handlers:
+            self.stream = sys.stderr
+            super().emit(record)
+
+
+def _show_progress() -> None:
+    """Progress lines (INFO) and warnings visible by default; a level or handler set by the user stays."""
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)
+    if not any(isinstance(h, _UnlessConfigured) for h in log.handlers):
+        handler = _UnlessConfigured()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+
+
+_show_progress()
 
 STATE_ATTR = "_k3compile"
 
 
 class K3PassMissingError(RuntimeError):
-    """``strict=True``: a pass expected on this graph matched nothing."""
-
-
-@dataclass
-class CompiledGraph:
-    """One graph Dynamo handed to the compiler, and what our passes did to it."""
-    key: str
-    record: Optional[GraphRecord]   # None: served from cache and no sidecar found
-    source: str                     # "pass ran" | "cache hit (sidecar)" | "cache hit (no record)"
-    compile_seconds: float          # wall time of compile_fx for this graph
-    cache_hits: dict = field(default_factory=dict)   # counter deltas during compile_fx
+    """``strict=True``: a pass expected on a graph rewrote nothing there, or the passes stood down."""
 
 
 @dataclass
@@ -55,115 +81,106 @@ class K3State:
     summary: dict
     graphs: list = field(default_factory=list)
     compiler: Any = None                    # the K3Inductor torch.compile was given
+    model_name: str = "model"
+    choices: dict = field(default_factory=dict)   # this model's kernel choices (backends.recording_choices)
+    told: set = field(default_factory=set)        # one-time notices already logged
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-
-def _sidecar_dir() -> str:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    return os.path.join(cache_dir(), "k3compile")
-
-
-def _input_meta(x: Any) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"T({x.dtype},{tuple(x.shape)},{tuple(x.stride())},{x.device.type})"
-    return f"{type(x).__name__}({x})"
+    def tell_once(self, what: str, level: int, msg: str, *args) -> None:
+        if what not in self.told:
+            self.told.add(what)
+            log.log(level, msg, *args)
 
 
-def graph_key(gm: torch.fx.GraphModule, inputs: list, uuid: Optional[str]) -> str:
-    """Stable across processes: the Dynamo graph's code, its inputs' metadata, our pass uuid."""
-    h = hashlib.sha256()
-    h.update(str(uuid).encode())
-    h.update(gm.code.encode())
-    for x in inputs:
-        h.update(_input_meta(x).encode())
-    return h.hexdigest()[:32]
+def describe(state: K3State, index: int, graph: Optional[CompiledGraph] = None, label: str = "") -> str:
+    """"graph 1 (decode, batch 1) of KimiK3ForConditionalGeneration"."""
+    label = graph.label if graph is not None else label
+    return f"graph {index}{f' ({label})' if label else ''} of {state.model_name}"
 
 
-def _save_sidecar(key: str, record: GraphRecord) -> None:
-    try:
-        d = _sidecar_dir()
-        os.makedirs(d, exist_ok=True)
-        tmp = os.path.join(d, f"{key}.json.{os.getpid()}.tmp")
-        with open(tmp, "w") as f:
-            json.dump(record.to_json(), f)
-        os.replace(tmp, os.path.join(d, f"{key}.json"))
-    except OSError as e:  # a read-only cache dir costs only the warm-start report
-        log.warning("k3compile: could not store the pass record (%s)", e)
-
-
-def _load_sidecar(key: str) -> Optional[GraphRecord]:
-    try:
-        with open(os.path.join(_sidecar_dir(), f"{key}.json")) as f:
-            return GraphRecord.from_json(json.load(f))
-    except (OSError, ValueError, TypeError):
-        return None
-
-
-def _merge(records: list[GraphRecord]) -> GraphRecord:
-    out = GraphRecord()
-    for r in records:
-        for name, n in r.matches.items():
-            out.matches[name] = out.matches.get(name, 0) + n
-        out.seconds += r.seconds
-        out.registration_seconds += r.registration_seconds
-        out.facts.update(r.facts)
-    return out
-
-
-_CACHE_COUNTERS = (("inductor", "fxgraph_cache_hit"), ("aot_autograd", "autograd_cache_hit"),
-                   ("inductor", "fxgraph_cache_miss"), ("inductor", "fxgraph_cache_bypass"))
-
-
-def _counters() -> dict:
-    from torch._dynamo.utils import counters
-
-    return {name: counters[group][name] for group, name in _CACHE_COUNTERS}
-
-
-def _check_expected(state: K3State, record: GraphRecord) -> None:
+def _check_expected(state: K3State, index: int, graph: CompiledGraph) -> None:
+    """Each pass whose ``expected()`` holds for this graph but rewrote nothing: a warning in words (what the
+    graph loses, what to do), or ``K3PassMissingError`` under ``strict``."""
+    record = graph.record
     summary = {**state.summary, **record.facts, "small_m_limit": state.options.small_m_limit}
     for name in state.options.enabled:
-        expected = getattr(pattern_module(name), "expected", None)
-        if record.matches.get(name, 0) == 0 and expected is not None and expected(summary):
-            msg = (f"k3compile: pass {name!r} matched nothing on a graph where it was expected "
-                   f"(summary: {summary})")
-            if state.strict:
-                raise K3PassMissingError(msg)
-            log.warning(msg)
+        module = pattern_module(name)
+        expected = getattr(module, "expected", None)
+        if record.matches.get(name, 0) or expected is None or not expected(summary):
+            continue
+        why = getattr(module, "EXPECTED", "its pattern is there").format(**summary)
+        msg = (f"k3compile: pass {name!r} rewrote nothing on {describe(state, index, graph)} although {why}. "
+               f"The graph is correct but slower: it runs {getattr(module, 'MISSED', 'the unfused form')}. "
+               f"k3compile.report(model) shows what each pass found; strict=True makes this an error, "
+               f"passes=[...] without {name!r} silences it.")
+        if state.strict:
+            raise K3PassMissingError(msg)
+        log.warning(msg)
 
 
 class K3Inductor(torch._TorchCompileInductorWrapper):
     """Inductor as ``torch.compile`` configures it, plus the pass record per compiled graph."""
 
-    def __init__(self, mode, options, dynamic, state: K3State):
+    def __init__(self, mode, options, dynamic, state: K3State, plain_options: dict):
         super().__init__(mode, options, dynamic)
         self.k3_state = state
+        # plain torch.compile's Inductor (the user's options, no pass of ours): for graphs we stand down on
+        self.plain = torch._TorchCompileInductorWrapper(mode, plain_options, dynamic)
 
     def __call__(self, model_, inputs_, **kwargs):
         state = self.k3_state
+        with state.lock:
+            index = len(state.graphs)
+        label, devices = graph_label(model_, inputs_), device_types(inputs_)
+        stood_down = stand_down_reason(state.options, set(devices))
+        if stood_down:
+            if state.strict:
+                raise K3PassMissingError(f"k3compile (strict=True): {describe(state, index, label=label)}: "
+                                         f"{stood_down}")
+            state.tell_once("stood down", logging.INFO, "k3compile: %s", stood_down)
+        log.info("k3compile: compiling %s%s ...", describe(state, index, label=label),
+                 f" ({STOOD_DOWN})" if stood_down else "")
+        t0 = time.perf_counter()
+        if stood_down:
+            self.plain.name = getattr(self, "name", None)
+            compiled = self.plain(model_, inputs_, **kwargs)
+            graph = CompiledGraph("", GraphRecord(), STOOD_DOWN, time.perf_counter() - t0, {}, label, devices,
+                                  stood_down)
+        else:
+            compiled, graph = self._compile_with_passes(model_, inputs_, label, devices, kwargs)
+        with state.lock:
+            state.graphs.append(graph)
+        if stood_down:
+            done = ""
+        elif graph.record is None:
+            done = f"; {graph.source}"
+        else:
+            rewrites = ", ".join(f"{n} {name}" for name, n in graph.record.matches.items() if n)
+            done = f"; rewrites: {rewrites or 'none'}"
+        log.info("k3compile: %s compiled in %.1f s%s", describe(state, index, graph), graph.compile_seconds, done)
+        if graph.record is not None and not stood_down:
+            _check_expected(state, index, graph)
+        return compiled
+
+    def _compile_with_passes(self, model_, inputs_, label, devices, kwargs) -> tuple[Any, CompiledGraph]:
         pass_ = self.config["post_grad_custom_post_pass"]
         key = graph_key(model_, inputs_, pass_.uuid())
         COMPILE_RECORD.take()  # drop records left by an unrelated compile in this thread
-        before = _counters()
+        before = cache_counters()
         t0 = time.perf_counter()
         compiled = self._compile(model_, inputs_, **kwargs)
         seconds = time.perf_counter() - t0
-        after = _counters()
+        after = cache_counters()
         records = COMPILE_RECORD.take()
         if records:
-            record, source = _merge(records), "pass ran"
-            _save_sidecar(key, record)
+            record, source = merge_records(records), "pass ran"
+            save_record(key, record)
         else:
-            record = _load_sidecar(key)
+            record = load_record(key)
             source = "cache hit (sidecar)" if record is not None else "cache hit (no record)"
-        graph = CompiledGraph(key, record, source, seconds,
-                              {k: after[k] - before[k] for k in after if after[k] != before[k]})
-        with state.lock:
-            state.graphs.append(graph)
-        if record is not None:
-            _check_expected(state, record)
-        return compiled
+        return compiled, CompiledGraph(key, record, source, seconds,
+                                       {k: after[k] - before[k] for k in after if after[k] != before[k]}, label,
+                                       devices)
 
     def _compile(self, model_, inputs_, **kwargs):
         """torch's own Inductor call; where an enabled pattern module overrides entries of Inductor's
@@ -203,19 +220,97 @@ def _pass_for(options: K3Options, chained: Any) -> K3PostGradPass:
     return _PASSES[key]
 
 
+def _model_devices(model) -> set:
+    if not isinstance(model, torch.nn.Module):
+        return set()
+    return {t.device for t in (*model.parameters(), *model.buffers())}
+
+
+def _check_backend(options: K3Options, model, strict: bool) -> None:
+    """What would fail or do nothing on the first call, said before anything is compiled: a forced backend
+    that cannot run here or lacks an op an enabled pass emits (``BackendUnavailableError``); under ``strict``,
+    passes that ``backend="auto"`` would stand down on this model's device (``K3PassMissingError``)."""
+    backend, devices = options.backend, _model_devices(model)
+    why = forced_backend_reason(backend, devices)
+    if why:
+        raise BackendUnavailableError(f"backend={backend!r} cannot run here: {why}")
+    if backend in ("cute", "triton"):
+        # a pass is named after the op it emits (patterns/<op>.py -> k3compile/ops/<op>)
+        lacking = [name for name in options.enabled if name in REGISTRY and REGISTRY[name].impl(backend) is None]
+        if lacking:
+            raise BackendUnavailableError(
+                f"backend={backend!r}: {', '.join(f'k3::{n}' for n in lacking)} "
+                f"{'has' if len(lacking) == 1 else 'have'} no {backend} implementation; use backend='auto', or "
+                f"passes={[n for n in options.enabled if n not in lacking]}")
+    if strict and devices:
+        why = stand_down_reason(options, {d.type for d in devices})
+        if why:
+            raise K3PassMissingError(f"k3compile (strict=True): {why}")
+
+
+def nothing_done(state: K3State) -> Optional[str]:
+    """Why this model got nothing from k3compile, where that is so (None otherwise)."""
+    with state.lock:
+        graphs = list(state.graphs)
+    if not graphs:
+        return (f"k3compile: optimize() compiled nothing for {state.model_name}: it was not called after "
+                "optimize() (torch.compile compiles at the first call of the module optimize() returned)")
+    if all(g.stood_down for g in graphs):
+        return None   # said when it happened, with the reason
+    if not any(n for g in graphs if g.record for n in g.record.matches.values()) \
+            and not any(g.record is None for g in graphs):
+        return (f"k3compile: no k3 pass rewrote anything in {state.model_name} ({len(graphs)} graph(s) compiled): "
+                "it runs as plain torch.compile would. The passes rewrite small-M matrix products on any model "
+                "and the KDA steps and latent-MoE tail of Kimi K3 / Kimi Linear.")
+    return None
+
+
+def warn_if_nothing_done(state: K3State) -> None:
+    msg = nothing_done(state)
+    if msg:
+        state.tell_once("nothing done", logging.WARNING, "%s", msg)
+
+
+def _skipped_by_dynamo(model: torch.nn.Module) -> bool:
+    try:
+        from torch._dynamo import trace_rules
+
+        return bool(trace_rules.check(model.forward))
+    except Exception:   # pragma: no cover - a torch without this helper
+        return type(model).forward.__module__.startswith("torch.")
+
+
+def _recording(call, state: K3State):
+    """``call`` with this model's kernel choices recorded in ``state.choices`` (``report`` reads them)."""
+    @functools.wraps(call)
+    def recorded(*args, **kwargs):
+        with recording_choices(state.choices):
+            return call(*args, **kwargs)
+    return recorded
+
+
 def optimize(model, *, backend: str = "auto", passes=None, strict: bool = False,
              small_m_limit: int = 16, **torch_compile_kwargs):
     """Compile ``model`` with Inductor and the k3 passes; returns the same (now compiled) module.
 
-    backend: "auto" | "cute" | "triton" | "reference" -- which kernel implementation the k3 ops use
-        (auto: CuTe on sm_90+ NVIDIA, else Triton on a GPU, else the reference; fallbacks recorded).
+    backend: "auto" | "cute" | "triton" | "reference" -- which kernel implementation the k3 ops use.
+        auto: CuTe on sm_90+ NVIDIA, else Triton on a GPU; every step down recorded with its reason. Where
+        no k3 kernel can run (CPU tensors without TRITON_INTERPRET=1) auto leaves the graph as plain
+        torch.compile compiles it. A forced backend that cannot run here raises ``BackendUnavailableError``
+        now; "reference" rewrites with the plain PyTorch references (any device).
     passes: names from ``k3compile.patterns.PASS_ORDER`` to enable (default: all).
-    strict: raise ``K3PassMissingError`` when a pass expected on a graph matched nothing
-        (default: log a warning naming the pass).
+    strict: raise ``K3PassMissingError`` where k3compile would otherwise only warn: when a pass that
+        finds its pattern on a graph (small-M matrix products on any model; the KDA steps and the MoE tail
+        of a K3) rewrites none of it, naming the pass and the graph; and when backend="auto" stands the
+        passes down on this device (raised here where the model's device tells).
     small_m_limit: most rows a GEMM may have to become a skinny GEMM.
     torch_compile_kwargs: as ``torch.compile`` (mode, dynamic, fullgraph, options, ...). A
         ``post_grad_custom_post_pass`` given in ``options`` or installed in Inductor's config runs
         after ours.
+
+    Each graph's compilation is logged (logger "k3compile", INFO); a warning follows where a pass expected
+    on a graph rewrote nothing, and where the model compiled or rewrote nothing at all (at ``report`` or
+    when the model is freed).
 
     Example::
 
@@ -233,13 +328,16 @@ def optimize(model, *, backend: str = "auto", passes=None, strict: bool = False,
     ops.load_all()
     for name in options.enabled:
         pattern_module(name)
+    _check_backend(options, model, strict)
     inductor_options = dict(torch_compile_kwargs.pop("options", None) or {})
+    plain_options = dict(inductor_options)
     mode = torch_compile_kwargs.pop("mode", None)
     chained = inductor_options.pop("post_grad_custom_post_pass", None)
     if chained is None:
         chained = torch._inductor.config.post_grad_custom_post_pass
     if isinstance(chained, K3PostGradPass):
         chained = chained.chained  # optimize() called again on the same setup: do not stack ours
+        plain_options["post_grad_custom_post_pass"] = chained
     if chained is not None and not isinstance(chained, CustomGraphPass):
         warnings.warn(
             "k3compile: the installed post_grad_custom_post_pass is a plain callable; it is chained "
@@ -252,15 +350,26 @@ def optimize(model, *, backend: str = "auto", passes=None, strict: bool = False,
         # latent-MoE tail at M=2 that way; pad_bmm does the same to the routed experts' bmm). The products our
         # passes replace gain nothing from it.
         inductor_options.setdefault("shape_padding", False)
-    state = K3State(options, strict, summarize_model(model))
-    compiler = K3Inductor(mode, inductor_options, torch_compile_kwargs.get("dynamic"), state)
+    state = K3State(options, strict, summarize_model(model), model_name=type(model).__name__
+                    if isinstance(model, torch.nn.Module) else getattr(model, "__name__", "the function"))
+    compiler = K3Inductor(mode, inductor_options, torch_compile_kwargs.get("dynamic"), state, plain_options)
     state.compiler = compiler
     if isinstance(model, torch.nn.Module):
         model.compile(backend=compiler, **torch_compile_kwargs)
+        if _skipped_by_dynamo(model):
+            # torch.nn's own modules (nn.Sequential, ...): Dynamo skips frames of torch's files, so model.compile()
+            # alone compiles nothing; a frame of ours in front is traced and inlines them (as torch.compile(module))
+            call = model._call_impl
+
+            def frame(*args, **kwargs):
+                return call(*args, **kwargs)
+            model._compiled_call_impl = torch.compile(frame, backend=compiler, **torch_compile_kwargs)
+        model._compiled_call_impl = _recording(model._compiled_call_impl, state)
         compiled = model
     else:
-        compiled = torch.compile(model, backend=compiler, **torch_compile_kwargs)
+        compiled = _recording(torch.compile(model, backend=compiler, **torch_compile_kwargs), state)
     setattr(compiled, STATE_ATTR, state)
+    weakref.finalize(compiled, warn_if_nothing_done, state)
     return compiled
 
 

@@ -31,7 +31,7 @@ import torch
 from torch._inductor import pattern_matcher as pm
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from .backends import check_backend
+from .backends import check_backend, triton_importable, triton_interpret
 from .static_weights import enabled as static_weights_enabled
 from .static_weights import mark_static_weights
 
@@ -58,6 +58,23 @@ class K3Options:
     def enabled(self) -> tuple[str, ...]:
         from k3compile.patterns import PASS_ORDER
         return tuple(p for p in PASS_ORDER if not self.passes or p in self.passes)
+
+
+def stand_down_reason(options: K3Options, device_types: set[str]) -> Optional[str]:
+    """Why the passes leave a graph whose tensors are on ``device_types`` alone, or None.
+
+    Only ``backend="auto"`` stands down, and only where no k3 kernel can run: there each op would run its
+    plain PyTorch reference, slower than what Inductor makes of the model's own code (the micro K3 decoding on
+    a 2-core CPU: 13.9 ms a token with the references, 0.9 with plain torch.compile). CPU tensors under
+    ``TRITON_INTERPRET=1`` run the Triton kernels (interpreted: for tests), so the passes run there."""
+    if options.backend != "auto" or "cuda" in device_types:
+        return None
+    if device_types <= {"cpu"} and triton_interpret() and triton_importable() is None:
+        return None
+    where = "the CPU" if device_types <= {"cpu"} else "/".join(sorted(device_types))
+    return (f"backend='auto' leaves the graphs as plain torch.compile compiles them: their tensors are on {where}, "
+            "where no k3 kernel runs (the kernels need a GPU), and the k3 ops' plain PyTorch references are slower "
+            "than Inductor's own code; backend='reference' rewrites anyway")
 
 
 def pattern_module(name: str):

@@ -1,10 +1,11 @@
-"""``k3compile.report(model)``: what our passes did to a compiled model, and which kernels ran."""
+"""``k3compile.report(model)``: what our passes did to a compiled model, and which kernels ran for it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .backends import Choice, all_choices
-from .optimize import CompiledGraph, state_of
+from .backends import Choice
+from .graph_records import CompiledGraph
+from .optimize import nothing_done, state_of, warn_if_nothing_done
 from .passes import STATIC_WEIGHT_FACT
 
 
@@ -13,7 +14,7 @@ class Report:
     passes: tuple                                  # enabled pass names, in order
     matches: dict                                  # pass -> total matches over all graphs
     graphs: list[CompiledGraph]
-    choices: list[Choice]                          # op implementation records (this process)
+    choices: list[Choice]                          # op implementation records (this model's calls)
     pass_seconds: float                            # time our passes added to compilation
     registration_seconds: float                    # of which: pattern registration
     compile_seconds: float                         # wall time of all compile_fx calls
@@ -22,32 +23,44 @@ class Report:
     op_calls: dict = field(default_factory=dict)   # op -> calls seen by dispatch (what ran)
     # op -> {"proven": n, "not proven": {reason: n}} over all graphs (static_weights.py)
     static_weight: dict = field(default_factory=dict)
+    model_name: str = "model"
+    notice: str = ""                               # where the model compiled or rewrote nothing: why
 
     @property
     def cache_hits(self) -> int:
-        return sum(1 for g in self.graphs if g.source != "pass ran")
+        return sum(1 for g in self.graphs if g.source.startswith("cache hit"))
 
     def __str__(self) -> str:
         return self.format()
 
     def format(self, verbose: bool = False) -> str:
-        """The table; ``verbose`` lists each shape's kernel choice instead of grouping equal choices."""
-        lines = [f"k3compile report: {len(self.graphs)} graph(s) compiled, {self.cache_hits} served "
-                 f"from the cache, backend={self.backend!r}"]
-        lines.append(f"  passes added {self.pass_seconds:.3f} s to {self.compile_seconds:.3f} s of "
-                     f"compilation (registration {self.registration_seconds:.3f} s)")
-        lines.append("  pass matches:")
-        for name in self.passes:
-            per_graph = [str(g.record.matches.get(name, 0)) if g.record else "?" for g in self.graphs]
-            lines.append(f"    {name:<20} {self.matches.get(name, 0):>5}   per graph: {', '.join(per_graph)}")
+        """The table; ``verbose`` lists each shape's kernel choice instead of grouping equal choices, and the
+        static-weight verdicts of CPU graphs too (a launch detail of GPU kernels, so shown for GPU graphs only)."""
+        lines = [f"k3compile report for {self.model_name}: {len(self.graphs)} graph(s) compiled, "
+                 f"{self.cache_hits} served from the cache, backend={self.backend!r}"]
+        if self.notice:
+            lines.append("  " + self.notice.removeprefix("k3compile: "))
+        stood_down = [g for g in self.graphs if g.stood_down]
+        for why in dict.fromkeys(g.stood_down for g in stood_down):
+            lines.append(f"  {why}")
+        if len(stood_down) < len(self.graphs):
+            lines.append(f"  passes added {self.pass_seconds:.3f} s to {self.compile_seconds:.3f} s of "
+                         f"compilation (registration {self.registration_seconds:.3f} s)")
         for i, g in enumerate(self.graphs):
-            lines.append(f"  graph {i}: {g.source}, compile {g.compile_seconds:.3f} s"
-                         + (f", pass {g.record.seconds:.3f} s" if g.record and g.source == "pass ran" else ""))
+            what = g.source if g.source != "pass ran" else "passes ran"
+            lines.append(f"  graph {i}{f' ({g.label})' if g.label else ''}: {what}, compile {g.compile_seconds:.3f} s"
+                         + (f", passes {g.record.seconds:.3f} s" if g.record and g.source == "pass ran" else ""))
+        if len(stood_down) < len(self.graphs) or not self.graphs:
+            lines.append("  pass matches:")
+            for name in self.passes:
+                per_graph = [str(g.record.matches.get(name, 0)) if g.record else "?" for g in self.graphs]
+                lines.append(f"    {name:<20} {self.matches.get(name, 0):>5}   per graph: {', '.join(per_graph)}")
         if self.unknown_graphs:
             lines.append(f"  ({self.unknown_graphs} cached graph(s) had no stored record: counts incomplete)")
-        if self.static_weight:
+        show_static = self.static_weight and (verbose or any(g.on_gpu for g in self.graphs))
+        if show_static:
             lines.append("  static weight (weight streamed before the PDL wait), per op node:")
-        for op, r in self.static_weight.items():
+        for op, r in (self.static_weight if show_static else {}).items():
             why_not = r["not proven"]
             total = r["proven"] + sum(why_not.values())
             line = f"    {op:<20} proven {r['proven']} of {total}"
@@ -56,7 +69,7 @@ class Report:
             lines.append(line)
         lines.append("  kernels chosen:")
         if not self.choices:
-            lines.append("    (no k3 op has run yet)")
+            lines.append("    (no k3 op has run for this model)")
         if verbose:
             for c in self.choices:
                 lines.append(f"    {c.op:<16} asked {c.backend!r:<12} ran {c.impl:<10} x{c.calls:<6} "
@@ -81,10 +94,12 @@ def _key_str(key) -> str:
 
 
 def report(model) -> Report:
-    """Per pass its match count, the implementation chosen for each op and why, and the time our
-    passes added to compilation. Truthful on a warm start: graphs served by the FX cache report
-    the counts stored when they were compiled."""
+    """For this model: each graph compiled (labelled prefill / decode) and what the passes rewrote in it, the
+    implementation each k3 op ran for this model's calls and why, and the time our passes added to
+    compilation. Truthful on a warm start: graphs served by the FX cache report the counts stored when they
+    were compiled. Where the model compiled or rewrote nothing, the report says so and a warning is logged."""
     state = state_of(model)
+    warn_if_nothing_done(state)
     with state.lock:
         graphs = list(state.graphs)
     matches: dict = {name: 0 for name in state.options.enabled}
@@ -104,7 +119,8 @@ def report(model) -> Report:
             total["proven"] += r.get("proven", 0)
             for why, n in r.get("not proven", {}).items():
                 total["not proven"][why] = total["not proven"].get(why, 0) + n
-    choices = all_choices()
+    with state.lock:
+        choices = list(state.choices.values())
     op_calls: dict = {}
     for c in choices:
         op_calls[c.op] = op_calls.get(c.op, 0) + c.calls
@@ -113,4 +129,5 @@ def report(model) -> Report:
         pass_seconds=pass_s, registration_seconds=reg_s,
         compile_seconds=sum(g.compile_seconds for g in graphs), backend=state.options.backend,
         unknown_graphs=sum(1 for g in graphs if g.record is None), op_calls=op_calls, static_weight=static,
+        model_name=state.model_name, notice=nothing_done(state) or "",
     )

@@ -1,6 +1,7 @@
-"""Small building blocks: KimiRMSNorm, SiTU-GLU, the SiTU-GLU MLP, tensor-parallel linears.
+"""Small building blocks: KimiRMSNorm, SiTU-GLU, the SiTU-GLU MLP, tensor-parallel linears, the embedding and the
+output head split by vocabulary.
 
-Shape legend: M tokens (B*T flattened), D hidden, I intermediate (local to this TP rank).
+Shape legend: M tokens (B*T flattened), D hidden, I intermediate (local to this TP rank), V vocabulary, Vr = V / tp.
 """
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .parallel import SINGLE, TPContext, all_reduce, mark_shard
+from .parallel import SINGLE, TPContext, all_gather, all_reduce, mark_shard
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -84,3 +85,42 @@ class KimiMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.down_proj(situ_glu(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta))
         return all_reduce(y, self.tp) if self.reduce else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The token embedding [V, D] split by vocabulary over the TP group (as serving engines split it): rank r holds
+    rows r·Vr .. (r+1)·Vr - 1 (``weight`` [Vr, D], sharded on dim 0; the vocabulary must split evenly: K3's 163840
+    does over every power of two up to 2^15, so nothing is padded). Each rank looks up the ids it holds, zeros the
+    others, and the all-reduce adds the one row each token has (exact: the other ranks add zeros). Without TP a
+    plain lookup. ``num_embeddings`` is the whole vocabulary."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp: TPContext = SINGLE):
+        super().__init__()
+        self.tp, self.num_embeddings = tp, num_embeddings
+        rows = tp.split(num_embeddings, "vocab_size")
+        self.vocab_start = tp.rank * rows
+        self.weight = mark_shard(nn.Parameter(torch.empty(rows, embedding_dim)), 0)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] int64 in [0, V) -> [..., D]."""
+        if self.tp.world == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        held = (local >= 0) & (local < self.weight.shape[0])
+        rows = F.embedding(torch.where(held, local, 0), self.weight)
+        return all_reduce(torch.where(held[..., None], rows, 0), self.tp)
+
+
+class VocabParallelHead(nn.Module):
+    """The output projection [V, D] split by vocabulary (column-parallel, ``weight`` [Vr, D] sharded on dim 0): each
+    rank's logits for the rows it holds, all-gathered along the vocabulary, so every rank returns all V logits
+    [..., V]. Without TP a plain bias-free linear."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, tp: TPContext = SINGLE):
+        super().__init__()
+        self.tp = tp
+        self.weight = mark_shard(nn.Parameter(torch.empty(tp.split(vocab_size, "vocab_size"), hidden_size)), 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., D] -> logits [..., V]."""
+        return all_gather(F.linear(x, self.weight), self.tp, dim=-1)

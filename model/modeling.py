@@ -19,9 +19,10 @@ from .attn_res import attn_res
 from .cache import KimiK3Cache
 from .config import KimiK3Config, KimiK3TextConfig
 from .kda import KimiDeltaAttention
-from .layers import KimiMLP, RMSNorm
+from .layers import KimiMLP, RMSNorm, VocabParallelEmbedding, VocabParallelHead
 from .mla import KimiMLAAttention
 from .moe import Experts, KimiLatentMoE, experts_dtype
+from .mxfp4 import GROUP, scale_for_rms
 from .parallel import SINGLE, TPContext
 from .vision import MoonViT, PatchMergerV2, grid_list, image_features, merge_image_features
 
@@ -122,7 +123,7 @@ class KimiK3TextModel(nn.Module):
         super().__init__()
         D = config.hidden_size
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, D)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, D, tp)
         self.layers = nn.ModuleList(KimiDecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(D, config.rms_norm_eps)
         self.use_attn_res = bool(config.attn_res_block_size)
@@ -155,7 +156,7 @@ class KimiK3ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = KimiK3TextModel(config, tp)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = VocabParallelHead(config.hidden_size, config.vocab_size, tp)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(hidden))
@@ -194,12 +195,22 @@ class KimiK3ForConditionalGeneration(nn.Module):
     # -- construction ------------------------------------------------------------------------------------------
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Random weights with O(1) activations everywhere (tests); loading overwrites them.
-        (Text tower only: the vision tower and the MTP module initialise themselves.)"""
+        """Random weights with O(1) activations everywhere (tests, benchmarks); loading overwrites them.
+        (Text tower only: the vision tower and the MTP module initialise themselves.) A tensor-parallel rank draws
+        its slices from the full model's distribution (a row-parallel weight's bound from the full fan-in). MXFP4
+        experts: uniformly random codes, each scale the power of two that gives them the float init's RMS."""
         cfg = self.config.text_config
         for name, p in self.language_model.named_parameters():
             leaf = name.rsplit(".", 1)[-1]
-            if name.endswith("A_log"):
+            fan_in = p.shape[-1] if p.dim() else 1
+            if getattr(p, "tp_dim", None) == p.dim() - 1:
+                fan_in *= self.tp.world                                # the full row of a row-parallel slice
+            if p.dtype == torch.uint8:                                 # MXFP4 codes and E8M0 scales
+                if leaf.endswith("_scale"):
+                    p.fill_(scale_for_rms((GROUP * fan_in) ** -0.5 / math.sqrt(3)))   # uniform(-b, b): b / sqrt(3)
+                else:
+                    p.random_(0, 256)
+            elif name.endswith("A_log"):
                 p.uniform_(1, 16).log_()
             elif name.endswith("dt_bias"):
                 dt = torch.exp(torch.empty_like(p).uniform_(math.log(1e-3), math.log(1e-1)))
@@ -213,7 +224,7 @@ class KimiK3ForConditionalGeneration(nn.Module):
             elif name.endswith("embed_tokens.weight"):
                 p.normal_(0, 1.0)
             elif p.dim() >= 2:
-                bound = p.shape[-1] ** -0.5                        # fan-in (the kernel width for convs)
+                bound = fan_in ** -0.5                             # fan-in (the kernel width for convs)
                 p.uniform_(-bound, bound)
 
     def set_dtype(self, dtype: torch.dtype) -> "KimiK3ForConditionalGeneration":
@@ -256,7 +267,7 @@ class KimiK3ForConditionalGeneration(nn.Module):
     def device(self) -> torch.device:
         return self.text_model.embed_tokens.weight.device
 
-    def get_input_embeddings(self) -> nn.Embedding:
+    def get_input_embeddings(self) -> VocabParallelEmbedding:
         return self.text_model.embed_tokens
 
     def embed_input_ids(self, input_ids: torch.Tensor, pixel_values: Optional[torch.Tensor] = None,

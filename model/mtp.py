@@ -25,17 +25,17 @@ import torch
 from torch import nn
 
 from .cache import KDAState, KimiK3Cache
-from .layers import RMSNorm
+from .layers import RMSNorm, VocabParallelHead
 from .loading import mtp_key_to_published
 from .modeling import KimiDecoderLayer
 from .parallel import SINGLE, TPContext
 
 
 class SharedHead(nn.Module):
-    def __init__(self, hidden_size: int, vocab_size: int, eps: float):
+    def __init__(self, hidden_size: int, vocab_size: int, eps: float, tp: TPContext = SINGLE):
         super().__init__()
         self.norm = RMSNorm(hidden_size, eps)
-        self.head = nn.Linear(hidden_size, vocab_size, bias=False)
+        self.head = VocabParallelHead(hidden_size, vocab_size, tp)       # split by vocabulary, like the lm_head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(x))
@@ -56,7 +56,7 @@ class KimiK3MTPLayer(nn.Module):
         # j >= num_hidden_layers is in no kda_layers list, hence MLA (spec §10: index 93 ⇒ MLA); the
         # 1-based full_attn_layers rule alone would pick KDA here.
         self.mtp_block = KimiDecoderLayer(config, layer_idx, tp, attn_res_block_size=0, is_mla=True)
-        self.shared_head = SharedHead(D, config.vocab_size, eps)
+        self.shared_head = SharedHead(D, config.vocab_size, eps, tp)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, state, pos: torch.Tensor):
         """embeds [B, T, D] (of token p+1, already zeroed at position 0), hidden [B, T, D] at positions

@@ -13,6 +13,8 @@ built from its exponent bits, never by ``exp2``.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 GROUP = 32                 # elements per E8M0 scale
@@ -88,6 +90,13 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     code = code.to(torch.uint8).reshape(*w.shape[:-1], C // 2, 2)
     packed = code[..., 0] | (code[..., 1] << 4)
     return packed, (exponent + E8M0_BIAS).to(torch.uint8)
+
+
+def scale_for_rms(rms: float) -> int:
+    """The E8M0 scale byte whose power of two gives uniformly random codes (both nibbles uniform over all 16)
+    the RMS nearest ``rms``: random MXFP4 weights distributed like a float init of that RMS (tests, benchmarks)."""
+    code_rms = math.sqrt(sum(v * v for v in E2M1) / len(E2M1))
+    return int(min(254, max(0, round(math.log2(rms / code_rms)) + E8M0_BIAS)))
 
 
 def scale_nan(scale: torch.Tensor) -> torch.Tensor:

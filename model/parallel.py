@@ -3,8 +3,9 @@
 Modules are built with their *local* shapes (a column-parallel projection holds ``out / tp`` rows, a row-parallel
 one ``in / tp`` columns). Each sharded parameter carries ``tp_dim`` (the dimension cut into ``tp`` equal,
 contiguous pieces; rank r holds piece r); unmarked parameters are replicated. Loading slices full tensors with
-:func:`shard_tensor`. The reduction is ``torch.distributed._functional_collectives.all_reduce``, so it appears in
-the graph torch.compile captures (``_c10d_functional.all_reduce`` + ``wait_tensor``).
+:func:`shard_tensor`. The collectives are ``torch.distributed._functional_collectives``' (``all_reduce``, and
+``all_gather_tensor`` for the vocabulary-split logits), so they appear in the graph torch.compile captures
+(``_c10d_functional.all_reduce`` / ``all_gather_into_tensor`` + ``wait_tensor``).
 """
 from __future__ import annotations
 
@@ -43,6 +44,15 @@ def all_reduce(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
         return x
     from torch.distributed import _functional_collectives as funcol
     return funcol.all_reduce(x, "sum", tp.group_name)
+
+
+def all_gather(x: torch.Tensor, tp: TPContext, dim: int = -1) -> torch.Tensor:
+    """The group's pieces of ``x`` concatenated along ``dim``, rank r's piece r-th (identity without TP)."""
+    if tp.world == 1:
+        return x
+    from torch.distributed import _functional_collectives as funcol
+    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor   # the name before torch 2.13
+    return gather(x, dim % x.dim(), tp.group_name)
 
 
 def mark_shard(param: torch.nn.Parameter, dim: int) -> torch.nn.Parameter:

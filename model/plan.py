@@ -178,7 +178,7 @@ def memory_plan(config: Optional[KimiK3Config] = None, tp: int = 1, experts="mxf
     if experts_float is not None and experts_float != dtype:
         raise ValueError(f"float experts ({experts}) compute in the model's dtype ({dtype})")
     n = _Count(dtype)
-    D, V = c.hidden_size, c.vocab_size
+    D, V = c.hidden_size, _split(c.vocab_size, tp, "vocab_size")             # both split by vocabulary
     n.add("embedding", V * D)
     n.add("lm_head", V * D)
     for i in range(c.num_hidden_layers):

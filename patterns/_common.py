@@ -10,6 +10,8 @@ Contract of a pattern module ``patterns/<name>.py`` (listed in ``patterns/__init
   (``k3compile.passes.summarize_model`` keys, plus every module's ``facts`` for this graph and
   ``small_m_limit``) should produce at least one match; used by ``strict=True`` and the warning
   on zero matches.
+- ``EXPECTED: str`` and ``MISSED: str`` -- that warning's words: why the pass was expected on the graph
+  (formatted with the summary's keys, e.g. ``{small_m_limit}``), and what the graph runs instead.
 - Optionally ``postprocess(graph, options) -> int`` for rewrites done by hand after the pattern
   matcher (returns the number of rewrites).
 - Optionally ``facts(graph, options) -> dict`` -- read-only facts about a post-grad graph, taken

@@ -214,6 +214,11 @@ def facts(graph: torch.fx.Graph, options) -> dict:
     return {"graph_kda_decode_convs": n}
 
 
+# What the pass manager's warning says where a graph had candidates and none was rewritten.
+EXPECTED = "the model has KDA layers and the graph updates one-token conv windows: a decode step"
+MISSED = "each KDA decode step as separate Inductor kernels, not one fused in-place k3::kda_decode"
+
+
 def expected(model_summary: dict) -> bool:
     """A K3 / Kimi Linear model with KDA layers, on a graph with one-token conv windows (a decode step)."""
     return (bool(model_summary.get("is_k3")) and model_summary.get("kda_layers", 0) > 0

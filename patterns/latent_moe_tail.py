@@ -153,6 +153,11 @@ def register(pm_pass: pm.PatternMatcherPass, options) -> None:
             )
 
 
+# What the pass manager's warning says where a graph had candidates and none was rewritten.
+EXPECTED = "the graph holds a latent-MoE tail of at most {small_m_limit} rows that the guard accepts"
+MISSED = "the MoE tail unfused: norm, up-projection and shared add apart (under TP, two all-reduces)"
+
+
 def expected(summary: dict) -> bool:
     """A K3 with latent-MoE layers, on a graph holding a normed projection with an addend of small M."""
     return summary.get("moe_layers", 0) > 0 and summary.get(FACT, 1) > 0
@@ -437,4 +442,4 @@ def postprocess(graph: torch.fx.Graph, options) -> int:
     return walked
 
 
-__all__ = ["NAME", "register", "expected", "facts", "postprocess", "get_inputs"]
+__all__ = ["NAME", "EXPECTED", "MISSED", "register", "expected", "facts", "postprocess", "get_inputs"]

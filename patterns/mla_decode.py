@@ -182,6 +182,12 @@ def facts(graph: torch.fx.Graph, options) -> dict:
     return {"graph_mla_decode_masks": sum(1 for n in nodes if _is_decode_mask(n))}
 
 
+# What the pass manager's warning says where a graph had candidates and none was rewritten.
+EXPECTED = "the model has MLA layers and the graph holds a decode step's masked attention scores"
+MISSED = ("the MLA attention over the whole allocated latent cache, not k3::mla_decode's split-KV kernel over each "
+          "sequence's valid keys")
+
+
 def expected(model_summary: dict) -> bool:
     """A K3 / Kimi Linear model with MLA layers, on a graph with a decode step's masked scores."""
     return (bool(model_summary.get("is_k3")) and model_summary.get("mla_layers", 0) > 0

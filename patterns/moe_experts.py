@@ -382,9 +382,15 @@ def facts(graph: torch.fx.Graph, options) -> dict:
                                                                      else {})}
 
 
+# What the pass manager's warning says where a graph had candidates and none was rewritten.
+EXPECTED = "the model has MoE layers and the graph holds the routed experts' computation"
+MISSED = ("the routed experts as Inductor compiles the model's gathered or dense form, not k3::moe_experts (each "
+          "selected expert's weights streamed once for all its tokens)")
+
+
 def expected(summary: dict) -> bool:
     """A K3 with MoE layers, on a graph holding the routed experts' computation."""
     return summary.get("moe_layers", 0) > 0 and summary.get(FACT, 0) > 0
 
 
-__all__ = ["NAME", "register", "expected", "facts", "get_inputs", "REJECTED"]
+__all__ = ["NAME", "EXPECTED", "MISSED", "register", "expected", "facts", "get_inputs", "REJECTED"]

@@ -207,25 +207,34 @@ def register(pm_pass: pm.PatternMatcherPass, options) -> None:
             )
 
 
+# What the pass manager's warning says where a graph had candidates and none was rewritten.
+EXPECTED = "the graph holds linear-layer products of at most {small_m_limit} rows"
+MISSED = "those products on Inductor's GEMM (cuBLAS on a GPU), not k3::skinny_gemm's weight-streaming kernels"
+
+
 def expected(summary: dict) -> bool:
-    """A K3 graph with any small-M (or symbolic-M) matrix product should produce a match."""
-    return bool(summary.get("is_k3")) and summary.get("graph_small_m_gemms", 0) > 0
+    """Any model's graph with a small-M (or symbolic-M) product of a linear layer's weight should produce a match."""
+    return summary.get("graph_small_m_gemms", 0) > 0
 
 
 def facts(graph: torch.fx.Graph, options) -> dict:
-    """Read before any rewrite: how many mm / addmm nodes have a small or symbolic M."""
+    """Read before any rewrite: how many mm / addmm nodes of a transposed 2-D weight (``linear``) have a small
+    or symbolic M."""
     limit = options.small_m_limit
     n = 0
     for node in graph.find_nodes(op="call_function", target=aten.mm.default):
-        n += _candidate(node.args[0], limit)
+        n += _candidate(node.args[0], node.args[1], limit)
     for node in graph.find_nodes(op="call_function", target=aten.addmm.default):
-        n += _candidate(node.args[1], limit)
+        n += _candidate(node.args[1], node.args[2], limit)
     return {"graph_small_m_gemms": n}
 
 
-def _candidate(a_node, limit: int) -> bool:
+def _candidate(a_node, b_node, limit: int) -> bool:
     a = val(a_node)
-    return a is not None and a.dim() == 2 and a.dtype in KERNEL_DTYPES and small_m(a.shape[0], limit)
+    transposed_weight = (isinstance(b_node, torch.fx.Node) and b_node.target == aten.permute.default
+                         and list(b_node.args[1]) == [1, 0])
+    return (transposed_weight and a is not None and a.dim() == 2 and a.dtype in KERNEL_DTYPES
+            and small_m(a.shape[0], limit))
 
 
 # --- max-autotune: keep what this pass rewrites out of Inductor's mm -> mul + sum decomposition ----
@@ -265,4 +274,5 @@ def decompositions(options) -> dict:
     return {aten.mm.default: KeepSkinnyMM(aten.mm.default, options.small_m_limit)}
 
 
-__all__ = ["NAME", "register", "expected", "facts", "get_inputs", "small_m", "decompositions"]
+__all__ = ["NAME", "EXPECTED", "MISSED", "register", "expected", "facts", "get_inputs", "small_m",
+           "decompositions"]

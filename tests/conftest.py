@@ -1,12 +1,15 @@
-"""Shared test set-up: hypothesis profiles, the GPU marker, deterministic seeds."""
+"""Shared test set-up: hypothesis profiles, the GPU marker, deterministic seeds, Inductor's caches off
+(``no_graph_caches``), and the pass harness pattern tests compile through (``pass_harness``)."""
+import collections
 import os
 
 import torch
 
-# Triton kernels run on CPU tensors through the interpreter when no GPU is present. Set before
-# anything imports triton.
+# Triton kernels run on CPU tensors through the interpreter when no GPU is present; CuTe DSL (where installed)
+# compiles for sm_90a, the H200's arch, not its own default. Set before anything imports triton or cutlass.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
@@ -50,3 +53,98 @@ def gloo_world_of_one():
         yield dist.group.WORLD.group_name
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def no_graph_caches():
+    """Inductor's FX-graph and AOTAutograd caches off: a cache hit would skip our pass (the C++ kernel cache stays
+    on: it only saves g++ time)."""
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+
+
+def op_counts(graph) -> collections.Counter:
+    """How many times each op is called in ``graph`` (a mutating op wrapped in ``auto_functionalized`` counts as
+    itself)."""
+    counts = collections.Counter()
+    for node in graph.nodes:
+        if node.op == "call_function":
+            wrapped = node.args[0] if "auto_functionalized" in str(node.target) and node.args else None
+            counts[wrapped if wrapped is not None else node.target] += 1
+    return counts
+
+
+class PassHarness:
+    """Our post-grad pass as a test sees it: every graph it rewrites is kept as it was before and after (op counts
+    and code), with the pass's record (matches per pass, facts). Install it with ``compile`` (Inductor) or apply it
+    to a traced graph with ``rewrite``; then ask which k3 ops replaced which ATen ops. Caches must be off
+    (``no_graph_caches``): a cache hit runs no pass."""
+
+    def __init__(self, **options):
+        from k3compile.passes import COMPILE_RECORD, K3Options, K3PostGradPass
+
+        harness = self
+        self.graphs: list[dict] = []   # {"before": Counter, "after": Counter, "code": str, "record": GraphRecord}
+
+        class Recording(K3PostGradPass):
+            def __call__(self, graph):
+                before = op_counts(graph)
+                super().__call__(graph)
+                harness.graphs.append(dict(before=before, after=op_counts(graph), code=str(graph),
+                                           record=COMPILE_RECORD.graphs[-1]))
+
+        self.pass_ = Recording(K3Options(**options))
+
+    def compile(self, fn, **torch_compile_kwargs):
+        """``torch.compile(fn)`` with Inductor and this pass installed (Dynamo reset first)."""
+        torch._dynamo.reset()
+        options = dict(torch_compile_kwargs.pop("options", {}), post_grad_custom_post_pass=self.pass_)
+        return torch.compile(fn, options=options, **torch_compile_kwargs)
+
+    def rewrite(self, fn, *args):
+        """``fn`` traced to a post-grad-like ATen graph on fake tensors (Inductor's decompositions, views as
+        reshapes), this pass applied; the rewritten module (callable on real tensors)."""
+        from torch._guards import detect_fake_mode
+        from torch._inductor.decomposition import select_decomp_table
+        from torch._inductor.fx_passes.post_grad import view_to_reshape
+        from torch._inductor.virtualized import V
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        gm = make_fx(lambda *a: fn(*a), select_decomp_table(), tracing_mode="fake")(*args)
+        view_to_reshape(gm)
+        gm.graph.eliminate_dead_code()
+        fake_mode = detect_fake_mode([n.meta["val"] for n in gm.graph.nodes if "val" in n.meta])
+        with V.set_fake_mode(fake_mode):
+            self.pass_(gm.graph)
+        gm.recompile()
+        return gm
+
+    def before(self, op) -> int:
+        return sum(g["before"][op] for g in self.graphs)
+
+    def after(self, op) -> int:
+        return sum(g["after"][op] for g in self.graphs)
+
+    def matches(self, name: str) -> int:
+        return sum(g["record"].matches.get(name, 0) for g in self.graphs)
+
+    def facts(self, key: str) -> list:
+        return [g["record"].facts.get(key) for g in self.graphs]
+
+    def check(self, replaced=(), added=None, kept=()):
+        """Each op of ``replaced`` was in the graphs before and is gone after, each of ``added`` (op -> count) is
+        there that many times after and was not before, each of ``kept`` is as often after as before."""
+        code = "\n\n".join(g["code"] for g in self.graphs)
+        for op in replaced:
+            assert self.before(op) > 0 and self.after(op) == 0, f"{op}: {self.before(op)} -> {self.after(op)}\n{code}"
+        for op, n in (added or {}).items():
+            assert self.before(op) == 0 and self.after(op) == n, f"{op}: {self.before(op)} -> {self.after(op)}\n{code}"
+        for op in kept:
+            assert self.after(op) == self.before(op), f"{op}: {self.before(op)} -> {self.after(op)}\n{code}"
+
+
+@pytest.fixture
+def pass_harness(no_graph_caches):
+    """``pass_harness(**K3Options fields)``: a PassHarness (caches off for the test)."""
+    return PassHarness

@@ -3,20 +3,22 @@ import pytest
 import torch
 
 from k3compile.backends import BackendUnavailableError, Impl, OpImpls
+from k3compile.kernel_module import KernelModule
 
 
 def _ran(label):
     return lambda *args: label
 
 
-def _op(cute_supports=None, cute_profitable=None, triton_available=None, triton_profitable=None, with_aten=True):
+def _op(cute_supports=None, cute_profitable=None, triton_available=None, triton_profitable=None, with_aten=True,
+        aten_available=None):
     return OpImpls(
         "stand_in",
         reference=Impl(_ran("reference")),
         triton=Impl(_ran("triton"), available=lambda *a: triton_available,
                     profitable=lambda *a: triton_profitable),
         cute=Impl(_ran("cute"), supports=lambda *a: cute_supports, profitable=lambda *a: cute_profitable),
-        aten=Impl(_ran("aten")) if with_aten else None,
+        aten=Impl(_ran("aten"), available=lambda *a: aten_available) if with_aten else None,
     )
 
 
@@ -42,6 +44,28 @@ def test_an_unprofitable_kernel_yields_to_the_next_profitable_one():
 def test_unprofitable_kernel_then_unavailable_one_goes_to_aten_not_reference():
     op = _op(cute_profitable="cuBLAS measured faster", triton_available="no triton here")
     assert op.select("auto", "k", torch.zeros(1))() == "aten"
+
+
+def test_a_fallback_that_cannot_run_here_leaves_the_unprofitable_kernel():
+    op = _op(cute_profitable="the split path measured faster", triton_available="no triton",
+             aten_available="the split path does not import")
+    assert op.select("auto", "k", torch.zeros(1))() == "cute"
+    assert "aten: the split path does not import" in op.choices()[0].reason
+
+
+def test_a_kernel_module_that_does_not_import_is_a_recorded_fallback():
+    """The dispatch files' pattern: ``available`` adds the kernel module's reason after the device checks."""
+    missing = KernelModule("k3compile.ops.no_such_kernel", requires=lambda: None)
+    op = OpImpls("stand_in_missing", reference=Impl(_ran("reference")),
+                 triton=Impl(missing.no_such_fn, available=lambda *a: missing.reason(),
+                             supports=missing.predicate("supports")))
+    assert op.select("auto", "k", torch.zeros(1))() == "reference"
+    assert "k3compile.ops.no_such_kernel does not import (ModuleNotFoundError" in op.choices()[0].reason
+    with pytest.raises(BackendUnavailableError, match="does not import"):
+        op.select("triton", "k", torch.zeros(1))
+    assert missing.predicate("supports")(torch.zeros(1)) == missing.reason()
+    with pytest.raises(BackendUnavailableError, match="does not import"):
+        missing.no_such_fn()
 
 
 def test_forced_backend_skips_the_profit_check():

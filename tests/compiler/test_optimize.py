@@ -3,6 +3,7 @@ chaining a user's pass, option folding, the cache key."""
 from __future__ import annotations
 
 import logging
+import sys
 
 import pytest
 import torch
@@ -48,9 +49,8 @@ class FakeK3Config:
         linear_attn_config = {"kda_layers": [1, 2, 3], "full_attn_layers": [4]}
 
 
-class BroadcastBiasK3(torch.nn.Module):
-    """Looks like a K3 to summarize_model; its one small-M product has a [M, 1] bias the rewrite refuses."""
-    config = FakeK3Config
+class Bias(torch.nn.Module):
+    """Not a K3: one small-M product whose [M, 1] bias the skinny-GEMM rewrite refuses."""
 
     def __init__(self):
         super().__init__()
@@ -59,6 +59,11 @@ class BroadcastBiasK3(torch.nn.Module):
 
     def forward(self, x):
         return torch.addmm(self.b, x, self.w.T)
+
+
+class BroadcastBiasK3(Bias):
+    """Looks like a K3 to summarize_model; its one small-M product has a [M, 1] bias the rewrite refuses."""
+    config = FakeK3Config
 
 
 def test_optimize_compiles_in_place_so_generate_runs_compiled():
@@ -89,8 +94,11 @@ def test_summarize_model_reads_the_k3_config():
     assert summarize_model(Decoder())["is_k3"] is False
 
 
-def test_strict_raises_when_an_expected_pass_matches_nothing():
-    model = BroadcastBiasK3()
+@pytest.mark.parametrize("cls", [BroadcastBiasK3, Bias], ids=["k3", "not-k3"])
+def test_strict_raises_when_an_expected_pass_matches_nothing(cls):
+    """On any model: the skinny-GEMM pass is expected wherever a linear layer's product has few rows."""
+    model = cls()
+    assert summarize_model(model)["is_k3"] is (cls is BroadcastBiasK3)
     k3compile.optimize(model, passes=["skinny_gemm"], strict=True)
     with pytest.raises(Exception, match="skinny_gemm") as info:
         model(torch.randn(2, 8))
@@ -104,7 +112,10 @@ def test_default_warns_naming_the_pass(caplog):
     with caplog.at_level(logging.WARNING, logger="k3compile"), torch.no_grad():
         out = model(torch.randn(2, 8))
     assert out.shape == (2, 8)
-    assert any("'skinny_gemm' matched nothing" in r.getMessage() for r in caplog.records)
+    (msg,) = [r.getMessage() for r in caplog.records if "'skinny_gemm' rewrote nothing" in r.getMessage()]
+    # in words: which pass, on which graph, what it costs, what to do; no internal dict
+    assert "graph 0 of BroadcastBiasK3" in msg and "at most 16 rows" in msg and "slower" in msg
+    assert "strict=True" in msg and "{" not in msg
 
 
 def test_no_warning_on_graphs_without_candidates(caplog):
@@ -115,7 +126,7 @@ def test_no_warning_on_graphs_without_candidates(caplog):
     k3compile.optimize(model, passes=["skinny_gemm"], strict=True)
     with caplog.at_level(logging.WARNING, logger="k3compile"), torch.no_grad():
         model(torch.randn(40, 16))   # M = 40 > limit: no candidate, nothing expected, no raise
-    assert not any("matched nothing" in r.getMessage() for r in caplog.records)
+    assert not any("rewrote nothing" in r.getMessage() for r in caplog.records)
     assert k3compile.report(model).matches == {"skinny_gemm": 0}
 
 
@@ -176,3 +187,111 @@ def test_uuid_changes_with_every_option():
 def test_bad_options_raise(bad):
     with pytest.raises(ValueError):
         k3compile.optimize(Decoder(), **bad)
+
+
+# --- what a new user meets first (issue #24): the CPU, forced backends, report and strict on any model ----------
+
+class TinyLM(torch.nn.Module):
+    """Token ids in, logits out: its graphs are labelled prefill / decode by their token count."""
+
+    def __init__(self, vocab=32, d=16):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, input_ids):
+        return self.head(self.embed(input_ids))
+
+
+@pytest.fixture
+def no_interpreter(monkeypatch):
+    """A CPU as a user has it: no TRITON_INTERPRET (the test session sets it)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+def test_auto_on_cpu_compiles_as_plain_torch_compile(no_interpreter, caplog):
+    model = Decoder()
+    h = torch.randn(2, 16)
+    ref = model(h)
+    k3compile.optimize(model, passes=["skinny_gemm"])
+    with caplog.at_level(logging.INFO, logger="k3compile"), torch.no_grad():
+        out = model(h)
+    torch.testing.assert_close(out, ref)
+    rep = k3compile.report(model)
+    (graph,) = rep.graphs
+    assert graph.stood_down and graph.source == "compiled as plain torch.compile"
+    assert rep.matches == {"skinny_gemm": 0} and rep.choices == []
+    assert "backend='reference' rewrites anyway" in str(rep)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("compiling graph 0 of Decoder" in m for m in messages)      # progress, before the compile
+    assert any("graph 0 of Decoder compiled in" in m for m in messages)    # and after it
+    assert not any("rewrote nothing" in m for m in messages)
+
+
+def test_auto_on_cpu_with_strict_raises_at_optimize(no_interpreter):
+    with pytest.raises(K3PassMissingError, match="backend='reference'"):
+        k3compile.optimize(Decoder(), strict=True)
+
+
+def test_forced_backend_that_cannot_run_here_raises_at_optimize(monkeypatch):
+    from k3compile import BackendUnavailableError, backends
+
+    with pytest.raises(BackendUnavailableError, match="CPU") as info:
+        k3compile.optimize(Decoder(), backend="cute")
+    assert len(str(info.value)) < 200
+    monkeypatch.setattr(backends, "triton_importable", lambda: "triton does not import (ModuleNotFoundError)")
+    with pytest.raises(BackendUnavailableError, match="triton does not import"):
+        k3compile.optimize(Decoder(), backend="triton")
+
+
+def test_forced_backend_lacking_an_op_raises_at_optimize(monkeypatch):
+    """backend='cute' where CuTe could run (stubbed): the KDA ops have no CuTe implementation."""
+    from k3compile import BackendUnavailableError
+
+    monkeypatch.setattr(sys.modules["k3compile.optimize"], "forced_backend_reason", lambda backend, devices: None)
+    with pytest.raises(BackendUnavailableError, match="no cute implementation") as info:
+        k3compile.optimize(Decoder(), backend="cute")
+    assert "k3::kda_decode" in str(info.value) and "k3::skinny_gemm" not in str(info.value)
+    k3compile.optimize(Decoder(), backend="cute", passes=["skinny_gemm", "latent_moe_tail"])
+
+
+def test_report_is_about_its_model_only():
+    used, idle = Decoder(), Decoder()
+    k3compile.optimize(used, passes=["skinny_gemm"], backend="reference")
+    k3compile.optimize(idle, passes=["skinny_gemm"], backend="reference")
+    with torch.no_grad():
+        used(torch.randn(2, 16))
+    rep = k3compile.report(used)
+    assert [(c.op, c.impl, c.calls) for c in rep.choices] == [("skinny_gemm", "reference", 1)]
+    assert "PDL" not in str(rep) and "static weight" not in str(rep)    # GPU-only terms: not for a CPU graph
+    assert rep.static_weight["skinny_gemm"]["proven"] == 0 and "PDL" in rep.format(verbose=True)
+    assert k3compile.report(idle).choices == []
+
+
+def test_report_labels_prefill_and_decode_graphs():
+    model = TinyLM()
+    k3compile.optimize(model, passes=["skinny_gemm"], backend="reference", dynamic=False)
+    with torch.no_grad():
+        model(torch.randint(0, 32, (2, 5)))
+        model(torch.randint(0, 32, (2, 1)))
+    rep = k3compile.report(model)
+    assert [g.label for g in rep.graphs] == ["prefill, batch 2, 5 tokens", "decode, batch 2"]
+    assert "graph 1 (decode, batch 2)" in str(rep)
+
+
+def test_a_model_never_called_or_with_nothing_to_rewrite_is_reported(caplog):
+    """nn.Sequential's frames are torch's own, which Dynamo skips: optimize() still compiles it."""
+    never = k3compile.optimize(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    nothing = k3compile.optimize(torch.nn.Sequential(torch.nn.ReLU()), backend="reference")
+    with torch.no_grad():
+        nothing(torch.randn(3, 4))
+    assert len(k3compile.report(nothing).graphs) == 1
+    linear = k3compile.optimize(torch.nn.Sequential(torch.nn.Linear(8, 8)), backend="reference")
+    with torch.no_grad():
+        linear(torch.randn(2, 8))
+    assert k3compile.report(linear).matches["skinny_gemm"] == 1
+    with caplog.at_level(logging.WARNING, logger="k3compile"):
+        assert "compiled nothing" in str(k3compile.report(never))
+        assert "no k3 pass rewrote anything" in str(k3compile.report(nothing))
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "compiled nothing for Sequential" in warned and "no k3 pass rewrote anything in Sequential" in warned

@@ -389,7 +389,8 @@ def test_compiled_verdicts_and_reasons(compiled_cases):
     assert "written in the graph by aten.copy_" in why_not         # mutated_after's weight is written back
     assert "activation is a graph input" in why_not                # x (and its clone: Inductor dropped it)
     assert "a view or copy of a graph input" in why_not            # x3 reshaped
-    assert "static weight" in str(rep) and "proven 1 of 6" in str(rep)
+    text = rep.format(verbose=True)   # a GPU launch detail: listed for CPU graphs only when verbose
+    assert "static weight" in text and "proven 1 of 6" in text and "static weight" not in str(rep)
 
 
 def test_compiled_outputs_equal_eager(compiled_cases):
@@ -431,7 +432,7 @@ def test_tiny_k3_decode_graph_proves_its_gemms_and_tail(tiny_k3):
     # every skinny GEMM (after an RMSNorm, the KDA step, attention) and every tail (after the MoE combine)
     assert static["latent_moe_tail"] == {"proven": decode.matches["latent_moe_tail"], "not proven": {}}, static
     assert static["skinny_gemm"] == {"proven": decode.matches["skinny_gemm"], "not proven": {}}, static
-    assert "proven" in str(rep)
+    assert "proven" in rep.format(verbose=True)
 
 
 @pytest.mark.slow

@@ -41,6 +41,8 @@ def _worker(rank: int, world: int, port: int, path: str, out_dir: str) -> None:
             model = KimiK3ForConditionalGeneration.from_pretrained(path, tp_group=group, progress=False)
             ex = model.text_model.layers[1].block_sparse_moe.experts
             assert ex.packed and ex.w2_packed.shape == (16, 64, 64 // tp), ex.w2_packed.shape
+            assert model.language_model.lm_head.weight.shape == model.get_input_embeddings().weight.shape \
+                == (512 // tp, 128)                                    # split by vocabulary
             out[tp] = prefill_and_step(model)
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:

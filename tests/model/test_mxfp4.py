@@ -192,3 +192,34 @@ def test_packed_model_logits_equal_float_model(micro_pair, dtype, chunk_bytes, m
     for lo, hi in ((0, 7), (7, 8), (8, 9)):
         a, b = (m(ids[:, lo:hi], cache=c) for m, c in zip((packed, floats), caches))
         assert torch.equal(a, b), (lo, hi)
+
+
+@given(rms=st.floats(1e-6, 10.0))
+def test_scale_for_rms_nearest_power_of_two(rms):
+    from k3compile.model.mxfp4 import scale_for_rms
+
+    code_rms = (sum(v * v for v in E2M1) / len(E2M1)) ** 0.5
+    got = 2.0 ** (scale_for_rms(rms) - 127) * code_rms
+    assert rms / 2 ** 0.5 <= got <= rms * 2 ** 0.5
+
+
+def test_init_weights_rank_on_meta_packed_experts_and_full_fan_in():
+    """A TP-2 rank built on the meta device with packed experts, materialised, then init_weights: random codes whose
+    RMS is within sqrt(2) of the float init's; row-parallel slices (o_proj, w2) bounded by the full fan-in."""
+    from k3compile.model.loading import assign_parameters
+
+    with torch.device("meta"):
+        model = KimiK3ForConditionalGeneration(KimiK3Config.micro(moe_intermediate_size=64), TPContext(0, 2))
+    model.convert_experts("mxfp4")
+    text = model.language_model
+    assign_parameters(text, {n: torch.empty(p.shape, dtype=p.dtype) for n, p in text.named_parameters()})
+    torch.manual_seed(0)
+    model.init_weights()
+    ex = model.text_model.layers[1].block_sparse_moe.experts
+    for w, fan_in in (("w1", ex.latent), ("w2", 2 * ex.intermediate)):
+        values = dequantize_mxfp4(getattr(ex, w + "_packed"), getattr(ex, w + "_scale"), torch.float32)
+        want = fan_in ** -0.5 / 3 ** 0.5                                   # uniform(-b, b), b = fan_in^-1/2
+        assert want / 2 ** 0.5 <= values.pow(2).mean().sqrt() <= want * 2 ** 0.5, w
+        assert len(torch.unique(getattr(ex, w + "_packed"))) > 200        # random codes
+    o_proj = model.text_model.layers[0].self_attn.o_proj.weight              # [D, P/2]
+    assert o_proj.abs().max() <= (2 * o_proj.shape[1]) ** -0.5 < o_proj.shape[1] ** -0.5

@@ -1,5 +1,5 @@
-"""Tensor parallelism: two gloo processes give the single-process logits, and the all-reduces are in the graph
-torch.compile captures."""
+"""Tensor parallelism: two gloo processes give the single-process logits (the embedding, lm_head and MTP head split by
+vocabulary), generate its tokens, and the collectives are in the graph torch.compile captures."""
 import os
 import re
 import socket
@@ -27,7 +27,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     try:
-        config = KimiK3Config.micro()
+        config = KimiK3Config.micro(num_nextn_predict_layers=1)
         torch.manual_seed(0)
         full = KimiK3ForConditionalGeneration(config).eval()
         tp = TPContext.from_group()
@@ -39,6 +39,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         with torch.no_grad():
             cache = part.allocate_cache(2, 9)
             steps = [part(ids[:, :6], cache=cache)] + [part(ids[:, t:t + 1], cache=cache) for t in range(6, 9)]
+            mtp = {}
+            for name, model in (("part", part), ("full", full)):
+                hidden = model(ids, return_hidden=True)[1]
+                mtp[name] = model.mtp(model.get_input_embeddings()(ids), hidden, model.mtp.allocate_state(2, 9))[0]
+            generated = (part.generate(ids[:, :4], 5), full.generate(ids[:, :4], 5))
             graphs = []
 
             def record(gm, example_inputs):
@@ -49,8 +54,13 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             cache2 = part.allocate_cache(2, 9)
             part(ids[:, :8], cache=cache2)
             compiled_step = decode(ids[:, 8:9], cache=cache2)
+        embed = part.get_input_embeddings()
         torch.save({"logits": torch.cat(steps, 1), "reference": full(ids), "compiled_step": compiled_step,
-                    "graph": graphs[0], "local_heads": part.text_model.layers[0].self_attn.num_heads},
+                    "graph": graphs[0], "local_heads": part.text_model.layers[0].self_attn.num_heads,
+                    "mtp": mtp, "generated": generated,
+                    "vocab": (embed.vocab_start, tuple(embed.weight.shape),
+                              tuple(part.language_model.lm_head.weight.shape),
+                              tuple(part.mtp.layers[0].shared_head.head.weight.shape))},
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -66,7 +76,13 @@ def test_tp2_gloo_equals_tp1(tmp_path):
         assert rel < 1e-5, rel
         rel_c = ((r["compiled_step"][:, 0] - ref[:, 8]).norm() / ref[:, 8].norm()).item()
         assert rel_c < 1e-5, rel_c
-        # in the captured graph: one all-reduce per attention layer (4) and for the dense MLP (1), two per MoE
-        # tail (routed latent and shared experts, 3 layers)
+        # in the captured graph: one all-reduce for the embedding, one per attention layer (4) and for the dense
+        # MLP (1), two per MoE tail (routed latent and shared experts, 3 layers); the logits' all-gather
         calls = re.findall(r"call_function\[target=[^\]]*all_reduce", r["graph"])
-        assert len(calls) == 4 + 1 + 2 * 3, calls
+        assert len(calls) == 1 + 4 + 1 + 2 * 3, calls
+        assert len(re.findall(r"call_function\[target=[^\]]*all_gather", r["graph"])) == 1
+        # rank r holds vocabulary rows r·256 .. r·256 + 255 of the embedding, the lm_head and the MTP head
+        assert r["vocab"] == (256 * rank, (256, 128), (256, 128), (256, 128))
+        rel_m = ((r["mtp"]["part"] - r["mtp"]["full"]).norm() / r["mtp"]["full"].norm()).item()
+        assert r["mtp"]["part"].shape[-1] == 512 and rel_m < 1e-5, rel_m
+        assert torch.equal(*r["generated"])

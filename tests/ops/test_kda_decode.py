@@ -9,7 +9,8 @@ from k3compile.backends import BackendUnavailableError
 from k3compile.ops.kda_decode import KDA_DECODE, kda_decode
 from k3compile.ops.kda_decode.reference import kda_decode_ref, short_conv_decode_ref
 from k3compile.ops import arrival_counters
-from k3compile.ops.kda_decode.triton import KernelConfig, default_config, kda_decode_triton
+from k3compile.ops.kda_decode.triton import kda_decode_triton
+from k3compile.ops.kda_decode.triton_config import KernelConfig, default_config
 from k3compile.testing import rel_err as rel
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -7,8 +7,6 @@ its kernel is tested in test_latent_moe_tail_cute.py.
 """
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 from hypothesis import example, given
@@ -16,16 +14,10 @@ from hypothesis import strategies as st
 
 from k3compile.ops import arrival_counters
 from k3compile.backends import BackendUnavailableError
-from k3compile.ops.latent_moe_tail import latent_moe_tail
-from k3compile.ops.latent_moe_tail import op as tail_op
-from k3compile.ops.latent_moe_tail import streamk
-from k3compile.ops.latent_moe_tail import triton as tail_triton
-from k3compile.ops.latent_moe_tail.op import LATENT_MOE_TAIL
-from k3compile.ops.latent_moe_tail.reference import (
-    kimi_rms_norm, latent_moe_tail_ref, latent_moe_tail_unfused,
-)
-from k3compile.ops.latent_moe_tail.triton import TailConfig, latent_moe_tail_triton
-from k3compile.ops.skinny_gemm import SKINNY_GEMM
+from k3compile.ops.latent_moe_tail import LATENT_MOE_TAIL, latent_moe_tail, streamk, triton_config
+from k3compile.ops.latent_moe_tail.reference import kimi_rms_norm, latent_moe_tail_ref, latent_moe_tail_unfused
+from k3compile.ops.latent_moe_tail.triton import latent_moe_tail_triton
+from k3compile.ops.latent_moe_tail.triton_config import TailConfig
 from k3compile.testing import latent_moe_tail_inputs as make_inputs, rel_err
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -156,7 +148,7 @@ def test_fp16_large_latent_prenorm():
     args = make_inputs(2, 128, 32, torch.float16, scale=3000.0)
     out = latent_moe_tail(*args, 1e-5)
     assert rel_err(out, truth(*args, 1e-5)) < TOL[torch.float16]
-    assert tail_triton.default_config(2, 32, 128, torch.float16, 132).prenorm
+    assert triton_config.heuristic(2, 32, 128, torch.float16, 132).prenorm
 
 
 def test_bad_config_and_too_many_rows():
@@ -164,178 +156,6 @@ def test_bad_config_and_too_many_rows():
         TailConfig(reduce="atomic")
     with pytest.raises(ValueError, match="M=17"):
         latent_moe_tail_triton(*make_inputs(17, 32, 16, torch.float32), 1e-5)
-
-
-# ---------------------------------------------------------------------------------------------
-# dispatch
-
-def _choices(backend="auto", impl=None):
-    return [c for c in LATENT_MOE_TAIL.choices() if c.backend == backend and (impl is None or c.impl == impl)]
-
-
-@pytest.fixture
-def clean_records():
-    LATENT_MOE_TAIL.clear()
-    SKINNY_GEMM.clear()
-    yield
-    LATENT_MOE_TAIL.clear()
-    SKINNY_GEMM.clear()
-
-
-def test_auto_on_cpu_runs_the_one_kernel_recorded(clean_records):
-    """CPU CI: CuTe cannot run (recorded why), Triton runs its one-kernel tail (recorded as triton-fused)."""
-    args = make_inputs(4, 64, 48, torch.bfloat16)
-    out = latent_moe_tail(*args, 1e-5)
-    assert rel_err(out, truth(*args, 1e-5)) < TOL[torch.bfloat16]
-    (main,) = _choices(impl="triton")
-    assert main.reason.startswith("cute: ") and main.key == "cpu bfloat16 M=4 L=64 D=48", main
-    assert [c.impl for c in _choices()] == ["triton", "triton-fused"]
-    assert SKINNY_GEMM.choices() == []
-
-
-def test_split_path_where_the_one_kernel_is_not_profitable(clean_records, monkeypatch):
-    monkeypatch.setattr(tail_op, "fused_profitable",
-                        lambda latent, up_weight, static_weight=False: "measured slower (test)")
-    args = make_inputs(4, 64, 48, torch.bfloat16)
-    out = latent_moe_tail(*args, 1e-5, backend="triton")
-    assert rel_err(out, truth(*args, 1e-5)) < TOL[torch.bfloat16]
-    (split,) = _choices("triton", "triton-split")
-    assert "measured slower (test)" in split.reason
-    (gemm,) = [c for c in SKINNY_GEMM.choices() if c.backend == "triton"]
-    assert gemm.impl == "triton", gemm
-
-
-class _FakeTensor:
-    """What fused_profitable reads of a CUDA tensor (CI has none)."""
-
-    def __init__(self, shape, dtype):
-        self.shape, self.dtype, self.device = torch.Size(shape), dtype, torch.device("cuda", 0)
-
-
-def test_fused_profitable_rule(monkeypatch):
-    lat, w = _FakeTensor((4, 3584), torch.bfloat16), _FakeTensor((7168, 3584), torch.bfloat16)
-    monkeypatch.setattr(tail_triton, "TUNED", {("bfloat16", 4, 7168, 3584): TailConfig(),
-                                               ("bfloat16", 16, 7168, 3584): None})
-    assert tail_triton.fused_profitable(lat, w) is None
-    assert "measured faster" in tail_triton.fused_profitable(_FakeTensor((9, 3584), torch.bfloat16), w)
-    assert tail_triton.fused_profitable(torch.zeros(4, 3584), torch.zeros(7168, 3584)) is None   # interpreter
-    cfg = tail_triton.default_config(3, 7168, 3584, torch.bfloat16, sm_count=132)
-    assert cfg == TailConfig()
-    assert tail_triton.default_config(3, 7168, 3584, torch.float16, sm_count=132).prenorm
-
-
-def test_static_weight_table_first(monkeypatch):
-    """``static_weight=True`` looks in TUNED_STATIC first (configuration and profitability), else TUNED."""
-    lat, w = _FakeTensor((4, 3584), torch.bfloat16), _FakeTensor((7168, 3584), torch.bfloat16)
-    plain, static = TailConfig(), TailConfig(128, 128, stream_k=True, pdl=True)
-    monkeypatch.setattr(tail_triton, "TUNED", {("bfloat16", 4, 7168, 3584): plain,
-                                               ("bfloat16", 16, 7168, 3584): plain})
-    monkeypatch.setattr(tail_triton, "TUNED_STATIC", {("bfloat16", 4, 7168, 3584): static,
-                                                      ("bfloat16", 16, 7168, 3584): None})
-    assert tail_triton.default_config(4, 7168, 3584, torch.bfloat16, 132) == plain
-    assert tail_triton.default_config(4, 7168, 3584, torch.bfloat16, 132, static_weight=True) == static
-    assert tail_triton.default_config(16, 7168, 3584, torch.bfloat16, 132) == plain
-    assert tail_triton.default_config(16, 7168, 3584, torch.bfloat16, 132, static_weight=True) != plain
-    m16 = _FakeTensor((16, 3584), torch.bfloat16)
-    assert tail_triton.fused_profitable(m16, w) is None
-    assert "measured faster" in tail_triton.fused_profitable(m16, w, static_weight=True)
-    assert tail_triton.fused_profitable(lat, w, static_weight=True) is None
-    assert "not measured" in tail_triton.fused_profitable(_FakeTensor((2, 3584), torch.bfloat16), w, True)
-
-
-def test_pdl_only_on_sm90_cuda():
-    assert not tail_triton.pdl_capable(torch.device("cpu"))
-
-
-def test_fused_profitable_where_measured(monkeypatch):
-    """The H200 figures: the one-kernel tail ahead of the split path at M = 1, 4, 8 and 16 (bf16), not in
-    fp16; M=2 unmeasured (split path). The grid form of M 5-16 was measured with TMA: not on older GPUs."""
-    monkeypatch.setattr(tail_triton, "pdl_capable", lambda device: True)   # an H200
-    w = _FakeTensor((7168, 3584), torch.bfloat16)
-    for m, wins in ((1, True), (3, True), (4, True), (2, False), (5, True), (8, True), (9, True), (16, True)):
-        why = tail_triton.fused_profitable(_FakeTensor((m, 3584), torch.bfloat16), w)
-        assert (why is None) == wins, (m, why)
-    monkeypatch.setattr(tail_triton, "pdl_capable", lambda device: False)   # before sm_90
-    assert tail_triton.fused_profitable(_FakeTensor((1, 3584), torch.bfloat16), w) is None   # stream-K
-    assert "needs TMA" in tail_triton.fused_profitable(_FakeTensor((16, 3584), torch.bfloat16), w)
-    assert tail_triton.fused_profitable(_FakeTensor((1, 3584), torch.float16), _FakeTensor((7168, 3584), torch.float16))
-    assert tail_triton.default_config(1, 7168, 3584, torch.bfloat16, 132).tma
-
-
-def test_cute_profitable_where_measured():
-    """The H200 figures: CuTe (its wgmma form) ahead of the Triton tail at every M of K3's tail; other widths
-    unmeasured."""
-    w = _FakeTensor((7168, 3584), torch.bfloat16)
-    for m, wins in ((1, True), (2, True), (3, True), (4, True), (5, True), (8, True), (9, True), (16, True)):
-        why = tail_op.cute_profitable(_FakeTensor((m, 3584), torch.bfloat16), w)
-        assert (why is None) == wins, (m, why)
-    assert tail_op.cute_profitable(_FakeTensor((1, 1024), torch.bfloat16), _FakeTensor((7168, 1024), torch.bfloat16))
-
-
-def _fake_cute(calls, supports_reason=None):
-    def run(latent, shared, norm_weight, up_weight, eps, static_weight=False):
-        calls.append(latent.shape[0])
-        return latent_moe_tail_unfused(latent, shared, norm_weight, up_weight, eps)
-    return types.SimpleNamespace(
-        available=lambda *a: None, supports=lambda *a: supports_reason, latent_moe_tail_cute=run)
-
-
-@pytest.fixture
-def fake_cute(monkeypatch, clean_records):
-    """A CuTe tail that 'runs' on CPU tensors: the reference in a module with cute.py's interface."""
-    calls = []
-    monkeypatch.setattr(tail_op, "cute_can_run_on", lambda *tensors: None)
-    monkeypatch.setattr(tail_op, "_cute", lambda: _fake_cute(calls))
-    return calls
-
-
-def test_cute_not_taken_by_auto_until_measured_faster(fake_cute):
-    args = make_inputs(4, 64, 48, torch.bfloat16)
-    latent_moe_tail(*args, 1e-5)
-    assert fake_cute == []
-    (main,) = _choices(impl="triton")
-    assert "cute: not measured faster" in main.reason, main
-
-
-def test_cute_taken_by_auto_where_measured_faster(fake_cute, monkeypatch):
-    monkeypatch.setattr(tail_op, "CUTE_FASTER", frozenset({(4, 48, 64)}))
-    args = make_inputs(3, 64, 48, torch.bfloat16)
-    out = latent_moe_tail(*args, 1e-5)
-    assert fake_cute == [3] and rel_err(out, truth(*args, 1e-5)) < TOL[torch.bfloat16]
-    assert [(c.impl, c.reason) for c in _choices()] == [("cute", "preferred")]
-    latent_moe_tail(*make_inputs(5, 64, 48, torch.bfloat16), 1e-5)   # M bucket 8: not measured
-    assert fake_cute == [3]
-
-
-def test_forced_cute_runs_where_it_can(fake_cute):
-    args = make_inputs(2, 64, 48, torch.bfloat16)
-    out = latent_moe_tail(*args, 1e-5, backend="cute")
-    assert fake_cute == [2] and rel_err(out, truth(*args, 1e-5)) < TOL[torch.bfloat16]
-    # above the small-M limit even a forced cute falls to the reference, recorded
-    latent_moe_tail(*make_inputs(17, 64, 48, torch.bfloat16), 1e-5, backend="cute")
-    (ref,) = _choices("cute", "reference")
-    assert "small-M limit" in ref.reason and fake_cute == [2]
-
-
-def test_cute_declining_falls_back_recorded(clean_records, monkeypatch):
-    calls = []
-    monkeypatch.setattr(tail_op, "cute_can_run_on", lambda *tensors: None)
-    monkeypatch.setattr(tail_op, "_cute", lambda: _fake_cute(calls, "fp16 declined (test)"))
-    args = make_inputs(2, 64, 48, torch.float16)
-    out = latent_moe_tail(*args, 1e-5, backend="cute")
-    assert calls == [] and rel_err(out, truth(*args, 1e-5)) < TOL[torch.float16]
-    (main,) = _choices("cute", "triton")
-    assert "fp16 declined (test)" in main.reason
-
-
-def test_cute_without_cutlass(clean_records):
-    """CI: auto records why CuTe cannot run; a forced cute raises (the user asked for the impossible)."""
-    args = make_inputs(2, 64, 48, torch.bfloat16)
-    latent_moe_tail(*args, 1e-5)
-    (main,) = _choices(impl="triton")
-    assert main.reason.startswith("cute: ")
-    with pytest.raises(BackendUnavailableError, match="latent_moe_tail"):
-        latent_moe_tail(*args, 1e-5, backend="cute")
 
 
 @pytest.mark.parametrize("layout", ["latent-of-concat", "latent-T", "weight-T"])
@@ -351,7 +171,8 @@ def test_grid_tma_layouts(layout):
         latent = latent.t().contiguous().t()
     else:
         up_weight = up_weight.t().contiguous().t()
-    cfg = TailConfig(32, 128, 1, num_warps=2, num_stages=5, tma=True, pdl=True, early_trigger=True)
+    cfg = TailConfig(block_n=32, block_k=128, split_k=1, num_warps=2, num_stages=5, tma=True, pdl=True,
+                     early_trigger=True)
     out = torch.full((m, d), float("nan"), dtype=torch.bfloat16)
     latent_moe_tail_triton(latent, shared, norm_weight, up_weight, 1e-5, cfg, out=out)
     assert rel_err(out, truth(latent, shared, norm_weight, up_weight, 1e-5)) < TOL[torch.bfloat16], layout
@@ -359,7 +180,7 @@ def test_grid_tma_layouts(layout):
 
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 @pytest.mark.parametrize("layout", ["latent-T", "weight-T", "shared-strided"])
-def test_triton_non_contiguous(layout, dtype, clean_records):
+def test_triton_non_contiguous(layout, dtype, tail_records):
     dt = DTYPES[dtype]
     latent, shared, norm_weight, up_weight = make_inputs(4, 96, 48, dt)
     if layout == "latent-T":
@@ -370,7 +191,7 @@ def test_triton_non_contiguous(layout, dtype, clean_records):
         shared = torch.cat([shared, shared], dim=1)[:, ::2]
     out = latent_moe_tail(latent, shared, norm_weight, up_weight, 1e-5)
     assert rel_err(out, truth(latent, shared, norm_weight, up_weight, 1e-5)) < TOL[dt]
-    assert "strides" in _choices()[0].key   # the key tells a CuTe-incompatible layout apart
+    assert "strides" in tail_records()[0].key   # the key tells a CuTe-incompatible layout apart
 
 
 @given(m=st.integers(17, 48), l=st.integers(1, 200), d=st.integers(1, 120),
@@ -394,31 +215,31 @@ def test_unfused_equals_model_sequence(dtype):
 @pytest.mark.parametrize("m,limit,impl", [(1, 16, "triton"), (16, 16, "triton"), (17, 16, "reference"),
                                           (8, 4, "reference"), (4, 4, "triton"), (8, 64, "triton")],
                          ids=["M1-lim16", "M16-lim16", "M17-lim16", "M8-lim4", "M4-lim4", "M8-lim64"])
-def test_dispatch_by_m(m, limit, impl, clean_records):
+def test_dispatch_by_m(m, limit, impl, tail_records):
     args = make_inputs(m, 40, 24, torch.float32)
     out = latent_moe_tail(*args, 1e-5, small_m_limit=limit)
     assert rel_err(out, truth(*args, 1e-5)) < TOL[torch.float32]
-    main = _choices()[0]
+    main = tail_records()[0]
     assert main.impl == impl, main
     if impl == "reference":
         assert "small-M limit" in main.reason
 
 
-def test_dtype_the_kernel_lacks_falls_back_recorded(clean_records):
+def test_dtype_the_kernel_lacks_falls_back_recorded(tail_records):
     args = make_inputs(3, 40, 24, torch.float64)
     out = latent_moe_tail(*args, 1e-5, backend="triton")
     assert rel_err(out, truth(*args, 1e-5)) < 1e-6
-    (choice,) = _choices("triton")
+    (choice,) = tail_records("triton")
     assert choice.impl == "reference" and "float64" in choice.reason, choice
 
 
-def test_forced_triton_without_interpreter_raises(monkeypatch, clean_records):
+def test_forced_triton_without_interpreter_raises(monkeypatch, tail_records):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(BackendUnavailableError, match="latent_moe_tail"):
         latent_moe_tail(*make_inputs(2, 40, 24, torch.float32), 1e-5, backend="triton")
     LATENT_MOE_TAIL.clear()
     out = latent_moe_tail(*make_inputs(2, 40, 24, torch.float32), 1e-5, backend="auto")
-    assert _choices()[0].impl == "reference" and not out.isnan().any()
+    assert tail_records()[0].impl == "reference" and not out.isnan().any()
 
 
 def _bad(case):
@@ -472,6 +293,12 @@ def test_opcheck():
 
 
 # ---------------------------------------------------------------------------------------------
+# the op (dispatch records: test_latent_moe_tail_dispatch.py)
+
+
+
+
+# ---------------------------------------------------------------------------------------------
 # GPU (the lent H200)
 
 GPU_TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -480,7 +307,7 @@ GPU_TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 16, 17], ids=lambda m: f"M{m}-L3584-D7168")
-def test_cuda_real_widths(m, dtype, clean_records):
+def test_cuda_real_widths(m, dtype, tail_records):
     """The one-kernel tail (default config, both reductions) and the op at K3's widths."""
     dt = DTYPES[dtype]
     args = [t.cuda() for t in make_inputs(m, 3584, 7168, dt, seed=m)]
@@ -489,9 +316,10 @@ def test_cuda_real_widths(m, dtype, clean_records):
         pre = dt == torch.float16
         stages = 2 if dt == torch.float32 else 4   # fp32 tiles are twice the bytes
         for cfg in (None, TailConfig(reduce="kernel", prenorm=pre), TailConfig(split_k=1, prenorm=pre),
-                    TailConfig(128, 128, num_warps=8, num_stages=stages, stream_k=True, reduce="kernel",
+                    TailConfig(block_n=128, block_k=128, num_warps=8, num_stages=stages, stream_k=True, reduce="kernel",
                                prenorm=pre),
-                    TailConfig(64, 128, num_warps=4, num_stages=stages, stream_k=True, ctas_per_sm=2, tma=True,
+                    TailConfig(block_n=64, block_k=128, num_warps=4, num_stages=stages, stream_k=True, ctas_per_sm=2,
+                               tma=True,
                                prenorm=pre)):
             # static: the first weight tile before the PDL wait (stream-K only: the grid form ignores it;
             # bf16 only, the model's dtype: the other dtypes would only add compiles of the same code)
@@ -503,7 +331,7 @@ def test_cuda_real_widths(m, dtype, clean_records):
                 assert counters_all_zero()
     out = latent_moe_tail(*args, 1e-5)
     assert rel_err(out.cpu(), ref) < GPU_TOL[dt]
-    main = _choices()[0]
+    main = tail_records()[0]
     assert main.impl == ("reference" if m > 16 else "cute" if main.impl == "cute" else "triton"), main
 
 
@@ -517,13 +345,13 @@ def test_cuda_graph_replay(kind):
     m, l, d, dt = 4, 3584, 7168, torch.bfloat16
     lat, sh, g, w = (t.cuda() for t in make_inputs(m, l, d, dt, seed=11))
     if "stream-k" in kind:
-        cfg = TailConfig(128, 128, num_warps=8, stream_k=True, tma=True, pdl="pdl" in kind,
+        cfg = TailConfig(block_n=128, block_k=128, num_warps=8, stream_k=True, tma=True, pdl="pdl" in kind,
                          reduce="kernel" if "2launch" in kind else "last")
     elif kind.startswith("grid"):   # the split-K grid with TMA and PDL: early trigger, the peeled first tile, or
         # the wait inside the K loop (the weight ring's first tiles before it)
         # (unsplit: the program's own epilogue, `shared` read after the loop's wait with the ring, else before it)
         ring = "ring" in kind
-        cfg = TailConfig(32, 128, 1 if "unsplit" in kind else 2, tma=True, pdl=True,
+        cfg = TailConfig(block_n=32, block_k=128, split_k=1 if "unsplit" in kind else 2, tma=True, pdl=True,
                          early_trigger="early" in kind or ring, preload="static" in kind and not ring, ring=ring)
     else:
         cfg = TailConfig(reduce=kind)
@@ -560,10 +388,12 @@ for name, flavour in json.loads(sys.argv[1]).items():
                  RING=False, LATENT_TMA=True)
     const.update(flavour)
     desc = dict(w_desc="tensordesc<bf16[32,128]>", x_desc="tensordesc<bf16[16,128]>", g_desc="tensordesc<bf16[1,128]>")
-    sig = {n: "constexpr" if n in const else desc.get(n) or ("*fp32" if n in ("p_ws", "p_ss") else "*i32" if n == "p_cnt"
+    sig = {n: "constexpr" if n in const else desc.get(n) or ("*fp32" if n in ("p_ws",
+                                                                              "p_ss") else "*i32" if n == "p_cnt"
            else "*bf16" if n.startswith("p_") else "fp32" if n == "eps" else "i32") for n in kernel.arg_names}
     src = ASTSource(fn=kernel, signature=sig, constexprs=const)
-    out[name] = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=2, num_stages=5)).asm["ptx"]
+    out[name] = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=2,
+                                                                                   num_stages=5)).asm["ptx"]
 print(json.dumps(out))
 """
 # the shipped one-kernel form (M 5-16 on the H200) and its split-K neighbour; "preload" (static weight only) may

@@ -1,7 +1,7 @@
 """The CuTe latent-MoE tail (skinny GEMM with the RMSNorm fused) against the reference.
 
-CPU (CI): the module imports without cutlass, its predicates give reasons, the tables' wgmma entries fit
-their shapes, and (when CuTe DSL is installed) the fused variants of both kernels compile for sm_90a. GPU
+CPU (CI): the module imports without cutlass, its predicates give reasons, and (when CuTe DSL is installed) the
+fused variants of both kernels compile for sm_90a. GPU
 (`-m gpu` on the H200): random shapes with NaN-poisoned outputs for both kernels' forms, every work division
 (incl. split-K clusters), static weight on and off, CUDA-graph capture and replay.
 """
@@ -12,11 +12,12 @@ import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
 
+from k3compile.backends import cute_can_run_on
+from k3compile.kernels.cute.configs import MmaConfig, WgmmaConfig as WG
 from k3compile.ops.latent_moe_tail import cute as tc
+from k3compile.ops.latent_moe_tail import dispatch
 from k3compile.ops.latent_moe_tail.reference import latent_moe_tail_ref
-from k3compile.ops.skinny_gemm import config as cfgmod
 from k3compile.ops.skinny_gemm import cute as kc
-from k3compile.ops.skinny_gemm.cute_wgmma import WgmmaConfig as WG
 from k3compile.testing import rel_err
 
 HAS_CUTLASS = importlib.util.find_spec("cutlass") is not None
@@ -25,9 +26,24 @@ TOL = 1e-2  # bf16: x·g is rounded before normalising, ~1 ulp from the model's 
 
 # the wgmma form: one block per row tile, a split-K cluster (the rows' sums of squares meet through DSMEM too), the
 # producer warp, 64-wide K tiles, the MMA warps alone letting the next kernel launch
-WGMMA_FORMS = [WG(64, 128, 6, 1, evict_hints=True), WG(64, 64, 8, 2, evict_hints=True),
-               WG(64, 128, 4, 4, producer_warp=True, evict_hints=True), WG(128, 64, 6, 1, producer_warp=True),
-               WG(64, 128, 6, 1, producer_warp=True, evict_hints=True, mma_trigger=True)]
+WGMMA_FORMS = [WG(block_n=64, block_k=128, stages=6, split_k=1, evict_hints=True),
+               WG(block_n=64, block_k=64, stages=8, split_k=2, evict_hints=True),
+               WG(block_n=64, block_k=128, stages=4, split_k=4, producer_warp=True, evict_hints=True),
+               WG(block_n=128, block_k=64, stages=6, split_k=1, producer_warp=True),
+               WG(block_n=64, block_k=128, stages=6, split_k=1, producer_warp=True, evict_hints=True, mma_trigger=True)]
+
+
+def mma(row_groups, warps_n, warps_k, unroll, **options):
+    """An MmaConfig, its block's four dimensions first."""
+    return MmaConfig(row_groups=row_groups, warps_n=warps_n, warps_k=warps_k, unroll=unroll, **options)
+
+
+def op_config(m, d, l, static_weight=False):
+    """What the op runs on an H200 (its tables, else the heuristic)."""
+    from k3compile.ops.skinny_gemm import dispatch as gemm_dispatch
+
+    return dispatch.cute_config_for(torch.bfloat16, m, d, l, static_weight, dispatch.table_for("NVIDIA H200"),
+                                    gemm_dispatch.table_for("NVIDIA H200"))
 
 
 def _inputs(m, l, d, dtype=torch.bfloat16, device="cpu", scale=1.0):
@@ -47,7 +63,7 @@ def test_module_imports_without_cutlass_at_import_time():
 
 
 def test_available_says_why_on_cpu_tensors():
-    why = tc.available(*_inputs(2, 64, 32), 1e-6)
+    why = cute_can_run_on(*_inputs(2, 64, 32))
     assert isinstance(why, str) and why
 
 
@@ -84,54 +100,24 @@ def test_supports_accepts_k3_shape():
     assert tc.supports(*_inputs(4, 3584, 7168), 1e-6) is None
 
 
-def test_tail_config_static_table_first(monkeypatch):
-    """``static_weight=True`` takes TAIL_TABLE_STATIC's entry where it has one, else TAIL_TABLE's."""
-    plain, static = cfgmod.SkinnyConfig(2, 1, 4, 2, stages=4), cfgmod.SkinnyConfig(4, 1, 4, 1, stages=6)
-    monkeypatch.setattr(tc, "TAIL_TABLE", {(8, 7168, 3584): plain, (16, 7168, 3584): plain})
-    monkeypatch.setattr(tc, "TAIL_TABLE_STATIC", {(8, 7168, 3584): static})
-    assert tc.tail_config(8, 7168, 3584) == plain
-    assert tc.tail_config(5, 7168, 3584, static_weight=True) == static   # M bucket 8
-    assert tc.tail_config(16, 7168, 3584, static_weight=True) == plain
-    assert tc.tail_config(16, 512, 256, static_weight=True) is not None   # the skinny GEMM's choice
-
-
-def test_tail_config_never_takes_a_wgmma_entry_of_the_gemm_table(monkeypatch):
-    """The skinny GEMM's table may name the wgmma kernel, measured without the norm warps: the tail then takes the
-    mma.sync heuristic."""
-    monkeypatch.setitem(cfgmod.TABLE, (16, 512, 256), WG(64, 64, 8, 1))
-    assert isinstance(tc.tail_config(16, 512, 256), cfgmod.SkinnyConfig)
-
-
-def test_tail_tables_wgmma_entries_fit_their_shapes():
-    """Every wgmma entry of the tail's tables holds its block's share of the latent in shared memory."""
-    entries = [(key, cfg) for table in (tc.TAIL_TABLE, tc.TAIL_TABLE_STATIC) for key, cfg in table.items()
-               if isinstance(cfg, WG)]
-    assert entries
-    for (mb, d, l), cfg in entries:
-        assert cfg.invalid() is None and tc.wgmma_fits(cfg, mb, l), (mb, d, l, cfg.tag())
-        assert tc.tail_config(mb, d, l) == tc.TAIL_TABLE[(mb, d, l)]
-
-
-def test_tail_config_skips_a_wgmma_entry_too_small_for_the_latent(monkeypatch):
-    """A wgmma entry whose resident A cannot hold the latent's K share is passed over for the mma.sync choice;
-    forcing it raises rather than overrunning shared memory."""
-    cfg = WG(64, 128, 6, 1)
+def test_a_wgmma_form_too_small_for_the_latent_is_refused():
+    """Forcing a wgmma form whose resident A cannot hold the latent's K share raises rather than overrunning shared
+    memory (the dispatch never picks one: test_latent_moe_tail_dispatch.py)."""
+    cfg = WG(block_n=64, block_k=128, stages=6, split_k=1)
     fits = 128 * cfg.norm_a_tiles(16)
-    for l in (fits, fits + 8):
-        monkeypatch.setitem(tc.TAIL_TABLE, (16, 1024, l), cfg)
-    assert tc.tail_config(16, 1024, fits) == cfg
-    assert isinstance(tc.tail_config(16, 1024, fits + 8), cfgmod.SkinnyConfig)
     with pytest.raises(ValueError, match="does not fit"):
-        tc.latent_moe_tail_cute(*_inputs(16, fits + 8, 64), 1e-6, cfg=cfg)
+        tc.latent_moe_tail_cute(*_inputs(16, fits + 8, 64), 1e-6, cfg)
 
 
 @needs_cutlass
 def test_compiles_for_sm90a_without_gpu(monkeypatch, tmp_path):
     monkeypatch.setenv("CUTE_DSL_ARCH", os.environ.get("CUTE_DSL_ARCH", "sm_90a"))
     monkeypatch.setenv("K3_CUTE_CACHE_DIR", str(tmp_path))
-    variants = [(1, tc.tail_config(1, 7168, 3584)), (9, cfgmod.SkinnyConfig(2, 2, 2, 1, stages=3)),
-                (16, cfgmod.SkinnyConfig(1, 1, 4, 2, stages=4, split_k=2)), (16, tc.tail_config(16, 7168, 3584, True)),
-                (5, WG(64, 64, 8, 2, evict_hints=True))]
+    h200 = dispatch.table_for("NVIDIA H200")
+    static_pick = h200.get("bfloat16", 16, 7168, 3584, True).configs["cute"]
+    variants = [(1, h200.get("bfloat16", 1, 7168, 3584, False).configs["cute"]), (9, mma(2, 2, 2, 1, stages=3)),
+                (16, mma(1, 1, 4, 2, stages=4, split_k=2)), (16, static_pick),
+                (5, WG(block_n=64, block_k=64, stages=8, split_k=2, evict_hints=True))]
     for m, cfg in variants:
         assert kc.compile_kernel(torch.bfloat16, m, cfg, False, True, False, 1e-6) is not None
     names = sorted(p.name for p in tmp_path.rglob("*.o"))
@@ -143,10 +129,11 @@ def test_compiles_for_sm90a_without_gpu(monkeypatch, tmp_path):
 
 def _run(m, l, d, eps, cfg=None, static_weight=False, scale=1.0):
     lat, sh, g, w = _inputs(m, l, d, device="cuda", scale=scale)
-    assert tc.available(lat, sh, g, w, eps) is None
+    assert cute_can_run_on(lat, sh, g, w) is None
     assert tc.supports(lat, sh, g, w, eps) is None
     out = torch.full((m, d), float("nan"), device="cuda", dtype=torch.bfloat16)
-    tc.latent_moe_tail_cute(lat, sh, g, w, eps, cfg=cfg, out=out, static_weight=static_weight)
+    tc.latent_moe_tail_cute(lat, sh, g, w, eps, cfg or op_config(m, d, l, static_weight), out=out,
+                            static_weight=static_weight)
     ref = latent_moe_tail_ref(lat.double(), sh.double(), g.double(), w.double(), eps)
     assert not out.isnan().any(), "unwritten or NaN outputs"
     e = rel_err(out, ref)
@@ -182,7 +169,7 @@ def _same_rounding(lat, sh, g, w, eps):
 def test_small_d_matches_same_rounding(m, l, d, cfg):
     lat, sh, g, w = _inputs(m, l, d, device="cuda")
     out = torch.full((m, d), float("nan"), device="cuda", dtype=torch.bfloat16)
-    tc.latent_moe_tail_cute(lat, sh, g, w, 1e-6, cfg=cfg, out=out)
+    tc.latent_moe_tail_cute(lat, sh, g, w, 1e-6, cfg or op_config(m, d, l), out=out)
     assert rel_err(out, _same_rounding(lat, sh, g, w, 1e-6)) < TOL
 
 
@@ -197,12 +184,13 @@ def test_wgmma_form_matches_reference_random_shapes(m, l, d, form, static_weight
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [cfgmod.SkinnyConfig(1, 1, 1, 1), cfgmod.SkinnyConfig(2, 2, 2, 1, stages=3),
-                                 cfgmod.SkinnyConfig(1, 1, 8, 2, stages=3),
-                                 cfgmod.SkinnyConfig(1, 1, 4, 2, stages=4, split_k=2),
-                                 cfgmod.SkinnyConfig(1, 1, 2, 4, split_k=4),
-                                 cfgmod.SkinnyConfig(1, 2, 4, 2, stages=3, a_ring=True, a_share=True),
-                                 cfgmod.SkinnyConfig(1, 1, 4, 2, stages=4, a_l1=True)] + WGMMA_FORMS,
+@pytest.mark.parametrize("cfg", [mma(1, 1, 1, 1),
+                                 mma(2, 2, 2, 1, stages=3),
+                                 mma(1, 1, 8, 2, stages=3),
+                                 mma(1, 1, 4, 2, stages=4, split_k=2),
+                                 mma(1, 1, 2, 4, split_k=4),
+                                 mma(1, 2, 4, 2, stages=3, a_ring=True, a_l1=True),
+                                 mma(1, 1, 4, 2, stages=4, a_l1=True)] + WGMMA_FORMS,
                          ids=lambda c: c.tag())
 @pytest.mark.parametrize("m", [1, 8, 9, 16], ids=lambda m: f"M{m}")
 @pytest.mark.parametrize("static_weight", [False, True], ids=["dynamic_w", "static_w"])
@@ -215,14 +203,15 @@ def test_every_config_matches_reference(cfg, m, static_weight):
 def test_cuda_graph_capture_and_replay(m):
     l, d, eps = 3584, 7168, 1e-6
     lat, sh, g, w = _inputs(m, l, d, device="cuda")
-    tc.warmup(torch.bfloat16, m, d, l, eps)
-    tc.latent_moe_tail_cute(lat, sh, g, w, eps)  # first call outside capture
+    cfg = op_config(m, d, l)
+    tc.warmup(torch.bfloat16, m, cfg, eps)
+    tc.latent_moe_tail_cute(lat, sh, g, w, eps, cfg)  # first call outside capture
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         with torch.cuda.graph(graph):
-            out = tc.latent_moe_tail_cute(lat, sh, g, w, eps)
+            out = tc.latent_moe_tail_cute(lat, sh, g, w, eps, cfg)
     torch.cuda.current_stream().wait_stream(side)
     for i in range(3):  # fresh inputs each replay, latent scale changing (the norm must follow)
         lat.copy_(torch.randn_like(lat) * 10 ** (i - 1))

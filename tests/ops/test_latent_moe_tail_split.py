@@ -1,5 +1,5 @@
 """The latent-MoE tail's two-kernel path (``split.py``): the Triton RMSNorm, then the up-projection with the
-shared add (``k3::skinny_gemm``, the Triton skinny kernel, or cuBLAS ``addmm_``), against the reference.
+shared add (the skinny GEMM's own pick, the Triton skinny kernel, or cuBLAS ``addmm_``), against the reference.
 
 On CPU the Triton kernels run under TRITON_INTERPRET=1 (set by conftest): PDL is then a no-op.
 """
@@ -65,30 +65,30 @@ def test_norm_kernel_copies_shared_exactly(m, l, d):
 
 
 @given(m=st.integers(1, 16), l=st.integers(1, 300), d=st.integers(1, 160),
-       dtype=st.sampled_from(list(DTYPES)), eps=st.sampled_from([1e-6, 1e-5]), static=st.booleans(),
-       gemm=st.sampled_from(GEMMS), pdl=st.booleans(), seed=st.integers(0, 2**16))
-@example(m=16, l=3584, d=64, dtype="bf16", eps=1e-5, static=False, gemm="op", pdl=False, seed=1)
-@example(m=4, l=256, d=40, dtype="bf16", eps=1e-5, static=True, gemm="op", pdl=False, seed=2)
-@example(m=16, l=3584, d=64, dtype="bf16", eps=1e-5, static=False, gemm="triton", pdl=True, seed=3)
-@example(m=16, l=3584, d=64, dtype="bf16", eps=1e-5, static=False, gemm="addmm", pdl=True, seed=4)
-def test_split_norm_then_gemm_matches_reference(m, l, d, dtype, eps, static, gemm, pdl, seed):
-    """Triton norm, then the up-projection with residual = shared: k3::skinny_gemm (its Triton kernel), the
-    Triton skinny kernel directly, or addmm; ``pdl`` (the norm's launch: a no-op off the GPU)."""
+       dtype=st.sampled_from(list(DTYPES)), eps=st.sampled_from([1e-6, 1e-5]), gemm=st.sampled_from(GEMMS),
+       pdl=st.booleans(), seed=st.integers(0, 2**16))
+@example(m=16, l=3584, d=64, dtype="bf16", eps=1e-5, gemm="pick", pdl=False, seed=1)
+@example(m=4, l=256, d=40, dtype="bf16", eps=1e-5, gemm="pick", pdl=False, seed=2)
+@example(m=16, l=3584, d=64, dtype="bf16", eps=1e-5, gemm="triton", pdl=True, seed=3)
+@example(m=16, l=3584, d=64, dtype="bf16", eps=1e-5, gemm="addmm", pdl=True, seed=4)
+def test_split_norm_then_gemm_matches_reference(m, l, d, dtype, eps, gemm, pdl, seed):
+    """Triton norm, then the up-projection with residual = shared: the skinny GEMM's pick (its Triton kernel here),
+    the Triton skinny kernel directly, or addmm; ``pdl`` (the norm's launch: a no-op off the GPU)."""
     dt = DTYPES[dtype]
     args = make_inputs(m, l, d, dt, seed)
-    out = latent_moe_tail_split(*args, eps, backend="triton", static_weight=static, config=SplitConfig(gemm, pdl))
+    out = latent_moe_tail_split(*args, eps, config=SplitConfig(gemm=gemm, pdl=pdl))
     # relative to the sum of the terms' magnitudes: shared may cancel the product (one output at D = 1)
     latent, shared, norm_weight, up_weight = (t.float() for t in args)
     scale = (kimi_rms_norm(latent, norm_weight, eps).abs() @ up_weight.abs().T + shared.abs()).norm()
     err = ((out.float() - truth(*args, eps)).norm() / scale).item()
-    assert err < TOL[dt], f"M{m}-L{l}-D{d}-{dtype}-eps{eps}-static{static}-{gemm}-pdl{pdl}: {err}"
+    assert err < TOL[dt], f"M{m}-L{l}-D{d}-{dtype}-eps{eps}-{gemm}-pdl{pdl}: {err}"
 
 
 def test_split_gemm_always_streams_the_weight_early(monkeypatch):
     """Inside the split path only the norm kernel can run when the GEMM starts: the GEMM gets
     static_weight=True whatever the caller proved (split.py's docstring); an empty latent launches no norm,
     so not there."""
-    from k3compile.ops.skinny_gemm import op as gemm_op
+    from k3compile.ops.skinny_gemm import dispatch as gemm_dispatch
     from k3compile.ops.skinny_gemm import triton as gemm_triton
 
     calls = []
@@ -98,27 +98,23 @@ def test_split_gemm_always_streams_the_weight_early(monkeypatch):
         return torch.zeros(a.shape[0], w.shape[0], dtype=a.dtype)
 
     monkeypatch.setattr(gemm_triton, "skinny_gemm_triton", spy)
-    monkeypatch.setattr(gemm_op.SKINNY_GEMM, "select", lambda *a, **k: spy)
+    monkeypatch.setattr(gemm_dispatch, "run_auto", spy)
     args = make_inputs(2, 32, 16, torch.float32, 0)
-    latent_moe_tail_split(*args, 1e-5, "triton", config=SplitConfig("triton", True))
-    latent_moe_tail_split(*args, 1e-5, "triton", config=SplitConfig("op"))
-    assert calls == [True, True]
+    latent_moe_tail_split(*args, 1e-5, config=SplitConfig(gemm="triton", pdl=True))
+    latent_moe_tail_split(*args, 1e-5, config=SplitConfig(gemm="pick"))
+    latent_moe_tail_split(*make_inputs(0, 32, 16, torch.float32, 0), 1e-5)
+    assert calls == [True, True, False]
 
 
-def test_split_config_table_is_for_gpus_only(monkeypatch):
-    from k3compile.ops.latent_moe_tail import split as tail_split
-
-    monkeypatch.setitem(tail_split.SPLIT_TUNED, ("bfloat16", 16, 7168, 3584), SplitConfig("addmm", True))
-    assert tail_split.split_config(9, 7168, 3584, torch.bfloat16) == SplitConfig("addmm", True)
-    assert tail_split.split_config(9, 7168, 3584, torch.bfloat16, on_gpu=False) == SplitConfig()
-    assert tail_split.split_config(4, 7168, 3584, torch.bfloat16) == SplitConfig()
+def test_split_config_rejects_unknown_gemm():
     with pytest.raises(ValueError, match="gemm must be one of"):
-        SplitConfig("cublas")
+        SplitConfig(gemm="cublas")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg,m", [(SplitConfig("op", True), 16), (SplitConfig("addmm", True), 16),
-                                   (SplitConfig("triton", True), 16), (SplitConfig("triton", True), 1)],
+@pytest.mark.parametrize("cfg,m", [(SplitConfig(gemm="pick", pdl=True), 16), (SplitConfig(gemm="addmm", pdl=True), 16),
+                                   (SplitConfig(gemm="triton", pdl=True), 16), (SplitConfig(gemm="triton", pdl=True),
+                                                                                1)],
                          ids=lambda v: v.tag() if isinstance(v, SplitConfig) else f"M{v}-L3584-D7168")
 def test_cuda_split_graph_replay(cfg, m):
     """The two-kernel path (PDL norm; the GEMM streams the weight under it), two calls back to back in one

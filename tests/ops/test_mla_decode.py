@@ -89,16 +89,18 @@ def case_id(B, T, H, dims, S, pos, dtype, start) -> str:
     B=st.integers(1, 3), T=st.integers(1, 3), H=st.integers(1, 6), dims=st.sampled_from(DIMS),
     S=st.integers(3, 80), where=st.floats(0, 1), padded=st.booleans(), data=st.data(),
     dtype=st.sampled_from(list(DTYPES)), block_s=st.sampled_from([16, 32]), min_tiles=st.sampled_from([1, 2, 4]),
-    seed=st.integers(0, 2**16),
+    fused=st.booleans(), seed=st.integers(0, 2**16),
 )
 @example(B=1, T=1, H=3, dims=DIMS[0], S=40, where=0.0, padded=False, data=None, dtype="bf16", block_s=16,
-         min_tiles=1, seed=0)                                                       # valid length 1
+         min_tiles=1, fused=True, seed=0)                                           # valid length 1
 @example(B=2, T=1, H=6, dims=DIMS[1], S=67, where=1.0, padded=False, data=None, dtype="bf16", block_s=16,
-         min_tiles=1, seed=1)                                                       # the full allocation
+         min_tiles=1, fused=False, seed=1)                                          # the full allocation
 @example(B=3, T=3, H=2, dims=DIMS[2], S=50, where=1.0, padded=True, data=None, dtype="fp32", block_s=16,
-         min_tiles=1, seed=2)                                                       # full, left-padded rows
-def test_triton_matches_reference_property(B, T, H, dims, S, where, padded, data, dtype, block_s, min_tiles, seed):
-    """Heads, batch, T, valid lengths from 1 to the allocation, per-row starts, split layouts."""
+         min_tiles=1, fused=True, seed=2)                                           # full, left-padded rows
+def test_triton_matches_reference_property(B, T, H, dims, S, where, padded, data, dtype, block_s, min_tiles, fused,
+                                           seed):
+    """Heads, batch, T, valid lengths from 1 to the allocation, per-row starts, split layouts, both read-backs
+    (the combine kernel and a per-head product, or both in one kernel)."""
     N, R, Vd, Lk = dims
     pos = round(where * (S - T))                                   # valid length pos + T: from T to S
     start = None
@@ -106,15 +108,37 @@ def test_triton_matches_reference_property(B, T, H, dims, S, where, padded, data
         starts = st.lists(st.integers(0, pos + T + 1), min_size=B, max_size=B)   # past pos: padding queries
         start = data.draw(starts) if data is not None else [b * 7 for b in range(B)]
     inputs = make_inputs(B, T, H, N, R, Vd, Lk, S, pos, DTYPES[dtype], start, seed)
-    check_kernel(inputs, TritonConfig(block_s=block_s, min_split_tiles=min_tiles))
+    check_kernel(inputs, TritonConfig(block_s=block_s, min_split_tiles=min_tiles, fused_readback=fused))
 
 
-@pytest.mark.parametrize("T,H,start", [(1, 6, None), (2, 12, [0, 23])], ids=["T1-H6", "T2-H12-start"])
-def test_triton_k3_widths_read_only_the_valid_prefix(T, H, start):
+@pytest.mark.parametrize("fused", [False, True], ids=["combine", "fused"])
+@pytest.mark.parametrize("B,T,start", [(1, 1, None), (3, 2, [0, 9, 30])], ids=["B1-T1", "B3-T2-start"])
+def test_combine_in_several_steps(B, T, start, fused):
+    """The combine's loops over splits, a few splits a step (on the GPU a step holds 32 or 8 of them): 24 splits of
+    16 keys, taken 2 at a time, rows of different lengths and starts."""
+    inputs = make_inputs(B, T, 5, *DIMS[1], S=400, pos=390 - T, dtype=torch.float32, start=start, seed=4)
+    with mock.patch.object(mla_triton, "COMBINE_TILE", 4), mock.patch.object(mla_triton, "FUSED_SPLITS", 2), \
+            mock.patch.object(mla_triton, "split_count", lambda *args: 24):
+        check_kernel(inputs, TritonConfig(block_s=16, min_split_tiles=1, fused_readback=fused))
+
+
+@pytest.mark.parametrize("T,H,start,fused", [(1, 6, None, False), (2, 12, [0, 23], False), (2, 6, [0, 23], True)],
+                         ids=["T1-H6", "T2-H12-start", "T2-H6-start-fused"])
+def test_triton_k3_widths_read_only_the_valid_prefix(T, H, start, fused):
     """K3's widths (N 128, R 64, Vd 128, Lk 512; 6 or 12 heads a rank): the rows outside [start_b, pos + T) are NaN,
-    the output is finite and equals the reference."""
+    the output is finite and equals the reference, with either read-back."""
     inputs = make_inputs(2, T, H, *K3_DIMS, S=96, pos=41, dtype=torch.bfloat16, start=start, seed=3)
-    check_kernel(inputs, TritonConfig(block_s=16, min_split_tiles=1))
+    check_kernel(inputs, TritonConfig(block_s=16, min_split_tiles=1, fused_readback=fused))
+
+
+@pytest.mark.parametrize("B,fused", [(1, True), (2, False)], ids=["B1-fused", "B2-combine"])
+def test_triton_grid_sized_for_an_h200(B, fused):
+    """The grids the host lays out for 132 SMs (on the interpreter, which counts none): as many splits as two
+    programs an SM allow, the per-head products narrowed to 16 or 32 output columns, the combine's tiles shaped by
+    the split count; K3's widths, left-padded rows."""
+    inputs = make_inputs(B, 1, 12, *K3_DIMS, S=160, pos=150, dtype=torch.bfloat16, start=[0, 40][:B], seed=5)
+    with mock.patch.object(mla_triton, "sm_count", lambda device: 132):
+        check_kernel(inputs, TritonConfig(block_s=16, min_split_tiles=1, fused_readback=fused))
 
 
 def test_query_before_its_row_start_sees_its_own_key():
@@ -232,15 +256,17 @@ from k3compile.ops.mla_decode import triton as mt
 from k3compile.ops.mla_decode.config import default_config, row_block
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+MEMORY = ("ld.global", "cp.async", "st.global", "atom.global", "red.global", "prefetch.global")
 
 
-def build(kernel, ptrs, consts, warps, stages):
+def build(kernel, ptrs, consts, warps, stages, div16=()):
     names = kernel.arg_names
     sig = {n: "constexpr" if n in consts else ptrs.get(n) or ("i64" if n.startswith("stride") else
            "fp32" if n == "qk_scale" else "i32") for n in names}
-    # what a launch specialises on: 16-byte aligned pointers and strides, unit last-dim strides
+    # what a launch specialises on: 16-byte aligned pointers and strides, unit last-dim strides, the integer
+    # arguments that are multiples of 16 at K3's widths (div16)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if n in ptrs or (n.startswith("stride") and n not in consts)}
+             if n in ptrs or (n.startswith("stride") and n not in consts) or n in div16}
     k = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
@@ -251,52 +277,74 @@ def build(kernel, ptrs, consts, warps, stages):
     lines = k.asm["ptx"].splitlines()
     wait = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
     trigger = [i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line]
-    memory = [i for i, line in enumerate(lines)
-              if any(op in line for op in ("ld.global", "cp.async", "st.global", "atom.global", "red.global"))]
+    # every global memory instruction before the wait, by its opcode ("ld.global.cg.b64", "prefetch.global.L2")
+    pre_wait = sorted({op for line in lines[:wait[0] if wait else 0] for op in line.replace(";", " ").split()
+                       if op.startswith(MEMORY)})
     return dict(ok=info.returncode == 0, spills=sum(spills), smem=k.metadata.shared,
                 async_copies=k.asm["ttgir"].count("async_copy_global_to_local"),
-                pdl_order=len(wait) == 1 and len(trigger) == 1 and wait[0] < trigger[0] and wait[0] < min(memory))
+                pdl_order=len(wait) == 1 and len(trigger) == 1 and wait[0] < trigger[0], pre_wait=pre_wait)
 
 
 bf16 = "*bf16"
 out = {}
 split_ptrs = dict(q_lat=bf16, q_pe=bf16, c_kv=bf16, k_pe=bf16, pos="*i64", start="*i64", o_part="*fp32",
                   m_part="*fp32", l_part="*fp32")
+parts = dict(o_part="*fp32", m_part="*fp32", l_part="*fp32", pos="*i64", start="*i64")
 for rows in json.loads(sys.argv[1]):      # T x H: 12 and 6 heads a rank at T = 1, 12 heads at T = 4
     cfg = default_config(rows)
     for has_start in (False, True):
-        consts = dict(LK=512, R=64, BM=row_block(rows), BL=512, BR=64, BS=cfg.block_s, MIN_TILES=cfg.min_split_tiles,
-                      HAS_START=has_start, UPCAST=False, PDL=True, stride_cl=1, stride_kr=1, stride_pr=1)
+        consts = dict(LK=512, R=64, BM=row_block(rows), BL=512, BR=64, BS=cfg.block_s,
+                      PREFETCH=cfg.prefetch_tiles * cfg.block_s, EARLY=True, HAS_START=has_start, UPCAST=False,
+                      PDL=True, stride_cl=1, stride_kr=1, stride_pr=1)
         out[f"split-rows{rows}-{'start' if has_start else 'nostart'}"] = build(
             mt._mla_split, split_ptrs, consts, cfg.num_warps, cfg.num_stages)
-cfg = default_config(1)
-out["combine"] = build(mt._mla_combine, dict(o_part="*fp32", m_part="*fp32", l_part="*fp32", pos="*i64",
-                                             start="*i64", o_lat=bf16),
-                       dict(LK=512, BSP=mt.SPLIT_TILE, BLC=mt.COMBINE_CHUNK, BS=cfg.block_s,
-                            MIN_TILES=cfg.min_split_tiles, HAS_START=True, PDL=True), 4, 1)
-for bm in (16, 64):
-    out[f"matmul-bm{bm}"] = build(mt._per_head_matmul, dict(x=bf16, w=bf16, y=bf16),
-                                  dict(BM=bm, BK=mt.MATMUL_BLOCK, BN=mt.MATMUL_BLOCK, UPCAST=False, PDL=True,
-                                       stride_xk=1), 4, 3)
+cfg = default_config(12)
+out["split-late"] = build(mt._mla_split, split_ptrs, dict(
+    LK=512, R=64, BM=16, BL=512, BR=64, BS=cfg.block_s, PREFETCH=0, EARLY=False, HAS_START=True, UPCAST=False,
+    PDL=True, stride_cl=1, stride_kr=1, stride_pr=1), cfg.num_warps, cfg.num_stages)
+for brw, bsp in ((1, mt.COMBINE_TILE), (mt.COMBINE_TILE // 4, 4)):     # B 1-8 (many splits), B 64 (4 splits)
+    out[f"combine-{brw}x{bsp}"] = build(mt._mla_combine, dict(parts, o_lat=bf16), dict(
+        LK=512, BRW=brw, BSP=bsp, BLC=mt.COMBINE_CHUNK, BS=cfg.block_s, EARLY=True, HAS_START=True, PDL=True), 4, 3)
+out["combine-readback"] = build(mt._mla_combine_readback, dict(parts, w_v=bf16, out=bf16), dict(
+    LK=512, BL=512, BN=mt.FUSED_VD, BSP=mt.FUSED_SPLITS, BS=cfg.block_s, EARLY=True, HAS_START=True, PDL=True,
+    stride_wl=1, stride_ov=1), 4, 2)
+for bm in (16, 64):   # the absorption (w_k [N, Lk] rows contiguous) and the read-back (w_v columns contiguous)
+    out[f"absorb-bm{bm}"] = build(mt._per_head_matmul, dict(x=bf16, w=bf16, y=bf16), dict(
+        BM=bm, BK=mt.MATMUL_BLOCK, BN=32, KP=128, UPCAST=False, PDL=True, PREFETCH=True, W_K_CONTIG=False,
+        stride_xk=1, stride_wn=1), 4, 3, div16=("K", "NOUT"))
+    out[f"readback-bm{bm}"] = build(mt._per_head_matmul, dict(x=bf16, w=bf16, y=bf16), dict(
+        BM=bm, BK=mt.MATMUL_BLOCK, BN=16, KP=512, UPCAST=False, PDL=True, PREFETCH=True, W_K_CONTIG=True,
+        stride_xk=1, stride_wk=1), 4, 3, div16=("K", "NOUT"))
 print(json.dumps(out))
 """
 
 
 def test_kernels_compile_for_sm90_without_spills():
-    """At K3's widths with the default layout, under PDL: ptxas accepts every kernel for sm_90a with no spill stores;
-    each waits (griddepcontrol.wait) before its first global memory access and lets the next kernel launch only after
-    that; the split kernel streams its cache tiles through cp.async (a load the pipeliner cannot take would stall
-    each tile)."""
+    """At K3's widths with the default layouts, under PDL: ptxas accepts every kernel for sm_90a with no spill stores;
+    each waits (griddepcontrol.wait) once and lets the next kernel launch only after that. Before the wait the first
+    kernel (the absorption, which may follow the kernel that wrote q_nope) only prefetches lines into L2; the later
+    ones also read the op's inputs, through L2 (``ld.global.cg``), and write nothing (no store, atomic or cp.async);
+    the split kernel without early reads touches no memory before it. The split kernel streams its cache tiles
+    through cp.async (a load the pipeliner cannot take would stall each tile), the combines their partials, the
+    per-head products their tiles."""
     from k3compile.testing import ptx_in_a_fresh_process
 
     pytest.importorskip("triton.backends.nvidia")
     report = ptx_in_a_fresh_process(_AOT_SCRIPT, [12, 6, 48])
-    assert len(report) == 9, report
+    assert len(report) == 14, report
     for name, r in report.items():
         assert r["ok"] and r["spills"] == 0 and r["pdl_order"], (name, r)
+        allowed = ("prefetch.global.L2",) if name.startswith("absorb") else ("prefetch.global.L2", "ld.global.cg.")
+        assert all(op.startswith(allowed) for op in r["pre_wait"]), (name, r)
         if name.startswith("split"):
             assert r["async_copies"] >= 2, (name, r)       # the c_kv and k_pe tiles
             assert r["smem"] <= 227 * 1024, (name, r)
+            assert ("prefetch.global.L2" in r["pre_wait"]) == (name != "split-late"), (name, r)
+            assert r["pre_wait"] == [] or name != "split-late", (name, r)
+        if name.startswith("combine"):
+            assert r["async_copies"] >= 3, (name, r)       # m, l and o partials, pipelined over the splits
+        if name.startswith(("absorb", "readback")):
+            assert r["async_copies"] >= 2, (name, r)       # x and w tiles, pipelined over K
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ from k3compile.model.moe import experts_dense, experts_gathered
 from k3compile.ops.moe_experts import MOE_EXPERTS, moe_experts
 from k3compile.ops.moe_experts import dispatch
 from k3compile.ops.moe_experts.reference import dequantize_mxfp4, moe_experts_ref
-from k3compile.ops.moe_experts.triton import MoeConfig, _mxfp4_tile, decode_form, moe_experts_triton
+from k3compile.ops.moe_experts.triton import MoeConfig, decode_form, moe_experts_triton
+from k3compile.ops.moe_experts.triton_tiles import _mxfp4_tile
 from k3compile.testing import moe_experts_inputs, rel_err
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -527,7 +528,7 @@ def test_gpu_id_outside_range_poisons_only_its_token():
 
 
 # ---------------------------------------------------------------------------------------------
-# the PTX lookup (triton.E2M1_BF16_PTX), emulated instruction by instruction
+# the PTX lookup (triton_tiles.E2M1_BF16_PTX), emulated instruction by instruction
 
 def _run_ptx(asm: str, regs: dict) -> dict:
     """Execute the straight-line PTX of ``asm`` (mov, and, or, shl, shr, mul.hi/lo, prmt, fma.rn.bf16x2) on ``regs``
@@ -577,7 +578,7 @@ def _run_ptx(asm: str, regs: dict) -> dict:
 @pytest.mark.parametrize("scale", [127, 120, 140, 0, 254], ids=lambda s: f"e8m0-{s}")
 def test_ptx_lookup_emulated_every_byte(scale):
     """Every code byte in every position of the 32-bit word, against the reference dequantisation."""
-    from k3compile.ops.moe_experts.triton import E2M1_BF16_PTX
+    from k3compile.ops.moe_experts.triton_tiles import E2M1_BF16_PTX
 
     g = torch.Generator().manual_seed(scale)
     sb = (0x40 if scale == 0 else scale << 7)                                # the bf16 scale, as _e8m0_bf16
@@ -601,7 +602,7 @@ def test_ptx_lookup_emulated_every_byte(scale):
 def test_ptx_bits_emulated_every_byte_pair(scale):
     """``E2M1_BF16_BITS_PTX`` (the weight rows form's conversion) on every code byte in either position of its two,
     bit for bit against the reference dequantisation (scale 255: NaN throughout, as the reference)."""
-    from k3compile.ops.moe_experts.triton import E2M1_BF16_BITS_PTX
+    from k3compile.ops.moe_experts.triton_tiles import E2M1_BF16_BITS_PTX
 
     g = torch.Generator().manual_seed(scale)
     sb = 0x40 if scale == 0 else 0x7FC0 if scale == 255 else scale << 7      # the bf16 scale, as _e8m0_bf16

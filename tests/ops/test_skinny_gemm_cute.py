@@ -1,8 +1,8 @@
-"""The CuTe DSL skinny GEMM against the reference.
+"""The CuTe DSL skinny GEMM (the mma.sync kernel, and the op's CuTe implementation) against the reference.
 
-CPU (CI): the module imports without cutlass, its predicates give reasons, the config heuristic is
-sane, and (when CuTe DSL is installed) one variant compiles for sm_90a. GPU (`-m gpu` on the H200):
-random shapes with NaN-poisoned outputs, bias/residual, fp16, CUDA-graph capture and replay.
+CPU (CI): the module imports without cutlass, its predicates give reasons, configurations are checked, and (when
+CuTe DSL is installed) variants compile for sm_90a. GPU (`-m gpu` on the H200): random shapes with NaN-poisoned
+outputs, bias/residual, fp16, CUDA-graph capture and replay.
 """
 import importlib.util
 import os
@@ -11,13 +11,20 @@ import pytest
 import torch
 from hypothesis import example, given, strategies as st
 
-from k3compile.ops.skinny_gemm import config as cfgmod
+from k3compile.backends import cute_can_run_on
+from k3compile.kernels.cute.configs import MmaConfig, WgmmaConfig
 from k3compile.ops.skinny_gemm import cute as kc
+from k3compile.ops.skinny_gemm import dispatch
 from k3compile.ops.skinny_gemm.reference import skinny_gemm_reference
 from k3compile.testing import check_chain_replays, rel_err
 
 HAS_CUTLASS = importlib.util.find_spec("cutlass") is not None
 needs_cutlass = pytest.mark.skipif(not HAS_CUTLASS, reason="CuTe DSL (nvidia-cutlass-dsl) not installed")
+
+
+def mma(row_groups, warps_n, warps_k, unroll, **options):
+    """An MmaConfig, its block's four dimensions first."""
+    return MmaConfig(row_groups=row_groups, warps_n=warps_n, warps_k=warps_k, unroll=unroll, **options)
 
 
 def tol(dtype):
@@ -26,20 +33,9 @@ def tol(dtype):
 
 # ---------------------------------------------------------------------------------------- CPU tests
 
-def test_module_imports_without_cutlass_at_import_time():
-    with open(kc.__file__) as f:
-        head = f.read().split("def _kernel_class")[0]
-    assert "import cutlass" not in head.replace("`import cutlass`", "")
-    from k3compile.ops.skinny_gemm import cute_compile, cute_ring
-    for mod in (cute_compile, cute_ring):
-        with open(mod.__file__) as f:
-            top_level = [ln for ln in f.read().splitlines() if ln.startswith(("import", "from"))]
-        assert not [ln for ln in top_level if "cutlass" in ln]
-
-
 def test_available_says_why_on_cpu_tensors():
     a, w = torch.randn(2, 64, dtype=torch.bfloat16), torch.randn(128, 64, dtype=torch.bfloat16)
-    why = kc.available(a, w)
+    why = cute_can_run_on(a, w)
     assert isinstance(why, str) and why
 
 
@@ -67,27 +63,14 @@ def test_supports_accepts_decode_shape():
     assert kc.supports(a, w, torch.randn(896, dtype=torch.bfloat16), torch.randn(4, 896, dtype=torch.bfloat16)) is None
 
 
-@given(m=st.integers(1, 16), n=st.integers(1, 40000), k=st.integers(1, 3000).map(lambda x: 8 * x))
-def test_heuristic_config_is_launchable(m, n, k):
-    c = cfgmod.choose(m, n, k)
-    assert c is not None
-    if isinstance(c, cfgmod.SkinnyConfig):
-        assert 32 <= c.threads <= cfgmod.MAX_THREADS
-        assert c.smem_bytes(m) <= 227 * 1024  # the H200's shared memory per block
-    else:  # a wgmma entry of the table
-        assert c.invalid() is None
-    for static in (False, True):  # the cuBLAS-or-CuTe decision must not depend on static_weight
-        assert (cfgmod.choose(m, n, k, static) is None) == (cfgmod.choose(m, n, k) is None)
-
-
 @needs_cutlass
 def test_compiles_for_sm90a_without_gpu(monkeypatch, tmp_path):
     monkeypatch.setenv("CUTE_DSL_ARCH", os.environ.get("CUTE_DSL_ARCH", "sm_90a"))
     monkeypatch.setenv("K3_CUTE_CACHE_DIR", str(tmp_path))
-    for cfg, static in [(cfgmod.SkinnyConfig(2, 1, 2, 2), False), (cfgmod.SkinnyConfig(1, 1, 4, 2, stages=3), False),
-                        (cfgmod.SkinnyConfig(1, 1, 4, 2, stages=3), True),
-                        (cfgmod.SkinnyConfig(1, 1, 4, 2, stages=4, split_k=4), False),
-                        (cfgmod.SkinnyConfig(1, 2, 4, 2, stages=3, a_ring=True, a_share=True, a_l1=True), False)]:
+    for cfg, static in [(mma(2, 1, 2, 2), False), (mma(1, 1, 4, 2, stages=3), False),
+                        (mma(1, 1, 4, 2, stages=3), True),
+                        (mma(1, 1, 4, 2, stages=4, split_k=4), False),
+                        (mma(1, 2, 4, 2, stages=3, a_ring=True, a_l1=True), False)]:
         assert kc.compile_kernel(torch.bfloat16, 3, cfg, True, True, static) is not None
     assert len([p for p in tmp_path.rglob("*.o")]) == 5  # the on-disk cache a second process loads
 
@@ -95,8 +78,7 @@ def test_compiles_for_sm90a_without_gpu(monkeypatch, tmp_path):
 _PTX_ORDER = """
 import glob, json, os, sys, torch
 from k3compile.ops.skinny_gemm import cute as kc
-from k3compile.ops.skinny_gemm.config import SkinnyConfig
-from k3compile.ops.skinny_gemm.cute_wgmma import WgmmaConfig
+from k3compile.kernels.cute.configs import MmaConfig, WgmmaConfig
 cfg, static = eval(sys.argv[1]), sys.argv[2] == "1"
 kc.compile_kernel(torch.bfloat16, 3, cfg, False, True, static)
 (ptx,) = glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx"))
@@ -106,10 +88,12 @@ print(json.dumps([ln.rstrip(";") for ln in lines if ln.startswith("griddepcontro
 
 
 @needs_cutlass
-@pytest.mark.parametrize("cfg", [cfgmod.SkinnyConfig(1, 1, 4, 2, stages=3, split_k=2, a_ring=True, trigger_first=True),
-                                 cfgmod.SkinnyConfig(1, 1, 4, 4, trigger_first=True),
-                                 cfgmod.WgmmaConfig(64, 64, 4, 2, True, True, trigger_first=True),
-                                 cfgmod.WgmmaConfig(64, 64, 4, 4, True, True, trigger_first=True, push_partials=True)],
+@pytest.mark.parametrize("cfg", [mma(1, 1, 4, 2, stages=3, split_k=2, a_ring=True, trigger_first=True),
+                                 mma(1, 1, 4, 4, trigger_first=True),
+                                 WgmmaConfig(block_n=64, block_k=64, stages=4, split_k=2, producer_warp=True,
+                                             evict_hints=True, trigger_first=True),
+                                 WgmmaConfig(block_n=64, block_k=64, stages=4, split_k=4, producer_warp=True,
+                                             evict_hints=True, trigger_first=True, push_partials=True)],
                          ids=lambda c: c.tag())
 @pytest.mark.parametrize("static_weight", [False, True], ids=["dynamic_w", "static_w"])
 def test_trigger_first_only_with_a_static_weight(tmp_path, cfg, static_weight):
@@ -139,101 +123,23 @@ def test_trigger_first_only_with_a_static_weight(tmp_path, cfg, static_weight):
                          ids=["split_k0", "split_k9", "stages0", "threads2048"])
 def test_config_rejects_unlaunchable(kwargs):
     with pytest.raises(ValueError):
-        cfgmod.SkinnyConfig(**kwargs)
+        MmaConfig(**kwargs)
 
 
 def test_config_tag_names_split_k():
-    assert cfgmod.SkinnyConfig(1, 1, 8, 2, stages=3, split_k=2).tag() == "rg1-wn1-wk8-u2-s3-c2"
-
-
-def test_config_a_share_tag_smem_and_rejects():
-    c = cfgmod.SkinnyConfig(1, 4, 2, 2, stages=4, a_ring=True, a_share=True)
-    assert c.tag() == "rg1-wn4-wk2-u2-s4-a-sh"
-    per_warp = cfgmod.SkinnyConfig(1, 4, 2, 2, stages=4, a_ring=True)
-    # A's rings: one per K slice (2) instead of one per warp (8); each 4 stages x 2 steps x 2 halves (M > 8) x 512 B
-    assert per_warp.smem_bytes(16) - c.smem_bytes(16) == (8 - 2) * 4 * 2 * 2 * 512
-    for bad in (dict(a_share=True), dict(stages=3, a_share=True), dict(warps_k=16, warps_n=1, stages=3, a_ring=True,
-                                                                        a_share=True, unroll=1)):
-        with pytest.raises(ValueError):
-            cfgmod.SkinnyConfig(**{"row_groups": 1, "warps_n": 2, "warps_k": 2, "unroll": 2, **bad})
+    assert mma(1, 1, 8, 2, stages=3, split_k=2).tag() == "rg1-wn1-wk8-u2-s3-c2"
 
 
 def test_config_tag_names_a_l1():
-    assert cfgmod.SkinnyConfig(1, 1, 8, 2, stages=3, a_ring=True, a_l1=True).tag() == "rg1-wn1-wk8-u2-s3-a-ca"
+    assert mma(1, 1, 8, 2, stages=3, a_ring=True, a_l1=True).tag() == "rg1-wn1-wk8-u2-s3-a-ca"
 
 
 def test_config_tag_names_pdl_options():
-    assert cfgmod.SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=112).tag() == "rg1-wn1-wk8-u2-s3-e-l112"
-    assert cfgmod.SkinnyConfig(1, 1, 8, 2, stages=3, trigger_first=True).tag() == "rg1-wn1-wk8-u2-s3-tf"
-    assert cfgmod.SkinnyConfig(1, 1, 4, 2, stages=8, a_ring=True).tag() == "rg1-wn1-wk4-u2-s8-a"
+    assert mma(1, 1, 8, 2, stages=3, early=True, l2_kb=112).tag() == "rg1-wn1-wk8-u2-s3-e-l112"
+    assert mma(1, 1, 8, 2, stages=3, trigger_first=True).tag() == "rg1-wn1-wk8-u2-s3-tf"
+    assert mma(1, 1, 4, 2, stages=8, a_ring=True).tag() == "rg1-wn1-wk4-u2-s8-a"
     with pytest.raises(ValueError):
-        cfgmod.SkinnyConfig(1, 1, 4, 4, a_ring=True)  # A rides the cp.async ring: needs one
-    assert cfgmod.SkinnyConfig(1, 1, 8, 2, stages=3, a_pipe=True).tag() == "rg1-wn1-wk8-u2-s3-p"
-    for bad in (dict(a_pipe=True), dict(stages=3, a_ring=True, a_pipe=True)):
-        with pytest.raises(ValueError):
-            cfgmod.SkinnyConfig(1, 1, 4, 4, **bad)  # a_pipe needs the ring and plain A loads
-
-
-@pytest.mark.parametrize("static_weight", [False, True], ids=["dynamic_w", "static_w"])
-@pytest.mark.parametrize("m,n,k", [(1, 896, 7168), (16, 4608, 7168), (4, 7168, 768), (3, 777, 1000)],
-                         ids=["M1-N896-K7168", "M16-N4608-K7168", "M4-N7168-K768", "M3-N777-K1000"])
-def test_choose_static_keeps_the_cublas_decision(m, n, k, static_weight):
-    """The op's dispatch decides cuBLAS vs CuTe without knowing static_weight: the tables must agree."""
-    assert (cfgmod.choose(m, n, k, static_weight) is None) == (cfgmod.choose(m, n, k) is None)
-
-
-# ------------------------------------------------------------ a table entry naming the wgmma kernel (CPU)
-
-def _wg_entry(monkeypatch, key, static_key=None):
-    """Put a WgmmaConfig into TABLE at key (and TABLE_STATIC at static_key); record compile_kernel calls to it."""
-    from k3compile.ops.skinny_gemm import cute_wgmma
-    wg = cute_wgmma.WgmmaConfig(64, 64, 8, 2)
-    monkeypatch.setitem(cfgmod.TABLE, key, wg)
-    if static_key is not None:
-        monkeypatch.setitem(cfgmod.TABLE_STATIC, static_key, wg)
-    calls = []
-
-    def fake_compile(dtype, m, cfg, has_bias, has_res, static_weight=False, norm_eps=None):
-        calls.append((m, cfg, has_bias, has_res, static_weight, norm_eps))
-        return lambda *args: None
-    monkeypatch.setattr(cute_wgmma, "compile_kernel", fake_compile)
-    return wg, calls
-
-
-def _fake_cuda(m, n, k, dtype=torch.bfloat16):
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    mode = FakeTensorMode()
-    with mode:
-        return mode, torch.empty(m, k, device="cuda", dtype=dtype), torch.empty(n, k, device="cuda", dtype=dtype)
-
-
-def test_wgmma_table_entry_is_launched_warmed_and_profitable(monkeypatch):
-    wg, calls = _wg_entry(monkeypatch, (16, 640, 1024))
-    assert cfgmod.choose(12, 640, 1024) is wg and cfgmod.choose(12, 640, 1024, True) is wg
-    mode, a, w = _fake_cuda(12, 640, 1024)
-    assert kc.profitable(a, w) is None
-    assert kc.pick(torch.empty(12, 1024, dtype=torch.bfloat16), torch.empty(640, 1024, dtype=torch.bfloat16)) is wg
-    with mode:
-        out = kc.skinny_gemm_cute(a, w, static_weight=True)
-    assert out.shape == (12, 640) and calls == [(12, wg, False, False, True, None)]
-    kc.warmup(torch.bfloat16, 12, 640, 1024, has_residual=True)
-    assert calls[-1] == (12, wg, False, True, False, None)
-
-
-def test_table_entries_are_buildable():
-    """Every configuration the tables name (either kernel) passes its own checks."""
-    for c in list(cfgmod.TABLE.values()) + list(cfgmod.TABLE_STATIC.values()):
-        if isinstance(c, cfgmod.SkinnyConfig):
-            assert c.smem_bytes(16) <= 227 * 1024
-        elif c is not None:
-            assert c.invalid() is None, c.tag()
-
-
-def test_wgmma_static_entry_keeps_the_cublas_decision(monkeypatch):
-    _wg_entry(monkeypatch, (16, 640, 1024), static_key=(16, 640, 1024))
-    monkeypatch.setitem(cfgmod.TABLE, (8, 640, 1024), None)
-    for static in (False, True):
-        assert cfgmod.choose(8, 640, 1024, static) is None
+        mma(1, 1, 4, 4, a_ring=True)  # A rides the cp.async ring: needs one
 
 
 # ---------------------------------------------------------------------------------------- GPU tests
@@ -243,10 +149,11 @@ def _run(m, n, k, dtype, bias, residual, cfg=None, static_weight=False):
     w = torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5
     b = torch.randn(n, device="cuda", dtype=dtype) if bias else None
     r = torch.randn(m, n, device="cuda", dtype=dtype) if residual else None
-    assert kc.available(a, w, b, r) is None
+    assert cute_can_run_on(a, w, b, r) is None
     assert kc.supports(a, w, b, r) is None
     out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
-    kc.skinny_gemm_cute(a, w, b, r, cfg=cfg, out=out, static_weight=static_weight)
+    cfg = cfg or dispatch.cute_config_for(dtype, m, n, k, static_weight, dispatch.gpu_of(a.device).table)
+    kc.skinny_gemm_cute(a, w, b, r, cfg, out=out, static_weight=static_weight)
     ref = skinny_gemm_reference(a.double(), w.double(), None if b is None else b.double(),
                                 None if r is None else r.double())
     assert not out.isnan().any(), "unwritten or NaN outputs"
@@ -265,27 +172,25 @@ def test_matches_reference_random_shapes(m, n, k, dtype, bias, residual):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [cfgmod.SkinnyConfig(1, 1, 1, 1), cfgmod.SkinnyConfig(4, 2, 2, 8),
-                                 cfgmod.SkinnyConfig(2, 4, 1, 2), cfgmod.SkinnyConfig(1, 1, 8, 4),
-                                 cfgmod.SkinnyConfig(1, 1, 8, 2, stages=4), cfgmod.SkinnyConfig(2, 2, 2, 1, stages=3),
-                                 cfgmod.SkinnyConfig(1, 1, 8, 2, stages=3, split_k=2),
-                                 cfgmod.SkinnyConfig(1, 1, 4, 4, split_k=4),
-                                 cfgmod.SkinnyConfig(2, 1, 2, 2, stages=4, split_k=8),
-                                 cfgmod.SkinnyConfig(1, 1, 4, 4, early=True, l2_kb=4),
-                                 cfgmod.SkinnyConfig(1, 1, 4, 2, stages=3, split_k=2, early=True, l2_kb=1000),
-                                 cfgmod.SkinnyConfig(2, 1, 4, 2, stages=4, early=True, a_ring=True),
-                                 cfgmod.SkinnyConfig(1, 1, 2, 2, stages=8, split_k=8, a_ring=True),
-                                 cfgmod.SkinnyConfig(2, 1, 2, 2, stages=5, split_k=7, early=True, a_ring=True),
-                                 cfgmod.SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16, a_pipe=True),
-                                 cfgmod.SkinnyConfig(2, 1, 4, 2, stages=3, split_k=3, a_pipe=True),
-                                 cfgmod.SkinnyConfig(1, 2, 4, 2, stages=3, a_ring=True, a_share=True),
-                                 cfgmod.SkinnyConfig(2, 4, 2, 1, stages=4, split_k=2, a_ring=True, a_share=True),
-                                 cfgmod.SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16, a_l1=True),
-                                 cfgmod.SkinnyConfig(1, 1, 4, 4, a_l1=True),
-                                 cfgmod.SkinnyConfig(2, 2, 2, 2, stages=4, split_k=2, a_ring=True, a_share=True, a_l1=True),
-                                 cfgmod.SkinnyConfig(1, 1, 8, 2, stages=3, l2_kb=16, trigger_first=True),
-                                 cfgmod.SkinnyConfig(2, 1, 4, 2, stages=4, split_k=4, early=True, a_ring=True,
-                                                     a_l1=True, trigger_first=True)],
+@pytest.mark.parametrize("cfg", [mma(1, 1, 1, 1),
+                                 mma(4, 2, 2, 8),
+                                 mma(2, 4, 1, 2),
+                                 mma(1, 1, 8, 4),
+                                 mma(1, 1, 8, 2, stages=4),
+                                 mma(2, 2, 2, 1, stages=3),
+                                 mma(1, 1, 8, 2, stages=3, split_k=2),
+                                 mma(1, 1, 4, 4, split_k=4),
+                                 mma(2, 1, 2, 2, stages=4, split_k=8),
+                                 mma(1, 1, 4, 4, early=True, l2_kb=4),
+                                 mma(1, 1, 4, 2, stages=3, split_k=2, early=True, l2_kb=1000),
+                                 mma(2, 1, 4, 2, stages=4, early=True, a_ring=True),
+                                 mma(1, 1, 2, 2, stages=8, split_k=8, a_ring=True),
+                                 mma(2, 1, 2, 2, stages=5, split_k=7, early=True, a_ring=True),
+                                 mma(1, 1, 8, 2, stages=3, l2_kb=16, a_l1=True),
+                                 mma(1, 1, 4, 4, a_l1=True),
+                                 mma(1, 1, 8, 2, stages=3, l2_kb=16, trigger_first=True),
+                                 mma(2, 1, 4, 2, stages=4, split_k=4, early=True, a_ring=True, a_l1=True,
+                                     trigger_first=True)],
                          ids=lambda c: c.tag())
 @pytest.mark.parametrize("m", [1, 8, 9, 16], ids=lambda m: f"M{m}")
 @pytest.mark.parametrize("static_weight", [False, True], ids=["dynamic_w", "static_w"])
@@ -301,14 +206,15 @@ def test_cuda_graph_capture_and_replay(m, n, k):
     a = torch.randn(m, k, device="cuda", dtype=dtype)
     w = torch.randn(n, k, device="cuda", dtype=dtype)
     r = torch.randn(m, n, device="cuda", dtype=dtype)
-    kc.warmup(dtype, m, n, k, has_residual=True)
-    kc.skinny_gemm_cute(a, w, None, r)  # first call outside capture
+    cfg = dispatch.cute_config_for(dtype, m, n, k, False, dispatch.gpu_of(a.device).table)
+    kc.warmup(dtype, m, cfg, has_residual=True)
+    kc.skinny_gemm_cute(a, w, None, r, cfg)  # first call outside capture
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         with torch.cuda.graph(g):
-            out = kc.skinny_gemm_cute(a, w, None, r)
+            out = kc.skinny_gemm_cute(a, w, None, r, cfg)
     torch.cuda.current_stream().wait_stream(s)
     for _ in range(3):  # fresh inputs each replay
         a.copy_(torch.randn_like(a))
@@ -323,15 +229,12 @@ def test_cuda_graph_capture_and_replay(m, n, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [cfgmod.SkinnyConfig(1, 1, 8, 2, stages=3, early=True, l2_kb=32),
-                                 cfgmod.SkinnyConfig(1, 1, 4, 4, early=True, l2_kb=16),
-                                 cfgmod.SkinnyConfig(1, 1, 4, 2, stages=4, split_k=2, early=True, l2_kb=16),
-                                 cfgmod.SkinnyConfig(1, 1, 4, 2, stages=8, split_k=4, early=True, a_ring=True),
-                                 cfgmod.SkinnyConfig(1, 1, 8, 2, stages=5, early=True, l2_kb=16, a_pipe=True),
-                                 cfgmod.SkinnyConfig(1, 4, 2, 2, stages=4, early=True, a_ring=True, a_share=True),
-                                 cfgmod.SkinnyConfig(1, 1, 8, 2, stages=4, a_ring=True, a_l1=True, trigger_first=True),
-                                 cfgmod.SkinnyConfig(2, 1, 4, 2, stages=4, split_k=4, early=True, a_ring=True,
-                                                     trigger_first=True)],
+@pytest.mark.parametrize("cfg", [mma(1, 1, 8, 2, stages=3, early=True, l2_kb=32),
+                                 mma(1, 1, 4, 4, early=True, l2_kb=16),
+                                 mma(1, 1, 4, 2, stages=4, split_k=2, early=True, l2_kb=16),
+                                 mma(1, 1, 4, 2, stages=8, split_k=4, early=True, a_ring=True),
+                                 mma(1, 1, 8, 2, stages=4, a_ring=True, a_l1=True, trigger_first=True),
+                                 mma(2, 1, 4, 2, stages=4, split_k=4, early=True, a_ring=True, trigger_first=True)],
                          ids=lambda c: c.tag())
 @pytest.mark.parametrize("static_weight", [False, True], ids=["dynamic_w", "static_w"])
 def test_chained_products_under_graph_replay(cfg, static_weight):
@@ -344,7 +247,7 @@ def test_chained_products_under_graph_replay(cfg, static_weight):
     def chain():
         h = x
         for w in ws:
-            h = kc.skinny_gemm_cute(h, w, cfg=cfg, static_weight=static_weight)
+            h = kc.skinny_gemm_cute(h, w, None, None, cfg, static_weight=static_weight)
         return h
 
     chain()  # compile outside capture
@@ -355,37 +258,7 @@ def test_chained_products_under_graph_replay(cfg, static_weight):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 9, 16], ids=lambda m: f"M{m}")
-@pytest.mark.parametrize("static_weight", [False, True], ids=["dynamic_w", "static_w"])
-def test_wgmma_table_entry_matches_reference(monkeypatch, m, static_weight):
-    """A TABLE entry naming the wgmma kernel runs it (the same arguments, bias and residual included)."""
-    from k3compile.ops.skinny_gemm import cute_wgmma
-    monkeypatch.setitem(cfgmod.TABLE, (cfgmod.m_bucket(m), 1000, 2056), cute_wgmma.WgmmaConfig(64, 64, 8, 2))
-    _run(m, 1000, 2056, torch.bfloat16, True, True, static_weight=static_weight)
-
-
-@pytest.mark.gpu
 def test_unsupported_k_reports_fallback():
     a = torch.randn(2, 1001, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(64, 1001, device="cuda", dtype=torch.bfloat16)
     assert "multiple of 8" in kc.supports(a, w)
-
-
-@pytest.mark.parametrize("m,n,k", sorted(cfgmod.TRITON_AHEAD), ids=lambda v: str(v))
-def test_triton_ahead_shapes_go_to_triton_not_cublas(m, n, k):
-    """Where the Triton kernel measured faster, the CuTe kernel declines with that reason, and the Triton
-    kernel takes the product (were it to decline too, the dispatch would land on cuBLAS, slower than both)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from k3compile.ops.skinny_gemm import triton as kt
-
-    with FakeTensorMode():  # CUDA tensors without a GPU: profitable() reads only device, dtype and shapes
-        a = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
-        w = torch.empty(n, k, device="cuda", dtype=torch.bfloat16)
-    assert cfgmod.choose(m, n, k) is not None   # CuTe is ahead of cuBLAS there...
-    assert "Triton kernel measured faster" in (kc.profitable(a, w) or "")   # ...but behind Triton
-    assert kt.profitable(a, w) is None
-    with FakeTensorMode():
-        a16 = torch.empty(m, k, device="cuda", dtype=torch.float16)
-        w16 = torch.empty(n, k, device="cuda", dtype=torch.float16)
-    assert kc.profitable(a16, w16) is None   # measured in bf16 only: fp16 keeps the table's choice

@@ -1,4 +1,4 @@
-"""The wgmma CuTe skinny GEMM (``cute_wgmma.py`` + ``cute_wgmma_kernel.py``) against the reference.
+"""The wgmma CuTe skinny GEMM (``k3compile/kernels/cute/wgmma.py``) against the reference.
 
 CPU (CI): the module imports without cutlass, its predicates give reasons, configurations are checked (tag,
 shared-memory budget, rejects), the table/heuristic give launchable configurations, and (when CuTe DSL is
@@ -13,21 +13,27 @@ import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
 
-from k3compile.ops.skinny_gemm import config as cfgmod, cute as kc, cute_wgmma as wg
+from k3compile.backends import cute_can_run_on
+from k3compile.kernels.cute import compile as cc, configs
+from k3compile.kernels.cute.configs import WgmmaConfig as C
+from k3compile.ops.skinny_gemm import cute as kc, cute_config, dispatch
 from k3compile.ops.skinny_gemm.reference import skinny_gemm_reference
 from k3compile.testing import check_chain_replays, rel_err
 
 HAS_CUTLASS = importlib.util.find_spec("cutlass") is not None
 needs_cutlass = pytest.mark.skipif(not HAS_CUTLASS, reason="CuTe DSL (nvidia-cutlass-dsl) not installed")
-C = wg.WgmmaConfig
+H200 = dispatch.table_for("NVIDIA H200")
 
 
 def table_picks(static_weight: bool) -> dict:
-    """The op's measured picks (config.py) that name this kernel, as the op sees them with or without a static
-    weight: {(M bucket, N, K): config}."""
-    keys = set(cfgmod.TABLE) | (set(cfgmod.TABLE_STATIC) if static_weight else set())
-    picks = {key: cfgmod.choose(*key, static_weight=static_weight) for key in keys}
-    return {key: cfg for key, cfg in picks.items() if isinstance(cfg, C)}
+    """The H200 table's bf16 picks that name this kernel: {(M bucket, N, K): config}."""
+    return {(m, n, k): p.configs["cute"] for (dt, m, n, k, st), p in H200.picks.items()
+            if dt == "bfloat16" and st == static_weight and isinstance(p.configs.get("cute"), C)}
+
+
+def op_config(m, n, k, static_weight=False):
+    """What the op runs on an H200 (its table, else the heuristic)."""
+    return dispatch.cute_config_for(torch.bfloat16, m, n, k, static_weight, H200)
 
 
 def tol(dtype):
@@ -36,22 +42,21 @@ def tol(dtype):
 
 # ---------------------------------------------------------------------------------------- CPU tests
 
-def test_modules_import_without_cutlass_at_import_time():
-    from k3compile.ops.skinny_gemm import cute_wgmma_kernel
-    for mod in (wg, cute_wgmma_kernel):
-        top = [ln for ln in open(mod.__file__).read().splitlines() if ln.startswith(("import", "from"))]
-        assert not [ln for ln in top if "cutlass" in ln], mod.__name__
-
-
 def test_config_tag_spells_every_field():
-    assert C(128, 64, 6, 3).tag() == "wg-n128-k64-s6-c3"
-    assert C(64, 64, 8, 1, True, True, True).tag() == "wg-n64-k64-s8-c1-pw-h-e"
-    assert C(64, 64, 8, 1, early_w=False).tag() == "wg-n64-k64-s8-c1-nw"
-    assert C(64, 64, 8, 1, True, mma_trigger=True).tag() == "wg-n64-k64-s8-c1-pw-tm"
-    assert C(64, 128, 6, 1, evict_hints=True, trigger_first=True).tag() == "wg-n64-k128-s6-c1-h-tf"
-    assert C(64, 128, 6, 8, True, True, push_partials=True).tag() == "wg-n64-k128-s6-c8-pw-h-pp"
-    assert C(64, 64, 7, 16, push_partials=True, owners=4).tag() == "wg-n64-k64-s7-c16-pp-o4"
-    assert C(64, 128, 4, 8, True, push_partials=True, reg_stages=3).tag() == "wg-n64-k128-s4-c8-pw-pp-r3"
+    assert C(block_n=128, block_k=64, stages=6, split_k=3).tag() == "wg-n128-k64-s6-c3"
+    assert C(block_n=64, block_k=64, stages=8, split_k=1, producer_warp=True, evict_hints=True,
+             early=True).tag() == "wg-n64-k64-s8-c1-pw-h-e"
+    assert C(block_n=64, block_k=64, stages=8, split_k=1, early_w=False).tag() == "wg-n64-k64-s8-c1-nw"
+    assert C(block_n=64, block_k=64, stages=8, split_k=1, producer_warp=True,
+             mma_trigger=True).tag() == "wg-n64-k64-s8-c1-pw-tm"
+    assert C(block_n=64, block_k=128, stages=6, split_k=1, evict_hints=True,
+             trigger_first=True).tag() == "wg-n64-k128-s6-c1-h-tf"
+    assert C(block_n=64, block_k=128, stages=6, split_k=8, producer_warp=True, evict_hints=True,
+             push_partials=True).tag() == "wg-n64-k128-s6-c8-pw-h-pp"
+    assert C(block_n=64, block_k=64, stages=7, split_k=16, push_partials=True,
+             owners=4).tag() == "wg-n64-k64-s7-c16-pp-o4"
+    assert C(block_n=64, block_k=128, stages=4, split_k=8, producer_warp=True, push_partials=True,
+             reg_stages=3).tag() == "wg-n64-k128-s4-c8-pw-pp-r3"
     variants = [(64, 64, 8, 1), (128, 64, 8, 1), (64, 128, 8, 1), (64, 64, 4, 1), (64, 64, 8, 2),
                 (64, 64, 8, 1, True), (64, 64, 8, 1, False, True), (64, 64, 8, 1, False, False, True),
                 (64, 64, 8, 1, False, False, False, True), (64, 64, 8, 1, False, False, False, False, False),
@@ -59,17 +64,21 @@ def test_config_tag_spells_every_field():
                 (64, 64, 8, 2, False, False, False, False, True, False, True),
                 (64, 64, 8, 2, False, False, False, False, True, False, True, 1),
                 (64, 64, 8, 2, True, False, False, False, True, False, True, 1, 2)]
-    assert len({C(*v).tag() for v in variants}) == len(variants)
+    fields = [f.name for f in dataclasses.fields(C)]
+    assert len({C(**dict(zip(fields, v))).tag() for v in variants}) == len(variants)
 
 
-@pytest.mark.parametrize("cfg,why", [(C(32), "block_n"), (C(64, 32), "block_k"), (C(stages=1), "stages"),
-                                     (C(split_k=17), "split_k"), (C(128, 128, 16), "shared memory"),
+@pytest.mark.parametrize("cfg,why", [(C(block_n=32), "block_n"), (C(block_n=64, block_k=32), "block_k"), (C(stages=1),
+                                                                                                          "stages"),
+                                     (C(split_k=17), "split_k"), (C(block_n=128, block_k=128, stages=16),
+                                                                  "shared memory"),
                                      (C(early=True, mma_trigger=True), "not both"),
                                      (C(split_k=1, push_partials=True), "split_k=1"),
                                      (C(split_k=4, owners=2), "owners=2"),
                                      (C(split_k=4, push_partials=True, owners=5), "owners=5"),
-                                     (C(64, 128, 4, 8, reg_stages=3), "producer warp"),
-                                     (C(64, 128, 4, 8, True, reg_stages=9), "reg_stages=9")],
+                                     (C(block_n=64, block_k=128, stages=4, split_k=8, reg_stages=3), "producer warp"),
+                                     (C(block_n=64, block_k=128, stages=4, split_k=8, producer_warp=True,
+                                        reg_stages=9), "reg_stages=9")],
                          ids=["n32", "k32", "s1", "c17", "smem", "early-and-mma-trigger", "push-without-split",
                               "owners-without-push", "more-owners-than-blocks", "reg-stages-without-producer-warp",
                               "reg-stages-9"])
@@ -78,23 +87,24 @@ def test_config_rejects_unlaunchable(cfg, why):
 
 
 def test_smem_budget_counts_ring_and_partial_tile():
-    c = C(64, 64, 8, 1)
+    c = C(block_n=64, block_k=64, stages=8, split_k=1)
     assert c.smem_bytes(16) == 1024 + 8 * (64 + 16) * 64 * 2 + 1024 + 64 * 17 * 4 + 1024
     assert c.smem_bytes(8) < c.smem_bytes(9) == c.smem_bytes(16)
     # push_partials: no partial tile (a 4-float stub), but the other blocks' fragments of our outputs,
     # [split_k, threads of an owner group (⌈128 / split_k⌉), block_n · M padded / 128] fp32
-    pushed, read = C(64, 64, 8, 8, True, push_partials=True), C(64, 64, 8, 8, True)
+    pushed, read = C(block_n=64, block_k=64, stages=8, split_k=8, producer_warp=True,
+                     push_partials=True), C(block_n=64, block_k=64, stages=8, split_k=8, producer_warp=True)
     assert pushed.smem_bytes(16) - read.smem_bytes(16) == (4 - 64 * 17 + 8 * 16 * 8) * 4
     assert pushed.smem_bytes(1) - read.smem_bytes(1) == (4 - 64 * 9 + 8 * 16 * 4) * 4
-    assert C(128, 64, 4, 3, push_partials=True).push_slots(16) == 3 * 43 * 16
-    assert C(64, 64, 7, 16, push_partials=True).push_slots(16) == 16 * 8 * 8
+    assert C(block_n=128, block_k=64, stages=4, split_k=3, push_partials=True).push_slots(16) == 3 * 43 * 16
+    assert C(block_n=64, block_k=64, stages=7, split_k=16, push_partials=True).push_slots(16) == 16 * 8 * 8
     # owners: R owner groups of ⌈128 / R⌉ threads; owners=split_k is the default's layout
-    assert C(64, 128, 7, 8, push_partials=True, owners=1).push_slots(16) == 8 * 128 * 8
-    every = C(64, 64, 7, 16, push_partials=True)
+    assert C(block_n=64, block_k=128, stages=7, split_k=8, push_partials=True, owners=1).push_slots(16) == 8 * 128 * 8
+    every = C(block_n=64, block_k=64, stages=7, split_k=16, push_partials=True)
     assert dataclasses.replace(every, owners=16).push_slots(8) == every.push_slots(8)
     # reg_stages: A leaves the ring for resident tiles of its own, one per tile of the share (stages + reg_stages),
     # each with its barrier
-    ring = C(64, 128, 4, 8, True, push_partials=True, owners=2)
+    ring = C(block_n=64, block_k=128, stages=4, split_k=8, producer_warp=True, push_partials=True, owners=2)
     reg = dataclasses.replace(ring, reg_stages=3)
     assert reg.a_tiles() == 7
     assert reg.smem_bytes(16) - ring.smem_bytes(16) == 7 * (16 * 128 * 2 + 8) - 4 * 16 * 128 * 2
@@ -110,7 +120,7 @@ def test_smem_budget_counts_ring_and_partial_tile():
 def test_share_fits_means_every_block_has_its_register_tiles_and_resident_a(bk, stages, reg, split, k):
     """share_fits(k) holds exactly when every block's K share (the kernel's split: k_lo = q·kt // KS) has at least
     reg_stages tiles (its register tiles are waited on) and at most a_tiles() (A's resident slots)."""
-    cfg = C(64, bk, stages, split, True, reg_stages=reg)
+    cfg = C(block_n=64, block_k=bk, stages=stages, split_k=split, producer_warp=True, reg_stages=reg)
     kt = -(-k // bk)
     counts = [(q + 1) * kt // split - q * kt // split for q in range(split)]
     want = reg == 0 or all(reg <= c <= stages + reg for c in counts)
@@ -123,7 +133,7 @@ def test_register_tile_heuristic_only_names_configs_that_fit_two_to_an_sm(m, n, 
     """Where it names a configuration: launchable, every block's share fits its register tiles and resident A,
     two blocks fit an SM's shared memory, at most 1.7 blocks an SM, three register tiles at most above M = 8 (four
     overflow a register sub-partition there), a weight of 4 MB or more."""
-    cfg = cfgmod.register_tile_heuristic(m, n, k)
+    cfg = cute_config.register_tile_heuristic(m, n, k)
     if cfg is None:
         return
     assert cfg.invalid() is None and cfg.share_fits(k) and cfg.reg_stages >= 1
@@ -133,11 +143,12 @@ def test_register_tile_heuristic_only_names_configs_that_fit_two_to_an_sm(m, n, 
 
 
 def test_register_tile_heuristic_gives_the_measured_forms():
-    """On the shapes the thirteenth session measured, the rule lands on (or next to) the measured picks."""
-    h = cfgmod.register_tile_heuristic
+    """On the shapes whose register-tile picks were measured (the H200 table's static rows), the rule lands on the
+    same division of the work."""
+    h = cute_config.register_tile_heuristic
     for key in [(16, 896, 7168), (8, 1536, 7168), (16, 1536, 7168), (1, 7168, 1536), (16, 7168, 1536),
                 (1, 2304, 1536), (16, 7168, 768)]:
-        pick = cfgmod.TABLE_STATIC[key]
+        pick = H200.get("bfloat16", *key, True).configs["cute"]
         got = h(*key)
         assert (got.block_k, got.stages, got.split_k, got.reg_stages) == \
             (pick.block_k, pick.stages, pick.split_k, pick.reg_stages), key
@@ -145,20 +156,14 @@ def test_register_tile_heuristic_gives_the_measured_forms():
     assert h(1, 512, 1024) is None        # 1 MB: not measured
 
 
-def test_choose_takes_register_tiles_for_unlisted_static_weights_only():
-    assert cfgmod.choose(1, 1024, 7168, static_weight=True) == cfgmod.register_tile_heuristic(1, 1024, 7168)
-    assert isinstance(cfgmod.choose(1, 1024, 7168), cfgmod.SkinnyConfig)      # not static: the mma.sync kernel
-    assert cfgmod.choose(1, 20480, 7168, static_weight=True) == cfgmod.TABLE[(1, 20480, 7168)]   # listed
-    assert cfgmod.choose(16, 20480, 7168, static_weight=True) is None         # cuBLAS stays cuBLAS
-    assert cfgmod.choose(16, 7168, 2048, static_weight=True) == cfgmod.heuristic(16, 7168, 2048)   # nothing fits
-
-
 def test_a_share_that_does_not_fit_is_refused_before_compiling():
     a, w = torch.randn(4, 7168, dtype=torch.bfloat16), torch.randn(896, 7168, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="share of K=7168"):   # 56 tiles over 8 blocks: 7 a block, 2 + 3 hold 5
-        kc.skinny_gemm_cute(a, w, cfg=C(64, 128, 2, 8, True, reg_stages=3), static_weight=True)
+        kc.skinny_gemm_cute(a, w, None, None, C(block_n=64, block_k=128, stages=2, split_k=8, producer_warp=True,
+                                                reg_stages=3), static_weight=True)
     with pytest.raises(ValueError, match="share of K=1024"):   # 8 tiles over 8 blocks: 1 a block, 2 register tiles
-        kc.skinny_gemm_cute(a[:, :1024], w[:, :1024], cfg=C(64, 128, 2, 8, True, reg_stages=2))
+        kc.skinny_gemm_cute(a[:, :1024], w[:, :1024], None, None, C(block_n=64, block_k=128, stages=2, split_k=8,
+                                                                    producer_warp=True, reg_stages=2))
 
 
 @settings(max_examples=60, deadline=None)
@@ -167,28 +172,19 @@ def test_push_slots_tile_the_receive_buffer_and_a_warps_stores_are_contiguous(bl
     """Every (rank, quarter, thread) 16-byte piece an owner group receives has its own place inside ``push_slots``,
     and one st.async of a warp (fixed rank and quarter, consecutive threads of a group) writes consecutive 16 bytes
     (the [rank, thread, fragment] layout wrote every other 16 bytes with 8-float fragments)."""
-    cfg = C(block_n, 128, 4, split_k, push_partials=True, owners=data.draw(st.integers(0, split_k), label="owners"))
-    owners, frag = cfg.push_owners(), block_n * wg.m_pad(m) // 128
+    cfg = C(block_n=block_n, block_k=128, stages=4, split_k=split_k, push_partials=True,
+            owners=data.draw(st.integers(0, split_k), label="owners"))
+    owners, frag = cfg.push_owners(), block_n * configs.m_pad(m) // 128
     group = -(-128 // owners)
     sizes = {((o + 1) * 128 + owners - 1) // owners - (o * 128 + owners - 1) // owners for o in range(owners)}
     assert max(sizes) == group   # the kernel's groups (thread t -> owner t·R // 128) are at most ⌈128 / R⌉ threads
-    offsets = [wg.push_slot(r, v, t, group, frag) for r in range(split_k) for v in range(frag // 4)
+    offsets = [configs.push_slot(r, v, t, group, frag) for r in range(split_k) for v in range(frag // 4)
                for t in range(group)]
     assert len(set(offsets)) == len(offsets)
     assert all(o % 4 == 0 and 0 <= o <= cfg.push_slots(m) - 4 for o in offsets)
     r, v = data.draw(st.integers(0, split_k - 1), label="rank"), data.draw(st.integers(0, frag // 4 - 1), label="v")
-    warp = [wg.push_slot(r, v, t, group, frag) for t in range(min(group, 32))]
+    warp = [configs.push_slot(r, v, t, group, frag) for t in range(min(group, 32))]
     assert warp == list(range(warp[0], warp[0] + 4 * len(warp), 4))
-
-
-@pytest.mark.parametrize("m,n,k", [(16, 7168, 3584), (8, 3584, 7168), (16, 4608, 7168), (8, 896, 7168),
-                                   (1, 100, 64), (16, 20480, 7168)],
-                         ids=["M16-N7168-K3584", "M8-N3584-K7168", "M16-N4608-K7168", "M8-N896-K7168",
-                              "M1-N100-K64", "M16-N20480-K7168"])
-def test_pick_gives_a_valid_config(m, n, k):
-    cfg = wg.pick(m, n, k)
-    assert cfg.invalid() is None
-    assert -(-k // cfg.block_k) >= cfg.split_k or k < cfg.block_k * cfg.split_k  # an empty split is still correct
 
 
 def test_table_entries_are_valid():
@@ -199,27 +195,18 @@ def test_table_entries_are_valid():
             assert n >= 1 and k % 8 == 0
 
 
-def test_pick_follows_the_op_table_else_the_heuristic(monkeypatch):
-    entry = C(128, 64, 10, 3, producer_warp=True)
-    monkeypatch.setitem(cfgmod.TABLE, (16, 512, 1024), entry)
-    assert wg.pick(12, 512, 1024) == entry and wg.pick(12, 512, 1024, static_weight=True) == entry
-    monkeypatch.setitem(cfgmod.TABLE_STATIC, (16, 512, 1024), C(64, 64, 8, 2))
-    assert wg.pick(12, 512, 1024, static_weight=True) == C(64, 64, 8, 2)
-    monkeypatch.setitem(cfgmod.TABLE, (16, 512, 1024), cfgmod.SkinnyConfig(1, 1, 8, 2))   # the mma.sync kernel's
-    assert wg.pick(12, 512, 1024) == wg.heuristic(12, 512, 1024)
-
-
 @needs_cutlass
 def test_compiles_for_sm90a_without_gpu(monkeypatch, tmp_path):
     if torch.cuda.is_available():
         pytest.skip("GPU present: the GPU tests compile for the real device")
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     monkeypatch.setenv("K3_CUTE_CACHE_DIR", str(tmp_path))
-    wg._source_fingerprint.cache_clear()
+    cc.fingerprint.cache_clear()
     try:
-        fn = wg.compile_kernel(torch.bfloat16, 12, C(64, 64, 4, 2, True, True), True, True, True)
+        fn = cc.compile_kernel(torch.bfloat16, 12, C(block_n=64, block_k=64, stages=4, split_k=2, producer_warp=True,
+                                                     evict_hints=True), True, True, True)
     finally:
-        wg._source_fingerprint.cache_clear()
+        cc.fingerprint.cache_clear()
     assert fn is not None
     assert any(p.suffix == ".o" for p in tmp_path.rglob("*"))
 
@@ -230,17 +217,17 @@ def test_compiles_for_sm90a_without_gpu(monkeypatch, tmp_path):
 def test_fused_tail_budget_fits_shared_memory(bn, bk, stages, split, m):
     """The fused tail's layout (ring of weight tiles, resident A tiles with their g and barriers) fits wherever the
     plain kernel's does, with room for at least one A tile, and never more than 64."""
-    c = C(bn, bk, stages, split)
+    c = C(block_n=bn, block_k=bk, stages=stages, split_k=split)
     if c.invalid() is not None:
         return
     assert 1 <= c.norm_a_tiles(m) <= 64
-    assert c.smem_bytes(m, norm=True) <= wg.SMEM_LIMIT
-    assert c.smem_bytes(m, norm=True) + c._norm_per_tile(m) > wg.SMEM_LIMIT or c.norm_a_tiles(m) == 64
+    assert c.smem_bytes(m, norm=True) <= configs.SMEM_LIMIT
+    assert c.smem_bytes(m, norm=True) + c._norm_per_tile(m) > configs.SMEM_LIMIT or c.norm_a_tiles(m) == 64
 
 
 def test_fused_tail_variant_name_spells_the_exact_eps():
     key = (torch.bfloat16, 4, C(), False, True, False)
-    plain, norm5, norm6 = (wg._variant_name(key + (e,)) for e in (None, 1e-5, 1e-6))
+    plain, norm5, norm6 = (cc.variant_name(key + (e,)) for e in (None, 1e-5, 1e-6))
     assert "_norm" not in plain and len({plain, norm5, norm6}) == 3
 
 
@@ -254,9 +241,9 @@ def _run(m, n, k, dtype, bias, residual, cfg=None, static_weight=False, out_shif
     w = torch.randn(n, k, device="cuda", dtype=dtype) * k ** -0.5
     b = torch.randn(n, device="cuda", dtype=dtype) if bias else None
     r = torch.randn(m, n, device="cuda", dtype=dtype) if residual else None
-    assert kc.available(a, w, b, r) is None and kc.supports(a, w, b, r) is None
+    assert cute_can_run_on(a, w, b, r) is None and kc.supports(a, w, b, r) is None
     out = torch.full((m * n + 8,), float("nan"), device="cuda", dtype=dtype)[out_shift:out_shift + m * n].view(m, n)
-    wg.skinny_gemm_wgmma(a, w, b, r, cfg=cfg, static_weight=static_weight, out=out)
+    kc.skinny_gemm_cute(a, w, b, r, cfg or op_config(m, n, k, static_weight), out=out, static_weight=static_weight)
     torch.cuda.synchronize()
     ref = skinny_gemm_reference(a.double(), w.double(), None if b is None else b.double(),
                                 None if r is None else r.double())
@@ -264,18 +251,31 @@ def _run(m, n, k, dtype, bias, residual, cfg=None, static_weight=False, out_shif
     assert e < tol(dtype), f"rel={e:.2e}"
 
 
-GPU_CONFIGS = [C(64, 64, 4, 1), C(64, 64, 8, 3), C(128, 64, 6, 2), C(64, 128, 4, 4), C(128, 128, 3, 1),
-               C(64, 64, 4, 1, True), C(128, 64, 6, 3, True, True, True), C(64, 64, 6, 2, True, mma_trigger=True),
-               C(64, 128, 6, 1, evict_hints=True, trigger_first=True), C(64, 64, 6, 3, True, True, trigger_first=True),
-               C(64, 64, 6, 3, True, True, push_partials=True), C(128, 64, 4, 2, push_partials=True),
-               C(64, 128, 4, 8, True, True, trigger_first=True, push_partials=True),
-               C(64, 64, 3, 16, True, True, trigger_first=True, push_partials=True, owners=4),
-               C(64, 64, 6, 3, True, True, push_partials=True, owners=1),
+GPU_CONFIGS = [C(block_n=64, block_k=64, stages=4, split_k=1),
+               C(block_n=64, block_k=64, stages=8, split_k=3),
+               C(block_n=128, block_k=64, stages=6, split_k=2),
+               C(block_n=64, block_k=128, stages=4, split_k=4),
+               C(block_n=128, block_k=128, stages=3, split_k=1),
+               C(block_n=64, block_k=64, stages=4, split_k=1, producer_warp=True),
+               C(block_n=128, block_k=64, stages=6, split_k=3, producer_warp=True, evict_hints=True, early=True),
+               C(block_n=64, block_k=64, stages=6, split_k=2, producer_warp=True, mma_trigger=True),
+               C(block_n=64, block_k=128, stages=6, split_k=1, evict_hints=True, trigger_first=True),
+               C(block_n=64, block_k=64, stages=6, split_k=3, producer_warp=True, evict_hints=True, trigger_first=True),
+               C(block_n=64, block_k=64, stages=6, split_k=3, producer_warp=True, evict_hints=True, push_partials=True),
+               C(block_n=128, block_k=64, stages=4, split_k=2, push_partials=True),
+               C(block_n=64, block_k=128, stages=4, split_k=8, producer_warp=True, evict_hints=True, trigger_first=True,
+                 push_partials=True),
+               C(block_n=64, block_k=64, stages=3, split_k=16, producer_warp=True, evict_hints=True, trigger_first=True,
+                 push_partials=True, owners=4),
+               C(block_n=64, block_k=64, stages=6, split_k=3, producer_warp=True, evict_hints=True, push_partials=True,
+                 owners=1),
                # register tiles: K 2056 gives shares of 2-3 tiles of 128 (a block with no ring MMAs, and one with)
                # and of 4-5 tiles of 64; block_n 128 (two m64 tiles) with the partial tiles read, not pushed
-               C(64, 128, 2, 8, True, True, trigger_first=True, push_partials=True, owners=2, reg_stages=2),
-               C(64, 64, 3, 8, True, True, push_partials=True, reg_stages=2),
-               C(128, 64, 3, 8, True, True, reg_stages=2)]
+               C(block_n=64, block_k=128, stages=2, split_k=8, producer_warp=True, evict_hints=True, trigger_first=True,
+                 push_partials=True, owners=2, reg_stages=2),
+               C(block_n=64, block_k=64, stages=3, split_k=8, producer_warp=True, evict_hints=True, push_partials=True,
+                 reg_stages=2),
+               C(block_n=128, block_k=64, stages=3, split_k=8, producer_warp=True, evict_hints=True, reg_stages=2)]
 
 
 @pytest.mark.gpu
@@ -288,9 +288,11 @@ def test_every_config_matches_reference(cfg, m, static_weight):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [C(128, 64, 4, 2, push_partials=True),
-                                 C(64, 64, 3, 16, True, True, trigger_first=True, push_partials=True, owners=4),
-                                 C(64, 64, 6, 3, True, True, push_partials=True, owners=1)], ids=lambda c: c.tag())
+@pytest.mark.parametrize("cfg", [C(block_n=128, block_k=64, stages=4, split_k=2, push_partials=True),
+                                 C(block_n=64, block_k=64, stages=3, split_k=16, producer_warp=True, evict_hints=True,
+                                   trigger_first=True, push_partials=True, owners=4),
+                                 C(block_n=64, block_k=64, stages=6, split_k=3, producer_warp=True, evict_hints=True,
+                                   push_partials=True, owners=1)], ids=lambda c: c.tag())
 @pytest.mark.parametrize("n,out_shift", [(1000, 0), (1000, 1), (1003, 0)], ids=["N1000", "N1000-C+2B", "N1003"])
 @pytest.mark.parametrize("m", [5, 16], ids=lambda m: f"M{m}")
 def test_owner_stores_any_c_alignment(cfg, n, out_shift, m):
@@ -305,10 +307,11 @@ def test_owner_stores_any_c_alignment(cfg, n, out_shift, m):
                          ids=["plain", "bias", "res", "bias-res"])
 @pytest.mark.parametrize("m", [8, 16], ids=lambda m: f"M{m}")
 def test_dtypes_and_epilogues(dtype, bias, residual, m):
-    _run(m, 300, 520, dtype, bias, residual, cfg=C(64, 64, 4, 2))
+    _run(m, 300, 520, dtype, bias, residual, cfg=C(block_n=64, block_k=64, stages=4, split_k=2))
 
 
-REGISTER_TILES = C(64, 128, 2, 8, True, True, trigger_first=True, push_partials=True, owners=2, reg_stages=2)
+REGISTER_TILES = C(block_n=64, block_k=128, stages=2, split_k=8, producer_warp=True, evict_hints=True,
+                   trigger_first=True, push_partials=True, owners=2, reg_stages=2)
 
 
 @pytest.mark.gpu
@@ -325,7 +328,7 @@ def test_register_tiles_in_either_dtype(dtype, m):
 @example(n=7168, k=3584, residual=True)
 @example(n=896, k=7168, residual=False)
 def test_random_shapes_table_config(n, k, residual):
-    _run(16, n, k, torch.bfloat16, False, residual, cfg=C(64, 64, 8, 3))
+    _run(16, n, k, torch.bfloat16, False, residual, cfg=C(block_n=64, block_k=64, stages=8, split_k=3))
 
 
 UNLISTED = [(1024, 7168), (384, 7168), (3000, 1000)]   # 3000x1000: a partial row tile and a partial K tile of 64
@@ -336,8 +339,8 @@ UNLISTED = [(1024, 7168), (384, 7168), (3000, 1000)]   # 3000x1000: a partial ro
 @pytest.mark.parametrize("m", [1, 9, 16], ids=lambda m: f"M{m}")
 def test_unlisted_static_shapes_take_register_tiles(n, k, m):
     """Shapes no table lists, with a static weight: the register-tile heuristic's configuration, end to end."""
-    cfg = wg.pick(m, n, k, static_weight=True)
-    assert cfg.reg_stages and cfg == cfgmod.register_tile_heuristic(m, n, k)
+    cfg = op_config(m, n, k, static_weight=True)
+    assert cfg.reg_stages and cfg == cute_config.register_tile_heuristic(m, n, k)
     _run(m, n, k, torch.bfloat16, True, True, static_weight=True)
 
 
@@ -348,23 +351,28 @@ def test_decode_shapes_chosen_config(m, n, k):
     _run(m, n, k, torch.bfloat16, False, True)
 
 
-CHAINED_CONFIGS = [C(64, 64, 8, 2), C(64, 128, 6, 2, True, True, trigger_first=True),
-                   C(64, 128, 4, 8, True, True, trigger_first=True, push_partials=True),
-                   C(64, 64, 2, 16, True, True, trigger_first=True, push_partials=True, owners=2),
-                   C(64, 128, 2, 8, True, True, trigger_first=True, push_partials=True, owners=4, reg_stages=1)]
+CHAINED_CONFIGS = [C(block_n=64, block_k=64, stages=8, split_k=2),
+                   C(block_n=64, block_k=128, stages=6, split_k=2, producer_warp=True, evict_hints=True,
+                     trigger_first=True),
+                   C(block_n=64, block_k=128, stages=4, split_k=8, producer_warp=True, evict_hints=True,
+                     trigger_first=True, push_partials=True),
+                   C(block_n=64, block_k=64, stages=2, split_k=16, producer_warp=True, evict_hints=True,
+                     trigger_first=True, push_partials=True, owners=2),
+                   C(block_n=64, block_k=128, stages=2, split_k=8, producer_warp=True, evict_hints=True,
+                     trigger_first=True, push_partials=True, owners=4, reg_stages=1)]
 
 
 def compiled_variants():
-    """Every (dtype, M, config, bias?, residual?, static?) the GPU tests run: precompiled on the CPU host for
-    sm_90a (.scratch/wg6/precompile.py) so the GPU run loads them instead of compiling."""
+    """Every (dtype, M, config, bias?, residual?, static?) the GPU tests run, so that a CPU host can compile them
+    for sm_90a into the disk cache the GPU run then loads (``CUTE_DSL_ARCH=sm_90a``, ``K3_CUTE_CACHE_DIR``)."""
     bf, out = torch.bfloat16, []
     out += [(bf, m, c, True, True, st) for c in GPU_CONFIGS for m in (1, 5, 8, 12, 16) for st in (False, True)]
-    out += [(dt, m, C(64, 64, 4, 2), b, r, False) for dt in (bf, torch.float16)
+    out += [(dt, m, C(block_n=64, block_k=64, stages=4, split_k=2), b, r, False) for dt in (bf, torch.float16)
             for b, r in ((False, False), (True, False), (False, True), (True, True)) for m in (8, 16)]
-    out += [(bf, 16, C(64, 64, 8, 3), False, r, False) for r in (False, True)]
+    out += [(bf, 16, C(block_n=64, block_k=64, stages=8, split_k=3), False, r, False) for r in (False, True)]
     out += [(dt, m, REGISTER_TILES, True, True, True) for dt in (bf, torch.float16) for m in (5, 16)]
-    out += [(bf, m, wg.pick(m, n, k, True), True, True, True) for n, k in UNLISTED for m in (1, 9, 16)]
-    out += [(bf, m, wg.pick(m, n, k), False, True, False)
+    out += [(bf, m, op_config(m, n, k, True), True, True, True) for n, k in UNLISTED for m in (1, 9, 16)]
+    out += [(bf, m, op_config(m, n, k), False, True, False)
             for m, n, k in [(16, 7168, 3584), (8, 3584, 7168), (16, 896, 7168), (12, 4608, 7168)]]
     out += [(bf, 16, c, False, False, st) for c in CHAINED_CONFIGS for st in (False, True)]
     out += [(bf, mb, cfg, False, True, st) for st in (False, True) for (mb, n, k), cfg in table_picks(st).items()]
@@ -388,12 +396,12 @@ def test_cuda_graph_chained_products(cfg, static_weight):
     dtype, m, d = torch.bfloat16, 16, 2048
     ws = [torch.randn(d, d, device="cuda", dtype=dtype) * d ** -0.5 for _ in range(3)]
     x = torch.randn(m, d, device="cuda", dtype=dtype)
-    wg.warmup(dtype, m, d, d, cfg=cfg, static_weight=static_weight)
+    kc.warmup(dtype, m, cfg, static_weight=static_weight)
 
     def chain():
         h = x
         for w in ws:
-            h = wg.skinny_gemm_wgmma(h, w, cfg=cfg, static_weight=static_weight)
+            h = kc.skinny_gemm_cute(h, w, None, None, cfg, static_weight=static_weight)
         return h
 
     chain()

@@ -8,15 +8,14 @@
 """
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from k3compile.ops.latent_moe_tail import op as tail_op
-from k3compile.ops.skinny_gemm import op as gemm_op
+from k3compile.ops.latent_moe_tail import dispatch as tail_dispatch
+from k3compile.ops.latent_moe_tail import triton as tail_triton
+from k3compile.ops.skinny_gemm import dispatch as gemm_dispatch
 from k3compile.ops.skinny_gemm import triton as gemm_triton
 from k3compile.testing import rel_err
 
@@ -69,47 +68,33 @@ def test_skinny_gemm_keyword_reaches_triton_only_when_proven(monkeypatch):
 
 def test_skinny_gemm_cute_receives_the_keyword(monkeypatch):
     calls = []
-    cute = types.SimpleNamespace(skinny_gemm_cute=_spy(calls, lambda a, w, b, r: a @ w.T))
-    monkeypatch.setattr(gemm_op, "_cute", lambda: cute)
+    monkeypatch.setattr(gemm_dispatch.cute, "skinny_gemm_cute", _spy(calls, lambda a, w, b, r, cfg: a @ w.T))
     a, w = torch.randn(2, 16), torch.randn(8, 16)
-    gemm_op._cute_fn(a, w, None, None, static_weight=True)
-    gemm_op._cute_fn(a, w, None, None)
+    gemm_dispatch._cute(a, w, None, None, static_weight=True)
+    gemm_dispatch._cute(a, w, None, None)
     assert calls == [True, False]
 
 
 def test_tail_keyword_reaches_its_kernels(monkeypatch):
+    """The one-kernel forms get the caller's keyword; the split path streams its weight early whatever it is
+    (test_latent_moe_tail_split.py)."""
     calls = []
-    tail = lambda lat, sh, g, w, eps: lat @ w.T + sh  # noqa: E731
-    monkeypatch.setattr(tail_op, "latent_moe_tail_triton", _spy(calls, tail))
-    monkeypatch.setattr(tail_op, "_cute", lambda: types.SimpleNamespace(latent_moe_tail_cute=_spy(calls, tail)))
+    tail = lambda lat, sh, g, w, eps, cfg: lat @ w.T + sh  # noqa: E731
+    monkeypatch.setattr(tail_triton, "latent_moe_tail_triton", _spy(calls, tail))
+    monkeypatch.setattr(tail_dispatch.cute, "latent_moe_tail_cute", _spy(calls, tail))
     lat, sh, g, w = torch.randn(2, 16), torch.randn(2, 8), torch.ones(16), torch.randn(8, 16)
-    args = (lat, sh, g, w, 1e-5, "auto", 16, "key")
-    tail_op._fused(lat, sh, g, w, 1e-5, "auto", 16, True)
-    tail_op._tail_cute(*args, static_weight=True)
-    tail_op._tail_cute(*args)
+    tail_dispatch._triton(lat, sh, g, w, 1e-5, 16, static_weight=True)
+    tail_dispatch._cute(lat, sh, g, w, 1e-5, 16, static_weight=True)
+    tail_dispatch._cute(lat, sh, g, w, 1e-5, 16)
     assert calls == [True, True, False]
-
-
-def test_tail_split_gets_the_keyword(monkeypatch):
-    calls = []
-
-    def split(lat, sh, g, w, eps, backend, m_limit, static_weight=False):
-        calls.append(static_weight)
-        return lat @ w.T + sh
-
-    monkeypatch.setattr(tail_op, "latent_moe_tail_split", split)
-    lat, sh, g, w = torch.randn(2, 16), torch.randn(2, 8), torch.ones(16), torch.randn(8, 16)
-    tail_op._split(lat, sh, g, w, 1e-5, "auto", 16, True)
-    tail_op._split(lat, sh, g, w, 1e-5, "auto", 16, False)
-    assert calls == [True, False]
 
 
 def test_choice_key_does_not_change():
     a, w = torch.randn(3, 40), torch.randn(24, 40)
-    before = {c.key for c in gemm_op.SKINNY_GEMM.choices()}
+    before = {c.key for c in gemm_dispatch.SKINNY_GEMM.choices()}
     GEMM(a, w, None, None, "reference", 16)
     GEMM(a, w, None, None, "reference", 16, True)
-    new = [c for c in gemm_op.SKINNY_GEMM.choices() if c.key not in before]
+    new = [c for c in gemm_dispatch.SKINNY_GEMM.choices() if c.key not in before]
     assert len(new) == 1 and new[0].calls == 2
 
 

@@ -1,20 +1,11 @@
-"""The latent-MoE tail rewrite: fires exactly where the math is the tail's, and equals eager.
+"""The latent-MoE tail rewrite at graph level: fires exactly where the math is the tail's, and equals eager.
 
-Three levels, cheapest first:
-- graph level: a function traced to ATen with fake tensors (as Inductor's post-grad graph looks),
-  our pass applied, the rewritten graph run on real tensors. Collectives are traced by name with
-  no process group (their fake kernels need none), so the tensor-parallel form is checked here too.
-- Inductor: a small tail module and the micro K3 compiled with only this pass, caches off.
-- two gloo processes: the micro K3 with TP=2, the all-reduces counted in the graph after our pass.
+A function traced to ATen with fake tensors (as Inductor's post-grad graph looks), our pass applied
+(tests/conftest.py's PassHarness), the rewritten graph run on real tensors. Collectives are traced by name with no
+process group (their fake kernels need none), so the tensor-parallel form is checked here too. Through Inductor,
+the micro K3 and two gloo processes: test_latent_moe_tail_compiled.py.
 """
 from __future__ import annotations
-
-import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +18,8 @@ from torch._inductor.virtualized import V
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import k3compile.ops.latent_moe_tail  # noqa: F401  (registers k3::latent_moe_tail)
-from k3compile.passes import COMPILE_RECORD, STATIC_WEIGHT_FACT, K3Options, K3PostGradPass
+from k3compile.passes import STATIC_WEIGHT_FACT, K3Options
+from k3compile.testing import rel_err
 
 NAME = "latent_moe_tail"
 c10d = torch.ops._c10d_functional
@@ -37,12 +29,6 @@ MERGED_AR = torch.ops.k3.all_reduce_.default   # the merged all-reduce: in place
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # bf16 vs the model's own bf16 sequence: both round; the interpreter truncates (see tests/ops)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
-
-
-def rel_err(out, ref) -> float:
-    assert not out.isnan().any()
-    ref = ref.double()
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def count(graph, target) -> int:
@@ -63,22 +49,20 @@ def rms(x, w, eps):
 LAST_FACTS = {}
 
 
-def rewrite(fn, args, small_m_limit=16):
-    """Trace ``fn`` to a post-grad-like ATen graph on fake tensors, apply our pass; (module, matches).
-    The facts our module read from the graph before rewriting land in ``LAST_FACTS``."""
-    gm = make_fx(lambda *a: fn(*a), select_decomp_table(), tracing_mode="fake")(*args)
-    view_to_reshape(gm)
-    gm.graph.eliminate_dead_code()
-    fake_mode = detect_fake_mode([n.meta["val"] for n in gm.graph.nodes if "val" in n.meta])
-    COMPILE_RECORD.take()
-    with V.set_fake_mode(fake_mode):
-        K3PostGradPass(K3Options(passes=(NAME,), small_m_limit=small_m_limit))(gm.graph)
-    gm.recompile()
-    (record,) = COMPILE_RECORD.take()
-    LAST_FACTS.clear()
-    # the pattern's own facts (the pass manager adds its static-weight proof's under STATIC_WEIGHT_FACT)
-    LAST_FACTS.update({k: v for k, v in record.facts.items() if k != STATIC_WEIGHT_FACT})
-    return gm, record.matches[NAME]
+@pytest.fixture
+def rewrite(pass_harness):
+    """``rewrite(fn, args, small_m_limit=16)``: ``fn`` traced to a post-grad-like ATen graph on fake tensors, our pass
+    applied (tests/conftest.py's PassHarness); (module, matches). The facts our module read from the graph before
+    rewriting land in ``LAST_FACTS``."""
+    def run(fn, args, small_m_limit=16):
+        harness = pass_harness(passes=(NAME,), small_m_limit=small_m_limit)
+        gm = harness.rewrite(fn, *args)
+        (graph,) = harness.graphs
+        LAST_FACTS.clear()
+        # the pattern's own facts (the pass manager adds its static-weight proof's under STATIC_WEIGHT_FACT)
+        LAST_FACTS.update({k: v for k, v in graph["record"].facts.items() if k != STATIC_WEIGHT_FACT})
+        return gm, harness.matches(NAME)
+    return run
 
 
 def tail_inputs(m, l, d, dtype, seed=0):
@@ -116,7 +100,7 @@ SPELLINGS = {f.__name__: f for f in (tail_add_right, tail_add_left, tail_addmm, 
        seed=st.integers(0, 2**16))
 @example(m=4, l=64, d=128, dtype="bf16", eps=1e-5, spelling="tail_add_right", seed=0)   # micro K3 widths
 @example(m=16, l=33, d=17, dtype="fp16", eps=1e-6, spelling="tail_shared_product", seed=1)
-def test_rewritten_graph_equals_eager(m, l, d, dtype, eps, spelling, seed):
+def test_rewritten_graph_equals_eager(m, l, d, dtype, eps, spelling, seed, rewrite):
     fn = SPELLINGS[spelling]
     args = tail_inputs(m, l, d, DTYPES[dtype], seed)
     gm, matches = rewrite(lambda y, s, g, w: fn(y, s, g, w, eps), args)
@@ -165,7 +149,7 @@ NEAR_MISS_CASES = [(case, dtype) for case in sorted(NEAR_MISSES) for dtype in ("
 
 
 @pytest.mark.parametrize("case,dtype", NEAR_MISS_CASES, ids=[f"{c}-{d}" for c, d in NEAR_MISS_CASES])
-def test_does_not_fire_where_math_differs(case, dtype):
+def test_does_not_fire_where_math_differs(case, dtype, rewrite):
     fn = NEAR_MISSES[case]
     args = tail_inputs(4, 24, 16, DTYPES[dtype])
     gm, matches = rewrite(fn, args)
@@ -175,7 +159,7 @@ def test_does_not_fire_where_math_differs(case, dtype):
 
 @pytest.mark.parametrize("m,limit,fires", [(16, 16, True), (17, 16, False), (8, 4, False), (4, 4, True)],
                          ids=["M16-lim16", "M17-lim16", "M8-lim4", "M4-lim4"])
-def test_static_m_above_limit_left_to_inductor(m, limit, fires):
+def test_static_m_above_limit_left_to_inductor(m, limit, fires, rewrite):
     args = tail_inputs(m, 24, 16, torch.bfloat16)
     _, matches = rewrite(lambda y, s, g, w: tail_add_right(y, s, g, w), args, small_m_limit=limit)
     assert matches == int(fires)
@@ -209,7 +193,7 @@ def test_graph_walk_alone_fuses_every_spelling(spelling, dtype):
     assert rel_err(gm(*args), fn(*args)) < TOL[DTYPES[dtype]]
 
 
-def test_unknown_spelling_fires_through_the_pass():
+def test_unknown_spelling_fires_through_the_pass(rewrite):
     args = tail_inputs(4, 24, 16, torch.bfloat16)
     gm, matches = rewrite(tail_weight_on_the_right, args)
     assert matches == 1 and count(gm.graph, TAIL_OP) == 1
@@ -224,7 +208,7 @@ def collapsed_upcast(y32, s, g, w, eps=1e-5):
 
 
 @pytest.mark.parametrize("m", [1, 4, 16], ids=lambda m: f"M{m}-L40-D24-bf16")
-def test_collapsed_upcast_fuses_with_the_models_rounding(m):
+def test_collapsed_upcast_fuses_with_the_models_rounding(m, rewrite):
     """The H200 (torch 2.11) decode graph: the traced patterns miss it (their latent would be fp32);
     the walk fuses it and feeds the op ``bf16(y_lat)``, the model's own rounding."""
     y32, s, g, w = tail_inputs(m, 40, 24, torch.float32)
@@ -240,7 +224,7 @@ def fp32_shared(y, s, g, w):
     return torch.nn.functional.linear(rms(y, g, 1e-5), w) + s.float()
 
 
-def test_rejected_candidate_says_why():
+def test_rejected_candidate_says_why(rewrite):
     """An addend in fp32 (the sum promoted) is not the op's contract: no rewrite, not counted as a
     candidate, and the record (printed by the missing-pass warning) says why."""
     args = tail_inputs(4, 24, 16, torch.bfloat16)
@@ -251,7 +235,7 @@ def test_rejected_candidate_says_why():
     assert rel_err(gm(*args), fp32_shared(*args)) < 1e-6
 
 
-def test_prefill_above_limit_is_not_a_candidate():
+def test_prefill_above_limit_is_not_a_candidate(rewrite):
     """A static prefill M above the limit is left to Inductor and not counted, so ``expected()`` stays quiet."""
     from k3compile.patterns import latent_moe_tail as mod
 
@@ -275,7 +259,7 @@ def tp_tail(y, s, g, w, *, groups=("g0", "g0"), ops=("sum", "sum"), shared_colle
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_tp_two_all_reduces_become_one(dtype):
+def test_tp_two_all_reduces_become_one(dtype, rewrite):
     gm, matches = rewrite(tp_tail, tail_inputs(4, 24, 16, DTYPES[dtype]))
     assert matches == 1 and count(gm.graph, TAIL_OP) == 1
     assert count(gm.graph, c10d.all_reduce.default) == 0 and count(gm.graph, c10d.wait_tensor.default) == 0
@@ -296,18 +280,18 @@ def test_tp_two_all_reduces_become_one(dtype):
 @pytest.mark.parametrize("kwargs", [dict(groups=("g0", "g1")), dict(ops=("sum", "avg")),
                                     dict(shared_collective="sequence_parallel"), dict(shared_collective="none")],
                          ids=["different-groups", "sum-and-avg", "sequence-parallel-shared", "shared-replicated"])
-def test_tp_collectives_left_alone_where_they_differ(kwargs):
+def test_tp_collectives_left_alone_where_they_differ(kwargs, pass_harness):
     """The tail itself still fuses (its inputs are complete tensors); the collectives are not merged."""
-    args = tail_inputs(4, 24, 16, torch.bfloat16)
-    gm0 = make_fx(lambda *a: tp_tail(*a, **kwargs), tracing_mode="fake")(*args)
-    gm, matches = rewrite(lambda *a: tp_tail(*a, **kwargs), args)
-    assert matches == 1 and count(gm.graph, MERGED_AR) == 0
-    for op in (c10d.all_reduce.default, c10d.reduce_scatter_tensor.default, c10d.all_gather_into_tensor.default):
-        assert count(gm.graph, op) == count(gm0.graph, op), op
+    harness = pass_harness(passes=(NAME,))
+    harness.rewrite(lambda *a: tp_tail(*a, **kwargs), *tail_inputs(4, 24, 16, torch.bfloat16))
+    assert harness.matches(NAME) == 1
+    harness.check(added={TAIL_OP: 1}, kept=(c10d.all_reduce.default, c10d.reduce_scatter_tensor.default,
+                                            c10d.all_gather_into_tensor.default))
+    assert harness.after(MERGED_AR) == 0
 
 
 @pytest.mark.parametrize("reader", ["before-shared-all-reduce", "after-both"])
-def test_tp_other_readers_of_the_reduced_latent(reader):
+def test_tp_other_readers_of_the_reduced_latent(reader, rewrite):
     """Another reader of the reduced latent: it reads the slice when it comes after both collectives;
     when it comes between them the merged result would not exist yet, so nothing merges."""
     def fn(y, s, g, w):
@@ -322,7 +306,7 @@ def test_tp_other_readers_of_the_reduced_latent(reader):
     gm.graph.lint()
 
 
-def test_tp_sequence_sharded_rows_keep_their_collectives():
+def test_tp_sequence_sharded_rows_keep_their_collectives(rewrite):
     """Shared output reduce-scattered to [M/2, D], the latent sliced to match: nothing to concatenate."""
     def fn(y, s, g, w):
         y = c10d.wait_tensor(c10d.all_reduce(y, "sum", "g0"))
@@ -334,58 +318,9 @@ def test_tp_sequence_sharded_rows_keep_their_collectives():
 
 
 # ---------------------------------------------------------------------------------------------
-# tensor-parallel form through Inductor: the output code between the one all-reduce and the tail
-
-def call_body(code: str) -> list[str]:
-    """The lines of the wrapper's ``call`` (the host code that launches kernels and extern ops)."""
-    lines = code[code.index("def call(self, args):"):].splitlines()[1:]
-    return lines[:next(i for i, line in enumerate(lines) if line.strip().startswith("return "))]
-
-
-@pytest.mark.parametrize("partials", ["graph-inputs", "computed"])
-@torch.no_grad()
-def test_tp_output_code_passes_the_reduced_slices_as_views(partials, gloo_world_of_one, no_graph_caches):
-    """After the merge, the tail reads the all-reduced buffer through two views: no copy kernel sits
-    between the all-reduce and the op (one per slice did before: the replacement's recorded eager
-    strides asked for contiguous inputs; on two H200s the gap to the hand-written sequence shrank
-    from 4.1 / 6.4 us to 2.6 / 2.2 us at M = 1 / 16 without them)."""
-    from torch._inductor.utils import run_and_get_code
-    from torch.distributed import _functional_collectives as funcol
-
-    group = gloo_world_of_one
-    m, l, d, k = 4, 40, 56, 24
-
-    def tail(y, s, g, w):
-        if partials == "computed":   # the partials made by products in the graph (extern kernels)
-            y, s = y @ torch.ones(k, l), s @ torch.ones(k, d)
-        y, s = funcol.all_reduce(y, "sum", group), funcol.all_reduce(s, "sum", group)
-        return torch.nn.functional.linear(rms(y, g, 1e-5), w) + s
-
-    import k3compile
-
-    torch._dynamo.reset()
-    y, s = (torch.randn(m, k), torch.randn(m, k)) if partials == "computed" else (torch.randn(m, l), torch.randn(m, d))
-    args = [y, s, 1 + 0.1 * torch.randn(l), torch.randn(d, l) / l ** 0.5]
-    compiled = k3compile.optimize(tail, passes=[NAME], dynamic=False)
-    out, (code,) = run_and_get_code(compiled, *args)
-    assert rel_err(out, tail(*args)) < 1e-5
-    body = call_body(code)
-    assert not any("_c10d_functional" in line for line in body), "\n".join(body)
-    reduces = [i for i, line in enumerate(body) if "torch.ops.k3.all_reduce_.default(" in line]
-    ops = [i for i, line in enumerate(body) if "torch.ops.k3.latent_moe_tail.default(" in line]
-    assert len(reduces) == 1 and len(ops) == 1, "\n".join(body)
-    # reduced in place in the buffer the cat wrote, then read through two views of it
-    buf = body[reduces[0]].split("all_reduce_.default(")[1].split(",")[0]
-    between = body[reduces[0] + 1:ops[0]]
-    launches = [line for line in between if "cpp_fused" in line or ".run(" in line or "extern_kernels" in line]
-    assert launches == [], "\n".join(body)
-    assert body[ops[0]].count(f"reinterpret_tensor({buf}, ") == 2, body[ops[0]]
-
-
-# ---------------------------------------------------------------------------------------------
 # the model's own module, graph level: fires once, and not without shared experts or latent norm
 
-def moe_graph(**overrides):
+def moe_graph(rewrite, **overrides):
     from torch.func import functional_call
 
     from k3compile.model import KimiK3Config
@@ -406,183 +341,12 @@ def moe_graph(**overrides):
                                              ({"latent_moe_use_norm": False}, False)],
                          ids=["k3", "no-shared-experts", "no-latent-norm"])
 @torch.no_grad()
-def test_model_moe_module(overrides, fires):
+def test_model_moe_module(overrides, fires, rewrite):
     from k3compile.patterns.latent_moe_tail import FACT, expected
 
-    gm, matches, err = moe_graph(**overrides)
+    gm, matches, err = moe_graph(rewrite, **overrides)
     assert matches == int(fires) and count(gm.graph, TAIL_OP) == int(fires)
     assert LAST_FACTS[FACT] == int(fires)
     assert expected({"moe_layers": 3, **LAST_FACTS}) == fires
     if fires:
         assert err < 1e-5
-
-
-# ---------------------------------------------------------------------------------------------
-# through Inductor
-
-@pytest.fixture
-def no_graph_caches():
-    with torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
-        yield
-
-
-class CountingPass(K3PostGradPass):
-    """Our pass, counting all-reduces and fused tails in each graph before and after it runs."""
-
-    def __init__(self, options):
-        super().__init__(options)
-        self.seen = []
-
-    def __call__(self, graph):
-        before = all_reduces(graph)
-        super().__call__(graph)
-        self.seen.append(dict(all_reduce_before=before, all_reduce_after=all_reduces(graph),
-                              tails=count(graph, TAIL_OP)))
-
-
-class Tail(torch.nn.Module):
-    """down-projection to the latent, shared projection, then the tail (the single-device form)."""
-
-    def __init__(self, l, d):
-        super().__init__()
-        self.down, self.shared = torch.nn.Linear(d, l, bias=False), torch.nn.Linear(d, d, bias=False)
-        self.norm_weight = torch.nn.Parameter(1 + 0.1 * torch.randn(l))
-        self.up = torch.nn.Linear(l, d, bias=False)
-
-    def forward(self, x):
-        return self.up(rms(self.down(x), self.norm_weight, 1e-5)) + self.shared(x)
-
-
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@torch.no_grad()
-def test_inductor_dynamic_m(dtype, no_graph_caches):
-    """A symbolic M: the pass fires once, the op picks the kernel or addmm at run time."""
-    torch._dynamo.reset()
-    model = Tail(40, 24).to(DTYPES[dtype])
-    pass_ = CountingPass(K3Options(passes=(NAME,)))
-    compiled = torch.compile(model, dynamic=True, options={"post_grad_custom_post_pass": pass_})
-    for m in (2, 9, 40):
-        x = torch.randn(m, 24, dtype=DTYPES[dtype])
-        assert rel_err(compiled(x), model(x)) < TOL[DTYPES[dtype]], f"M{m}"
-    assert [s["tails"] for s in pass_.seen] == [1]
-
-
-def greedy(model, step, ids, n):
-    """Eager prefill, then ``n - 1`` decode steps through ``step`` (the compiled or the eager model)."""
-    cache = model.allocate_cache(ids.shape[0], ids.shape[1] + n)
-    token = model(ids, cache=cache, logits_to_keep=1).argmax(-1)
-    tokens = [token]
-    for _ in range(n - 1):
-        token = step(token, cache=cache, logits_to_keep=1).argmax(-1)
-        tokens.append(token)
-    return torch.cat(tokens, 1)
-
-
-MICRO_LAYERS = 3   # layer 0 dense (KDA), 1 KDA + MoE, 2 MLA + MoE: two MoE layers
-
-
-def micro_k3(tp=None):
-    from k3compile.model import KimiK3Config, KimiK3ForConditionalGeneration
-
-    torch.manual_seed(0)
-    return KimiK3ForConditionalGeneration(KimiK3Config.micro(num_hidden_layers=MICRO_LAYERS), tp=tp).eval()
-
-
-def decode_compiled(model, n=4, batch=1):
-    """(eager tokens, compiled tokens, what the pass saw) for a greedy decode of ``n`` tokens."""
-    torch._dynamo.reset()
-    ids = torch.randint(0, model.config.text_config.vocab_size, (batch, 5),
-                        generator=torch.Generator().manual_seed(1))
-    pass_ = CountingPass(K3Options(passes=(NAME,)))
-    compiled = torch.compile(model, options={"post_grad_custom_post_pass": pass_})
-    with torch.no_grad():
-        eager = greedy(model, model, ids, n)
-        fused = greedy(model, compiled, ids, n)
-    return eager, fused, pass_.seen
-
-
-@pytest.mark.slow
-def test_micro_k3_decode_single_device(no_graph_caches):
-    model = micro_k3()
-    n_moe = sum(hasattr(layer, "block_sparse_moe") for layer in model.text_model.layers)
-    eager, fused, seen = decode_compiled(model)
-    assert torch.equal(eager, fused), (eager, fused)
-    assert seen == [dict(all_reduce_before=0, all_reduce_after=0, tails=n_moe)]
-
-
-def collapse_upcasts_like_torch_2_11(graph: torch.fx.Graph) -> None:
-    """torch < 2.12's joint-graph ``pointless_convert``: ``f32(bf16(x))`` -> ``x`` for an fp32 ``x``
-    (torch 2.12 keeps the narrower intermediate). Installed as ``joint_custom_post_pass`` it gives
-    this CPU the graph the H200 (torch 2.11) compiled."""
-    convert = torch.ops.prims.convert_element_type.default
-    for node in list(graph.nodes):
-        inner = node.args[0] if node.op == "call_function" and node.target is convert else None
-        if (node.op == "call_function" and node.target is convert and node.args[1] == torch.float32
-                and isinstance(inner, torch.fx.Node) and inner.target is convert
-                and inner.args[1] in (torch.bfloat16, torch.float16)
-                and getattr(inner.args[0].meta.get("val"), "dtype", None) == torch.float32):
-            node.replace_all_uses_with(inner.args[0])
-    graph.eliminate_dead_code()
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("graph_as", ["torch-2.12+", "torch-2.11"])
-def test_micro_k3_decode_single_device_bf16(graph_as, no_graph_caches):
-    """bf16 weights and activations (as served): one tail per MoE layer, the same tokens as eager,
-    also on the graph torch 2.11 makes (where the traced patterns alone matched nothing)."""
-    model = micro_k3().set_dtype(torch.bfloat16)
-    n_moe = sum(hasattr(layer, "block_sparse_moe") for layer in model.text_model.layers)
-    joint = collapse_upcasts_like_torch_2_11 if graph_as == "torch-2.11" else None
-    with torch._inductor.config.patch(joint_custom_post_pass=joint):
-        eager, fused, seen = decode_compiled(model, n=3, batch=2)
-    assert torch.equal(eager, fused), (eager, fused)
-    assert seen == [dict(all_reduce_before=0, all_reduce_after=0, tails=n_moe)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tp_worker(rank: int, world: int, port: int, out: str) -> None:
-    import torch.distributed as dist
-
-    from k3compile.model import TPContext
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch._inductor.config.fx_graph_cache = False
-    torch._functorch.config.enable_autograd_cache = False
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        model = micro_k3(TPContext.from_group())
-        n_moe = sum(hasattr(layer, "block_sparse_moe") for layer in model.text_model.layers)
-        eager, fused, seen = decode_compiled(model)
-        Path(out).write_text(json.dumps(dict(eager=eager.tolist(), fused=fused.tolist(), seen=seen, n_moe=n_moe)))
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.slow
-def test_micro_k3_decode_tp2_gloo(tmp_path):
-    """Two CPU processes, TP=2 on gloo: one all-reduce per MoE layer instead of two, tokens equal eager."""
-    port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET=os.environ.get("TRITON_INTERPRET", "1"))
-    procs = [subprocess.Popen([sys.executable, __file__, "--tp-worker", str(r), "2", str(port),
-                               str(tmp_path / f"rank{r}.json")], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    logs = [p.communicate(timeout=1200)[0] for p in procs]
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} failed:\n{logs[r][-4000:]}"
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    for res in results:
-        assert res["eager"] == res["fused"]
-        (seen,) = res["seen"]
-        assert seen["tails"] == res["n_moe"] == 2
-        assert seen["all_reduce_after"] == seen["all_reduce_before"] - res["n_moe"], seen
-    assert results[0]["fused"] == results[1]["fused"]
-
-
-if __name__ == "__main__" and sys.argv[1:2] == ["--tp-worker"]:
-    _tp_worker(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])

@@ -20,12 +20,7 @@ H, N, R, VD, LK, S = 3, 8, 4, 6, 10, 24
 SCALE = (N + R) ** -0.5
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
-
-@pytest.fixture(autouse=True)
-def no_graph_caches():
-    with torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
-        yield
+pytestmark = pytest.mark.usefixtures("no_graph_caches")   # tests/conftest.py
 
 
 def near_miss_attend(q_nope, q_pe, c_kv, k_pe, w_kv_b, pos, scale):

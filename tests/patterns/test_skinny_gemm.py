@@ -19,11 +19,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.flo
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-@pytest.fixture(autouse=True)
-def no_graph_caches():
-    with torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
-        yield
+pytestmark = pytest.mark.usefixtures("no_graph_caches")   # tests/conftest.py
 
 
 class Projection(torch.nn.Module):

@@ -1,13 +1,10 @@
 """``k3::all_reduce_(buf!, reduce_op, group_name)``: an in-place all-reduce issued on the caller's stream.
 
 Inductor lowers the functional collective ``_c10d_functional.all_reduce`` + ``wait_tensor`` to an NCCL
-call on the process group's internal stream (``asyncOp``), forked from and joined back to the compute
-stream. Inside a CUDA graph that fork and join cost: on two H200s (bf16, L 3584, D 7168, CUDA graphs)
-``optimize()`` on the tensor-parallel tail ran 2.6 / 2.2 us (M = 1 / 16) behind the hand-written
-``cat`` + ``dist.all_reduce(..., async_op=False)`` + fused tail with the functional collective, and
-0.9 us ahead / 0.2 us behind it with this op, which issues NCCL on the current stream: 26.7 / 31.0 us
-against plain torch.compile's 43.1 / 43.0. The latent-MoE tail pass emits it for its merged all-reduce,
-whose result the next kernel needs at once: there is nothing for a side stream to overlap.
+call on the process group's internal stream, forked from and joined back to the compute stream; inside a
+CUDA graph that fork and join cost 2-3.5 µs a layer (``docs/tuning/all_reduce.md``). The latent-MoE tail pass
+emits this op for its merged all-reduce, whose result the next kernel needs at once: there is nothing for a
+side stream to overlap.
 
 The op mutates ``buf`` (a buffer the graph owns: the pass hands it the fresh concatenation) and returns
 nothing; readers read ``buf`` after it.

@@ -5,7 +5,8 @@ from typing import Optional
 
 import torch
 
-from .op import KDA_DECODE, kda_decode_op
+from .dispatch import KDA_DECODE
+from .op import kda_decode_op
 
 __all__ = ["kda_decode", "KDA_DECODE"]
 

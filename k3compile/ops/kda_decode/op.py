@@ -1,4 +1,4 @@
-"""``k3::kda_decode``: schema, shape checks, fake, and dispatch to the reference / Triton implementation.
+"""``k3::kda_decode``: schema, shape checks and fake; ``dispatch.py`` picks what runs.
 
 One mutating op for the whole KDA decode step, so the state is streamed once and the compiled graph
 holds no copy of it: ``conv_state_q/k/v`` and ``state`` are updated in place.
@@ -10,16 +10,7 @@ from typing import Optional
 import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_true
 
-from k3compile.backends import Impl, OpImpls, register_op_impls
-
-from .reference import kda_decode_ref
-from .triton import kda_decode_triton, triton_available, triton_supports
-
-KDA_DECODE = register_op_impls(OpImpls(
-    "kda_decode",
-    reference=Impl(kda_decode_ref),
-    triton=Impl(kda_decode_triton, available=triton_available, supports=triton_supports),
-))
+from . import dispatch
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -63,15 +54,6 @@ def check_kda_decode_args(q, k, v, conv_state_q, conv_state_k, conv_state_v, con
     return B, H, HV, K, V, W
 
 
-def _dispatch_key(q, v, state, conv_weight_q, lower_bound, conv_state_q, fits_kernel: bool) -> tuple:
-    """(device type, details): a 2-tuple, so the report prints the details as they are."""
-    B, HV, V, K = state.shape
-    details = (q.dtype, v.dtype, conv_state_q.dtype, f"H={q.shape[1] // K}", f"HV={HV}", f"K={K}", f"V={V}",
-               f"W={conv_weight_q.shape[-1]}", "lower_bound" if lower_bound is not None else "softplus",
-               "fits kernel" if fits_kernel else "outside kernel limits")
-    return (q.device.type, details)
-
-
 @torch.library.custom_op("k3::kda_decode", mutates_args=("conv_state_q", "conv_state_k", "conv_state_v", "state"))
 def kda_decode_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -84,9 +66,7 @@ def kda_decode_op(
     args = (q, k, v, conv_state_q, conv_state_k, conv_state_v, conv_weight_q, conv_weight_k, conv_weight_v,
             f, A_log, dt_bias, lower_bound, beta_logits, out_gate, o_norm_weight, state, eps)
     check_kda_decode_args(*args[:12], *args[13:17])
-    # The contiguity the kernel needs is part of the key: a strided call must not reuse a "triton" choice.
-    key = _dispatch_key(q, v, state, conv_weight_q, lower_bound, conv_state_q, triton_supports(*args) is None)
-    return KDA_DECODE.select(backend, key, *args)(*args)
+    return dispatch.select(backend, *args)(*args)
 
 
 @kda_decode_op.register_fake

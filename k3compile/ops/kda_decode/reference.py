@@ -1,4 +1,4 @@
-"""Plain-PyTorch KDA decode step: the ground truth of ``k3::kda_decode`` (spec §5.1, one token).
+"""Plain-PyTorch KDA decode step: the ground truth of ``k3::kda_decode`` (``model/kda.py``'s step, one token).
 
 Shape legend: B batch, H query/key heads, HV value heads (HV % H == 0; K3 has HV == H), K key head dim,
 V value head dim, W short-conv width (4). Projections arrive flattened over heads:

@@ -33,18 +33,16 @@ in order there, so the ticket logic and the persistent loop are exercised too).
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from k3compile.backends import sm_count
 from k3compile.ops.arrival_counters import arrival_counters
-from k3compile.backends import Reason, sm_count, triton_can_run_on
 
-# One program's tile must fit in registers; a K row beyond 128 fp32 would spill.
-MAX_HEAD_DIM = 128
-MAX_CONV_WIDTH = 8
+from .triton_config import KernelConfig, default_config
 
 
 @triton.jit
@@ -381,74 +379,6 @@ def kda_decode_kernel(
             stride_f, stride_beta, stride_gate, stride_state, stride_o, lower_bound, scale, eps, H,
             pid, pid, False, i_s, b_s1, b_s2, b_s3,
             G, K, V, W, BK, BV, BVH, BW, NSPLIT, NT, BNT, BS, DEPTH, USE_LOWER_BOUND, False, LOAD_CG, STORE_CS, STAGES)
-
-
-class KernelConfig(NamedTuple):
-    """How the kernel is laid out: V splits (programs per head), rows per tile, warps, tile loads in flight;
-    ``programs_per_sm`` > 0 makes the grid persistent (at most that many programs per SM, each walking an equal
-    share of the heads as one stream); ``stream_stores`` stores the state with ``.cs``, ``cg_loads`` loads it
-    with ``.cg``; ``max_registers`` caps registers per thread (0: the compiler's choice); ``stages`` > 0 walks
-    the tiles in a loop that Triton pipelines through shared memory (stages - 1 tiles in flight; not persistent)."""
-    splits: int
-    rows: int
-    num_warps: int
-    depth: int = 1
-    programs_per_sm: int = 0
-    stream_stores: bool = False
-    cg_loads: bool = False
-    max_registers: int = 0
-    stages: int = 0
-
-
-def default_config(B: int, H: int, K: int, V: int) -> KernelConfig:
-    """The layout measured fastest for the decode shapes (H200, K = V = 128, CUDA-graph medians; benchmarks/results/
-    kda_decode_layouts_h200.* and kda_decode_layouts2_h200.*): few heads in flight want V
-    splits (more programs than SMs); up to about one wave of programs, one program per head walking 8-row
-    tiles three loads ahead in registers; more heads, the tile loop pipelined through shared memory (3 tiles
-    in flight, no registers held: 9 programs an SM). A persistent grid was slower at every shape."""
-    if K * V < 64 * 128:   # small heads (tests, tiny models): the whole tile in one program
-        return KernelConfig(1, triton.next_power_of_2(V), 4)
-    heads = B * H
-    if heads <= 24:        # B1 x H12: 4.0 us, x2.6 over fla
-        return KernelConfig(8, 16, 4)
-    if heads <= 192:       # B8 x H12, B1 x H96: 6.0 us, x2.1 over fla
-        return KernelConfig(4, 16, 4)
-    if heads < 2048:       # B64 x H12, B8 x H96 (768 heads): 1.16-1.17x the state-traffic floor, x1.6 over fla
-        return KernelConfig(1, 8, 4, 3)
-    # B256 x H12: 1.12x the floor; B64 / B256 x H96: 1.08 / 1.05x (x1.3-1.5 over fla)
-    return KernelConfig(1, 8, 4, stages=4)
-
-
-def triton_available(*args) -> Reason:
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    return triton_can_run_on(*tensors)
-
-
-def triton_supports(q, k, v, conv_state_q, conv_state_k, conv_state_v, conv_weight_q, conv_weight_k,
-                    conv_weight_v, f, A_log, dt_bias, lower_bound, beta_logits, out_gate, o_norm_weight,
-                    state, eps) -> Reason:
-    B, HV, V, K = state.shape
-    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
-        return f"head dims K={K}, V={V} > {MAX_HEAD_DIM} (the state tile would not fit in registers)"
-    W = conv_weight_q.shape[-1]
-    if W > MAX_CONV_WIDTH:
-        return f"conv width {W} > {MAX_CONV_WIDTH}"
-    if state.dtype != torch.float32:
-        return f"state dtype {state.dtype} (kernel keeps an fp32 state)"
-    # batch strides are free; everything inside a row must be packed
-    for name, t in (("q", q), ("k", k), ("v", v), ("f", f), ("out_gate", out_gate), ("beta_logits", beta_logits)):
-        if t.stride(-1) != 1:
-            return f"{name} is not contiguous in its last dim (stride {t.stride()})"
-    for name, t in (("conv_state_q", conv_state_q), ("conv_state_k", conv_state_k),
-                    ("conv_state_v", conv_state_v), ("state", state)):
-        if not t[0].is_contiguous():
-            return f"{name} rows are not packed (strides {t.stride()})"
-    for name, t in (("conv_weight_q", conv_weight_q), ("conv_weight_k", conv_weight_k),
-                    ("conv_weight_v", conv_weight_v), ("A_log", A_log), ("dt_bias", dt_bias),
-                    ("o_norm_weight", o_norm_weight)):
-        if not t.is_contiguous():
-            return f"{name} is not contiguous"
-    return None
 
 
 def kda_decode_triton(

@@ -3,14 +3,15 @@ from __future__ import annotations
 
 import torch
 
-from .op import KDA_PREFILL, kda_prefill_op
+from .dispatch import KDA_PREFILL
+from .op import kda_prefill_op
 
 __all__ = ["kda_prefill", "KDA_PREFILL"]
 
 
 def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 state: torch.Tensor, chunk_size: int = 16, backend: str = "auto") -> torch.Tensor:
-    """The delta-rule recurrence over T tokens (spec §5.1), updating the state in place.
+    """The delta-rule recurrence over T tokens (``model/kda.py``'s chunked form), updating the state in place.
 
     Legend: B batch, T tokens, H heads, K key head dim, V value head dim.
 

@@ -1,4 +1,4 @@
-"""``k3::kda_prefill``: schema, shape checks, fake, and dispatch to the reference / fla implementation.
+"""``k3::kda_prefill``: schema, shape checks and fake; ``dispatch.py`` picks what runs.
 
 One mutating op for the delta-rule recurrence over a whole prompt: ``state`` enters as the state before
 the first token and leaves as the state after the last, in place, ready for ``k3::kda_decode``.
@@ -8,16 +8,7 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_true
 
-from k3compile.backends import Impl, OpImpls, register_op_impls
-
-from .reference import kda_prefill_ref
-from .triton import fla_available, fla_supports, kda_prefill_fla
-
-KDA_PREFILL = register_op_impls(OpImpls(
-    "kda_prefill",
-    reference=Impl(kda_prefill_ref),
-    triton=Impl(kda_prefill_fla, available=fla_available, supports=fla_supports),
-))
+from . import dispatch
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -50,19 +41,12 @@ def check_kda_prefill_args(q, k, v, g, beta, state, chunk_size) -> tuple[int, in
     return B, T, H, K, V
 
 
-def _dispatch_key(q, v, state, chunk_size) -> tuple:
-    """(device type, details): what the predicates read (device, head dims, dtypes)."""
-    B, T, H, K = q.shape
-    return (q.device.type, (q.dtype, v.dtype, f"H={H}", f"K={K}", f"V={v.shape[-1]}", f"C={chunk_size}",
-                            "empty" if B * T == 0 else "tokens"))
-
-
 @torch.library.custom_op("k3::kda_prefill", mutates_args=("state",))
 def kda_prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    state: torch.Tensor, chunk_size: int, backend: str) -> torch.Tensor:
     args = (q, k, v, g, beta, state, chunk_size)
     check_kda_prefill_args(*args)
-    o = KDA_PREFILL.select(backend, _dispatch_key(q, v, state, chunk_size), *args)(*args)
+    o = dispatch.select(backend, *args)(*args)
     return o.contiguous()   # the reference's o is a strided slice; the fake promises packed rows
 
 

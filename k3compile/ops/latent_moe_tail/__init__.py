@@ -1,20 +1,21 @@
-"""The fused latent-MoE tail: ``RMSNorm(latent) @ up_weightᵀ + shared`` (spec §6.2, steps 4 and 6)."""
+"""The fused latent-MoE tail: ``RMSNorm(latent) @ up_weightᵀ + shared`` (the end of ``model/moe.py``'s latent MoE)."""
 from __future__ import annotations
 
 import torch
 
+from .dispatch import LATENT_MOE_TAIL
 from .op import latent_moe_tail_op  # noqa: F401  (registers k3::latent_moe_tail)
 
-__all__ = ["latent_moe_tail"]
+__all__ = ["latent_moe_tail", "LATENT_MOE_TAIL"]
 
 
 def latent_moe_tail(latent: torch.Tensor, shared: torch.Tensor, norm_weight: torch.Tensor,
                     up_weight: torch.Tensor, eps: float = 1e-5, *, backend: str = "auto",
                     small_m_limit: int = 16) -> torch.Tensor:
     """The tail of a K3 latent-MoE layer. Up to ``small_m_limit`` rows one kernel streams the
-    up-projection weight with the norm and the shared add fused (CuTe where measured faster, else
-    Triton: ``triton.py``), or a Triton RMSNorm then ``k3::skinny_gemm`` where that measured faster
-    (``split.py``); the choice and its reason are recorded (``op.py``).
+    up-projection weight with the norm and the shared add fused (CuTe or Triton), or a Triton RMSNorm
+    then the skinny GEMM where that measured faster (``split.py``); ``dispatch.py`` chooses and records
+    the choice and its reason.
 
     Args:
         latent: [M, L] combined routed-expert output in the latent (already all-reduced under TP).

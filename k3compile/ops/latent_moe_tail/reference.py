@@ -1,4 +1,5 @@
-"""Plain PyTorch forms of the latent-MoE tail (spec §6.2 step 4 + 6), any device, any float dtype.
+"""Plain PyTorch forms of the latent-MoE tail (``model/moe.py``: the latent's norm, up-projection and shared add),
+any device, any float dtype.
 
 Shapes: latent [M, L], shared [M, D], norm_weight [L], up_weight [D, L] (nn.Linear layout), out [M, D].
 

@@ -2,7 +2,8 @@
 
     normed = KimiRMSNorm(latent)                              # [M, L], one small Triton kernel
     out    = normed @ up_weightᵀ + shared                      # one of (SplitConfig.gemm):
-             "op":     k3::skinny_gemm(normed, up_weight, residual=shared)  (CuTe / Triton / cuBLAS, recorded)
+             "pick":   the skinny GEMM's own pick for this product (CuTe / Triton / cuBLAS: its table), what the
+                       op's dispatch runs (``skinny_gemm.dispatch.run_auto``)
              "triton": the Triton skinny kernel with a given configuration (PDL: it starts under the norm)
              "addmm":  out = shared (copied by the norm kernel); out.addmm_(normed, up_weightᵀ)
                        (cuBLAS, beta = 1: shared added before the one rounding; two kernels, not addmm's three)
@@ -20,16 +21,9 @@ writes nothing but ``normed``, a buffer allocated here. That is step 1 of ``k3co
 applied inside the op (with its assumption: no kernel before ours triggers before its own wait); step 2
 (a kernel of the same graph made the activation) holds by construction: the norm made it.
 
-Which configuration runs where is measured (:data:`SPLIT_TUNED`); elsewhere :class:`SplitConfig`'s
-defaults (no PDL, the skinny-GEMM op).
-
-Why two kernels cost the norm's whole time (H200, M = 16, one graph replay under the profiler, TAIL5 run 1):
-the shipped form ran 18.9 µs per tail = norm 2.4 + GEMM 15.5 + two gaps of 0.3-0.9, against 14.9 for the
-GEMM alone. Nothing overlaps the norm: launched without PDL it starts once the previous GEMM has completed,
-and the GEMM, PDL-launched and told the weight is static, still reads nothing before its wait (the Triton
-skinny kernel's configurations preload no weight tile: that measured slower), so it streams only once the
-norm is done. The PDL norm (``SplitConfig("triton", pdl=True)``) removes the gaps, not the norm: 17.1 µs.
-The one-kernel tail (``triton.py``) ran 15.2 µs in the same run.
+The op's dispatch runs :class:`SplitConfig`'s defaults (the skinny GEMM's pick, no PDL). Two kernels cost the
+norm's whole time, about 2.5 µs at M = 16 on an H200 (``docs/tuning/latent_moe_tail.md``): that is why the
+one-kernel forms exist.
 
 The norm rounds as the model does: normalise in fp32, cast to the activation dtype, multiply by the
 weight in that dtype (``reference.kimi_rms_norm``); the GEMM accumulates in fp32 and adds ``shared``
@@ -45,25 +39,23 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton import gdc_launch_dependents, gdc_wait, m_bucket, pdl_capable
+from .triton_tiles import gdc_launch_dependents, gdc_wait, pdl_capable
 
 MAX_NORM_BLOCK = 8192   # one tile covers K3's latent (3584); wider rows loop
-GEMMS = ("op", "triton", "addmm")
+GEMMS = ("pick", "triton", "addmm")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SplitConfig:
-    """How the two-kernel tail runs (swept on the GPU; see :data:`SPLIT_TUNED`).
+    """How the two-kernel tail runs (``benchmarks/moe_tail.py`` compares them).
 
-    gemm: "op" | "triton" | "addmm" (module docstring). triton: the skinny kernel's configuration for
-    "triton" (``k3compile.ops.skinny_gemm.triton.TritonConfig``; None: its own choice). pdl: the norm kernel
-    launched with PDL (sm_90+), triggering right after its wait. backend: for "op", the skinny-GEMM op's
-    backend instead of the tail's (e.g. "cute": its CuTe kernel where the op's table would take cuBLAS).
+    gemm: "pick" | "triton" | "addmm" (module docstring). triton: the skinny kernel's configuration for "triton"
+    (``skinny_gemm.triton_config.TritonConfig``; None: its heuristic's). pdl: the norm kernel launched with PDL
+    (sm_90+), triggering right after its wait.
     """
-    gemm: str = "op"
+    gemm: str = "pick"
     pdl: bool = False
     triton: Optional[object] = None
-    backend: Optional[str] = None
 
     def __post_init__(self):
         if self.gemm not in GEMMS:
@@ -71,18 +63,7 @@ class SplitConfig:
 
     def tag(self) -> str:
         cfg = f"[{self.triton.tag()}]" if self.gemm == "triton" and self.triton is not None else ""
-        return f"split-{self.gemm}{cfg}" + (f"-{self.backend}" if self.backend else "") + ("-pdl" if self.pdl else "")
-
-
-# (dtype, M bucket, D, L) -> the configuration measured fastest on one H200; others take SplitConfig().
-SPLIT_TUNED: dict[tuple[str, int, int, int], SplitConfig] = {}
-
-
-def split_config(m: int, d: int, l: int, dtype: torch.dtype, on_gpu: bool = True) -> SplitConfig:
-    """The measured entry for this shape (GPU tensors only), else the defaults."""
-    if not on_gpu:
-        return SplitConfig()
-    return SPLIT_TUNED.get((str(dtype).removeprefix("torch."), m_bucket(m), d, l), SplitConfig())
+        return f"split-{self.gemm}{cfg}" + ("-pdl" if self.pdl else "")
 
 
 @triton.jit
@@ -149,22 +130,14 @@ def kimi_rms_norm_triton(latent: torch.Tensor, norm_weight: torch.Tensor, eps: f
 
 
 def latent_moe_tail_split(latent: torch.Tensor, shared: torch.Tensor, norm_weight: torch.Tensor,
-                          up_weight: torch.Tensor, eps: float, backend: str = "auto",
-                          m_limit: int = 16, static_weight: bool = False,
-                          config: Optional[SplitConfig] = None) -> torch.Tensor:
-    """Triton norm, then the up-projection with ``shared`` added (``config``: :func:`split_config`'s).
-
-    With ``gemm="op"``: ``k3::skinny_gemm(normed, up_weight, None, shared, backend, m_limit)``, which picks
-    CuTe, Triton or cuBLAS and records its choice under ``skinny_gemm``. The GEMM always gets
-    ``static_weight=True`` (module docstring: the norm kernel is the only one that can still run when it
-    starts), so the caller's ``static_weight`` changes nothing here; it is accepted for the op's dispatch."""
-    from k3compile.ops.skinny_gemm import skinny_gemm_op  # noqa: PLC0415  (an op package of its own)
+                          up_weight: torch.Tensor, eps: float, config: SplitConfig = SplitConfig()) -> torch.Tensor:
+    """Triton norm, then the up-projection with ``shared`` added. The GEMM always streams ``up_weight`` before its
+    PDL wait (``static_weight=True``; the module docstring says why), whatever the caller proved."""
+    from k3compile.ops.skinny_gemm import dispatch as gemm_dispatch  # noqa: PLC0415  (an op package of its own)
 
     m, l = latent.shape
-    if config is None:
-        config = split_config(m, up_weight.shape[0], l, latent.dtype, latent.device.type == "cuda")
     if m == 0:   # no norm kernel runs: nothing guards the weight (and there is nothing to compute)
-        return skinny_gemm_op(latent.new_empty(latent.shape), up_weight, None, shared, backend, m_limit)
+        return gemm_dispatch.run_auto(latent.new_empty(latent.shape), up_weight, None, shared)
     if config.gemm == "addmm":
         out = torch.empty_like(shared, memory_format=torch.contiguous_format)
         normed = kimi_rms_norm_triton(latent, norm_weight, eps, pdl=config.pdl, copy=(shared, out))
@@ -174,4 +147,4 @@ def latent_moe_tail_split(latent: torch.Tensor, shared: torch.Tensor, norm_weigh
         from k3compile.ops.skinny_gemm.triton import skinny_gemm_triton  # noqa: PLC0415
 
         return skinny_gemm_triton(normed, up_weight, None, shared, config=config.triton, static_weight=True)
-    return skinny_gemm_op(normed, up_weight, None, shared, config.backend or backend, m_limit, static_weight=True)
+    return gemm_dispatch.run_auto(normed, up_weight, None, shared, static_weight=True)

@@ -33,10 +33,9 @@ import triton.language as tl
 from k3compile.backends import sm_count
 from k3compile.ops.arrival_counters import arrival_counters
 
-from .triton import (
-    MAX_BLOCK_M, _add_product, _latent_tile, _row_rstd, _tail_epilogue, _tma_layout_ok, gdc_launch_dependents, gdc_wait,
-    pdl_capable,
-)
+from .triton_config import MAX_BLOCK_M
+from .triton_tiles import (_add_product, _latent_tile, _row_rstd, _tail_epilogue, _tma_layout_ok, gdc_launch_dependents,
+                           gdc_wait, pdl_capable)
 
 
 def plan(n_tiles: int, k_blocks: int, programs: int) -> tuple[int, int, int]:
@@ -201,7 +200,7 @@ def _tail_streamk_reduce_kernel(
 
 
 def launch_stream_k(latent, shared, norm_weight, up_weight, eps, config, out, upcast, static_weight):
-    """The stream-K form (``config.stream_k``) of :func:`.triton.latent_moe_tail_triton`, into ``out``."""
+    """The stream-K form (``config.stream_k``) of ``triton.latent_moe_tail_triton``, into ``out``."""
     m, l = latent.shape
     d = up_weight.shape[0]
     n_tiles = triton.cdiv(d, config.block_n)

@@ -19,8 +19,8 @@ On sm_90+ the split-K grid can take its weight, latent and norm-weight tiles thr
 then loads all three ahead: pointer loads of the latent, which feed the dot only through the scaling by g,
 were waited for in every iteration) and run under PDL (``TailConfig``: early trigger, peeled first tile).
 
-Which form runs where is measured (:data:`TUNED`, ``benchmarks/moe_tail.py --sweep``); the op takes the
-split path (``split.py``) wherever neither form was measured faster.
+Which form runs where, and whether the one kernel beats the split path (``split.py``), is measured:
+``tables/<gpu>.json``, read by ``dispatch.py``.
 
 Rounding: ``x·g`` is rounded to the input dtype before the dot (the model rounds ``x·rstd`` then
 ``·g``; the difference is within the dtype's tolerance). In fp16 that product of an *unnormalised*
@@ -37,212 +37,13 @@ import torch
 import triton
 import triton.language as tl
 
-try:  # grid dependency control (PDL), Triton >= 3.4
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover
-    gdc_launch_dependents = gdc_wait = None
-
+from k3compile.backends import sm_count, triton_interpret
 from k3compile.ops.arrival_counters import arrival_counters
-from k3compile.backends import Reason, is_rocm, sm_count, triton_can_run_on, triton_interpret
 
-from .config import TailConfig, m_bucket  # noqa: F401  (TailConfig and m_bucket are imported from here)
-
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MAX_BLOCK_M = 16   # one tensor-core tile of rows; the op's small-M limit may not exceed it
-
-
-# Measured on one H200 (benchmarks/moe_tail.py --sweep --m 1 4 16, 2026-11-30 03:03, copy ceiling 4.22 TB/s,
-# CUDA graphs, 14 rotated weights): (dtype, M bucket, D, L) -> the configuration to run, or None where norm +
-# skinny_gemm (split.py) was as fast or faster (the op then takes the split path). Shapes not listed take the
-# split path on a GPU (`fused_profitable`). The split-K grid's best (n128-k128-s4-w8-st4-last-swap: 19.25 /
-# 19.58 / 20.44 µs) only tied the split path; stream-K with the weight through TMA is ahead at M <= 4.
-# PDL and one launch (2026-11-30 04:47 and 05:03 runs, M 8 and 16): at M=16 the one-launch PDL form
-# (sk1-n128-k128-w8-st4-1launch-tma-pdl1) 20.01 / 19.82 / 19.98 µs against the split path 20.18 / 19.81 /
-# 19.97 and the two-launch form 20.12 / 20.33: a tie, so M=16 keeps the split path; with static_weight the
-# one-launch form got slower (21.98 / 21.89 µs: its first tile held in registers across the wait), the
-# two-launch form unchanged (20.01). At M=8 none came within 15% of the CuTe tail (>= 20.1 µs).
-_STREAM_K_TMA = TailConfig(128, 128, num_warps=8, num_stages=4, reduce="kernel", stream_k=True, tma=True)
-# the grid form, no K split (224 programs at D 7168: one wave), all tiles by TMA, PDL with the early trigger
-_GRID_TMA_PDL = TailConfig(32, 128, 1, num_warps=2, num_stages=5, tma=True, pdl=True, early_trigger=True)
-TUNED: dict[tuple[str, int, int, int], Optional[TailConfig]] = {
-    ("bfloat16", 1, 7168, 3584): _STREAM_K_TMA,   # 17.97 µs vs split 19.05 (unfused torch.compile 22.02)
-    ("bfloat16", 4, 7168, 3584): _STREAM_K_TMA,   # 18.53 µs vs split 19.64 (21.75)
-    # M 9-16: the grid form, no K split (224 programs), all tiles by TMA, PDL with the early trigger.
-    # TAIL4 runs of 2026-11-30 (medians of 2): 07:14 n32-k128-s1-w4-st4 17.35 µs against the op's then split
-    # path (norm + cuBLAS + add) 19.99, the two-kernel PDL form (norm + Triton skinny under it) 17.20,
-    # unfused torch.compile 19.27; 07:28 w2-st5 15.72, w2-st4 16.18, k256-w4-st3 16.40, n64-w4-st4 16.76,
-    # w4-st4 17.33, w4-st3 19.44, s2-w2-st4 23.20, w8-st4 25.52 (benchmarks/moe_tail.py, same run:
-    # torch.compile 19.1)
-    # 07:46 (median of 2, same process): w2-st5 15.81, n64-w2-st5 16.01, k256-w2-st3 16.28, the two-kernel PDL
-    # form 17.26, w1-st5 17.83, w2-st6 18.95. At M 8 it beat the CuTe tail, 15.70 vs 16.52 (so op.CUTE_FASTER
-    # stops at M 4); at M 4 / 2 / 1 it lost, 16.56 / 16.71 / 16.89 vs 15.54 / 15.11 / 15.65.
-    # TAIL5 runs (09:25 / 09:48 / 10:02, medians of 3 fresh captures, one process; .scratch/tail5/probe*.py):
-    # `shared` read before the loop (since then always, unsplit) 15.20 µs vs 15.56 after it. Slower: x·xᵀ on the
-    # tensor cores for the squares 15.57; the next kernel let in 8 K blocks before our end 15.27-17.71 (unstable
-    # across captures), with 4 or 8 of its tiles L2-prefetched before its wait 15.46-17.39 / 16.53-17.11,
-    # the prefetch with the early trigger 16.72; deeper rings with the trigger after the loop st5/6/7/8
-    # 15.56/15.75/16.41/17.10 against 15.33; n64-w4 15.49, k256-st4 15.60, k64-st10 19.25; the latent and
-    # norm weight by plain loads (out of the ring, as the skinny GEMM loads its A) 28-50. The skinny GEMM alone
-    # on the normed latent: 14.86 / 14.93 / 14.65 against this form's 15.20 / 15.33 / 14.99. M 8: 15.31 / 15.01
-    # against the CuTe tail's 16.43; M 4 / 2 / 1 lost again (16.64-16.80 / 16.34 / 16.72-16.78 against
-    # 15.39-15.62 / 15.05 / 15.46-15.59). 10:29: 64-column tiles (112 programs, at most one per SM, so deeper
-    # rings still let the next grid in) n64-w4-st6 15.24, n64-w2-st6 15.29, n64-w4-st5 15.41, n64-k64-w4-st10
-    # 18.31 against this form's 15.17; M 8 15.11 both.
-    ("bfloat16", 8, 7168, 3584): _GRID_TMA_PDL,
-    ("bfloat16", 16, 7168, 3584): _GRID_TMA_PDL,
-    ("float16", 1, 7168, 3584): None,             # PRENORM 22.02 µs vs split 19.25: the rstd pre-pass
-    ("float16", 4, 7168, 3584): None,             # 22.49 µs vs split 19.45
-    ("float16", 16, 7168, 3584): None,            # 24.59 µs vs split 19.80
-}
-# Where the caller promises a static weight (``static_weight=True``): entries that differ from TUNED.
-TUNED_STATIC: dict[tuple[str, int, int, int], Optional[TailConfig]] = {}
-
-
-def _tuned(key, static_weight: bool):
-    """The measured entry for ``key`` (KeyError where none): the static-weight table first if it applies."""
-    if static_weight and key in TUNED_STATIC:
-        return TUNED_STATIC[key]
-    return TUNED[key]
-
-
-def default_config(m: int, d: int, l: int, dtype: torch.dtype, sm_count: int = 0,
-                   static_weight: bool = False) -> TailConfig:
-    """The measured configuration, else: 16-bit on a GPU, the H200 sweep's best form (stream-K, 128×128
-    weight tiles through TMA, 8 warps, 4 stages); fp32 (tiles twice the bytes) a split-K grid of 64-column
-    tiles to ~2 programs per SM, 3 stages. ``sm_count`` 0 (interpreter): no split, fewer programs."""
-    try:
-        tuned = _tuned((_dtype_name(dtype), m_bucket(m), d, l), static_weight) if sm_count else None
-    except KeyError:
-        tuned = None
-    if tuned is not None:
-        return tuned if dtype != torch.float16 else TailConfig(**dict(tuned.__dict__, prenorm=True))
-    if sm_count and dtype != torch.float32:
-        return TailConfig(**dict(_STREAM_K_TMA.__dict__, prenorm=dtype == torch.float16))
-    block_k = 128 if l >= 128 else max(16, triton.next_power_of_2(l))
-    block_n = 64 if d >= 64 or not sm_count else max(16, triton.next_power_of_2(d))
-    split_k = 1
-    if sm_count:
-        want = max(1, (2 * sm_count) // triton.cdiv(d, block_n))
-        split_k = max(1, min(want, triton.cdiv(l, block_k) // 4, 16))
-    return TailConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4, num_stages=3,
-                      reduce="last", prenorm=dtype == torch.float16)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def fused_profitable(latent: torch.Tensor, up_weight: torch.Tensor, static_weight: bool = False) -> Reason:
-    """None where the one-kernel tail should run rather than norm + skinny_gemm, else why not.
-
-    CPU tensors (the interpreter) always take the one kernel. On a GPU only where :data:`TUNED` (with
-    ``static_weight``: :data:`TUNED_STATIC` first) lists a configuration (measured faster on the H200);
-    elsewhere the split path, which is never slower there."""
-    if latent.device.type != "cuda":
-        return None
-    m, l = latent.shape
-    d = up_weight.shape[0]
-    key = (_dtype_name(latent.dtype), m_bucket(m), d, l)
-    try:
-        tuned = _tuned(key, static_weight)
-    except KeyError:
-        return f"the one-kernel tail is not measured for {key} (triton.TUNED)"
-    if tuned is None:
-        return f"the two-kernel path measured faster for {key}"
-    if tuned.tma and not tuned.stream_k and not pdl_capable(latent.device):
-        # the grid form was measured with its tiles by TMA; pointer loads of the latent stall every iteration
-        return f"the measured one-kernel form for {key} needs TMA (an NVIDIA GPU of compute capability 9.0+)"
-    return None
-
-
-@triton.jit
-def _row_rstd(p_x, o_m, m_m, s_xm, s_xk, L, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    b_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, L, BLOCK_K):
-        o_k = k0 + tl.arange(0, BLOCK_K)
-        b_x = tl.load(p_x + o_m[:, None] * s_xm + o_k[None, :] * s_xk,
-                      mask=m_m[:, None] & (o_k < L)[None, :], other=0.).to(tl.float32)
-        b_ss += tl.sum(b_x * b_x, axis=1)
-    return 1.0 / tl.sqrt(b_ss / L + eps)
-
-
-@triton.jit
-def _scale_by_norm_weight(b_x, b_g, b_rstd, PRENORM: tl.constexpr):
-    """(A tile in the input dtype, fp32 squares of the raw latent) from a latent tile and its norm-weight slice."""
-    b_g = b_g.to(tl.float32)
-    b_xf = b_x.to(tl.float32)
-    if PRENORM:
-        b_h = ((b_xf * b_rstd[:, None]).to(b_x.dtype).to(tl.float32) * b_g).to(b_x.dtype)
-    else:
-        b_h = (b_xf * b_g).to(b_x.dtype)
-    return b_h, b_xf * b_xf
-
-
-@triton.jit
-def _latent_tiles(p_x, p_g, o_m, m_m, o_k, m_k, s_xm, s_xk):
-    """The raw latent tile [BLOCK_M, BLOCK_K] and its norm-weight slice (zeros past M and the K range)."""
-    b_x = tl.load(p_x + o_m[:, None] * s_xm + o_k[None, :] * s_xk, mask=m_m[:, None] & m_k[None, :], other=0.)
-    b_g = tl.load(p_g + o_k, mask=m_k, other=0.)
-    return b_x, b_g
-
-
-@triton.jit
-def _scaled_latent(p_x, p_g, o_m, m_m, o_k, m_k, s_xm, s_xk, b_rstd, PRENORM: tl.constexpr):
-    """One K tile of the GEMM's A operand and the squares of its raw latent (fp32, elementwise).
-
-    A = x·g in the input dtype, the per-row rstd left to the accumulator; with PRENORM the model's
-    rounding instead: normalise in fp32, round, scale by the weight, round."""
-    b_x, b_g = _latent_tiles(p_x, p_g, o_m, m_m, o_k, m_k, s_xm, s_xk)
-    return _scale_by_norm_weight(b_x, b_g, b_rstd, PRENORM)
-
-
-@triton.jit
-def _latent_tile(p_x, p_g, o_m, m_m, o_k, m_k, s_xm, s_xk, b_rstd, PRENORM: tl.constexpr):
-    """:func:`_scaled_latent` with the squares summed per row (stream-K's units end at varying K)."""
-    b_h, b_sq = _scaled_latent(p_x, p_g, o_m, m_m, o_k, m_k, s_xm, s_xk, b_rstd, PRENORM)
-    return b_h, tl.sum(b_sq, axis=1)
-
-
-@triton.jit
-def _add_product(b_acc, b_h, b_w, SWAP_AB: tl.constexpr, IEEE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """``b_acc + b_h·b_wᵀ``, or with ``SWAP_AB`` ``b_acc + b_w·b_hᵀ`` (the accumulator transposed: the weight
-    tile is then the MMA's wgmma-sized M side), in fp32; ``UPCAST_DOT`` feeds the dot fp32 operands."""
-    if UPCAST_DOT:
-        b_h = b_h.to(tl.float32)
-        b_w = b_w.to(tl.float32)
-    if SWAP_AB:
-        if IEEE_DOT:
-            b_p = tl.dot(b_w, tl.trans(b_h), input_precision="ieee")
-        else:
-            b_p = tl.dot(b_w, tl.trans(b_h))
-    else:
-        if IEEE_DOT:
-            b_p = tl.dot(b_h, tl.trans(b_w), input_precision="ieee")
-        else:
-            b_p = tl.dot(b_h, tl.trans(b_w))
-    return b_acc + b_p
-
-
-@triton.jit
-def _shared_tile(p_s, o_m, o_n, m_m, m_n, s_sm, s_sn):
-    return tl.load(p_s + o_m[:, None] * s_sm + o_n[None, :] * s_sn, mask=m_m[:, None] & m_n[None, :], other=0.)
-
-
-@triton.jit
-def _tail_store(b_acc, b_ss, b_s, p_o, o_m, o_n, m_m, m_n, L, eps, s_om, s_on, PRENORM: tl.constexpr):
-    """rstd (unless PRENORM applied it), plus the ``shared`` tile ``b_s``, one rounding, the store."""
-    if not PRENORM:
-        b_acc = b_acc * (1.0 / tl.sqrt(b_ss / L + eps))[:, None]
-    b_o = b_acc + b_s.to(tl.float32)
-    tl.store(p_o + o_m[:, None] * s_om + o_n[None, :] * s_on, b_o.to(p_o.dtype.element_ty),
-             mask=m_m[:, None] & m_n[None, :])
-
-
-@triton.jit
-def _tail_epilogue(b_acc, b_ss, p_s, p_o, o_m, o_n, m_m, m_n, L, eps, s_sm, s_sn, s_om, s_on,
-                   PRENORM: tl.constexpr):
-    b_s = _shared_tile(p_s, o_m, o_n, m_m, m_n, s_sm, s_sn)
-    _tail_store(b_acc, b_ss, b_s, p_o, o_m, o_n, m_m, m_n, L, eps, s_om, s_on, PRENORM)
+from . import streamk, triton_config
+from .triton_config import MAX_BLOCK_M, TailConfig
+from .triton_tiles import (_add_product, _latent_tiles, _row_rstd, _scale_by_norm_weight, _shared_tile,
+                           _tail_epilogue, _tail_store, _tma_layout_ok, gdc_launch_dependents, gdc_wait, pdl_capable)
 
 
 @triton.jit(do_not_specialize=["M"])   # one compiled kernel for every M <= 16
@@ -406,33 +207,13 @@ def _tail_reduce_kernel(
                  s_sm, s_sn, s_om, s_on, BLOCK_M, BLOCK_N, SPLIT_K, PRENORM)
 
 
-# ---------------------------------------------------------------------------------------------
-
-def triton_available(latent, shared, norm_weight, up_weight, *rest) -> Reason:
-    return triton_can_run_on(latent, shared, norm_weight, up_weight)
-
-
-def triton_supports(latent, shared, norm_weight, up_weight, eps, small_m_limit=MAX_BLOCK_M) -> Reason:
-    dtypes = {latent.dtype, shared.dtype, norm_weight.dtype, up_weight.dtype}
-    if len(dtypes) != 1:
-        return f"mixed dtypes {sorted(str(d) for d in dtypes)} (the kernel takes one dtype)"
-    if latent.dtype not in SUPPORTED_DTYPES:
-        return f"dtype {latent.dtype} (kernel has {[str(d) for d in SUPPORTED_DTYPES]})"
-    m = latent.shape[0]
-    if m > min(small_m_limit, MAX_BLOCK_M):
-        return f"M > {min(small_m_limit, MAX_BLOCK_M)}, the small-M limit (norm + addmm is faster there)"
-    if m == 0 or latent.shape[1] == 0:
-        return "empty input"
-    return None
-
-
 def latent_moe_tail_triton(latent: torch.Tensor, shared: torch.Tensor, norm_weight: torch.Tensor,
                            up_weight: torch.Tensor, eps: float,
                            config: Optional[TailConfig] = None,
                            out: Optional[torch.Tensor] = None, static_weight: bool = False) -> torch.Tensor:
     """The fused tail in one launch (two with ``reduce="kernel"``); ``out`` [M, D] is
     allocated unless given (tests pass a NaN-poisoned one). M ≤ 16, one dtype (bf16 / fp16 / fp32);
-    ``config`` None: :func:`default_config` (with ``static_weight``, its static-weight entry).
+    ``config``: the dispatch's (``dispatch.triton_config``), else the heuristic's (``triton_config.heuristic``).
 
     ``static_weight=True`` promises that no kernel writes ``up_weight`` (a parameter; k3compile's
     static-weight pass proves it in the graph): the stream-K form then loads each program's first weight
@@ -444,7 +225,7 @@ def latent_moe_tail_triton(latent: torch.Tensor, shared: torch.Tensor, norm_weig
     if m > MAX_BLOCK_M:
         raise ValueError(f"latent_moe_tail_triton: M={m} > {MAX_BLOCK_M}")
     if config is None:
-        config = default_config(m, d, l, latent.dtype, sm_count(latent.device), static_weight)
+        config = triton_config.heuristic(m, d, l, latent.dtype, sm_count(latent.device))
     if out is None:
         out = torch.empty((m, d), dtype=latent.dtype, device=latent.device)
     if m == 0 or d == 0:
@@ -453,9 +234,7 @@ def latent_moe_tail_triton(latent: torch.Tensor, shared: torch.Tensor, norm_weig
         norm_weight = norm_weight.contiguous()
     upcast = latent.dtype != torch.float32 and triton_interpret()
     if config.stream_k:
-        from .streamk import launch_stream_k  # noqa: PLC0415  (it imports this module's jit helpers)
-
-        return launch_stream_k(latent, shared, norm_weight, up_weight, eps, config, out, upcast, static_weight)
+        return streamk.launch_stream_k(latent, shared, norm_weight, up_weight, eps, config, out, upcast, static_weight)
     k_per_split = triton.cdiv(triton.cdiv(l, config.split_k), config.block_k) * config.block_k
     split_k = max(1, triton.cdiv(l, k_per_split))
     n_tiles = triton.cdiv(d, config.block_n)
@@ -512,14 +291,3 @@ def latent_moe_tail_triton(latent: torch.Tensor, shared: torch.Tensor, norm_weig
                 num_warps=4,
             )
     return out
-
-
-def pdl_capable(device: torch.device) -> bool:
-    """Programmatic dependent launch: an NVIDIA GPU of compute capability 9.0+ and a Triton that has it."""
-    return (device.type == "cuda" and gdc_wait is not None and not is_rocm()
-            and torch.cuda.get_device_capability(device)[0] >= 9)
-
-
-def _tma_layout_ok(w: torch.Tensor) -> bool:
-    return (w.stride(1) == 1 and w.data_ptr() % 16 == 0 and (w.stride(0) * w.element_size()) % 16 == 0
-            and w.shape[0] > 0 and w.shape[1] > 0)

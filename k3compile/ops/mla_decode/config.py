@@ -6,7 +6,9 @@ of its split from the valid length, so the splits share the valid prefix whateve
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -15,18 +17,22 @@ import torch
 class TritonConfig:
     """block_s: keys per tile. min_split_tiles: the fewest tiles a split takes (fewer, longer splits where the valid
     prefix is short: less partial-result traffic and a shorter combine). programs_per_sm: the split count aims at
-    about this many programs (splits x batch x row blocks) per SM. num_warps / num_stages: of the split kernel.
-    pdl: the four kernels launch with PDL where the GPU has it (sm_90+)."""
+    about this many programs (splits x batch x row blocks) per SM. num_warps / num_stages: of the split kernel
+    (``num_stages - 1`` tiles in flight a program). prefetch_tiles: tiles of its split a program pulls into L2 before
+    its PDL wait. fused_readback: the combine and the read-back through w_v in one kernel (a program per query row
+    and 16 output columns, each combining its row over the whole Lk: one launch fewer, partials read Vd/16 times).
+    pdl: the kernels launch with PDL where the GPU has it (sm_90+)."""
     block_s: int = 32
     min_split_tiles: int = 4
     programs_per_sm: int = 2
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3
+    prefetch_tiles: int = 2
+    fused_readback: bool = False
     pdl: bool = True
 
     def to_json(self) -> dict:
-        return dict(block_s=self.block_s, min_split_tiles=self.min_split_tiles, programs_per_sm=self.programs_per_sm,
-                    num_warps=self.num_warps, num_stages=self.num_stages, pdl=self.pdl)
+        return dataclasses.asdict(self)
 
 
 # Programs the split count aims at where the device has no SMs to count (CPU tensors under TRITON_INTERPRET=1):
@@ -43,10 +49,16 @@ def split_count(batch: int, row_blocks: int, alloc: int, sms: int, config: Trito
     return max(1, min(most, target // (batch * row_blocks)))
 
 
-def default_config(rows: int) -> TritonConfig:
-    """Where no measured pick exists: 4 warps for 16 query rows, 8 above (a [64, Lk] fp32 accumulator needs two
-    warpgroups; with one, ptxas spills: tests/ops/test_mla_decode.py compiles both for sm_90a)."""
-    return TritonConfig() if row_block(rows) <= 16 else TritonConfig(num_warps=8)
+def default_config(rows: int, batch: Optional[int] = None) -> TritonConfig:
+    """Where no measured pick exists (sm_90a figures from compiling the split kernel at K3's widths; a 32-key tile of
+    c_kv and k_pe is 36 KB). 16 query rows: 4 warps, 3 stages -- 195 registers and 93 KB of shared memory, so two
+    programs an SM keep four tiles in flight. 64 rows: 8 warps (a [64, Lk] fp32 accumulator needs two warpgroups;
+    with one, ptxas spills), 4 stages -- 237 registers and 221 KB, one program an SM with three tiles in flight, so
+    one program an SM in the split count. The fused combine + read-back for batch <= 2 (``batch`` None: not fused)."""
+    fused = batch is not None and batch <= 2
+    if row_block(rows) <= 16:
+        return TritonConfig(fused_readback=fused)
+    return TritonConfig(num_warps=8, num_stages=4, programs_per_sm=1, fused_readback=fused)
 
 
 def row_block(rows: int) -> int:

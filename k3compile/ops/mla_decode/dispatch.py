@@ -7,18 +7,20 @@ twice, the kernel the valid prefix once, so the kernel is never the slower one w
 The Triton layout (``config.TritonConfig``) is data: ``tables/<gpu>.json``, written by
 ``benchmarks/tune_mla_decode.py``, maps (cache dtype, query rows T*H bucket, batch bucket) to the configuration that
 measured fastest there; without a table, or for a key it lacks, ``config.default_config``.
+
+Nothing here imports Triton: the kernel module loads on first use (``KernelModule``; where it does not import,
+``available`` says why).
 """
 from __future__ import annotations
 
 import functools
-import importlib
 import json
 from pathlib import Path
-from typing import Optional
 
 import torch
 
 from k3compile.backends import Impl, OpImpls, Reason, register_op_impls, triton_can_run_on
+from k3compile.kernel_module import KernelModule
 
 from .config import TritonConfig, default_config, row_block
 from .reference import mla_decode_ref
@@ -26,10 +28,7 @@ from .reference import mla_decode_ref
 TABLES = Path(__file__).resolve().parent / "tables"
 MAX_LATENT = 1024     # Lk: one [block_s, Lk] tile a program holds
 MAX_ROPE = 256        # R
-
-
-def _triton_module():
-    return importlib.import_module("k3compile.ops.mla_decode.triton")
+_TRITON = KernelModule(f"{__package__}.triton")   # imports Triton
 
 
 def batch_bucket(batch: int) -> int:
@@ -55,15 +54,15 @@ def load_table(device_name: str) -> dict[str, TritonConfig]:
 def triton_config(c_kv: torch.Tensor, rows: int, batch: int) -> TritonConfig:
     """The measured pick for this GPU and shape class, else ``config.default_config``."""
     if c_kv.device.type != "cuda":
-        return default_config(rows)
+        return default_config(rows, batch)
     table = load_table(torch.cuda.get_device_name(c_kv.device))
-    return table.get(table_key(c_kv.dtype, rows, batch), default_config(rows))
+    return table.get(table_key(c_kv.dtype, rows, batch), default_config(rows, batch))
 
 
 # The predicates and implementations get the op's arguments: (q_nope, q_pe, c_kv, k_pe, w_kv_b, pos, scale, start).
 
 def _triton_available(q_nope, q_pe, c_kv, k_pe, w_kv_b, pos, scale, start) -> Reason:
-    return triton_can_run_on(q_nope, q_pe, c_kv, k_pe, w_kv_b, pos, start)
+    return triton_can_run_on(q_nope, q_pe, c_kv, k_pe, w_kv_b, pos, start) or _TRITON.reason()
 
 
 def _triton_supports(q_nope, q_pe, c_kv, k_pe, w_kv_b, pos, scale, start) -> Reason:
@@ -80,7 +79,7 @@ def _triton_supports(q_nope, q_pe, c_kv, k_pe, w_kv_b, pos, scale, start) -> Rea
 def _triton(q_nope, q_pe, c_kv, k_pe, w_kv_b, pos, scale, start):
     B, T, H = q_nope.shape[:3]
     config = triton_config(c_kv, T * H, B)
-    return _triton_module().mla_decode_triton(q_nope, q_pe, c_kv, k_pe, w_kv_b, pos, scale, start, config=config)
+    return _TRITON.mla_decode_triton(q_nope, q_pe, c_kv, k_pe, w_kv_b, pos, scale, start, config=config)
 
 
 MLA_DECODE = register_op_impls(OpImpls(

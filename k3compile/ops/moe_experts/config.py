@@ -31,8 +31,8 @@ class MoeConfig:
     stages_down: int = 3
     preload: bool = True     # the down kernel's first w2 tile loaded before its PDL wait
     mxfp4_halves: bool = False   # MXFP4: even and odd columns as two products (no interleaving of the codes)
-    # bf16 on a GPU, with mxfp4_halves: the codes looked up in PTX (triton.E2M1_BF16_PTX); with weight_rows: converted
-    # by bit moves in PTX (triton.E2M1_BF16_BITS_PTX)
+    # bf16 on a GPU, with mxfp4_halves: the codes looked up in PTX (triton_tiles.E2M1_BF16_PTX); with weight_rows:
+    # converted by bit moves in PTX (triton_tiles.E2M1_BF16_BITS_PTX)
     mxfp4_asm: bool = False
     mxfp4_dot_scaled: bool = False   # MXFP4 with bf16 / fp16 z on a GPU: the codes straight to tl.dot_scaled
     # the weights as the products' rows (acc [weight rows, tokens] = w @ zᵀ, a wgmma from 64 rows; gate/up: w1 and

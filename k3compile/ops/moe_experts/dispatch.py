@@ -9,24 +9,23 @@ Profitable: everywhere, except where the measured table of this GPU (``tables/<g
 ``benchmarks/moe_experts.py --table``) lists the dense form through cuBLAS (``aten``: every token through every
 expert, as ``model/moe.py`` ``experts_dense`` writes it) as faster for the shape. Without a table nothing is
 passed over.
+
+Nothing here imports Triton: the kernel module loads on first use (``KernelModule``; where it does not import,
+``available`` says why).
 """
 from __future__ import annotations
 
-import importlib
 from typing import Optional
 
 import torch
 
 from k3compile.backends import Impl, OpImpls, Reason, register_op_impls, triton_can_run_on
+from k3compile.kernel_module import KernelModule
 
 from .config import decode_form, table
 from .reference import moe_experts_ref
 
-_TRITON_MODULE = "k3compile.ops.moe_experts.triton"
-
-
-def _triton():
-    return importlib.import_module(_TRITON_MODULE)
+_TRITON = KernelModule(f"{__package__}.triton")   # imports Triton
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -54,11 +53,11 @@ def dense_faster(z, experts, w1, w1_scale, small_m_limit) -> Reason:
 # The predicates get (z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, small_m_limit).
 
 def _triton_available(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, small_m_limit) -> Reason:
-    return triton_can_run_on(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale)
+    return triton_can_run_on(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale) or _TRITON.reason()
 
 
 def _triton_supports(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, small_m_limit) -> Reason:
-    return _triton().supports(z, experts, weights, w1, w3, w2, w1_scale)
+    return _TRITON.supports(z, experts, weights, w1, w3, w2, w1_scale)
 
 
 def _triton_profitable(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, small_m_limit) -> Reason:
@@ -68,8 +67,8 @@ def _triton_profitable(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_s
 
 
 def _run_triton(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, beta, linear_beta, small_m_limit):
-    return _triton().moe_experts_triton(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, beta,
-                                        linear_beta, small_m_limit=small_m_limit)
+    return _TRITON.moe_experts_triton(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, beta,
+                                      linear_beta, small_m_limit=small_m_limit)
 
 
 def _run_reference(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, beta, linear_beta, small_m_limit):

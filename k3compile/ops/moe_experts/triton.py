@@ -32,13 +32,13 @@ Other forms of the same math (``config.MoeConfig`` picks; ``benchmarks/moe_exper
   left 15 of 16 rows empty at M = 1); gate/up stacks ``BLOCK_I`` rows of w1 over the same rows of w3 in one tile;
   z is loaded contiguous and (MXFP4) split into even and odd columns in registers, so every load of the K loop
   pipelines (cp.async);
-- ``down_by_token`` (decode): ``_down_token_kernel`` does the down product and the combine, a program per (token,
-  n-tile) streaming the token's A experts in slot order: no partials and no third launch.
+- ``down_by_token`` (decode): ``triton_token._down_token_kernel`` does the down product and the combine, a program
+  per (token, n-tile) streaming the token's A experts in slot order: no partials and no third launch.
 
 MXFP4 weights: codes and scales are loaded as bytes and dequantised in registers to z's dtype, exactly as
-``model/moe.py`` dequantises them, before the products: interleaved into one tile (``_mxfp4_tile``), or as even and
-odd columns (``_mxfp4_halves``; on an NVIDIA GPU in bf16 through byte lookups in PTX, ``E2M1_BF16_PTX``; in the
-weight rows form by bit moves, ``E2M1_BF16_BITS_PTX``), or left to Triton's ``tl.dot_scaled``
+``model/moe.py`` dequantises them, before the products: interleaved into one tile (``triton_tiles._mxfp4_tile``), or
+as even and odd columns (``_mxfp4_halves``; on an NVIDIA GPU in bf16 through byte lookups in PTX, ``E2M1_BF16_PTX``;
+in the weight rows form by bit moves, ``E2M1_BF16_BITS_PTX``), or left to Triton's ``tl.dot_scaled``
 (``MoeConfig.mxfp4_dot_scaled``, a GPU only: the interpreter lacks it).
 
 PDL (sm_90+): the gate/up kernel waits before reading anything and lets the down kernel launch after its loop;
@@ -57,14 +57,12 @@ import torch
 import triton
 import triton.language as tl
 
-try:  # grid dependency control (PDL), Triton >= 3.4
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover
-    gdc_launch_dependents = gdc_wait = None
-
 from k3compile.backends import Reason, is_rocm
 
 from .config import MoeConfig, decode_form, default_config, table, tuned_config  # noqa: F401
+from .triton_tiles import (_act_rows, _act_tiles, _chunk_pairs, _dot2, _down_step, _my_expert, _rows_tiles,
+                           _situ_glu, _w2_tiles, _weight_tiles, gdc_launch_dependents, gdc_wait)
+from .triton_token import _down_token_kernel
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -73,355 +71,6 @@ def pdl_capable(device: torch.device) -> bool:
     """Programmatic dependent launch: an NVIDIA GPU of compute capability 9.0+ and a Triton that has it."""
     return (device.type == "cuda" and gdc_wait is not None and not is_rocm()
             and torch.cuda.get_device_capability(device)[0] >= 9)
-
-
-# --- device helpers ---------------------------------------------------------------------------------------
-
-@triton.jit
-def _tanh(x):
-    # tanh(x) = 2σ(2x) − 1 (no libdevice in the interpreter); absolute error ~1e-7 near 0
-    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
-
-
-@triton.jit
-def _situ_glu(gate, up, beta, linear_beta, HAS_BETA: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr):
-    """fp32 SiTU-GLU: beta·tanh(gate/beta)·σ(gate) · linear_beta·tanh(up/linear_beta) (model/layers.py)."""
-    if HAS_BETA:
-        act = beta * _tanh(gate / beta) * tl.sigmoid(gate)
-    else:
-        act = gate * tl.sigmoid(gate)
-    if HAS_LINEAR_BETA:
-        up = linear_beta * _tanh(up / linear_beta)
-    return act * up
-
-
-@triton.jit
-def _e2m1(c):
-    """E2M1 codes (int32, 0..15; bit 3 the sign) -> fp32: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 built as bits."""
-    mag = c & 7
-    # mag >= 2: exponent (mag >> 1) - 1 and mantissa bit (mag & 1) land where fp32 keeps them; 1 -> 0.5; 0 -> 0
-    bits = tl.where(mag >= 2, (mag << 22) + 0x3F000000, mag * 0x3F000000)
-    return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e8m0(s):
-    """E8M0 scale bytes -> fp32 2^(s - 127); 0 -> 2^-127 (subnormal), 255 (E8M0 NaN) -> NaN."""
-    si = s.to(tl.int32)
-    f = (si << 23).to(tl.float32, bitcast=True)
-    f = tl.where(si == 0, 5.877471754111438e-39, f)
-    return tl.where(si == 255, float("nan"), f)
-
-
-@triton.jit
-def _mxfp4_tile(p_codes, p_scales, o_r, m_r, k0, K, s_cr, s_ck, s_sr, s_sk, R: tl.constexpr, BK: tl.constexpr,
-                DTYPE: tl.constexpr):
-    """Rows ``o_r`` x logical columns [k0, k0 + BK) of an MXFP4 matrix (codes [rows, K/2], scales [rows, K/32])
-    dequantised to DTYPE: E2M1(code) · 2^(scale - 127), zeros outside the rows and K."""
-    o_b = k0 // 2 + tl.arange(0, BK // 2)
-    b_c = tl.load(p_codes + o_r[:, None] * s_cr + o_b[None, :] * s_ck, mask=m_r[:, None] & (o_b < K // 2)[None, :],
-                  other=0, eviction_policy="evict_first").to(tl.int32)
-    b_v = tl.reshape(tl.join(_e2m1(b_c & 15), _e2m1(b_c >> 4)), (R, BK))          # element 2j low, 2j+1 high
-    o_g = k0 // 32 + tl.arange(0, BK // 32)
-    b_s = tl.load(p_scales + o_r[:, None] * s_sr + o_g[None, :] * s_sk, mask=m_r[:, None] & (o_g < K // 32)[None, :],
-                  other=127, eviction_policy="evict_first")
-    b_v = tl.reshape(tl.reshape(b_v, (R, BK // 32, 32)) * _e8m0(b_s)[:, :, None], (R, BK))
-    return b_v.to(DTYPE)
-
-
-# E2M1 -> bf16 for four code bytes at once (``_mxfp4_halves`` with ASM), sm_80+ PTX. Inputs: $4 four code bytes,
-# $5 / $6 the bf16 scales of elements 0-1 / 2-3; outputs: $0 / $1 the low nibbles' values (elements 0-1 / 2-3),
-# $2 / $3 the high nibbles'. Per half: the four 3-bit magnitudes gathered into one selector (and, shift, or, prmt),
-# two byte lookups (prmt) into the bf16 magnitudes' high and low bytes (0, .5, 1, 1.5, 2, 3, 4, 6: high bytes
-# 00 3F 3F 3F 40 40 40 40, low bytes 00 00 80 C0 00 40 80 C0), each sign bit moved to bit 7 of its high byte, the
-# bytes interleaved into bf16 pairs (prmt), then times the scale (fma with -0: exact, a power of two).
-# tests/ops/test_moe_experts.py emulates these steps on every byte; the GPU tests run them.
-_E2M1_HALF = """and.b32 m, x, 0x07070707;
-shr.b32 u, m, 4;
-or.b32 u, u, m;
-prmt.b32 sel, u, u, 0x0020;
-prmt.b32 hb, th0, th1, sel;
-prmt.b32 lb, tl0, tl1, sel;
-shl.b32 sg, x, 4;
-and.b32 sg, sg, 0x80808080;
-or.b32 hb, hb, sg;
-prmt.b32 r0, lb, hb, 0x5140;
-prmt.b32 r1, lb, hb, 0x7362;
-fma.rn.bf16x2 {out0}, r0, $5, nz;
-fma.rn.bf16x2 {out1}, r1, $6, nz;
-"""
-E2M1_BF16_PTX = ("""
-{
-.reg .b32 x, m, u, sel, hb, lb, sg, r0, r1, th0, th1, tl0, tl1, nz;
-mov.b32 th0, 0x3F3F3F00;
-mov.b32 th1, 0x40404040;
-mov.b32 tl0, 0xC0800000;
-mov.b32 tl1, 0xC0804000;
-mov.b32 nz, 0x80008000;
-mov.b32 x, $4;
-""" + _E2M1_HALF.format(out0="$0", out1="$1") + "shr.b32 x, x, 4;\n" + _E2M1_HALF.format(out0="$2", out1="$3")
-                 + "}\n")
-E2M1_BF16_ASM = tl.constexpr(E2M1_BF16_PTX)   # a jit function reads globals only as constexpr
-
-# E2M1 -> bf16 for two code bytes by bit moves (``_mxfp4_rows`` with ASM), sm_80+ PTX. Inputs: $2 two code bytes (low
-# 16 bits), $3 the bf16 scale twice; outputs: $0 the low nibbles' values (elements 0 and 2), $1 the high nibbles'
-# (1 and 3). The bytes spread to [0, b0, 0, b1] (prmt); each nibble's sign lands on bit 15 / 31 of a bf16 pair and
-# its three magnitude bits on bits 8:6 / 24:22 (shifts and masks): a bf16 of exponent field e and mantissa m,
-# 2^(e-127)·(1 + m/2) or, for e = 0, the subnormal m·2^-127, i.e. the E2M1 value times 2^-126; times 2^126 (bf16
-# 0x7E80) gives it exactly, times the scale (a power of two) rounds nothing: each fma with -0 keeps -0 and NaN.
-# The shifts are spelled as multiplies (mul.hi by 2^26 is >> 6), which ptxas issues on the FMA pipe: of the 13
-# instructions left for four values, 5 use the integer pipe (prmt, 4 lop3), the one an MXFP4 GEMV saturates (the
-# byte lookup above: 27 for eight values, its inputs assembled from two loads where the dot operand layout gives a
-# thread two contiguous bytes). tests/ops/test_moe_experts.py emulates it.
-E2M1_BF16_BITS_PTX = """
-{
-.reg .b32 q, t, a, b, k, nz, z0;
-mov.b32 z0, 0;
-mov.b32 k, 0x7E807E80;
-mov.b32 nz, 0x80008000;
-prmt.b32 q, $2, z0, 0x1404;
-mul.hi.u32 t, q, 0x04000000;
-and.b32 t, t, 0x01C001C0;
-and.b32 a, q, 0x80008000;
-or.b32 a, a, t;
-mul.hi.u32 t, q, 0x40000000;
-and.b32 t, t, 0x01C001C0;
-mul.lo.u32 b, q, 16;
-and.b32 b, b, 0x80008000;
-or.b32 b, b, t;
-fma.rn.bf16x2 a, a, k, nz;
-fma.rn.bf16x2 b, b, k, nz;
-fma.rn.bf16x2 $1, a, $3, nz;
-fma.rn.bf16x2 $0, b, $3, nz;
-}
-"""
-E2M1_BF16_BITS = tl.constexpr(E2M1_BF16_BITS_PTX)
-
-
-@triton.jit
-def _e8m0_bf16(s):
-    """E8M0 scale bytes -> bf16 2^(s - 127), exactly: bits s << 7; 0 -> 2^-127 (0x0040, subnormal), 255 -> NaN."""
-    si = s.to(tl.int32)
-    bits = tl.where(si == 0, 0x40, tl.where(si == 255, 0x7FC0, si << 7))
-    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def _mxfp4_halves(p_codes, p_scales, o_r, m_r, k0, K, s_cr, s_ck, s_sr, s_sk, R: tl.constexpr, BK: tl.constexpr,
-                  DTYPE: tl.constexpr, ASM: tl.constexpr):
-    """The even and the odd logical columns of rows ``o_r`` x [k0, k0 + BK) of an MXFP4 matrix, [R, BK/2] each in
-    DTYPE (``_mxfp4_rows``). ASM (bf16, a GPU): byte lookups in PTX (``E2M1_BF16_ASM``)."""
-    return _mxfp4_rows(p_codes + o_r * s_cr, p_scales + o_r * s_sr, m_r, k0, K, s_ck, s_sk, R, BK, DTYPE, ASM, False,
-                       False)
-
-
-@triton.jit
-def _mxfp4_raw(p_codes, p_scales, o_r, m_r, k0, K, s_cr, s_ck, s_sr, s_sk, BK: tl.constexpr, EVEN_K: tl.constexpr):
-    """Rows ``o_r`` x logical columns [k0, k0 + BK) of an MXFP4 matrix as stored: codes [R, BK/2], scales [R, BK/32].
-    EVEN_K (BK divides K): row-constant masks, so the scale bytes load as words (and pipeline)."""
-    o_b = k0 // 2 + tl.arange(0, BK // 2)
-    o_g = k0 // 32 + tl.arange(0, BK // 32)
-    if EVEN_K:
-        m_c = tl.broadcast_to(m_r[:, None], (o_r.shape[0], BK // 2))
-        m_s = tl.broadcast_to(m_r[:, None], (o_r.shape[0], BK // 32))
-    else:
-        m_c = m_r[:, None] & (o_b < K // 2)[None, :]
-        m_s = m_r[:, None] & (o_g < K // 32)[None, :]
-    b_c = tl.load(p_codes + o_r[:, None] * s_cr + o_b[None, :] * s_ck, mask=m_c, other=0, eviction_policy="evict_first")
-    b_s = tl.load(p_scales + o_r[:, None] * s_sr + o_g[None, :] * s_sk, mask=m_s, other=127,
-                  eviction_policy="evict_first")
-    return b_c, b_s
-
-
-@triton.jit
-def _weight_tiles(p_w, p_s, o_r, m_r, k0, K, s_wr, s_wk, s_sr, s_sk, R: tl.constexpr, BK: tl.constexpr,
-                  MXFP4: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr, DOTS: tl.constexpr,
-                  DTYPE: tl.constexpr, EVEN_K: tl.constexpr = False):
-    """DOTS: an MXFP4 tile as stored (codes, scales) for ``tl.dot_scaled``; HALVES: its even and odd columns
-    dequantised (``_mxfp4_halves``); else the whole tile in DTYPE, twice."""
-    if DOTS:
-        return _mxfp4_raw(p_w, p_s, o_r, m_r, k0, K, s_wr, s_wk, s_sr, s_sk, BK, EVEN_K)
-    elif HALVES:
-        return _mxfp4_halves(p_w, p_s, o_r, m_r, k0, K, s_wr, s_wk, s_sr, s_sk, R, BK, DTYPE, ASM)
-    else:
-        b_w = _weight_tile(p_w, p_s, o_r, m_r, k0, K, s_wr, s_wk, s_sr, s_sk, R, BK, MXFP4, DTYPE)
-        return b_w, b_w
-
-
-@triton.jit
-def _act_tiles(p_rows, m_rows, k0, K, s_k, BK: tl.constexpr, HALVES: tl.constexpr):
-    """Activation rows ``p_rows`` (pointers [BLOCK_M, 1]) over columns [k0, k0 + BK): the whole tile twice, or
-    (HALVES) its even and its odd columns."""
-    if HALVES:
-        o_h = k0 + 2 * tl.arange(0, BK // 2)
-        m_h = m_rows & (o_h < K)[None, :]
-        return (tl.load(p_rows + o_h[None, :] * s_k, mask=m_h, other=0.),
-                tl.load(p_rows + (o_h + 1)[None, :] * s_k, mask=m_h, other=0.))
-    else:
-        o_k = k0 + tl.arange(0, BK)
-        b_x = tl.load(p_rows + o_k[None, :] * s_k, mask=m_rows & (o_k < K)[None, :], other=0.)
-        return b_x, b_x
-
-
-@triton.jit
-def _dot2(acc, b_xa, b_xb, b_wa, b_wb, HALVES: tl.constexpr, DOTS: tl.constexpr, X_FMT: tl.constexpr,
-          IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """``acc + x·wᵀ``: one product, or (HALVES) the even columns' plus the odd columns', or (DOTS) Triton's scaled
-    product of x (format X_FMT) with MXFP4 codes ``b_wa`` and E8M0 scales ``b_wb``."""
-    if DOTS:
-        acc = tl.dot_scaled(b_xa, None, X_FMT, tl.trans(b_wa), b_wb, "e2m1", acc=acc)
-    else:
-        acc = _dot(acc, b_xa, b_wa, IEEE, UPCAST)
-        if HALVES:
-            acc = _dot(acc, b_xb, b_wb, IEEE, UPCAST)
-    return acc
-
-
-@triton.jit
-def _weight_tile(p_w, p_s, o_r, m_r, k0, K, s_wr, s_wk, s_sr, s_sk, R: tl.constexpr, BK: tl.constexpr,
-                 MXFP4: tl.constexpr, DTYPE: tl.constexpr):
-    """Rows ``o_r`` x columns [k0, k0 + BK) of one expert's matrix in DTYPE (float, or MXFP4 dequantised)."""
-    if MXFP4:
-        return _mxfp4_tile(p_w, p_s, o_r, m_r, k0, K, s_wr, s_wk, s_sr, s_sk, R, BK, DTYPE)
-    else:
-        o_k = k0 + tl.arange(0, BK)
-        # each weight byte is read once: keep it from pushing z, h and the partials out of L2
-        return tl.load(p_w + o_r[:, None] * s_wr + o_k[None, :] * s_wk, mask=m_r[:, None] & (o_k < K)[None, :],
-                       other=0., eviction_policy="evict_first")
-
-
-@triton.jit
-def _dot(acc, b_x, b_w, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """``acc + b_x · b_wᵀ`` in fp32 (UPCAST: fp32 operands, for the interpreter's 16-bit dot)."""
-    if UPCAST:
-        b_x = b_x.to(tl.float32)
-        b_w = b_w.to(tl.float32)
-    if IEEE:
-        return acc + tl.dot(b_x, tl.trans(b_w), input_precision="ieee")
-    else:
-        return acc + tl.dot(b_x, tl.trans(b_w))
-
-
-@triton.jit
-def _token_ids(p_ids, M, A, BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr):
-    """Decode: the ids as a [BLOCK_M tokens, BLOCK_A slots] tile, and which entries exist."""
-    o_t = tl.arange(0, BLOCK_M)
-    o_a = tl.arange(0, BLOCK_A)
-    m_ta = (o_t < M)[:, None] & (o_a < A)[None, :]
-    return tl.load(p_ids + o_t[:, None] * A + o_a[None, :], mask=m_ta, other=0), m_ta, o_t, o_a
-
-
-@triton.jit
-def _my_expert(p_ids, p_offsets, slot, M, A, SORTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr):
-    """(expert id, whether this program runs, its first pair's position in ``order`` and pair count (sorted), its
-    row chunks).
-
-    Decode: slot is a pair; the program runs where that pair is the first of its expert (in token, then slot
-    order); a row is a token, and a chunk takes each token's next pair on the expert (one chunk unless a token
-    holds the expert twice). Sorted: slot is an expert; it runs where some pair chose it; a chunk is BLOCK_M of
-    its pairs."""
-    if SORTED:
-        start = tl.load(p_offsets + slot)
-        count = tl.load(p_offsets + slot + 1) - start
-        return slot, count > 0, start, tl.cdiv(count, BLOCK_M), count
-    else:
-        ids, m_ta, o_t, o_a = _token_ids(p_ids, M, A, BLOCK_M, BLOCK_A)
-        e = tl.load(p_ids + slot)
-        same = (ids == e) & m_ta
-        t0 = slot // A
-        earlier = (o_t[:, None] < t0) | ((o_t[:, None] == t0) & (o_a[None, :] < slot - t0 * A))
-        first = tl.sum((same & earlier).to(tl.int32)) == 0
-        return e, first, 0, tl.max(tl.sum(same.to(tl.int32), axis=1), axis=0), 0
-
-
-@triton.jit
-def _chunk_pairs(p_ids, p_order, e, start, c, count_rows, M, A, SORTED: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_A: tl.constexpr):
-    """The pair index of each row of chunk ``c`` of expert ``e`` and which rows exist (``count_rows``: sorted, its
-    pair count). Decode: row t is token t's (c+1)-th pair on e."""
-    if SORTED:
-        o_j = c * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_j = o_j < count_rows
-        return tl.load(p_order + start + o_j, mask=m_j, other=0), m_j
-    else:
-        ids, m_ta, o_t, o_a = _token_ids(p_ids, M, A, BLOCK_M, BLOCK_A)
-        same = (ids == e) & m_ta
-        nth = same & (tl.cumsum(same.to(tl.int32), axis=1) == c + 1)
-        slot_of = tl.sum(tl.where(nth, o_a[None, :], 0), axis=1)
-        return o_t * A + slot_of, tl.sum(nth.to(tl.int32), axis=1) > 0
-
-
-@triton.jit
-def _mxfp4_rows(p_wr, p_sr, m_r, k0, K, s_wk, s_sk, R: tl.constexpr, BK: tl.constexpr, DTYPE: tl.constexpr,
-                ASM: tl.constexpr, EVEN_K: tl.constexpr, BITS: tl.constexpr):
-    """The even and odd logical columns of [k0, k0 + BK) of MXFP4 rows (``p_wr`` / ``p_sr``: each row's first code
-    / scale byte, [R]), [R, BK/2] each in DTYPE; codes [R, groups, 16] and scales [R, groups] as stored, so both
-    loads are contiguous per row, each group's scale broadcasting without reshaping the codes. ASM (bf16, a GPU):
-    in PTX, by bit moves on code byte pairs (BITS, ``E2M1_BF16_BITS``) or byte lookups on four bytes
-    (``E2M1_BF16_ASM``). EVEN_K (BK divides K): masks constant along a row, so the scale bytes load as words and
-    pipeline."""
-    G: tl.constexpr = BK // 32
-    o_g = k0 // 32 + tl.arange(0, G)
-    if EVEN_K:
-        m_g = tl.broadcast_to(m_r[:, None], (R, G))
-    else:
-        m_g = m_r[:, None] & (o_g < K // 32)[None, :]
-    o_b = o_g[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
-    b_c = tl.load(p_wr[:, None, None] + o_b * s_wk, mask=m_g[:, :, None], other=0,
-                  eviction_policy="evict_first")                                      # [R, G, 16] uint8
-    b_s = tl.load(p_sr[:, None] + o_g[None, :] * s_sk, mask=m_g, other=127, eviction_policy="evict_first")
-    if ASM:
-        b_sb = tl.broadcast_to(_e8m0_bf16(b_s)[:, :, None], (R, G, 16))
-        if BITS:
-            lo, hi = tl.inline_asm_elementwise(E2M1_BF16_BITS, "=r,=r,r,r", [b_c, b_sb],
-                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
-        else:
-            lo, hi = tl.inline_asm_elementwise(E2M1_BF16_ASM, "=r,=r,=r,=r,r,r,r", [b_c, b_sb],
-                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-        return tl.reshape(lo, (R, BK // 2)), tl.reshape(hi, (R, BK // 2))
-    else:
-        b_ci = b_c.to(tl.int32)
-        b_f = _e8m0(b_s)[:, :, None]
-        lo = tl.reshape(_e2m1(b_ci & 15) * b_f, (R, BK // 2))
-        hi = tl.reshape(_e2m1(b_ci >> 4) * b_f, (R, BK // 2))
-        return lo.to(DTYPE), hi.to(DTYPE)
-
-
-@triton.jit
-def _rows_tiles(p_wr, p_sr, m_r, k0, K, s_wk, s_sk, R: tl.constexpr, BK: tl.constexpr, MXFP4: tl.constexpr,
-                ASM: tl.constexpr, DTYPE: tl.constexpr, EVEN_K: tl.constexpr):
-    """Rows (each row's first element at ``p_wr``) x columns [k0, k0 + BK): MXFP4 as even/odd halves
-    (``_mxfp4_rows``), float weights as one tile, twice."""
-    if MXFP4:
-        return _mxfp4_rows(p_wr, p_sr, m_r, k0, K, s_wk, s_sk, R, BK, DTYPE, ASM, EVEN_K, True)
-    else:
-        o_k = k0 + tl.arange(0, BK)
-        m_w = m_r[:, None] if EVEN_K else m_r[:, None] & (o_k < K)[None, :]
-        b_w = tl.load(p_wr[:, None] + o_k[None, :] * s_wk, mask=m_w, other=0., eviction_policy="evict_first")
-        return b_w, b_w
-
-
-@triton.jit
-def _act_rows(p_rows, m_rows, k0, K, s_k, BM: tl.constexpr, BK: tl.constexpr, HALVES: tl.constexpr,
-              EVEN_K: tl.constexpr):
-    """Activation rows (pointers [BM, 1]) over columns [k0, k0 + BK), loaded contiguous (the load pipelines); with
-    HALVES split into the even and the odd columns in registers."""
-    o_k = k0 + tl.arange(0, BK)
-    m_x = m_rows if EVEN_K else m_rows & (o_k < K)[None, :]
-    b_x = tl.load(p_rows + o_k[None, :] * s_k, mask=m_x, other=0.)
-    if HALVES:
-        return tl.split(tl.reshape(b_x, (BM, BK // 2, 2)))
-    else:
-        return b_x, b_x
-
-
-@triton.jit
-def _rows_dot(acc, b_wa, b_wb, b_xa, b_xb, HALVES: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """``acc [R, BM] + w · xᵀ`` (HALVES: the even columns' product plus the odd columns')."""
-    acc = _dot(acc, b_wa, b_xa, IEEE, UPCAST)
-    if HALVES:
-        acc = _dot(acc, b_wb, b_xb, IEEE, UPCAST)
-    return acc
 
 
 # --- kernels ----------------------------------------------------------------------------------------------
@@ -473,7 +122,7 @@ def _gate_up_kernel(
                     b_wa, b_wb = _rows_tiles(p_wr, p_sr, o_ir < I, l0, L, s_1l, s_s1l, 2 * BLOCK_I, BLOCK_L, MXFP4,
                                              ASM, dtype, EVEN_K)
                     b_za, b_zb = _act_rows(p_zj, m_z, l0, L, s_zl, BLOCK_M, BLOCK_L, MXFP4, EVEN_K)
-                    acc = _rows_dot(acc, b_wa, b_wb, b_za, b_zb, MXFP4, IEEE, UPCAST)
+                    acc = _dot2(acc, b_wa, b_wb, b_za, b_zb, MXFP4, False, X_FMT, IEEE, UPCAST)   # acc + w · zᵀ
                 else:
                     b_w1a, b_w1b = _weight_tiles(p_w1e, p_s1e, o_i, m_i, l0, L, s_1i, s_1l, s_s1i, s_s1l, BLOCK_I,
                                                  BLOCK_L, MXFP4, HALVES, ASM, DOTS, dtype, EVEN_K)
@@ -498,34 +147,6 @@ def _gate_up_kernel(
             up = acc_u.to(dtype).to(tl.float32)
             b_h = _situ_glu(gate, up, beta, linear_beta, HAS_BETA, HAS_LINEAR_BETA)
             tl.store(p_hi, b_h.to(dtype), mask=m_hi)
-
-
-@triton.jit
-def _w2_tiles(p_w2e, p_s2e, o_n, m_n, k0, I, s_2l, s_2i, s_s2l, s_s2i, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              MXFP4: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr, DOTS: tl.constexpr, DTYPE: tl.constexpr,
-              EVEN_K: tl.constexpr, ROWS: tl.constexpr):
-    """w2[e] rows ``o_n`` x columns [k0, k0 + BLOCK_K) as the down product takes them (``_rows_tiles`` for ROWS,
-    else ``_weight_tiles``)."""
-    if ROWS:
-        return _rows_tiles(p_w2e + o_n * s_2l, p_s2e + o_n * s_s2l, m_n, k0, I, s_2i, s_s2i, BLOCK_N, BLOCK_K, MXFP4,
-                           ASM, DTYPE, EVEN_K)
-    else:
-        return _weight_tiles(p_w2e, p_s2e, o_n, m_n, k0, I, s_2l, s_2i, s_s2l, s_s2i, BLOCK_N, BLOCK_K, MXFP4, HALVES,
-                             ASM, DOTS, DTYPE, EVEN_K)
-
-
-@triton.jit
-def _down_step(acc, b_wa, b_wb, p_hj, m_hj, k0, I, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-               MXFP4: tl.constexpr, HALVES: tl.constexpr, DOTS: tl.constexpr, X_FMT: tl.constexpr,
-               IEEE: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr, ROWS: tl.constexpr):
-    """``acc`` plus the product of one w2 step with the pairs' h columns [k0, k0 + BLOCK_K): [BLOCK_N, BLOCK_M]
-    (ROWS) or [BLOCK_M, BLOCK_N]."""
-    if ROWS:
-        b_ha, b_hb = _act_rows(p_hj, m_hj, k0, I, 1, BLOCK_M, BLOCK_K, MXFP4, EVEN_K)
-        return _rows_dot(acc, b_wa, b_wb, b_ha, b_hb, MXFP4, IEEE, UPCAST)
-    else:
-        b_ha, b_hb = _act_tiles(p_hj, m_hj, k0, I, 1, BLOCK_K, HALVES)
-        return _dot2(acc, b_ha, b_hb, b_wa, b_wb, HALVES, DOTS, X_FMT, IEEE, UPCAST)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -598,66 +219,6 @@ def _down_kernel(
 
 
 @triton.jit(do_not_specialize=["M"])
-def _down_token_kernel(
-    p_h, p_ids, p_wts, p_w2, p_s2, p_out,
-    M, A, E, I, L,
-    s_2e, s_2l, s_2i, s_s2e, s_s2l, s_s2i, s_hp, s_om, s_ol,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_A: tl.constexpr, MXFP4: tl.constexpr, ASM: tl.constexpr,
-    S_ALIGN: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
-    EVEN_K: tl.constexpr,
-):
-    """Decode form, the down product and the combine in one kernel (``MoeConfig.down_by_token``): program (token m,
-    n-tile) streams w2[e] rows [BLOCK_N, I] for each of the token's A slots in slot order, one flat loop over
-    (slot, k step) so the pipeline never drains between slots; acc [BLOCK_N, 16] = w2 · hᵀ with the pair's h row in
-    column 0 (the other 15 masked to zero), y rounded to z's dtype, weighted in fp32 and added to the token's sum,
-    which is stored once: no partials, no combine kernel, the same fixed order on every run. A token's experts are
-    read once for that token (tokens sharing an expert read it again; at M = 1 none do). A token holding an id
-    outside [0, E) comes out NaN, reading no weight for it."""
-    m = tl.program_id(0)
-    i_n = tl.program_id(1)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < L
-    row0 = (tl.arange(0, 16) == 0)[:, None]   # h's rows in the product: this pair's in row 0
-    k_steps = tl.cdiv(I, BLOCK_K)
-    if S_ALIGN > 1:   # the host checked S_ALIGN divides it; spelled so Triton's alignment analysis sees it
-        s_s2l = (s_s2l // S_ALIGN) * S_ALIGN
-    dtype = p_h.dtype.element_ty
-    # the token's router weights in registers (a load in the loop would wait out its latency every slot: only loads
-    # feeding the product pipeline); ids and weights are inputs of the op, readable before the wait
-    o_a = tl.arange(0, BLOCK_A)
-    wts = tl.load(p_wts + m * A + o_a, mask=o_a < A, other=0.).to(tl.float32)
-    if PDL:
-        gdc_wait()   # h is the gate/up kernel's output
-        if EARLY:
-            gdc_launch_dependents()   # after our own wait
-    acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-    total = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-    bad = m < 0
-    for it in range(0, A * k_steps):
-        a = it // k_steps
-        k0 = (it - a * k_steps) * BLOCK_K
-        pair = m * A + a
-        e = tl.load(p_ids + pair)
-        valid = (e >= 0) & (e < E)
-        e64 = tl.where(valid, e, 0).to(tl.int64)
-        b_wa, b_wb = _rows_tiles(p_w2 + e64 * s_2e + o_n * s_2l, p_s2 + e64 * s_s2e + o_n * s_s2l, m_n & valid, k0, I,
-                                 s_2i, s_s2i, BLOCK_N, BLOCK_K, MXFP4, ASM, dtype, EVEN_K)
-        b_ha, b_hb = _act_rows(p_h + pair.to(tl.int64) * s_hp + tl.zeros([16, 1], dtype=tl.int32), row0 & valid, k0,
-                               I, 1, 16, BLOCK_K, MXFP4, EVEN_K)
-        acc = _rows_dot(acc, b_wa, b_wb, b_ha, b_hb, MXFP4, IEEE, UPCAST)
-        # the slot's last step: y rounded to z's dtype as the model's product is, weighted in fp32, summed in order
-        last = k0 + BLOCK_K >= I
-        wt = tl.sum(tl.where(o_a == a, wts, 0.), axis=0)
-        total = tl.where(last, total + acc.to(dtype).to(tl.float32) * wt, total)
-        acc = tl.where(last, 0., acc)
-        bad = bad | (valid == 0)
-    if PDL and not EARLY:
-        gdc_launch_dependents()   # after our own wait
-    out = tl.where(bad, float("nan"), tl.sum(total, axis=1))   # column 0 only is non-zero
-    tl.store(p_out + m * s_om + o_n * s_ol, out.to(p_out.dtype.element_ty), mask=m_n)
-
-
-@triton.jit(do_not_specialize=["M"])
 def _combine_kernel(p_part, p_ids, p_out, M, A, E, L, s_om, s_ol, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr,
                     PDL: tl.constexpr):
     """out[m, n-tile] = Σ_a partial[m·A + a] in slot order (fp32, [A, BLOCK_N] in one load), NaN where an id of the
@@ -678,6 +239,7 @@ def _combine_kernel(p_part, p_ids, p_out, M, A, E, L, s_om, s_ol, BLOCK_N: tl.co
     if PDL:
         gdc_launch_dependents()
     tl.store(p_out + m * s_om + o_n * s_ol, total.to(p_out.dtype.element_ty), mask=m_n)
+
 
 
 # --- host side --------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ from typing import Optional
 
 import torch
 
-from .op import SKINNY_GEMM, skinny_gemm_op
+from .dispatch import SKINNY_GEMM
+from .op import skinny_gemm_op
 
 __all__ = ["skinny_gemm", "SKINNY_GEMM"]
 

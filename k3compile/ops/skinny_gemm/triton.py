@@ -10,7 +10,7 @@ kernel. Products run on tensor cores (``tl.dot``, M padded to 16) or, for a few 
 (broadcast multiply, one K reduction at the end: one row takes such a grid of 8-column tiles by default
 where the tensor-core grid would split K, see ``FMA_ROW``).
 Weight tiles, and optionally a's, may come by TMA. Accumulation is fp32 always; fp32 inputs use IEEE
-products (no TF32). Any M <= ``MAX_M``, N and K; tails are masked.
+products (no TF32). Any M <= ``triton_config.MAX_M``, N and K; tails are masked.
 
 With ``pdl`` (sm_90+) the kernel is launched with programmatic dependent launch: its programs may start
 while the previous kernel finishes, and touch nothing another kernel may write or read (a, residual, out,
@@ -23,7 +23,6 @@ Runs on CUDA/ROCm tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (test
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 from typing import Optional
 
@@ -36,13 +35,11 @@ try:  # grid dependency control (PDL), Triton >= 3.4
 except ImportError:  # pragma: no cover
     gdc_launch_dependents = gdc_wait = None
 
+from k3compile.backends import is_rocm, sm_count
 from k3compile.ops.arrival_counters import PARTIAL_EMPTY as _EMPTY_WORD, arrival_counters, partial_slots
-from k3compile.backends import is_rocm, Reason, sm_count, triton_can_run_on
 
-from .triton_config import TritonConfig, choose_config  # noqa: F401  (imported from here by callers)
-
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_M = 64  # beyond this the whole-M register tile spills; callers use cuBLAS there
+from . import triton_config
+from .triton_config import TritonConfig, supports
 
 
 @triton.jit
@@ -305,42 +302,6 @@ def _descriptor(t: torch.Tensor, rows: int, cols: int):
     return TensorDescriptor.from_tensor(t, [rows, cols])
 
 
-def supports(a, w, bias=None, residual=None) -> Reason:
-    """None if the kernel handles these operands, else why not (any strides and offsets are fine)."""
-    if a.dim() != 2 or w.dim() != 2:
-        return f"needs 2-D a and w, got {a.dim()}-D and {w.dim()}-D"
-    if a.dtype not in SUPPORTED_DTYPES:
-        return f"dtype {a.dtype} not in {SUPPORTED_DTYPES}"
-    for name, t in (("w", w), ("bias", bias), ("residual", residual)):
-        if t is not None and t.dtype != a.dtype:
-            return f"{name} dtype {t.dtype} != a dtype {a.dtype}"
-    if a.shape[0] > MAX_M:
-        return f"M={a.shape[0]} > {MAX_M}"
-    return None
-
-
-def profitable(a, w, bias=None, residual=None) -> Reason:
-    """None where the kernel beats cuBLAS by more than the noise, else the reason. Measured on the H200
-    (graph-timed, the configs ``choose_config`` picks; benchmarks/results/skinny_gemm_triton_sweep_h200.log
-    at M = 1, 4, 16, skinny_gemm_triton_pdl_h200.log and skinny_gemm_triton_{coresident,settled}_h200.log
-    at M = 1..16): ahead by 3-25% for N >= 2048 and K >= 4096 (2112, 3584, 4608, 20480 x 7168), by 20-25%
-    for 7168 x 3584 at M <= 8 and 7% at M = 16, by 10% for 7168 x 2048 (M 1, 16); behind at 7168 x 1536
-    (-10%); on par at 896 x 7168 (+2-4%). ROCm has no measurement and no CuTe: Triton stays the path
-    there, as it does for CPU tensors under the interpreter."""
-    if a.device.type != "cuda" or is_rocm():
-        return None
-    m = a.shape[0]
-    n, k = w.shape
-    if n >= 2048 and (k >= 4096 or (k >= 3072 and m <= 8) or (n >= 7168 and k >= 2048 and m <= 16)):
-        return None
-    return (f"cuBLAS measured as fast or faster for M={m} N={n} K={k} (Triton wins at N >= 2048 and "
-            "K >= 4096, K >= 3072 with M <= 8, or N >= 7168 and K >= 2048 with M <= 16, on the H200)")
-
-
-def available(a, w, bias=None, residual=None) -> Reason:
-    return triton_can_run_on(a, w, bias, residual)
-
-
 def skinny_gemm_triton(
     a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
     residual: Optional[torch.Tensor] = None, *, config: Optional[TritonConfig] = None,
@@ -349,7 +310,7 @@ def skinny_gemm_triton(
     """``a[M, K] @ w[N, K]^T + bias[N] + residual[M, N]`` -> new ``[M, N]`` tensor in ``a.dtype``.
 
     a, w, bias, residual: same dtype (fp16 / bf16 / fp32), same device, any strides; M <= 64.
-    ``config`` overrides the heuristic (tests, benchmarks); ``out`` ([M, N], a.dtype) receives the
+    ``config``: the dispatch's (``dispatch.triton_config_for``), else the heuristic's; ``out`` ([M, N], a.dtype) receives the
     result instead of a new tensor (tests poison it with NaN first). ``static_weight=True`` promises that
     no kernel writes ``w`` (a parameter; the compiler proves it in the graph): a PDL launch then loads the
     first weight tiles before waiting on the previous kernel. It changes nothing where the config has no
@@ -374,11 +335,7 @@ def skinny_gemm_triton(
     if m == 0 or n == 0:
         return out
     if config is None:
-        config = choose_config(m, n, k, sm_count(a.device), static_weight)
-        if config.early_trigger and a.element_size() > 2:
-            # sized for 16-bit tiles; fp32 tiles take twice the shared memory, so fewer programs stay
-            # resident: the default depth, and the next product let in only after the K loop
-            config = dataclasses.replace(config, early_trigger=False, num_stages=None)
+        config = triton_config.for_dtype(triton_config.heuristic(m, n, k, sm_count(a.device)), a.element_size())
     elif config.block_m < m or config.block_m & (config.block_m - 1) or (not config.fma and config.block_m < 16):
         raise ValueError(f"skinny_gemm_triton: {config} cannot hold M={m} "
                          "(block_m: a power of 2 >= M, and >= 16 for tl.dot)")

@@ -1,0 +1,122 @@
+"""What ``optimize`` keeps of each graph it compiles (``CompiledGraph``, which ``report`` prints): the pass record,
+stored in a small sidecar JSON under Inductor's cache directory keyed by the Dynamo graph's code, its inputs' metadata
+and our pass's uuid (so that on an FX-cache hit, where no pass runs, the record is loaded instead and the report stays
+truthful on a warm start), the cache counters' deltas, and what the graph computes (its label)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from .passes import GraphRecord
+
+log = logging.getLogger("k3compile")
+
+
+@dataclass
+class CompiledGraph:
+    """One graph Dynamo handed to the compiler, and what our passes did to it."""
+    key: str
+    record: Optional[GraphRecord]   # None: served from cache and no sidecar found
+    source: str                     # "pass ran" | "cache hit (sidecar)" | "cache hit (no record)" | STOOD_DOWN
+    compile_seconds: float          # wall time of compile_fx for this graph
+    cache_hits: dict = field(default_factory=dict)   # counter deltas during compile_fx
+    label: str = ""                 # what the graph computes: "prefill, batch 1, 8 tokens", "decode, batch 2", ""
+    devices: tuple = ()             # device types of its tensors, e.g. ("cuda",)
+    stood_down: str = ""            # why our passes left it alone (backend="auto" where no k3 kernel runs)
+
+    @property
+    def on_gpu(self) -> bool:
+        return "cuda" in self.devices
+
+
+STOOD_DOWN = "compiled as plain torch.compile"
+
+
+def _sidecar_dir() -> str:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return os.path.join(cache_dir(), "k3compile")
+
+
+def _input_meta(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"T({x.dtype},{tuple(x.shape)},{tuple(x.stride())},{x.device.type})"
+    return f"{type(x).__name__}({x})"
+
+
+def graph_key(gm: torch.fx.GraphModule, inputs: list, uuid: Optional[str]) -> str:
+    """Stable across processes: the Dynamo graph's code, its inputs' metadata, our pass uuid."""
+    h = hashlib.sha256()
+    h.update(str(uuid).encode())
+    h.update(gm.code.encode())
+    for x in inputs:
+        h.update(_input_meta(x).encode())
+    return h.hexdigest()[:32]
+
+
+def save_record(key: str, record: GraphRecord) -> None:
+    try:
+        d = _sidecar_dir()
+        os.makedirs(d, exist_ok=True)
+        tmp = os.path.join(d, f"{key}.json.{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(record.to_json(), f)
+        os.replace(tmp, os.path.join(d, f"{key}.json"))
+    except OSError as e:  # a read-only cache dir costs only the warm-start report
+        log.warning("k3compile: could not store the pass record (%s)", e)
+
+
+def load_record(key: str) -> Optional[GraphRecord]:
+    try:
+        with open(os.path.join(_sidecar_dir(), f"{key}.json")) as f:
+            return GraphRecord.from_json(json.load(f))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def merge_records(records: list[GraphRecord]) -> GraphRecord:
+    out = GraphRecord()
+    for r in records:
+        for name, n in r.matches.items():
+            out.matches[name] = out.matches.get(name, 0) + n
+        out.seconds += r.seconds
+        out.registration_seconds += r.registration_seconds
+        out.facts.update(r.facts)
+    return out
+
+
+_CACHE_COUNTERS = (("inductor", "fxgraph_cache_hit"), ("aot_autograd", "autograd_cache_hit"),
+                   ("inductor", "fxgraph_cache_miss"), ("inductor", "fxgraph_cache_bypass"))
+
+
+def cache_counters() -> dict:
+    from torch._dynamo.utils import counters
+
+    return {name: counters[group][name] for group, name in _CACHE_COUNTERS}
+
+
+def graph_label(gm: torch.fx.GraphModule, inputs: list) -> str:
+    """What a Dynamo graph of a language model computes, read off its token ids ``[B, T]`` (or embeddings
+    ``[B, T, D]``): "decode, batch B" (T = 1), "prefill, batch B, T tokens", with "any" for a symbolic size;
+    "" for a graph without them."""
+    for node, x in zip(gm.graph.find_nodes(op="placeholder"), inputs):
+        value = node.meta.get("example_value", x)
+        name = node.name.lower()
+        if not isinstance(value, torch.Tensor) or not (
+                ("input_ids" in name and value.dim() == 2) or ("inputs_embeds" in name and value.dim() == 3)):
+            continue
+        batch, tokens = (s if isinstance(s, int) else "any" for s in value.shape[:2])
+        if tokens == 1:
+            return f"decode, batch {batch}"
+        return f"prefill, batch {batch}, {tokens} tokens" if tokens != "any" else f"prefill, batch {batch}, any length"
+    return ""
+
+
+def device_types(inputs: list) -> tuple:
+    return tuple(sorted({x.device.type for x in inputs if isinstance(x, torch.Tensor)}))

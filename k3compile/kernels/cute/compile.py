@@ -1,0 +1,157 @@
+"""Compiling the CuTe skinny GEMM kernels: one cache for both (``mma.py`` for an ``MmaConfig``, ``wgmma.py`` for a
+``WgmmaConfig``).
+
+A variant is (dtype, M, configuration, bias?, residual?, static weight?, fused-norm eps); N, K and the row strides
+are symbolic in the compiled kernel, so one compile serves every shape. A compiled variant is kept in memory and
+exported to a disk cache so that another process loads it in milliseconds instead of compiling (~0.3 s): the file
+is ``K3_CUTE_CACHE_DIR/<fingerprint>/<variant name>.o`` (default ``~/.cache/k3compile/cute``; "0" turns it off).
+The fingerprint hashes this package's sources, the DSL version and the target arch, so a cache built on a CPU host
+with ``CUTE_DSL_ARCH=sm_90a`` serves an H200. Every compiled kernel is called ``fn(a, w, out, bias, residual, g)``
+(``g``: the fused norm's weight, else None) on the current torch stream, through TVM-FFI.
+
+Nothing here imports cutlass at its top: the kernel modules load on the first build (``KERNEL_MODULES``; an op's
+``available`` predicate adds :func:`unavailable`, so a DSL that does not import them is a recorded fallback).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import struct
+import threading
+from typing import Optional
+
+import torch
+
+from k3compile.backends import Reason, cute_importable
+from k3compile.kernel_module import KernelModule
+from k3compile.kernels.cute.configs import VEC, KernelConfig, MmaConfig, WgmmaConfig
+
+_compiled: dict = {}
+_compile_lock = threading.Lock()   # cute.compile is not thread-safe
+_SOURCES = ("asm.py", "compile.py", "configs.py", "mma.py", "mma_ring.py", "wgmma.py")
+# the kernel class of each configuration type, in a module that imports cutlass at its top
+KERNEL_MODULES = {MmaConfig: (KernelModule(f"{__package__}.mma", cute_importable), "MmaSkinnyGemm"),
+                  WgmmaConfig: (KernelModule(f"{__package__}.wgmma", cute_importable), "WgmmaSkinnyGemm")}
+
+
+def unavailable() -> Reason:
+    """None where CuTe DSL imports both kernel modules, else why not."""
+    for module, _ in KERNEL_MODULES.values():
+        reason = module.reason()
+        if reason is not None:
+            return reason
+    return None
+
+
+def compile_kernel(dtype: torch.dtype, m: int, cfg: KernelConfig, has_bias: bool, has_res: bool,
+                   static_weight: bool = False, norm_eps: Optional[float] = None):
+    """The compiled kernel for this variant: from memory, else from disk, else compiled (and saved).
+
+    ``norm_eps``: fuse the RMSNorm of A with this eps (the latent-MoE tail; ``g`` then is the norm weight). It is
+    baked into the kernel: one model uses one eps.
+    """
+    key = (dtype, m, cfg, has_bias, has_res, static_weight, None if norm_eps is None else float(norm_eps))
+    fn = _compiled.get(key)
+    if fn is not None:
+        return fn
+    with _compile_lock:
+        fn = _compiled.get(key)
+        if fn is None:
+            fn = _compiled[key] = _load_or_build(variant_name(key), key)
+    return fn
+
+
+def variant_name(key) -> str:
+    """The variant's file and symbol name: its kernel, dtype, M, configuration tag, flags and the exact eps."""
+    dtype, m, cfg, has_bias, has_res, static_w, eps = key
+    kernel = "skinny" if isinstance(cfg, MmaConfig) else "wgmma"
+    norm = "" if eps is None else "_norm" + struct.pack(">d", eps).hex()   # the exact eps, name-safe
+    return (f"k3_{kernel}_{str(dtype).split('.')[-1]}_m{m}_{cfg.tag().replace('-', '_')}"
+            f"_b{int(has_bias)}_r{int(has_res)}_s{int(static_w)}{norm}")
+
+
+def cute_dtype(dtype: torch.dtype):
+    import cutlass
+    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
+
+
+def dsl_and_arch() -> str:
+    """The DSL version and the target arch (the DSL targets the arch-specific "a" variant from sm_90)."""
+    import cutlass
+    arch = os.environ.get("CUTE_DSL_ARCH", "")
+    if not arch and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        arch = "sm_%d%d%s" % (major, minor, "a" if major >= 9 else "")
+    return f"{getattr(cutlass, '__version__', '?')}/{arch}"
+
+
+@functools.cache
+def fingerprint() -> str:
+    """What a cached kernel depends on: this package's sources (not the tables: a variant's name spells its
+    configuration), the DSL version and the target arch."""
+    h = hashlib.sha256()
+    for name in _SOURCES:
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), name), "rb") as f:
+            h.update(f.read())
+    h.update(dsl_and_arch().encode())
+    return h.hexdigest()[:16]
+
+
+def _load_or_build(name: str, key):
+    import cutlass.cute as cute
+
+    root = os.environ.get("K3_CUTE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "k3compile", "cute"))
+    cdir = None if root == "0" else os.path.join(root, fingerprint())
+    path = os.path.join(cdir, name + ".o") if cdir else None
+    if path and os.path.exists(path):
+        try:
+            return cute.runtime.load_module(path, enable_tvm_ffi=True)[name]
+        except Exception:  # a stale or torn file: build below and overwrite it
+            pass
+    fn = build(key)
+    if path:
+        try:
+            os.makedirs(cdir, exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            fn.export_to_c(object_file_path=tmp, function_name=name)
+            os.replace(tmp, path)  # atomic: a second process sees the whole file or none
+        except Exception:
+            pass  # the cache is an optimisation; the compiled function is already in hand
+    return fn
+
+
+def build(key):
+    """Compile one variant (no cache)."""
+    import cutlass.cute as cute
+
+    dtype, m, cfg, has_bias, has_res, static_w, eps = key
+    if isinstance(cfg, WgmmaConfig):
+        bad = cfg.invalid()
+        if bad:
+            raise ValueError(f"WgmmaConfig {cfg.tag()}: {bad}")
+    module, name = KERNEL_MODULES[type(cfg)]
+    Kernel = getattr(module.module(), name)
+    kernel = Kernel(cute_dtype(dtype), m, cfg, has_bias, has_res, static_w, eps)
+    fake = fake_args(dtype, m, has_bias, has_res, eps is not None, static_m=isinstance(cfg, MmaConfig))
+    return cute.compile(kernel, *fake, options="--enable-tvm-ffi")
+
+
+def fake_args(dtype: torch.dtype, m: int, has_bias: bool, has_res: bool, has_norm: bool, static_m: bool):
+    """Fake tensors with symbolic N, K and row strides, as the kernels are called: (a, w, out, bias, residual, g,
+    stream). ``static_m``: A's row count is M (the mma.sync kernel); the wgmma kernel leaves it symbolic, because a
+    static extent of 1 collapses its TMA to 1-D (an illegal instruction on the H200 with the 2-D swizzled box) -- its
+    M is the compile-time ``m`` all the same."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    cd = cute_dtype(dtype)
+    n, k = cute.sym_int(), cute.sym_int(divisibility=VEC)
+    lda, ldw = cute.sym_int64(divisibility=VEC), cute.sym_int64(divisibility=VEC)
+    a = make_fake_tensor(cd, (m if static_m else cute.sym_int(), k), (lda, 1), assumed_align=16)
+    w = make_fake_tensor(cd, (n, k), (ldw, 1), assumed_align=16)
+    c = make_fake_tensor(cd, (m, n), (cute.sym_int64(), 1), assumed_align=2)
+    bias = make_fake_tensor(cd, (n,), (1,), assumed_align=2) if has_bias else None
+    res = make_fake_tensor(cd, (m, n), (cute.sym_int64(), 1), assumed_align=2) if has_res else None
+    g = make_fake_tensor(cd, (k,), (1,), assumed_align=16) if has_norm else None
+    return a, w, c, bias, res, g, make_fake_stream(use_tvm_ffi_env_stream=True)
