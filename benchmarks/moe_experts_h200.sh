@@ -39,8 +39,9 @@ step tp16     ${T_TP16:-40}    python $B --tp 16 --formats bf16 mxfp4 --m 1 8 16
 step autotune ${T_AUTOTUNE:-120} python $B --tp 8 --formats bf16 --m ${AUTOTUNE_M:-1 8} \
                                --autotune-m ${AUTOTUNE_M:-1 8} --compile-m ${AUTOTUNE_M:-1 8} --skewed-m \
                                --autotune-budget ${AUTOTUNE_BUDGET:-45} --json "$OUT/autotune.json"
-for f in $STEPS; do   # the headline rows (every row is in $OUT/<step>.log and .json)
-    [ -f "$OUT/$f.log" ] && { echo "----- $f"; grep -E "passed|failed|Error" "$OUT/$f.log" | tail -3;
-        sed -n '/all rows/,$p' "$OUT/$f.log" | grep -E " (k3|compile|max-autotune|dense|k3\[[a-z_-]+\]) " \
-            | cut -c1-150 | tail -n ${TAIL:-30}; }
+for f in $STEPS; do   # headline rows: format, routing, M, provider, us, % of floor, rel err (all in $OUT/<step>.*)
+    [ -f "$OUT/$f.log" ] && { echo "----- $f"; grep -E "passed|failed|Error|prewarm|compiled and checked|budget" \
+        "$OUT/$f.log" | tail -6; sed -n '/all rows/,$p' "$OUT/$f.log" \
+        | awk '$7 ~ /^(k3|k3:.*|k3\[.*\]|compile|max-autotune|dense)$/ {
+               printf "%-5s %-6s %4s %-64s %8s %7s %s\n", $2, $3, $4, $7, $8, $9, $12 }' | tail -n ${TAIL:-60}; }
 done
