@@ -38,6 +38,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Optional, Sequence
 
 if "--smoke" in sys.argv:   # before triton is imported: the kernels then run in its interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -62,21 +63,29 @@ ROTATE_BYTES = 400 * 2**20
 SMOKE = "--smoke" in sys.argv
 DEVICE = "cpu" if SMOKE else "cuda"
 
-# The configurations --sweep-m times (tune picks among them): gate/up tiles with the default down tiles, then the
-# down tiles with the default gate/up tiles; MXFP4 also as even/odd halves.
-# (H200 run 2, TP=8 bf16, with the combine kernel: the defaults 42.9 / 436.8 us at M = 1 / 16; n128-w8 48.6 /
-# 523.8; i16, i64-w8 and n32 were only timed beside the in-kernel combine since removed: docs/tuning/moe_experts.md)
-SWEEP = [MoeConfig(), MoeConfig(block_i=16, stages_up=6), MoeConfig(block_i=64, warps_up=8),
-         MoeConfig(block_n=32), MoeConfig(block_n=32, block_k=256, stages_down=2),
-         MoeConfig(block_n=64, block_k=64, stages_down=4), MoeConfig(block_n=128, warps_down=8)]
+# The configurations --sweep-m times (tune picks among them; docs/tuning/moe_experts.md, run 3, predicts each).
+# bf16: the defaults (run 2: 42.9 / 436.8 us at M = 1 / 16), then PDL's early trigger (the down kernel's programs
+# resident and preloading w2 while gate/up streams), fatter or thinner down programs, the weight rows form (weights
+# as the products' rows: wgmma, every K-loop load pipelined), and the down product with the combine in one kernel
+# (a program per token and column tile streaming its A experts in one pipelined loop: no partials, no third launch).
+_EARLY = dict(trigger_early=True)
+_ROWS = dict(weight_rows=True, trigger_early=True)
+_TOKEN = dict(down_by_token=True, trigger_early=True, block_n=16, stages_down=8)
+SWEEP = [MoeConfig(), MoeConfig(**_EARLY), MoeConfig(block_n=128, warps_down=8, **_EARLY),
+         MoeConfig(block_n=32, **_EARLY), MoeConfig(**_ROWS), MoeConfig(block_i=16, **_ROWS), MoeConfig(**_TOKEN),
+         MoeConfig(**dict(_TOKEN, block_n=32, stages_down=6)), MoeConfig(weight_rows=True, **_TOKEN)]
+# MXFP4 (bf16 z): the table's pick (halves + byte lookup, run 2: 106.6 / 898.0 us with the in-kernel combine since
+# removed), tl.dot_scaled (never timed; its scale bytes now load as words), and the weight rows form with the
+# bit-move conversion (E2M1_BF16_BITS): R = 2·block_i rows of w1/w3 and block_n rows of w2 a wgmma tile
 _ASM = dict(mxfp4_halves=True, mxfp4_asm=True)
-SWEEP_MXFP4 = [MoeConfig(), MoeConfig(**_ASM), MoeConfig(mxfp4_dot_scaled=True),
-               MoeConfig(block_i=64, block_l=256, stages_up=3, **_ASM),
-               MoeConfig(block_i=64, block_l=256, stages_up=3, mxfp4_dot_scaled=True),
-               MoeConfig(block_i=32, block_l=256, stages_up=3, block_n=32, block_k=256, stages_down=2,
-                         mxfp4_dot_scaled=True)]
-# --kernels-m: each kernel of the default configuration alone (its buffers uninitialised: timing only)
+_MXROWS = dict(weight_rows=True, mxfp4_asm=True, trigger_early=True, block_l=256, stages_up=3, block_n=128)
+SWEEP_MXFP4 = [MoeConfig(**_ASM), MoeConfig(mxfp4_dot_scaled=True, **_EARLY), MoeConfig(**_MXROWS),
+               MoeConfig(stages_down=4, **dict(_MXROWS, stages_up=4)), MoeConfig(block_i=64, warps_up=8, **_MXROWS),
+               MoeConfig(block_i=16, warps_up=2, **dict(_MXROWS, stages_up=4))]
+# --kernels-m: each kernel of the default configuration alone (its buffers uninitialised: timing only); MXFP4 also
+# the weight rows form's two kernels (the sweep's third MXFP4 configuration: compiled once for both)
 KERNELS = {"k3[gate_up]": ("gate_up", None), "k3[down]": ("down", None), "k3[combine]": ("combine", None)}
+KERNELS_MXFP4 = {"k3[gate_up-rows]": ("gate_up", _MXROWS), "k3[down-rows]": ("down", _MXROWS)}
 
 
 def parse_args(argv=None):
@@ -91,6 +100,10 @@ def parse_args(argv=None):
     p.add_argument("--autotune-m", type=int, nargs="*", default=[], help="Ms with max-autotune (bf16, TP 8)")
     p.add_argument("--sweep-m", type=int, nargs="*", default=[], help="Ms at which the SWEEP configurations run")
     p.add_argument("--kernels-m", type=int, nargs="*", default=[], help="Ms at which each kernel is timed alone")
+    p.add_argument("--autotune-budget", type=float, default=45.0,
+                   help="seconds one max-autotune compile may take (per M); past it the provider is skipped")
+    p.add_argument("--prewarm", type=int, default=8,
+                   help="processes that compile the swept configurations in parallel before timing (0: none)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved timing passes; a row is their median")
     p.add_argument("--replays", type=int, default=20, help="graph replays per pass")
     p.add_argument("--json", default=None)
@@ -241,9 +254,31 @@ def time_us(run, n_layers: int, replays: int) -> float:
     return graph_replay_us(run, iters=1, replays=replays, warmup=2) / n_layers
 
 
+class CompileBudgetExceeded(Exception):
+    pass
+
+
+def bounded(fn, seconds: float):
+    """``fn()``, interrupted (CompileBudgetExceeded) once it has run ``seconds`` (main thread; 0: unbounded)."""
+    if seconds <= 0 or SMOKE:
+        return fn()
+    import signal
+
+    def alarm(signum, frame):
+        raise CompileBudgetExceeded(f"compile still running after {seconds:.0f} s (--autotune-budget)")
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        return fn()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def check(name, fn, s, weights, m, routing) -> float:
     """Relative error of ``fn`` against the fp32 reference on fresh inputs; the swept kernels write into a
-    NaN-poisoned output (the other providers allocate their own)."""
+    NaN-poisoned output (the other providers allocate their own). The first call of a compiled provider compiles."""
     z, experts, wts = make_routing(m, s, routing, layer=99, seed=7)
     args = (z, experts, wts, *weights)
     if name.startswith("k3["):
@@ -267,13 +302,18 @@ def run_point(args, s, fmt, weights, m, routing, providers, ceiling) -> list:
             break
         n_layers *= 2
     floor_us = sum(layer_bytes) / len(layer_bytes) / (ceiling * 1e12) * 1e6
-    rows, runs, errs = [], {}, {}
+    rows, runs, errs, compile_s = [], {}, {}, {}
     for name, fn in providers.items():
+        t0 = time.time()
         try:
-            errs[name] = check(name, fn, s, weights, m, routing)
+            budget = args.autotune_budget if name == "max-autotune" else 0
+            errs[name] = bounded(lambda: check(name, fn, s, weights, m, routing), budget)
         except Exception as e:   # one provider that cannot run (a compile error) must not take the others with it
-            print(f"   {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            print(f"   {name}: {type(e).__name__}: {str(e)[:300]} ({time.time() - t0:.1f} s)", flush=True)
             continue
+        if name in ("compile", "max-autotune"):
+            compile_s[name] = time.time() - t0
+            print(f"   {name}: compiled and checked in {compile_s[name]:.1f} s", flush=True)
         outs = [None] * n_layers
 
         def run(fn=fn, outs=outs):
@@ -292,6 +332,7 @@ def run_point(args, s, fmt, weights, m, routing, providers, ceiling) -> list:
         rows.append(dict(tp=FULL_I // s["i"] if not SMOKE else 8, format=fmt, routing=routing, m=m, provider=name,
                          us=us, us_passes=samples[name], floor_us=floor_us, pct_floor=100 * floor_us / us,
                          distinct_experts=sum(distinct) / len(distinct), layers=n_layers, rel_err=errs[name],
+                         compile_s=compile_s.get(name),
                          speedup_vs_compile=times["compile"] / us if "compile" in times else None,
                          speedup_vs_autotune=times["max-autotune"] / us if "max-autotune" in times else None))
     return rows
@@ -305,7 +346,8 @@ def providers_for(args, tp, fmt, m) -> dict:
         for cfg in (SWEEP if fmt == "bf16" else SWEEP_MXFP4):
             out[f"k3:{cfg.tag()}"] = k3_config(cfg)
     if m in args.kernels_m:
-        out.update({name: k3_kernel(only, overrides) for name, (only, overrides) in KERNELS.items()})
+        kernels = dict(KERNELS, **(KERNELS_MXFP4 if fmt == "mxfp4" else {}))
+        out.update({name: k3_kernel(only, overrides) for name, (only, overrides) in kernels.items()})
     want_compile = args.compile_m is None or m in args.compile_m
     if want_compile and fmt == "bf16":
         out["compile"] = compiled(model_float)
@@ -316,6 +358,42 @@ def providers_for(args, tp, fmt, m) -> dict:
     if fmt == "bf16" and not gathered:
         out["dense"] = dense_fallback
     return out
+
+
+def _prewarm_one(task) -> float:
+    """Compile one swept configuration's kernels (a worker process): the K3 widths with 16 experts, so every
+    argument Triton specialises on (alignments, multiples of 16, the constexprs) is that of the timed calls and the
+    timed process finds the kernels in Triton's on-disk cache."""
+    fmt, tp, config, ms = task
+    t0 = time.time()
+    s = dict(shapes(tp), e=16)
+    weights = make_weights(s, fmt)
+    for m in ms:
+        z, experts, wts = make_routing(m, s, "random", layer=0, seed=0)
+        moe_experts_triton(z, experts, wts, *weights, *BETAS, config=MoeConfig(**config))
+    torch.cuda.synchronize()
+    return time.time() - t0
+
+
+def prewarm(args) -> None:
+    """Compile every swept configuration in ``args.prewarm`` processes at once (each is three kernels, seconds of
+    compile: in one process they would take most of a benchmark step's time limit)."""
+    if SMOKE or args.prewarm <= 0 or not args.sweep_m:
+        return
+    import multiprocessing
+
+    tasks = [(fmt, tp, dataclasses.asdict(c), sorted(set(args.sweep_m)))
+             for tp in args.tp for fmt in args.formats for c in (SWEEP if fmt == "bf16" else SWEEP_MXFP4)]
+    t0 = time.time()
+    pool = multiprocessing.get_context("spawn").Pool(min(args.prewarm, len(tasks)))
+    try:
+        done = pool.map_async(_prewarm_one, tasks).get(timeout=75)
+        print(f"prewarm: {len(done)} configurations compiled in {time.time() - t0:.1f} s "
+              f"({args.prewarm} processes; slowest {max(done):.1f} s)", flush=True)
+    except Exception as e:   # the timed process compiles whatever is missing
+        print(f"prewarm: {type(e).__name__}: {str(e)[:200]} after {time.time() - t0:.1f} s", flush=True)
+    finally:
+        pool.terminate()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -409,9 +487,10 @@ def dense_entries(rows) -> list:
     return out
 
 
-def write_table(path: Path, configs: list, dense: list, rows: list) -> None:
+def write_table(path: Path, configs: list, dense: Optional[list] = None, rows: Sequence = ()) -> None:
     """Merge this run's picks into ``path`` (``tables/<gpu>.json``'s format): entries of the same dtype, format,
-    widths and M replaced, dense entries replaced for the widths this run measured in bf16, the rest kept."""
+    widths and M replaced, dense entries (unless None: kept) replaced for the widths this run measured in bf16, the
+    rest kept."""
     table = json.loads(path.read_text()) if path.exists() else {}
 
     def key(e):
@@ -419,9 +498,10 @@ def write_table(path: Path, configs: list, dense: list, rows: list) -> None:
 
     kept = {key(e): e for e in table.get("configs", [])}
     kept.update({key(e): e for e in configs})
-    measured = {(shapes(r["tp"])["i"], shapes(r["tp"])["l"]) for r in rows if r["format"] == "bf16"}
     table["configs"] = sorted(kept.values(), key=key)
-    table["dense"] = [e for e in table.get("dense", []) if (e["I"], e["L"]) not in measured] + dense
+    if dense is not None:
+        measured = {(shapes(r["tp"])["i"], shapes(r["tp"])["l"]) for r in rows if r["format"] == "bf16"}
+        table["dense"] = [e for e in table.get("dense", []) if (e["I"], e["L"]) not in measured] + dense
     path.write_text(json.dumps(table, indent=1) + "\n")
 
 
@@ -436,6 +516,7 @@ def main(argv=None):
     print(f"{info['device']}  torch {info['torch']}  triton {info['triton']}  copy ceiling {ceiling:.2f} TB/s")
     rows = []
     t_start = time.time()
+    prewarm(args)
     for tp in args.tp:
         s = shapes(tp)
         for fmt in args.formats:
@@ -450,6 +531,8 @@ def main(argv=None):
                     print_table(point)
                     if args.json:   # after every point: a run cut short keeps what it measured
                         Path(args.json).write_text(json.dumps(dict(info, rows=rows), indent=1))
+                    if args.table and m in args.sweep_m:   # the picks so far, likewise (dense ones at the end)
+                        write_table(Path(args.table), best_configs(rows))
                     print(f"   ({time.time() - t0:.1f} s; {time.time() - t_start:.0f} s so far)", flush=True)
             del weights
             if not SMOKE:

@@ -4,8 +4,10 @@
 #   run(carry=[...], command="bash benchmarks/moe_experts_h200.sh")
 # STEPS picks steps (default: all); T_<STEP> overrides a step's seconds. The bf16 and mxfp4 steps merge their
 # measured picks into $OUT/h200.json, a copy of k3compile/ops/moe_experts/tables/h200.json (copy it back to use
-# them). Without an installed checkout, the package mapping of setup.py is made with two links (k3compile/model,
-# k3compile/patterns) and PYTHONPATH.
+# them); they compile their swept configurations in 8 processes first ("prewarm:" in their logs). AUTOTUNE_BUDGET
+# bounds each max-autotune compile (seconds per M; past it that provider is skipped, the log says so). Without an
+# installed checkout, the package mapping of setup.py is made with two links (k3compile/model, k3compile/patterns)
+# and PYTHONPATH.
 set -u
 OUT=${OUT:-moe_out}; mkdir -p "$OUT"
 cp k3compile/ops/moe_experts/tables/h200.json "$OUT/h200.json"
@@ -36,9 +38,10 @@ step tp16     ${T_TP16:-40}    python $B --tp 16 --formats bf16 mxfp4 --m 1 8 16
                                --json "$OUT/tp16.json"
 step autotune ${T_AUTOTUNE:-120} python $B --tp 8 --formats bf16 --m ${AUTOTUNE_M:-1 8} \
                                --autotune-m ${AUTOTUNE_M:-1 8} --compile-m ${AUTOTUNE_M:-1 8} --skewed-m \
-                               --json "$OUT/autotune.json"
-for f in $STEPS; do   # the headline rows (every row is in $OUT/<step>.log and .json)
-    [ -f "$OUT/$f.log" ] && { echo "----- $f"; grep -E "passed|failed|Error" "$OUT/$f.log" | tail -3;
-        sed -n '/all rows/,$p' "$OUT/$f.log" | grep -E " (k3|compile|max-autotune|dense|k3\[[a-z_-]+\]) " \
-            | cut -c1-150 | tail -n ${TAIL:-30}; }
+                               --autotune-budget ${AUTOTUNE_BUDGET:-45} --json "$OUT/autotune.json"
+for f in $STEPS; do   # headline rows: format, routing, M, provider, us, % of floor, rel err (all in $OUT/<step>.*)
+    [ -f "$OUT/$f.log" ] && { echo "----- $f"; grep -E "passed|failed|Error|prewarm|compiled and checked|budget" \
+        "$OUT/$f.log" | tail -6; sed -n '/all rows/,$p' "$OUT/$f.log" \
+        | awk '$7 ~ /^(k3|k3:.*|k3\[.*\]|compile|max-autotune|dense)$/ {
+               printf "%-5s %-6s %4s %-64s %8s %7s %s\n", $2, $3, $4, $7, $8, $9, $12 }' | tail -n ${TAIL:-60}; }
 done

@@ -31,8 +31,20 @@ class MoeConfig:
     stages_down: int = 3
     preload: bool = True     # the down kernel's first w2 tile loaded before its PDL wait
     mxfp4_halves: bool = False   # MXFP4: even and odd columns as two products (no interleaving of the codes)
-    mxfp4_asm: bool = False      # with mxfp4_halves, bf16 on a GPU: codes looked up in PTX (triton_tiles.E2M1_BF16_PTX)
+    # bf16 on a GPU, with mxfp4_halves: the codes looked up in PTX (triton_tiles.E2M1_BF16_PTX); with weight_rows:
+    # converted by bit moves in PTX (triton_tiles.E2M1_BF16_BITS_PTX)
+    mxfp4_asm: bool = False
     mxfp4_dot_scaled: bool = False   # MXFP4 with bf16 / fp16 z on a GPU: the codes straight to tl.dot_scaled
+    # the weights as the products' rows (acc [weight rows, tokens] = w @ zᵀ, a wgmma from 64 rows; gate/up: w1 and
+    # w3 rows stacked in one tile), z loaded contiguous (MXFP4: split into even/odd columns in registers) so every
+    # load of the K loop pipelines; MXFP4 always as even/odd halves (tl.dot_scaled is not used with it)
+    weight_rows: bool = False
+    # PDL: each kernel lets the next launch right after its own wait instead of after its K loop, so the next
+    # kernel's programs are resident and stream their static weights (preload) while this one still runs
+    trigger_early: bool = False
+    # decode form: the down product and the combine in one kernel, a program per (token, block_n columns) looping
+    # over the token's slots in order (no partials, no combine launch; an expert two tokens chose is read twice)
+    down_by_token: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_i", "block_l", "block_n", "block_k"):
@@ -46,16 +58,21 @@ class MoeConfig:
         return (f"m{self.block_m}-i{self.block_i}-l{self.block_l}-w{self.warps_up}s{self.stages_up}"
                 f"-n{self.block_n}-k{self.block_k}-w{self.warps_down}s{self.stages_down}"
                 f"{'-pre' if self.preload else ''}{'-halves' if self.mxfp4_halves else ''}"
-                f"{'-asm' if self.mxfp4_asm else ''}{'-dots' if self.mxfp4_dot_scaled else ''}")
+                f"{'-asm' if self.mxfp4_asm else ''}{'-dots' if self.mxfp4_dot_scaled else ''}"
+                f"{'-rows' if self.weight_rows else ''}{'-early' if self.trigger_early else ''}"
+                f"{'-bytoken' if self.down_by_token else ''}")
 
 
 def tuned_config(table: dict, m: int, dtype: torch.dtype, mxfp4: bool, i: int, l: int) -> Optional[MoeConfig]:
     """The measured pick of ``table`` (``tables/<gpu>.json`` "configs", written by ``benchmarks/moe_experts.py
     --table``) for this dtype, weight format and widths: the entry of the smallest measured M >= m, else of the
-    largest; None where nothing was measured."""
+    largest, among the entries of m's side of ``DECODE_MAX_M`` (a pick measured on the decode kernels is never
+    carried to the sorted form's Ms, nor the reverse); None where nothing was measured there."""
     fmt = "mxfp4" if mxfp4 else "float"
+    decode = m <= DECODE_MAX_M
     entries = sorted((e for e in table.get("configs", []) if (e["dtype"], e["format"], e["I"], e["L"]) ==
-                      (str(dtype).removeprefix("torch."), fmt, i, l)), key=lambda e: e["m"])
+                      (str(dtype).removeprefix("torch."), fmt, i, l) and (e["m"] <= DECODE_MAX_M) == decode),
+                     key=lambda e: e["m"])
     if not entries:
         return None
     pick = next((e for e in entries if e["m"] >= m), entries[-1])

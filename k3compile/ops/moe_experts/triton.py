@@ -25,15 +25,28 @@ How a program finds its expert's pairs (CUDA-graph capturable: no host sync, no 
 Every pair is covered by exactly one program, whatever the ids (duplicates within a token, every token on one
 expert). An id outside [0, E) reads no weight: its pairs' partials are NaN, so those tokens come out NaN.
 
+Other forms of the same math (``config.MoeConfig`` picks; ``benchmarks/moe_experts.py`` measures them):
+
+- ``weight_rows`` (``ROWS``): the gate/up and down kernels take the weights as the products' rows
+  (acc [weight rows, tokens] = w · zᵀ: the weights fill the MMA's 64-row side, a wgmma on sm_90, where the tokens
+  left 15 of 16 rows empty at M = 1); gate/up stacks ``BLOCK_I`` rows of w1 over the same rows of w3 in one tile;
+  z is loaded contiguous and (MXFP4) split into even and odd columns in registers, so every load of the K loop
+  pipelines (cp.async);
+- ``down_by_token`` (decode): ``triton_token._down_token_kernel`` does the down product and the combine, a program
+  per (token, n-tile) streaming the token's A experts in slot order: no partials and no third launch.
+
 MXFP4 weights: codes and scales are loaded as bytes and dequantised in registers to z's dtype, exactly as
 ``model/moe.py`` dequantises them, before the products: interleaved into one tile (``triton_tiles._mxfp4_tile``), or
-as even and odd columns (``_mxfp4_halves``; on an NVIDIA GPU in bf16 through byte lookups in PTX, ``E2M1_BF16_PTX``),
-or left to Triton's ``tl.dot_scaled`` (``MoeConfig.mxfp4_dot_scaled``, a GPU only: the interpreter lacks it).
+as even and odd columns (``_mxfp4_halves``; on an NVIDIA GPU in bf16 through byte lookups in PTX, ``E2M1_BF16_PTX``;
+in the weight rows form by bit moves, ``E2M1_BF16_BITS_PTX``), or left to Triton's ``tl.dot_scaled``
+(``MoeConfig.mxfp4_dot_scaled``, a GPU only: the interpreter lacks it).
 
 PDL (sm_90+): the gate/up kernel waits before reading anything and lets the down kernel launch after its loop;
 the down kernel reads the ids, the router weights and its first ``w2`` tile before its wait (the gate/up kernel
 triggers only after its own wait, so every kernel before it has completed: only ``h`` is the gate/up kernel's),
-and lets the next kernel launch after its loop.
+and lets the next kernel launch after its loop. ``trigger_early``: each kernel triggers right after its own wait
+instead, so the next kernel's programs are resident (and the down kernel's first w2 tile loaded) while this one
+streams; still after the wait, so the argument above holds.
 """
 from __future__ import annotations
 
@@ -44,15 +57,12 @@ import torch
 import triton
 import triton.language as tl
 
-try:  # grid dependency control (PDL), Triton >= 3.4
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover
-    gdc_launch_dependents = gdc_wait = None
-
 from k3compile.backends import Reason, is_rocm
 
 from .config import MoeConfig, decode_form, default_config, table, tuned_config  # noqa: F401
-from .triton_tiles import _act_tiles, _chunk_pairs, _dot2, _my_expert, _situ_glu, _weight_tiles
+from .triton_tiles import (_act_rows, _act_tiles, _chunk_pairs, _dot2, _down_step, _my_expert, _rows_tiles,
+                           _situ_glu, _w2_tiles, _weight_tiles, gdc_launch_dependents, gdc_wait)
+from .triton_token import _down_token_kernel
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -73,12 +83,17 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_A: tl.constexpr,
     SORTED: tl.constexpr, MXFP4: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr, DOTS: tl.constexpr,
     X_FMT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr, IEEE: tl.constexpr,
-    UPCAST: tl.constexpr, PDL: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, EVEN_K: tl.constexpr, ROWS: tl.constexpr,
 ):
+    """ROWS (``MoeConfig.weight_rows``): ``BLOCK_I`` rows of w1 above the same rows of w3 in one [2·BLOCK_I,
+    BLOCK_L] tile, acc [2·BLOCK_I, BLOCK_M] = w · zᵀ split into gate and up after the loop; w1 and w3 then share
+    their column strides (``s_1l``, scales ``s_s1l``; the host checks)."""
     slot = tl.program_id(0)
     i_i = tl.program_id(1)
     if PDL:
         gdc_wait()   # z, the ids and the router weights are the previous kernels' outputs
+        if EARLY:
+            gdc_launch_dependents()   # after our own wait (static_weights.py, step 1)
     e, runs, start, chunks, count = _my_expert(p_ids, p_offsets, slot, M, A, SORTED, BLOCK_M, BLOCK_A)
     valid = (e >= 0) & (e < E)
     if runs & valid:
@@ -89,6 +104,11 @@ def _gate_up_kernel(
         p_w3e = p_w3 + e64 * s_3e
         p_s1e = p_s1 + e64 * s_s1e
         p_s3e = p_s3 + e64 * s_s3e
+        if ROWS:   # each stacked row's first code (element) and scale
+            o_r = tl.arange(0, 2 * BLOCK_I)
+            o_ir = i_i * BLOCK_I + o_r % BLOCK_I
+            p_wr = tl.where(o_r >= BLOCK_I, p_w3e + o_ir * s_3i, p_w1e + o_ir * s_1i)
+            p_sr = tl.where(o_r >= BLOCK_I, p_s3e + o_ir * s_s3i, p_s1e + o_ir * s_s1i)
         dtype = p_z.dtype.element_ty
         for c in range(0, chunks):   # one chunk unless more than BLOCK_M pairs chose e
             pairs, m_j = _chunk_pairs(p_ids, p_order, e, start, c, count, M, A, SORTED, BLOCK_M, BLOCK_A)
@@ -96,22 +116,37 @@ def _gate_up_kernel(
             m_z = m_j[:, None]
             acc_g = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
+            acc = tl.zeros([2 * BLOCK_I, BLOCK_M], dtype=tl.float32)
             for l0 in range(0, L, BLOCK_L):
-                b_w1a, b_w1b = _weight_tiles(p_w1e, p_s1e, o_i, m_i, l0, L, s_1i, s_1l, s_s1i, s_s1l, BLOCK_I,
-                                             BLOCK_L, MXFP4, HALVES, ASM, DOTS, dtype)
-                b_w3a, b_w3b = _weight_tiles(p_w3e, p_s3e, o_i, m_i, l0, L, s_3i, s_3l, s_s3i, s_s3l, BLOCK_I,
-                                             BLOCK_L, MXFP4, HALVES, ASM, DOTS, dtype)
-                b_za, b_zb = _act_tiles(p_zj, m_z, l0, L, s_zl, BLOCK_L, HALVES)
-                acc_g = _dot2(acc_g, b_za, b_zb, b_w1a, b_w1b, HALVES, DOTS, X_FMT, IEEE, UPCAST)
-                acc_u = _dot2(acc_u, b_za, b_zb, b_w3a, b_w3b, HALVES, DOTS, X_FMT, IEEE, UPCAST)
-            if PDL:
+                if ROWS:
+                    b_wa, b_wb = _rows_tiles(p_wr, p_sr, o_ir < I, l0, L, s_1l, s_s1l, 2 * BLOCK_I, BLOCK_L, MXFP4,
+                                             ASM, dtype, EVEN_K)
+                    b_za, b_zb = _act_rows(p_zj, m_z, l0, L, s_zl, BLOCK_M, BLOCK_L, MXFP4, EVEN_K)
+                    acc = _dot2(acc, b_wa, b_wb, b_za, b_zb, MXFP4, False, X_FMT, IEEE, UPCAST)   # acc + w · zᵀ
+                else:
+                    b_w1a, b_w1b = _weight_tiles(p_w1e, p_s1e, o_i, m_i, l0, L, s_1i, s_1l, s_s1i, s_s1l, BLOCK_I,
+                                                 BLOCK_L, MXFP4, HALVES, ASM, DOTS, dtype, EVEN_K)
+                    b_w3a, b_w3b = _weight_tiles(p_w3e, p_s3e, o_i, m_i, l0, L, s_3i, s_3l, s_s3i, s_s3l, BLOCK_I,
+                                                 BLOCK_L, MXFP4, HALVES, ASM, DOTS, dtype, EVEN_K)
+                    b_za, b_zb = _act_tiles(p_zj, m_z, l0, L, s_zl, BLOCK_L, HALVES)
+                    acc_g = _dot2(acc_g, b_za, b_zb, b_w1a, b_w1b, HALVES, DOTS, X_FMT, IEEE, UPCAST)
+                    acc_u = _dot2(acc_u, b_za, b_zb, b_w3a, b_w3b, HALVES, DOTS, X_FMT, IEEE, UPCAST)
+            if PDL and not EARLY:
                 gdc_launch_dependents()   # after our own wait (static_weights.py, step 1); again is a no-op
-            # the model rounds both products, then h, to z's dtype (model/moe.py experts_gathered)
+            # the model rounds both products, then h, to z's dtype (model/moe.py experts_gathered). ROWS keeps the
+            # products' orientation to the store ([BLOCK_I, BLOCK_M]): a transpose of acc would let Triton swap the
+            # product's operands back
+            if ROWS:
+                acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_I, BLOCK_M)), (1, 2, 0)))
+                p_hi = p_h + pairs[None, :].to(tl.int64) * s_hp + o_i[:, None]
+                m_hi = m_j[None, :] & m_i[:, None]
+            else:
+                p_hi = p_h + pairs[:, None].to(tl.int64) * s_hp + o_i[None, :]
+                m_hi = m_j[:, None] & m_i[None, :]
             gate = acc_g.to(dtype).to(tl.float32)
             up = acc_u.to(dtype).to(tl.float32)
             b_h = _situ_glu(gate, up, beta, linear_beta, HAS_BETA, HAS_LINEAR_BETA)
-            tl.store(p_h + pairs[:, None].to(tl.int64) * s_hp + o_i[None, :], b_h.to(dtype),
-                     mask=m_j[:, None] & m_i[None, :])
+            tl.store(p_hi, b_h.to(dtype), mask=m_hi)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -122,7 +157,10 @@ def _down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_A: tl.constexpr,
     SORTED: tl.constexpr, MXFP4: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr, DOTS: tl.constexpr,
     X_FMT: tl.constexpr, PRELOAD: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+    EARLY: tl.constexpr, EVEN_K: tl.constexpr, ROWS: tl.constexpr, S_ALIGN: tl.constexpr,
 ):
+    """ROWS: w2's rows as the product's rows, acc [BLOCK_N, BLOCK_M] = w2 · hᵀ. ``S_ALIGN``: a power of two dividing
+    the scales' row stride (so the scale bytes load as words)."""
     slot = tl.program_id(0)
     i_n = tl.program_id(1)
     # the ids, offsets, router weights and w2 are inputs of the op: the gate/up kernel before us triggered after
@@ -133,37 +171,51 @@ def _down_kernel(
         e64 = tl.where(valid, e, 0).to(tl.int64)
         p_w2e = p_w2 + e64 * s_2e
         p_s2e = p_s2 + e64 * s_s2e
+        if S_ALIGN > 1:   # the host checked S_ALIGN divides it; spelled so Triton's alignment analysis sees it
+            s_s2l = (s_s2l // S_ALIGN) * S_ALIGN
         o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_n = (o_n < L) & valid
         dtype = p_h.dtype.element_ty
         if PRELOAD:
-            b_w0a, b_w0b = _weight_tiles(p_w2e, p_s2e, o_n, m_n, 0, I, s_2l, s_2i, s_s2l, s_s2i, BLOCK_N, BLOCK_K,
-                                         MXFP4, HALVES, ASM, DOTS, dtype)
+            b_w0a, b_w0b = _w2_tiles(p_w2e, p_s2e, o_n, m_n, 0, I, s_2l, s_2i, s_s2l, s_s2i, BLOCK_N, BLOCK_K, MXFP4,
+                                     HALVES, ASM, DOTS, dtype, EVEN_K, ROWS)
         if PDL:
             gdc_wait()
+            if EARLY:
+                gdc_launch_dependents()   # after our own wait
         for c in range(0, chunks):
             pairs, m_j = _chunk_pairs(p_ids, p_order, e, start, c, count, M, A, SORTED, BLOCK_M, BLOCK_A)
             p_hj = p_h + pairs[:, None].to(tl.int64) * s_hp
             m_hj = m_j[:, None] & valid   # an invalid expert wrote no h
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            if ROWS:
+                acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            else:
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             k_start = BLOCK_K if PRELOAD else 0
             for k0 in range(k_start, I, BLOCK_K):
-                b_wa, b_wb = _weight_tiles(p_w2e, p_s2e, o_n, m_n, k0, I, s_2l, s_2i, s_s2l, s_s2i, BLOCK_N,
-                                           BLOCK_K, MXFP4, HALVES, ASM, DOTS, dtype)
-                b_ha, b_hb = _act_tiles(p_hj, m_hj, k0, I, 1, BLOCK_K, HALVES)
-                acc = _dot2(acc, b_ha, b_hb, b_wa, b_wb, HALVES, DOTS, X_FMT, IEEE, UPCAST)
+                b_wa, b_wb = _w2_tiles(p_w2e, p_s2e, o_n, m_n, k0, I, s_2l, s_2i, s_s2l, s_s2i, BLOCK_N, BLOCK_K,
+                                       MXFP4, HALVES, ASM, DOTS, dtype, EVEN_K, ROWS)
+                acc = _down_step(acc, b_wa, b_wb, p_hj, m_hj, k0, I, BLOCK_M, BLOCK_K, MXFP4, HALVES, DOTS, X_FMT,
+                                 IEEE, UPCAST, EVEN_K, ROWS)
             if PRELOAD:
-                b_ha, b_hb = _act_tiles(p_hj, m_hj, 0, I, 1, BLOCK_K, HALVES)
-                acc = _dot2(acc, b_ha, b_hb, b_w0a, b_w0b, HALVES, DOTS, X_FMT, IEEE, UPCAST)
-            if PDL:
+                acc = _down_step(acc, b_w0a, b_w0b, p_hj, m_hj, 0, I, BLOCK_M, BLOCK_K, MXFP4, HALVES, DOTS, X_FMT,
+                                 IEEE, UPCAST, EVEN_K, ROWS)
+            if PDL and not EARLY:
                 gdc_launch_dependents()   # after our own wait
-            # y rounded to z's dtype as the model's product is, then weighted in fp32
+            # y rounded to z's dtype as the model's product is, then weighted in fp32; ROWS stores [BLOCK_N, BLOCK_M]
+            # as the product left it (see _gate_up_kernel)
             wts = tl.load(p_wts + pairs, mask=m_j, other=0.).to(tl.float32)
-            y = acc.to(dtype).to(tl.float32) * wts[:, None]
-            y = tl.where(valid, y, float("nan"))   # an id outside [0, E): the token comes out NaN
             o_nn = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            m_o = m_j[:, None] & (o_nn < L)[None, :]
-            tl.store(p_part + pairs[:, None].to(tl.int64) * L + o_nn[None, :], y, mask=m_o)
+            if ROWS:
+                y = acc.to(dtype).to(tl.float32) * wts[None, :]
+                p_o = p_part + pairs[None, :].to(tl.int64) * L + o_nn[:, None]
+                m_o = m_j[None, :] & (o_nn < L)[:, None]
+            else:
+                y = acc.to(dtype).to(tl.float32) * wts[:, None]
+                p_o = p_part + pairs[:, None].to(tl.int64) * L + o_nn[None, :]
+                m_o = m_j[:, None] & (o_nn < L)[None, :]
+            y = tl.where(valid, y, float("nan"))   # an id outside [0, E): the token comes out NaN
+            tl.store(p_o, y, mask=m_o)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -187,6 +239,7 @@ def _combine_kernel(p_part, p_ids, p_out, M, A, E, L, s_om, s_ol, BLOCK_N: tl.co
     if PDL:
         gdc_launch_dependents()
     tl.store(p_out + m * s_om + o_n * s_ol, total.to(p_out.dtype.element_ty), mask=m_n)
+
 
 
 # --- host side --------------------------------------------------------------------------------------------
@@ -213,6 +266,18 @@ def _sorted_pairs(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor
 
 def _strides3(t: Optional[torch.Tensor]) -> tuple:
     return tuple(t.stride()) if t is not None else (0, 0, 0)
+
+
+def _rows_fit(w1, w3, w1_scale, w3_scale) -> bool:
+    """The stacked gate/up tile reads w1 and w3 rows with one column stride (and one for their scales)."""
+    return w1.stride(2) == w3.stride(2) and (w1_scale is None or w1_scale.stride(2) == w3_scale.stride(2))
+
+
+def _pow2_dividing(n: int, cap: int = 16) -> int:
+    p = 1
+    while p < cap and n % (2 * p) == 0:
+        p *= 2
+    return p
 
 
 def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
@@ -252,47 +317,58 @@ def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Te
     block_m = config.block_m if sorted_form else max(16, triton.next_power_of_2(m))   # decode: a row per token
     block_a = triton.next_power_of_2(a)
     h = torch.empty((np_, i_width), dtype=z.dtype, device=z.device)
-    part = torch.empty((np_, l), dtype=torch.float32, device=z.device)
+    by_token = config.down_by_token and not sorted_form   # the down kernel sums each token itself: no partials
+    part = torch.empty((0 if by_token else np_, l), dtype=torch.float32, device=z.device)
     n_tiles = triton.cdiv(l, config.block_n)
     pdl = pdl_capable(z.device)
     # Triton 3.7's interpreter computes 16-bit tl.dot wrongly: fp32 operands there (16-bit products are exact in fp32)
     upcast = not on_gpu and z.dtype != torch.float32
     ieee = z.dtype == torch.float32 or upcast
     s1, s3, s2 = (w1_scale, w3_scale, w2_scale) if mxfp4 else (w1, w3, w2)   # placeholders when float
+    ss1, ss3, ss2 = (_strides3(w1_scale), _strides3(w3_scale), _strides3(w2_scale)) if mxfp4 else ((0, 0, 0),) * 3
     launch = dict(launch_pdl=True) if pdl else {}
+    rows = config.weight_rows and _rows_fit(w1, w3, w1_scale, w3_scale)
     # Triton's scaled product: bf16 / fp16 z on a GPU (the interpreter lacks it: there the halves below)
-    dots = mxfp4 and config.mxfp4_dot_scaled and on_gpu and z.dtype != torch.float32
-    halves = mxfp4 and not dots and (config.mxfp4_halves or config.mxfp4_dot_scaled)
-    # the PTX lookup: bf16 on an NVIDIA GPU (the interpreter runs no inline assembly)
+    dots = mxfp4 and config.mxfp4_dot_scaled and on_gpu and z.dtype != torch.float32 and not rows
+    halves = mxfp4 and not dots and (config.mxfp4_halves or config.mxfp4_dot_scaled or rows or by_token)
+    # the PTX conversions: bf16 on an NVIDIA GPU (the interpreter runs no inline assembly)
     asm = halves and config.mxfp4_asm and on_gpu and not is_rocm() and z.dtype == torch.bfloat16
     x_fmt = "bf16" if z.dtype == torch.bfloat16 else "fp16"
+    common = dict(MXFP4=mxfp4, ASM=asm, IEEE=ieee, UPCAST=upcast, PDL=pdl, EARLY=pdl and config.trigger_early)
+    # w2's scale rows are I/32 bytes apart (12 at K3 TP=8): the kernels load them as words where they are aligned
+    s_align = _pow2_dividing(ss2[1]) if mxfp4 and on_gpu else 1
     on_device = torch.cuda.device(z.device) if on_gpu else contextlib.nullcontext()
     with on_device:
         if only in (None, "gate_up"):
             _gate_up_kernel[(slots, triton.cdiv(i_width, config.block_i))](
                 z, ids, order, offsets, w1, w3, s1, s3, h,
                 m, a, e_count, i_width, l, float(beta or 0.0), float(linear_beta or 0.0),
-                z.stride(0), z.stride(1), *w1.stride(), *w3.stride(),
-                *(_strides3(w1_scale) if mxfp4 else (0, 0, 0)), *(_strides3(w3_scale) if mxfp4 else (0, 0, 0)),
-                h.stride(0),
+                z.stride(0), z.stride(1), *w1.stride(), *w3.stride(), *ss1, *ss3, h.stride(0),
                 BLOCK_M=block_m, BLOCK_I=config.block_i, BLOCK_L=config.block_l, BLOCK_A=block_a,
-                SORTED=sorted_form, MXFP4=mxfp4, HALVES=halves, ASM=asm, DOTS=dots, X_FMT=x_fmt,
-                HAS_BETA=beta is not None,
-                HAS_LINEAR_BETA=linear_beta is not None, IEEE=ieee, UPCAST=upcast, PDL=pdl,
-                num_warps=config.warps_up, num_stages=config.stages_up, **launch,
+                SORTED=sorted_form, HALVES=halves, DOTS=dots, X_FMT=x_fmt, HAS_BETA=beta is not None,
+                HAS_LINEAR_BETA=linear_beta is not None, EVEN_K=(dots or rows) and l % config.block_l == 0,
+                ROWS=rows, num_warps=config.warps_up, num_stages=config.stages_up, **common, **launch,
             )
-        if only in (None, "down"):
+        if only in (None, "down") and by_token:
+            _down_token_kernel[(m, n_tiles)](
+                h, ids, wts, w2, s2, out,
+                m, a, e_count, i_width, l,
+                *w2.stride(), *ss2, h.stride(0), out.stride(0), out.stride(1),
+                BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_A=block_a, S_ALIGN=s_align,
+                EVEN_K=i_width % config.block_k == 0, num_warps=config.warps_down, num_stages=config.stages_down,
+                **common, **launch,
+            )
+        elif only in (None, "down"):
             _down_kernel[(slots, n_tiles)](
                 h, ids, order, offsets, wts, w2, s2, part,
                 m, a, e_count, i_width, l,
-                *w2.stride(), *(_strides3(w2_scale) if mxfp4 else (0, 0, 0)), h.stride(0),
+                *w2.stride(), *ss2, h.stride(0),
                 BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_A=block_a,
-                SORTED=sorted_form, MXFP4=mxfp4, HALVES=halves, ASM=asm, DOTS=dots, X_FMT=x_fmt,
-                PRELOAD=config.preload,
-                IEEE=ieee, UPCAST=upcast, PDL=pdl, num_warps=config.warps_down, num_stages=config.stages_down,
-                **launch,
+                SORTED=sorted_form, HALVES=halves, DOTS=dots, X_FMT=x_fmt, PRELOAD=config.preload,
+                EVEN_K=(dots or rows) and i_width % config.block_k == 0, ROWS=rows, S_ALIGN=s_align,
+                num_warps=config.warps_down, num_stages=config.stages_down, **common, **launch,
             )
-        if only in (None, "combine"):
+        if only in (None, "combine") and not by_token:
             _combine_kernel[(m, n_tiles)](
                 part, ids, out, m, a, e_count, l, out.stride(0), out.stride(1),
                 BLOCK_N=config.block_n, BLOCK_A=block_a, PDL=pdl, num_warps=4, **launch,
