@@ -100,6 +100,15 @@ def match_val(match: pm.Match, name: str) -> Any:
     return val(v) if isinstance(v, torch.fx.Node) else v
 
 
+def matched_scalar_ok(match: pm.Match, name: str) -> bool:
+    """True when keyword ``name`` (a ``scalar_workaround`` constant) is bound to a Python number, or is absent.
+    Absent happens on torch < 2.12: ``register_replacement``'s re-check re-traces the search with the first
+    match's value, which is then no placeholder and stays in the specific pattern as a literal, so the specific
+    match (the one the guard sees) proved the graph holds exactly that number; torch >= 2.12 re-binds it."""
+    v = match.kwargs.get(name, 0.0)
+    return isinstance(v, (float, int)) and not isinstance(v, bool)
+
+
 def is_static_le(size: Any, limit: int) -> bool:
     """True only when ``size <= limit`` holds for every value a symbolic size may take."""
     return bool(statically_known_true(size <= limit))

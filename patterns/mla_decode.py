@@ -40,7 +40,7 @@ import math
 import torch
 
 from k3compile.patterns._common import (
-    TRACE_DTYPES, aten, is_static_le, match_val, pm, statically_known_true, trace_fn, val,
+    TRACE_DTYPES, aten, is_static_le, match_val, matched_scalar_ok, pm, statically_known_true, trace_fn, val,
 )
 
 NAME = "mla_decode"
@@ -109,7 +109,7 @@ def _can_mla_decode(match: pm.Match) -> bool:
     """Correctness only: the shapes k3::mla_decode accepts, a decode-step T, the mask and the split of w_kv_b."""
     names = ("q_nope", "q_pe", "c_kv", "k_pe", "w_kv_b", "pos")
     t = {n: match_val(match, n) for n in names}
-    if not all(isinstance(x, torch.Tensor) for x in t.values()) or not isinstance(match.kwargs["scale"], float):
+    if not all(isinstance(x, torch.Tensor) for x in t.values()) or not matched_scalar_ok(match, "scale"):
         return False
     q_nope, c_kv, w_kv_b, pos = t["q_nope"], t["c_kv"], t["w_kv_b"], t["pos"]
     if q_nope.dim() != 4 or c_kv.dim() != 3 or w_kv_b.dim() != 3 or t["k_pe"].dim() != 3:

@@ -49,7 +49,8 @@ import functools
 
 import torch
 
-from k3compile.patterns._common import LOW_PRECISION, aten, match_val, pm, statically_known_true, val
+from k3compile.patterns._common import (LOW_PRECISION, aten, match_val, matched_scalar_ok, pm, statically_known_true,
+                                        val)
 
 NAME = "moe_experts"
 
@@ -248,10 +249,9 @@ def _can_moe_experts(match: pm.Match) -> bool:
     """Correctness only (the op is never slower than the model's two forms): the op's shapes, z's dtype on
     every weight, integer ids, float router weights and constants, one device."""
     z, experts, weights, w1, w3, w2 = (match_val(match, k) for k in ("z", "experts", "weights", "w1", "w3", "w2"))
-    beta, linear_beta = match_val(match, "beta"), match_val(match, "linear_beta")
     if not all(isinstance(t, torch.Tensor) for t in (z, experts, weights, w1, w3, w2)):
         return False
-    if not all(isinstance(c, float) for c in (beta, linear_beta)):
+    if not all(matched_scalar_ok(match, c) for c in SCALARS):
         return False
     if (z.dim(), experts.dim(), weights.dim(), w1.dim(), w3.dim(), w2.dim()) != (2, 2, 2, 3, 3, 3):
         return False
@@ -275,10 +275,9 @@ def _can_moe_experts_mxfp4(match: pm.Match) -> bool:
     names = ("w1_packed", "w1_scale", "w3_packed", "w3_scale", "w2_packed", "w2_scale")
     z, experts, weights = (match_val(match, k) for k in ("z", "experts", "weights"))
     packed = [match_val(match, k) for k in names]
-    beta, linear_beta = match_val(match, "beta"), match_val(match, "linear_beta")
     if not all(isinstance(t, torch.Tensor) for t in (z, experts, weights, *packed)):
         return False
-    if not all(isinstance(c, float) for c in (beta, linear_beta)):
+    if not all(matched_scalar_ok(match, c) for c in SCALARS):
         return False
     if (z.dim(), experts.dim(), weights.dim()) != (2, 2, 2) or any(t.dim() != 3 for t in packed):
         return False

@@ -29,7 +29,7 @@ settings.load_profile(os.environ.get("K3_HYPOTHESIS_PROFILE", "ci"))
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; run on the lent H200")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)

@@ -299,7 +299,7 @@ def test_opcheck():
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU (the lent H200)
+# GPU
 
 GPU_TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
