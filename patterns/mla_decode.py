@@ -13,7 +13,8 @@ T new tokens (static, at most ``MAX_DECODE_TOKENS``), H heads, S allocated posit
     probs    = softmax(where(~visible, -inf, scores.float() * scale), -1).to(c_kv.dtype)
     out      = einsum("bthl,hvl->bthv", einsum("bhts,bsl->bthl", probs, c_kv), w_v)   # [B, T, H, Vd]
 
-(each einsum a permute / reshape / bmm chain, the softmax amax, sub, exp, sum, div), and rewrites it to::
+(each einsum a permute / reshape / bmm chain; the softmax amax, sub, exp, sum, div, or on a GPU Inductor's online
+form, ``prims.prepare_softmax_online``, sub, exp, div: each form is traced), and rewrites it to::
 
     out = k3.mla_decode(q_nope, q_pe, c_kv, k_pe, w_kv_b, pos, scale, start or None, backend)
 
@@ -36,6 +37,7 @@ size as an input; ``expected()`` still counts the step, so the miss is logged.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -153,18 +155,48 @@ def _trace(*args, **kwargs) -> torch.fx.GraphModule:
     return gm
 
 
+def online_softmax_pass() -> Optional[pm.PatternMatcherPass]:
+    """Inductor's post-grad rewrite of a softmax into ``prims.prepare_softmax_online`` (torch/_inductor/fx_passes/
+    post_grad.py), without its device check: Inductor applies it to GPU graphs only (its online-softmax kernels are
+    Triton's), so a search traced on the CPU must be given it to match a GPU graph. None where torch has no such
+    rewrite."""
+    from torch._inductor.fx_passes import post_grad
+
+    search, replacement = (getattr(post_grad, f"prepare_softmax_{k}", None) for k in ("pattern", "replacement"))
+    if search is None or replacement is None:
+        return None
+    online = pm.PatternMatcherPass()
+    pm.register_replacement(search, replacement, [torch.empty(4, 8)], pm.fwd_only, online,
+                            scalar_workaround={"dim": -1})
+    return online
+
+
+def _trace_online(online: pm.PatternMatcherPass):
+    def trace(*args, **kwargs) -> torch.fx.GraphModule:
+        gm = _trace(*args, **kwargs)
+        online.apply(gm.graph)
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        return gm
+    return trace
+
+
 def register(pm_pass: pm.PatternMatcherPass, options) -> None:
     import k3compile.ops.mla_decode  # noqa: F401  (registers k3::mla_decode)
 
+    online = online_softmax_pass()
+    traces = [_trace] + ([_trace_online(online)] if online is not None else [])
     forms = ((_search, _replacement(options.backend), False),
              (_search_padded, _replacement_padded(options.backend), True))
-    for dtype in TRACE_DTYPES:
-        for B, T in TRACE_SHAPES:
-            for search, replacement, padded in forms:
-                pm.register_replacement(
-                    search, replacement, get_inputs(dtype, B, T, padded), _trace, pm_pass,
-                    extra_check=_can_mla_decode, skip_duplicates=True, scalar_workaround={"scale": SCALE_PLACEHOLDER},
-                )
+    for trace in traces:
+        for dtype in TRACE_DTYPES:
+            for B, T in TRACE_SHAPES:
+                for search, replacement, padded in forms:
+                    pm.register_replacement(
+                        search, replacement, get_inputs(dtype, B, T, padded), trace, pm_pass,
+                        extra_check=_can_mla_decode, skip_duplicates=True,
+                        scalar_workaround={"scale": SCALE_PLACEHOLDER},
+                    )
 
 
 def _is_decode_mask(node: torch.fx.Node) -> bool:

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._inductor.inductor_prims
 from torch._inductor.utils import run_and_get_code
 
 from k3compile.model.mla import mla_attend, write_latent
 from k3compile.passes import COMPILE_RECORD, K3Options, K3PostGradPass
 from k3compile.testing import rel_err
+from k3compile.patterns import mla_decode as pattern
 
 H, N, R, VD, LK, S = 3, 8, 4, 6, 10, 24
 SCALE = (N + R) ** -0.5
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+PREPARE_ONLINE = torch._inductor.inductor_prims.prepare_softmax_online  # an OpOverload (registered on import)
 
 pytestmark = pytest.mark.usefixtures("no_graph_caches")   # tests/conftest.py
 
@@ -63,7 +67,16 @@ def make_layer_inputs(B, T, pos, dtype, seed, padded):
             torch.tensor(pos)] + start
 
 
-def compile_and_count(attends, B, T, dtype, backend):
+class OnlineSoftmaxFirst(K3PostGradPass):
+    """Inductor's GPU-only online-softmax rewrite, then ours: the graph a GPU compile gives our pass."""
+    online = pattern.online_softmax_pass()
+
+    def __call__(self, graph):
+        assert self.online.apply(graph) > 0 and graph.find_nodes(op="call_function", target=PREPARE_ONLINE)
+        super().__call__(graph)
+
+
+def compile_and_count(attends, B, T, dtype, backend, pass_cls=K3PostGradPass):
     """Layers ``attends`` -- (attention, padded) pairs -- in one graph (each on its own cache), compiled with the
     pass: (matches, graph facts), after checking the outputs and the caches equal eager's."""
     steps = [layer(a) for a, _ in attends]
@@ -76,7 +89,7 @@ def compile_and_count(attends, B, T, dtype, backend):
     ref = fn(*eager_inputs)
     torch._dynamo.reset()
     COMPILE_RECORD.take()
-    pass_ = K3PostGradPass(K3Options(backend=backend, passes=("mla_decode",)))
+    pass_ = pass_cls(K3Options(backend=backend, passes=("mla_decode",)))
     compiled = torch.compile(fn, fullgraph=True, dynamic=False, options={"post_grad_custom_post_pass": pass_})
     out, (code,) = run_and_get_code(compiled, *inputs)
     (record,) = COMPILE_RECORD.take()
@@ -96,3 +109,12 @@ def test_each_decode_attention_fires_and_the_near_miss_does_not(dtype, B, T, bac
     layers = [(mla_attend, False), (mla_attend, True), (near_miss_attend, False)]      # plain, left-padded, miss
     matches, masks = compile_and_count(layers, B, T, dtype, backend)
     assert (matches, masks) == (2, 2)
+
+
+@pytest.mark.skipif(pattern.online_softmax_pass() is None, reason="this torch has no online-softmax rewrite")
+def test_decode_attention_fires_on_the_gpu_softmax_form():
+    """On a GPU Inductor turns the softmax into ``prepare_softmax_online`` before our pass (post_grad.py's
+    ``prepare_softmax_*``): the step still matches (the H200 run missed it before the online trace). No near miss
+    here: Inductor's CPU backend cannot lower the online form, which a GPU graph only has."""
+    layers = [(mla_attend, False), (mla_attend, True)]
+    assert compile_and_count(layers, 2, 1, torch.bfloat16, "reference", OnlineSoftmaxFirst) == (2, 2)
