@@ -52,7 +52,13 @@ def all_gather(x: torch.Tensor, tp: TPContext, dim: int = -1) -> torch.Tensor:
         return x
     from torch.distributed import _functional_collectives as funcol
     gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor   # the name before torch 2.13
-    return gather(x, dim % x.dim(), tp.group_name)
+    # gathered along dim 0, then rearranged here: for another dim torch 2.11's funcol calls a helper Dynamo refuses
+    # to trace (``torch._utils._maybe_view_chunk_cat``), which broke compiling the vocabulary-split logits
+    d = dim % x.dim()
+    pieces = gather(x.contiguous(), 0, tp.group_name)                  # [world * x.shape[0], ...]
+    if d == 0:
+        return pieces
+    return pieces.view(-1, *x.shape).movedim(0, d).flatten(d, d + 1)
 
 
 def mark_shard(param: torch.nn.Parameter, dim: int) -> torch.nn.Parameter:

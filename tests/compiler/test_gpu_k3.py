@@ -1,7 +1,8 @@
 """The micro K3 on a CUDA GPU in bf16, through k3compile.optimize with every pass.
 
 - decode runs our kernels (the report names the implementation of each op, CuTe for the skinny GEMM
-  where cutlass is installed) and the generated tokens equal eager's;
+  where cutlass is installed) and, teacher-forced on eager's tokens, every step's logits are within bf16 noise of
+  eager's;
 - ``mode="reduce-overhead"`` keeps its CUDA graphs: the cache is mutated in place by the compiled
   step, which cudagraph trees accept only for inputs with static addresses (``KimiK3Cache`` marks
   them); no graph may be skipped, and the tokens equal the default mode's.
@@ -32,6 +33,23 @@ def _models():
     return eager, copy.deepcopy(eager), ids
 
 
+LOGITS_TOL = 3e-2   # per row and step, ||a - b|| / ||b|| over the vocabulary; bf16 reorderings give ~1e-2
+
+
+def teacher_forced_logits(model, ids, tokens) -> torch.Tensor:
+    """[B, NEW, V] fp32: the prompt's next-token logits, then those after each of ``tokens[:, :-1]`` fed in turn
+    (one decode step each, on one cache)."""
+    B, T = ids.shape
+    cache = model.allocate_cache(B, T + tokens.shape[1], device=ids.device)
+    steps = [model(ids, cache=cache, logits_to_keep=1)]
+    steps += [model(tokens[:, i:i + 1], cache=cache, logits_to_keep=1) for i in range(tokens.shape[1] - 1)]
+    return torch.cat(steps, dim=1).float()
+
+
+def step_errors(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    return ((got - want).norm(dim=-1) / want.norm(dim=-1)).cpu()
+
+
 @torch.no_grad()
 def test_decode_runs_our_kernels_and_matches_eager():
     eager, model, ids = _models()
@@ -41,7 +59,10 @@ def test_decode_runs_our_kernels_and_matches_eager():
     out = model.generate(ids, NEW)
     rep = k3compile.report(model)
     print(rep.format(verbose=True))
-    assert torch.equal(out, ref), f"tokens differ:\n{out}\n{ref}"
+    # teacher-forced: the same tokens (eager's) in both, each step's logits compared; free-running greedy tokens
+    # part at the first bf16 near-tie and would hide or fake an error from there on
+    errs = step_errors(teacher_forced_logits(model, ids, ref), teacher_forced_logits(eager, ids, ref))
+    assert errs.max() < LOGITS_TOL, f"logits off eager's (rows x steps):\n{errs}\ntokens {out}\neager  {ref}"
     decode = rep.graphs[-1].record.matches
     assert decode["kda_decode"] == 3 and decode["latent_moe_tail"] >= 1 and decode["skinny_gemm"] > 0
     assert decode["mla_decode"] == 1                              # the micro K3's one MLA layer
