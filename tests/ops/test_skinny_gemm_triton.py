@@ -84,6 +84,28 @@ def test_triton_matches_reference_random_shapes(m, n, k, dtype, bias, residual, 
 
 
 @given(
+    m=st.integers(1, 16), n=st.integers(1, 160), k=st.integers(1, 300), dtype=st.sampled_from(["bf16", "fp16"]),
+    bias=st.booleans(), residual=st.booleans(), split_k=st.sampled_from([1, 2, 3]),
+    block_n=st.sampled_from([16, 32, 64]), mode=st.sampled_from(MODES), static=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+@example(m=4, n=96, k=448, dtype="bf16", bias=False, residual=False, split_k=3, block_n=32, mode="dot+1p",
+         static=True, seed=0)   # the router's form: no bias, no residual, split K
+@example(m=1, n=40, k=300, dtype="fp16", bias=True, residual=True, split_k=2, block_n=16, mode="fma+1", static=False,
+         seed=1)
+def test_triton_fp32_output_of_16_bit_operands_matches_reference(m, n, k, dtype, bias, residual, split_k, block_n,
+                                                                    mode, static, seed):
+    """``out_dtype=float32``: the fp32 sums of the 16-bit products, stored unrounded (a bf16 store would miss by
+    ~1e-3), every split-K flavour and the peeled static-weight path; residual fp32."""
+    a, w, b, r = make_inputs(m, n, k, DTYPES[dtype], bias, residual, seed)
+    r = None if r is None else r.float() + 1e-3 * torch.randn(m, n, device=DEVICE)   # not a 16-bit value
+    cfg = dataclasses.replace(config_for(m, k, block_n, split_k, mode), pdl=static, preload=2 if static else 0)
+    out = torch.full((m, n), float("nan"), dtype=torch.float32, device=DEVICE)
+    skinny_gemm_triton(a, w, b, r, config=cfg, out=out, static_weight=static, out_dtype=torch.float32)
+    assert rel_err(out, skinny_gemm_reference(a, w, b, r, torch.float32)) < TOL[torch.float32]
+
+
+@given(
     m=st.integers(1, 16), n=st.integers(1, 100), k=st.integers(1, 300), dtype=st.sampled_from(sorted(DTYPES)),
     residual=st.booleans(), split_k=st.sampled_from([1, 2, 3]), mode=st.sampled_from(MODES),
     preload=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2**16),
@@ -231,6 +253,21 @@ def test_triton_on_gpu_decode_shapes(m, n, k, dtype):
     out = torch.full((m, n), float("nan"), dtype=dt, device="cuda")
     skinny_gemm_triton(a, w, b, r, out=out)                      # heuristic config, split-K on
     assert rel_err(out, skinny_gemm_reference(a, w, b, r)) < TOL[dt]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4, 16], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic-w", "static-w"])
+def test_triton_fp32_output_on_gpu_router_shape(m, static):
+    """K3's router, ``linear(x.float(), w.float())`` with w [896, 7168] bf16, at the configuration the op's dispatch
+    picks on this GPU: fp32 out, NaN-poisoned first."""
+    from k3compile.ops.skinny_gemm import dispatch
+
+    a, w, _, _ = make_inputs(m, 896, 7168, torch.bfloat16, bias=False, residual=False)
+    cfg = dispatch.triton_config_for(torch.bfloat16, m, 896, 7168, dispatch.gpu_of(a.device))
+    out = torch.full((m, 896), float("nan"), dtype=torch.float32, device="cuda")
+    skinny_gemm_triton(a, w, config=cfg, out=out, static_weight=static, out_dtype=torch.float32)
+    assert rel_err(out, torch.nn.functional.linear(a.float(), w.float())) < TOL[torch.float32]
 
 
 @pytest.mark.gpu
@@ -436,6 +473,9 @@ def test_triton_rejects_what_it_cannot_do():
     a, w, _, _ = make_inputs(4, 8, 16, torch.float64, bias=False, residual=False)
     assert "dtype" in supports(a, w)
     assert "M=65" in supports(torch.randn(65, 16), torch.randn(8, 16))
+    a16, w16 = a.to(torch.bfloat16), w.to(torch.bfloat16)
+    assert "output dtype" in supports(a16.float(), w16.float(), out_dtype=torch.bfloat16)   # a fp32 -> 16-bit output
+    assert "residual" in supports(a16, w16, None, torch.zeros(4, 8, dtype=torch.bfloat16), torch.float32)
     with pytest.raises(ValueError, match="dtype"):
         skinny_gemm_triton(a, w)
     with pytest.raises(ValueError, match="do not agree"):
