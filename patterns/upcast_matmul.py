@@ -25,6 +25,7 @@ Order: before ``skinny_gemm``, which would otherwise claim the fp32 ``mm`` with 
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Optional
 
 import torch
@@ -97,15 +98,33 @@ def _can_upcast_matmul(match: pm.Match, limit: int) -> bool:
 
 # --- registration -----------------------------------------------------------------------------
 
+def _search_pattern(search, inputs) -> pm.PatternExpr:
+    """The traced search as a pattern whose ``a.float()`` may have other users: one ``x.float()`` often feeds several
+    products (and, as a literal, the upcast's dtype and the permutation match exactly). The matcher's default
+    pattern wants each inner node used only inside the match, and it re-traces the search per match unless handed
+    the pattern, as here (it does not depend on the sizes)."""
+    gm = trace_literal_mm(search, inputs)
+    pattern = pm.fx_to_pattern(gm, argnames=list(inspect.signature(search).parameters))
+    stack = [pattern]
+    while stack:
+        p = stack.pop()
+        if isinstance(p, pm.CallFunction):
+            if _CONVERT in p.fns and isinstance(p.args[0], pm.KeywordArg) and p.args[0].name == "a":
+                p.users = pm.MULTIPLE
+            stack.extend(p.args)
+    return pattern
+
+
 def register(pm_pass: pm.PatternMatcherPass, options) -> None:
     """One 16-bit trace only: in an fp32 trace the casts vanish and the search would be the skinny-GEMM pass's
     plain ``mm``. bf16 and fp16 trace alike (the source dtype is not in the pattern; the guard reads it)."""
     replacements = _replacements(options.backend, options.small_m_limit)
     check = functools.partial(_can_upcast_matmul, limit=options.small_m_limit)
     for search, kind in _PATTERNS:
+        inputs = get_inputs(LOW_PRECISION, kind)
         pm.register_replacement(
-            search, replacements[kind], get_inputs(LOW_PRECISION, kind), trace_literal_mm, pm_pass,
-            extra_check=check, skip_duplicates=True,
+            search, replacements[kind], inputs, trace_literal_mm, pm_pass, extra_check=check,
+            search_fn_pattern=_search_pattern(search, inputs), skip_duplicates=True,
         )
 
 
