@@ -402,13 +402,14 @@ from k3compile.ops.skinny_gemm.triton import _skinny_gemm_kernel as kernel
 
 out = {}
 for name, flavour in json.loads(sys.argv[1]).items():
+    fp32_ptrs = flavour.pop("FP32_PTRS", [])   # pointers of fp32 tensors (out_dtype=float32), else bf16
     const = dict(HAS_BIAS=True, HAS_RES=True, SPLIT=True, ONE_LAUNCH=True, FMA=False, LOOP_STAGES=None,
                  PRECISION=None, UPCAST=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, TMA=False, PDL=True,
                  PREFETCH_LINES=0, PRE_K=0, EARLY_TRIGGER=False, A_TMA=False, POLL=False, PTX=True, stride_ak=1,
                  stride_wk=1, stride_rn=1, stride_on=1)
     const.update(flavour)
     tile = lambda rows: f"tensordesc<bf16[{rows},{const['BLOCK_K']}]>"  # noqa: E731
-    sig = {n: "constexpr" if n in const else "*fp32" if n == "ws_ptr" else "*i32" if n == "cnt_ptr"
+    sig = {n: "constexpr" if n in const else "*fp32" if n == "ws_ptr" or n in fp32_ptrs else "*i32" if n == "cnt_ptr"
            else tile(const["BLOCK_N"]) if n == "w_desc" and const["TMA"]
            else tile(const["BLOCK_M"]) if n == "a_desc" and const["A_TMA"] else "*bf16" if n.endswith(("_ptr", "_desc"))
            else "i32" for n in kernel.arg_names}
@@ -432,6 +433,18 @@ PDL_FLAVOURS = {
     # weight's lines prefetched before it
     "poll-tma-prefetch": dict(POLL=True, TMA=True, PREFETCH_LINES=2, HAS_BIAS=False, HAS_RES=False),
 }
+
+
+def test_fp32_output_kernel_compiles_for_sm90_and_never_rounds_to_bf16():
+    """out_dtype=float32 (out and residual fp32, bf16 a and w): Triton's NVIDIA backend builds it for sm_90 without
+    a GPU, and no bf16 conversion is left in the kernel (the output is stored as the fp32 accumulator)."""
+    from k3compile.testing import ptx_in_a_fresh_process
+
+    flavours = {"fp32-out": dict(FP32_PTRS=["out_ptr", "res_ptr"], PRE_K=128),
+                "bf16-out": dict(PRE_K=128)}
+    ptx = ptx_in_a_fresh_process(_PTX_SCRIPT, flavours)
+    assert "cvt.rn.bf16" in ptx["bf16-out"]
+    assert "cvt.rn.bf16" not in ptx["fp32-out"] and "st.global" in ptx["fp32-out"]
 
 
 @pytest.fixture(scope="module")
