@@ -96,7 +96,8 @@ def test_routed_experts_rewritten_in_decode_and_prefill_graphs(generated):
 
 
 def test_fp32_routers_are_no_upcast_and_not_expected(generated):
-    """fp32: ``F.linear(x.float(), w.float())`` is a plain mm the skinny-GEMM pass takes (strict mode raised nothing)."""
+    """fp32: ``F.linear(x.float(), w.float())`` is a plain mm the skinny-GEMM pass takes (strict mode raised
+    nothing)."""
     _, _, rep = generated
     assert all(g.record.matches["upcast_matmul"] == g.record.facts["graph_upcast_gemms"] == 0 for g in rep.graphs)
 

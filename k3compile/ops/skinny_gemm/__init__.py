@@ -21,8 +21,9 @@ def skinny_gemm(
     a: [M, K]; w: [N, K] (an ``nn.Linear`` weight); bias: [N] or None; residual: [M, N] or None.
     All one dtype (fp16 / bf16 / fp32 for the kernels; other dtypes run the reference), one device;
     nothing is mutated. ``out_dtype=torch.float32`` on 16-bit operands returns the fp32 sums unrounded
-    (``linear(a.float(), w.float(), bias.float())`` without casting ``w``; residual then fp32). Rows above ``m_limit`` run ``torch.addmm``. ``backend`` is
-    "auto" | "cute" | "triton" | "reference" (see ``k3compile.backends``). Example::
+    (``linear(a.float(), w.float(), bias.float())`` without casting ``w``; residual then fp32). Rows above
+    ``m_limit`` run ``torch.addmm``. ``backend`` is "auto" | "cute" | "triton" | "reference" (see
+    ``k3compile.backends``). Example::
 
         y = skinny_gemm(x, proj.weight, proj.bias, residual=h)   # x: [4, 7168], weight: [2048, 7168]
         logits = skinny_gemm(x, gate.weight, out_dtype=torch.float32)   # bf16 [4, 7168] x [896, 7168] -> fp32

@@ -10,7 +10,8 @@ kernel. Products run on tensor cores (``tl.dot``, M padded to 16) or, for a few 
 (broadcast multiply, one K reduction at the end: one row takes such a grid of 8-column tiles by default
 where the tensor-core grid would split K, see ``FMA_ROW``).
 Weight tiles, and optionally a's, may come by TMA. Accumulation is fp32 always, and the output is stored in
-its tensor's dtype (the operands' or fp32); fp32 inputs use IEEE products (no TF32). Any M <= ``triton_config.MAX_M``, N and K; tails are masked.
+its tensor's dtype (the operands' or fp32); fp32 inputs use IEEE products (no TF32). Any M <=
+``triton_config.MAX_M``, N and K; tails are masked.
 
 With ``pdl`` (sm_90+) the kernel is launched with programmatic dependent launch: its programs may start
 while the previous kernel finishes, and touch nothing another kernel may write or read (a, residual, out,
@@ -313,9 +314,9 @@ def skinny_gemm_triton(
     a, w, bias, residual: same dtype (fp16 / bf16 / fp32), same device, any strides; M <= 64. ``out_dtype=float32``
     on 16-bit operands stores the fp32 accumulator unrounded (residual then fp32): ``linear(a.float(), w.float())``
     without the cast. ``config``: the dispatch's (``dispatch.triton_config_for``), else the heuristic's; ``out``
-    ([M, N], out_dtype) receives the result instead of a new tensor (tests poison it with NaN first). ``static_weight=True`` promises that
-    no kernel writes ``w`` (a parameter; the compiler proves it in the graph): a PDL launch then loads the
-    first weight tiles before waiting on the previous kernel. It changes nothing where the config has no
+    ([M, N], out_dtype) receives the result instead of a new tensor (tests poison it with NaN first).
+    ``static_weight=True`` promises that no kernel writes ``w`` (a parameter; the compiler proves it in the
+    graph): a PDL launch then loads the first weight tiles before waiting on the previous kernel. It changes nothing where the config has no
     PDL. Example::
 
         out = skinny_gemm_triton(x, layer.weight, layer.bias, residual=h)
