@@ -3,8 +3,9 @@
 ``PASS_ORDER`` is the order the pass manager applies them in. Order matters where two passes could
 claim the same nodes: the latent-MoE tail consumes its up-projection ``mm`` before the skinny-GEMM
 pass would turn it into ``k3::skinny_gemm``, the routed experts are claimed whole before their products are
-considered, and the KDA decode step is claimed whole before its
-projections are considered.
+considered, the KDA decode step is claimed whole before its
+projections are considered, and a product of an upcast 16-bit weight is claimed with its casts before the
+skinny-GEMM pass would take the fp32 ``mm`` alone.
 """
 PASS_ORDER: tuple[str, ...] = (
     "latent_moe_tail",  # first: takes its up-projection mm before skinny_gemm would
@@ -12,5 +13,6 @@ PASS_ORDER: tuple[str, ...] = (
     "kda_decode",  # before skinny_gemm: the KDA step is claimed whole before its projections are considered
     "kda_prefill",  # the prefill recurrence (no mm of its own; placed beside the decode step)
     "mla_decode",  # the MLA attention of a decode step (bmm only: no skinny_gemm candidate inside)
+    "upcast_matmul",  # before skinny_gemm: takes linear(x.float(), w.float()) on the 16-bit weight, cast and all
     "skinny_gemm",  # last: claims the GEMMs no earlier pass fused
 )

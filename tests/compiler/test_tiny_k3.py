@@ -1,6 +1,7 @@
 """The whole tiny K3 (micro: 3 KDA + 1 MLA layers) through k3compile.optimize: generated tokens
 equal eager (fp32, CPU), and the report shows where the skinny-GEMM, MLA-decode and routed-experts
-rewrites fired.
+rewrites fired (the upcast-matmul pass is enabled and not expected: an fp32 router has no cast). In bf16
+the upcast-matmul pass takes each router.
 
 One compiled model for the module: compiling the prefill and decode graphs takes minutes on a
 shared CPU. The FX-graph and AOTAutograd caches are off so the pass runs and its counts are real.
@@ -39,7 +40,8 @@ def generated():
     MOE_EXPERTS.clear()
     with torch._inductor.config.patch(fx_graph_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False):
-        k3compile.optimize(model, backend="reference", passes=["moe_experts", "mla_decode", "skinny_gemm"],
+        k3compile.optimize(model, backend="reference",
+                           passes=["moe_experts", "mla_decode", "upcast_matmul", "skinny_gemm"],
                            strict=True, dynamic=False)
         out = model.generate(ids, NEW)
     return out, ref, k3compile.report(model)
@@ -91,3 +93,38 @@ def test_routed_experts_rewritten_in_decode_and_prefill_graphs(generated):
     assert rep.op_calls["moe_experts"] == MOE_LAYERS * NEW    # one prefill and NEW - 1 decode steps
     forms = {c.key[1][2] for c in rep.choices if c.op == "moe_experts"}
     assert forms == {"decode", "prefill"}
+
+
+def test_fp32_routers_are_no_upcast_and_not_expected(generated):
+    """fp32: ``F.linear(x.float(), w.float())`` is a plain mm the skinny-GEMM pass takes (strict mode raised
+    nothing)."""
+    _, _, rep = generated
+    assert all(g.record.matches["upcast_matmul"] == g.record.facts["graph_upcast_gemms"] == 0 for g in rep.graphs)
+
+
+@pytest.fixture(scope="module")
+def generated_bf16():
+    """The micro K3 in bf16 from a one-token prompt: prefill and decode are then one graph (one compile, ~20 s).
+    Three new tokens: Inductor's fused bf16 kernels round where eager's ops do not, and at this seed plain
+    torch.compile (no k3 pass) already picks another fourth token than eager, as optimize() does."""
+    torch.manual_seed(0)
+    eager = KimiK3ForConditionalGeneration(KimiK3Config.micro()).eval().to(torch.bfloat16)
+    model = copy.deepcopy(eager)
+    ids = torch.randint(0, eager.config.text_config.vocab_size, (BATCH, 1))
+    ref = eager.generate(ids, NEW - 1)
+    torch._dynamo.reset()
+    SKINNY_GEMM.clear()
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        k3compile.optimize(model, backend="reference", passes=["upcast_matmul"], strict=True, dynamic=False)
+        out = model.generate(ids, NEW - 1)
+    return out, ref, k3compile.report(model)
+
+
+def test_bf16_routers_rewritten_proven_static_and_tokens_equal_eager(generated_bf16):
+    out, ref, rep = generated_bf16
+    assert torch.equal(out, ref)
+    (graph,) = rep.graphs
+    assert graph.record.matches["upcast_matmul"] == graph.record.facts["graph_upcast_gemms"] == MOE_LAYERS
+    assert graph.record.facts["static_weight"]["skinny_gemm"] == {"proven": MOE_LAYERS, "not proven": {}}
+    assert all(c.key[-1] == torch.float32 for c in rep.choices if c.op == "skinny_gemm")

@@ -82,15 +82,72 @@ def test_op_bad_input_raises_clear_error(bad, match):
         skinny_gemm(args["a"], args["w"], args["bias"], args["residual"])
 
 
+@pytest.mark.skipif(not triton_interpret(), reason="CPU tensors reach Triton only under TRITON_INTERPRET=1")
+def test_op_fp32_output_of_bf16_runs_triton_and_equals_the_upcast_product(fresh_records):
+    a, w, b, _ = make_inputs(3, 20, 40, torch.bfloat16)
+    out = skinny_gemm(a, w, b, out_dtype=torch.float32)
+    assert out.dtype == torch.float32
+    assert rel_err(out, torch.nn.functional.linear(a.float(), w.float(), b.float())) < TOL[torch.float32]
+    choice = _only_choice(fresh_records)
+    assert choice.impl == "triton" and choice.key[-1] == torch.float32
+
+
+def test_op_fp32_output_is_refused_by_cute_with_its_reason():
+    from k3compile.ops.skinny_gemm import cute
+
+    a, w = torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(8, 64, dtype=torch.bfloat16)
+    assert cute.supports(a, w) is None
+    assert "CuTe kernels write their operands' dtype" in cute.supports(a, w, None, None, torch.float32)
+
+
+def test_op_fp32_output_above_the_limit_runs_the_upcast_product(fresh_records):
+    a, w, b, _ = make_inputs(40, 20, 24, torch.bfloat16)
+    out = skinny_gemm(a, w, b, m_limit=16, out_dtype=torch.float32)
+    assert out.dtype == torch.float32
+    assert rel_err(out, torch.nn.functional.linear(a.float(), w.float(), b.float())) < TOL[torch.float32]
+    assert _only_choice(fresh_records).impl == "aten"
+
+
+@pytest.mark.parametrize("dtype,out_dtype,residual,match", [
+    pytest.param(torch.float32, torch.bfloat16, None, "only a 16-bit product", id="fp32-to-bf16"),
+    pytest.param(torch.bfloat16, torch.float64, None, "only a 16-bit product", id="bf16-to-fp64"),
+    pytest.param(torch.bfloat16, torch.float32, torch.bfloat16, "residual dtype", id="bf16-residual-fp32-out"),
+])
+def test_op_bad_output_dtype_raises_clear_error(dtype, out_dtype, residual, match):
+    a, w = torch.randn(4, 16, dtype=dtype), torch.randn(8, 16, dtype=dtype)
+    r = None if residual is None else torch.randn(4, 8, dtype=residual)
+    with pytest.raises(ValueError, match=match):
+        skinny_gemm(a, w, None, r, out_dtype=out_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8, 16], ids=lambda m: f"M{m}")
+def test_op_fp32_output_on_gpu_router_shape_runs_triton(fresh_records, m):
+    """K3's router on the GPU: CuTe refuses the fp32 output (recorded), the Triton kernel runs."""
+    a = torch.randn(m, 7168, device="cuda").bfloat16()
+    w = (torch.randn(896, 7168, device="cuda") / 7168 ** 0.5).bfloat16()
+    out = skinny_gemm(a, w, out_dtype=torch.float32)
+    assert rel_err(out, torch.nn.functional.linear(a.float(), w.float())) < TOL[torch.float32]
+    choice = _only_choice(fresh_records)
+    assert choice.impl == "triton" and "cute:" in choice.reason, choice
+
+
 def test_op_fake_gives_shape_and_dtype():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
         out = skinny_gemm(torch.empty(5, 16, dtype=torch.bfloat16), torch.empty(7, 16, dtype=torch.bfloat16))
     assert out.shape == (5, 7) and out.dtype == torch.bfloat16
+    with FakeTensorMode():
+        out = skinny_gemm(torch.empty(5, 16, dtype=torch.bfloat16), torch.empty(7, 16, dtype=torch.bfloat16),
+                          out_dtype=torch.float32)
+    assert out.shape == (5, 7) and out.dtype == torch.float32
 
 
 def test_op_passes_opcheck():
     a, w, b, r = make_inputs(3, 20, 40, torch.float32)
     torch.library.opcheck(torch.ops.k3.skinny_gemm.default, (a, w, b, r, "reference", 16),
                           test_utils=("test_schema", "test_faketensor"))
+    a, w, b, _ = make_inputs(3, 20, 40, torch.bfloat16)
+    torch.library.opcheck(torch.ops.k3.skinny_gemm.default, (a, w, b, r, "reference", 16),
+                          dict(out_dtype=torch.float32), test_utils=("test_schema", "test_faketensor"))

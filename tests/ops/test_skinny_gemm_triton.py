@@ -84,6 +84,28 @@ def test_triton_matches_reference_random_shapes(m, n, k, dtype, bias, residual, 
 
 
 @given(
+    m=st.integers(1, 16), n=st.integers(1, 160), k=st.integers(1, 300), dtype=st.sampled_from(["bf16", "fp16"]),
+    bias=st.booleans(), residual=st.booleans(), split_k=st.sampled_from([1, 2, 3]),
+    block_n=st.sampled_from([16, 32, 64]), mode=st.sampled_from(MODES), static=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+@example(m=4, n=96, k=448, dtype="bf16", bias=False, residual=False, split_k=3, block_n=32, mode="dot+1p",
+         static=True, seed=0)   # the router's form: no bias, no residual, split K
+@example(m=1, n=40, k=300, dtype="fp16", bias=True, residual=True, split_k=2, block_n=16, mode="fma+1", static=False,
+         seed=1)
+def test_triton_fp32_output_of_16_bit_operands_matches_reference(m, n, k, dtype, bias, residual, split_k, block_n,
+                                                                    mode, static, seed):
+    """``out_dtype=float32``: the fp32 sums of the 16-bit products, stored unrounded (a bf16 store would miss by
+    ~1e-3), every split-K flavour and the peeled static-weight path; residual fp32."""
+    a, w, b, r = make_inputs(m, n, k, DTYPES[dtype], bias, residual, seed)
+    r = None if r is None else r.float() + 1e-3 * torch.randn(m, n, device=DEVICE)   # not a 16-bit value
+    cfg = dataclasses.replace(config_for(m, k, block_n, split_k, mode), pdl=static, preload=2 if static else 0)
+    out = torch.full((m, n), float("nan"), dtype=torch.float32, device=DEVICE)
+    skinny_gemm_triton(a, w, b, r, config=cfg, out=out, static_weight=static, out_dtype=torch.float32)
+    assert rel_err(out, skinny_gemm_reference(a, w, b, r, torch.float32)) < TOL[torch.float32]
+
+
+@given(
     m=st.integers(1, 16), n=st.integers(1, 100), k=st.integers(1, 300), dtype=st.sampled_from(sorted(DTYPES)),
     residual=st.booleans(), split_k=st.sampled_from([1, 2, 3]), mode=st.sampled_from(MODES),
     preload=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2**16),
@@ -234,6 +256,21 @@ def test_triton_on_gpu_decode_shapes(m, n, k, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4, 16], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic-w", "static-w"])
+def test_triton_fp32_output_on_gpu_router_shape(m, static):
+    """K3's router, ``linear(x.float(), w.float())`` with w [896, 7168] bf16, at the configuration the op's dispatch
+    picks on this GPU: fp32 out, NaN-poisoned first."""
+    from k3compile.ops.skinny_gemm import dispatch
+
+    a, w, _, _ = make_inputs(m, 896, 7168, torch.bfloat16, bias=False, residual=False)
+    cfg = dispatch.triton_config_for(torch.bfloat16, m, 896, 7168, dispatch.gpu_of(a.device))
+    out = torch.full((m, 896), float("nan"), dtype=torch.float32, device="cuda")
+    skinny_gemm_triton(a, w, config=cfg, out=out, static_weight=static, out_dtype=torch.float32)
+    assert rel_err(out, torch.nn.functional.linear(a.float(), w.float())) < TOL[torch.float32]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 4], ids=lambda m: f"M{m}")
 @pytest.mark.parametrize("config", [
     pytest.param(dict(block_n=64, block_k=128, split_k=7, one_launch=True), id="dot-1launch"),
@@ -365,13 +402,14 @@ from k3compile.ops.skinny_gemm.triton import _skinny_gemm_kernel as kernel
 
 out = {}
 for name, flavour in json.loads(sys.argv[1]).items():
+    fp32_ptrs = flavour.pop("FP32_PTRS", [])   # pointers of fp32 tensors (out_dtype=float32), else bf16
     const = dict(HAS_BIAS=True, HAS_RES=True, SPLIT=True, ONE_LAUNCH=True, FMA=False, LOOP_STAGES=None,
                  PRECISION=None, UPCAST=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, TMA=False, PDL=True,
                  PREFETCH_LINES=0, PRE_K=0, EARLY_TRIGGER=False, A_TMA=False, POLL=False, PTX=True, stride_ak=1,
                  stride_wk=1, stride_rn=1, stride_on=1)
     const.update(flavour)
     tile = lambda rows: f"tensordesc<bf16[{rows},{const['BLOCK_K']}]>"  # noqa: E731
-    sig = {n: "constexpr" if n in const else "*fp32" if n == "ws_ptr" else "*i32" if n == "cnt_ptr"
+    sig = {n: "constexpr" if n in const else "*fp32" if n == "ws_ptr" or n in fp32_ptrs else "*i32" if n == "cnt_ptr"
            else tile(const["BLOCK_N"]) if n == "w_desc" and const["TMA"]
            else tile(const["BLOCK_M"]) if n == "a_desc" and const["A_TMA"] else "*bf16" if n.endswith(("_ptr", "_desc"))
            else "i32" for n in kernel.arg_names}
@@ -395,6 +433,18 @@ PDL_FLAVOURS = {
     # weight's lines prefetched before it
     "poll-tma-prefetch": dict(POLL=True, TMA=True, PREFETCH_LINES=2, HAS_BIAS=False, HAS_RES=False),
 }
+
+
+def test_fp32_output_kernel_compiles_for_sm90_and_never_rounds_to_bf16():
+    """out_dtype=float32 (out and residual fp32, bf16 a and w): Triton's NVIDIA backend builds it for sm_90 without
+    a GPU, and no bf16 conversion is left in the kernel (the output is stored as the fp32 accumulator)."""
+    from k3compile.testing import ptx_in_a_fresh_process
+
+    flavours = {"fp32-out": dict(FP32_PTRS=["out_ptr", "res_ptr"], PRE_K=128),
+                "bf16-out": dict(PRE_K=128)}
+    ptx = ptx_in_a_fresh_process(_PTX_SCRIPT, flavours)
+    assert "cvt.rn.bf16" in ptx["bf16-out"]
+    assert "cvt.rn.bf16" not in ptx["fp32-out"] and "st.global" in ptx["fp32-out"]
 
 
 @pytest.fixture(scope="module")
@@ -436,6 +486,9 @@ def test_triton_rejects_what_it_cannot_do():
     a, w, _, _ = make_inputs(4, 8, 16, torch.float64, bias=False, residual=False)
     assert "dtype" in supports(a, w)
     assert "M=65" in supports(torch.randn(65, 16), torch.randn(8, 16))
+    a16, w16 = a.to(torch.bfloat16), w.to(torch.bfloat16)
+    assert "output dtype" in supports(a16.float(), w16.float(), out_dtype=torch.bfloat16)   # a fp32 -> 16-bit output
+    assert "residual" in supports(a16, w16, None, torch.zeros(4, 8, dtype=torch.bfloat16), torch.float32)
     with pytest.raises(ValueError, match="dtype"):
         skinny_gemm_triton(a, w)
     with pytest.raises(ValueError, match="do not agree"):

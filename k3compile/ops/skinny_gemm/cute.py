@@ -22,8 +22,11 @@ MAX_M = 16
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
-def supports(a, w, bias=None, residual=None) -> Optional[str]:
+def supports(a, w, bias=None, residual=None, out_dtype=None) -> Optional[str]:
     """None when the kernels take these shapes, dtypes and strides, else the reason."""
+    if out_dtype is not None and out_dtype != a.dtype:
+        # both kernels' epilogues store ``s.to(self.dtype)`` and compile.fake_args types C as A's dtype
+        return f"{out_dtype} output: the CuTe kernels write their operands' dtype ({a.dtype}) only"
     if a.dim() != 2 or w.dim() != 2:
         return f"needs 2-D a and w, got {a.dim()}-D and {w.dim()}-D"
     m, k = a.shape

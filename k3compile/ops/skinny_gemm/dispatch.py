@@ -15,6 +15,13 @@ Configuration: the table's for the implementation that runs, else its heuristic 
 are sized by it). ``static_weight`` may change the configuration, never the implementation: the choice is cached
 before the op knows it.
 
+A fp32 output of 16-bit operands (``out_dtype``, the rewrite of ``linear(x.float(), w.float())``): the CuTe kernels
+round their output to the operands' dtype, so ``cute.supports`` refuses it (recorded) and the Triton kernel runs,
+table or not: what it replaces is the upcast product (a cast kernel writes the weight in fp32, then an fp32 GEMM
+reads it back: three times the weight bytes the Triton kernel streams), not the 16-bit cuBLAS GEMM the table was
+measured against; the table's Triton configuration for the 16-bit shape is used (the main loop is the same). Rows
+above ``m_limit`` (and a GPU without Triton) run that upcast product, the graph's own math.
+
 Nothing here imports Triton or cutlass: the kernel modules load on first use (``KernelModule``), and where one does
 not import, the implementation's ``available`` says why (recorded as the fallback's reason).
 """
@@ -124,40 +131,48 @@ def _measured(impl: str, a, w) -> Reason:
             + (f"({g.table.label()})" if listed else "(dispatch.triton_beats_cublas)"))
 
 
-def _cute_available(a, w, bias, residual) -> Reason:
+# Every predicate and implementation takes (a, w, bias, residual, out_dtype); out_dtype None: a's dtype.
+
+def _cute_available(a, w, bias, residual, out_dtype=None) -> Reason:
     return cute_can_run_on(a, w, bias, residual) or cute_kernels.unavailable()
 
 
-def _triton_available(a, w, bias, residual) -> Reason:
+def _triton_available(a, w, bias, residual, out_dtype=None) -> Reason:
     return triton_can_run_on(a, w, bias, residual) or _TRITON.reason()
 
 
-def _cute_profitable(a, w, bias, residual) -> Reason:
+def _cute_profitable(a, w, bias, residual, out_dtype=None) -> Reason:
     return _measured("cute", a, w)
 
 
-def _triton_profitable(a, w, bias, residual) -> Reason:
+def _triton_profitable(a, w, bias, residual, out_dtype=None) -> Reason:
+    if out_dtype is not None:
+        return None   # against the upcast product, not the table's 16-bit cuBLAS (module doc)
     return None if a.device.type != "cuda" or is_rocm() else _measured("triton", a, w)
 
 
-def _cute(a, w, bias, residual, static_weight=False):
+def _cute(a, w, bias, residual, out_dtype=None, static_weight=False):
     m, k = a.shape
     cfg = cute_config_for(a.dtype, m, w.shape[0], k, static_weight, gpu_of(a.device).table)
     return cute.skinny_gemm_cute(a, w, bias, residual, cfg, static_weight=static_weight)
 
 
-def _triton(a, w, bias, residual, static_weight=False):
+def _triton(a, w, bias, residual, out_dtype=None, static_weight=False):
     m, k = a.shape
     cfg = triton_config_for(a.dtype, m, w.shape[0], k, gpu_of(a.device))
-    return _TRITON.skinny_gemm_triton(a, w, bias, residual, config=cfg, static_weight=static_weight)
+    return _TRITON.skinny_gemm_triton(a, w, bias, residual, config=cfg, static_weight=static_weight,
+                                      out_dtype=out_dtype)
 
 
-def _reference(a, w, bias, residual, static_weight=False):
-    return skinny_gemm_reference(a, w, bias, residual)   # no PDL: nothing to stream early
+def _reference(a, w, bias, residual, out_dtype=None, static_weight=False):
+    return skinny_gemm_reference(a, w, bias, residual, out_dtype)   # no PDL: nothing to stream early
 
 
-def _cublas(a, w, bias, residual, static_weight=False):
-    """cuBLAS on a GPU, rounded as eager ``linear`` + ``add``."""
+def _cublas(a, w, bias, residual, out_dtype=None, static_weight=False):
+    """cuBLAS on a GPU, rounded as eager ``linear`` + ``add``; a fp32 output of 16-bit operands as the graph had
+    it before the rewrite: the operands upcast, then the fp32 product."""
+    if out_dtype is not None:
+        a, w, bias = (t if t is None else t.to(out_dtype) for t in (a, w, bias))
     out = torch.nn.functional.linear(a, w, bias)
     return out if residual is None else out.add_(residual)
 
@@ -176,18 +191,20 @@ def _layout(t: Optional[torch.Tensor]):
     return None if t is None else (tuple(t.stride()), t.data_ptr() % 16 == 0)
 
 
-def key(a, w, bias, residual) -> tuple:
+def key(a, w, bias, residual, out_dtype=None) -> tuple:
     """Everything the predicates read (``static_weight`` never changes the choice)."""
     return (a.dtype, a.device.type, tuple(a.shape), w.shape[0],
-            _layout(a), _layout(w), _layout(bias), _layout(residual))
+            _layout(a), _layout(w), _layout(bias), _layout(residual), out_dtype)
 
 
-def select(backend: str, m_limit: int, a, w, bias, residual) -> Callable[..., Any]:
-    """The implementation to run (``fn(a, w, bias, residual, static_weight=...)``), its choice recorded."""
+def select(backend: str, m_limit: int, a, w, bias, residual, out_dtype=None) -> Callable[..., Any]:
+    """The implementation to run (``fn(a, w, bias, residual, out_dtype, static_weight=...)``), its choice
+    recorded. ``out_dtype``: None (a's dtype) or float32 for 16-bit operands (``op.py``)."""
+    k_ = key(a, w, bias, residual, out_dtype)
     if a.shape[0] > m_limit:
-        return SKINNY_GEMM.select_fixed(backend, key(a, w, bias, residual), "aten",
+        return SKINNY_GEMM.select_fixed(backend, k_, "aten",
                                         f"M={a.shape[0]} > m_limit={m_limit}: torch.addmm (cuBLAS on GPU)", _cublas)
-    return SKINNY_GEMM.select(backend, key(a, w, bias, residual), a, w, bias, residual)
+    return SKINNY_GEMM.select(backend, k_, a, w, bias, residual, out_dtype)
 
 
 _AUTO: dict = {}

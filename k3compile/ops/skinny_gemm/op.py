@@ -7,6 +7,10 @@ next kernel launch before their own wait. A caller passing it by hand vouches fo
 still running writes ``w``, counting back through every static call before this one to the last kernel that was
 not one, and this call's ``a`` is made by a kernel launched after that kernel (static_weights.py, step 1). It is a
 launch detail: the choice of implementation is the same either way; the reference and cuBLAS ignore it.
+
+``out_dtype``: None (the output in ``a.dtype``) or ``torch.float32`` with 16-bit ``a`` and ``w``: the fp32 sums of
+the exact products, never rounded to 16 bits -- ``linear(a.float(), w.float())`` without the cast of ``w`` (the
+pass ``patterns/upcast_matmul.py`` rewrites to it). Bias is then of ``a``'s dtype, residual fp32.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import torch
 from . import dispatch
 
 
-def _check(a, w, bias, residual) -> None:
+def _check(a, w, bias, residual, out_dtype=None) -> None:
     if a.dim() != 2 or w.dim() != 2:
         raise ValueError(f"k3::skinny_gemm: a and w must be 2-D, got {tuple(a.shape)} and {tuple(w.shape)}")
     m, k = a.shape
@@ -28,26 +32,34 @@ def _check(a, w, bias, residual) -> None:
         raise ValueError(f"k3::skinny_gemm: bias{tuple(bias.shape)} must be [{n}]")
     if residual is not None and tuple(residual.shape) != (m, n):
         raise ValueError(f"k3::skinny_gemm: residual{tuple(residual.shape)} must be [{m}, {n}]")
-    for name, t in (("w", w), ("bias", bias), ("residual", residual)):
+    for name, t in (("w", w), ("bias", bias)):
         if t is not None and t.dtype != a.dtype:
             raise ValueError(f"k3::skinny_gemm: {name} dtype {t.dtype} != a dtype {a.dtype}")
+    if out_dtype is not None and out_dtype != a.dtype and not (
+            out_dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16)):
+        raise ValueError(f"k3::skinny_gemm: out_dtype {out_dtype} for {a.dtype} operands: only a 16-bit product "
+                         "may ask for a float32 output")
+    out = out_dtype or a.dtype
+    if residual is not None and residual.dtype != out:
+        raise ValueError(f"k3::skinny_gemm: residual dtype {residual.dtype} != output dtype {out}")
 
 
 @torch.library.custom_op("k3::skinny_gemm", mutates_args=())
 def skinny_gemm_op(
     a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
     residual: Optional[torch.Tensor] = None, backend: str = "auto", m_limit: int = 16,
-    static_weight: bool = False,
+    static_weight: bool = False, out_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
-    _check(a, w, bias, residual)
-    fn = dispatch.select(backend, m_limit, a, w, bias, residual)
+    _check(a, w, bias, residual, out_dtype)
+    out_dtype = None if out_dtype == a.dtype else out_dtype
+    fn = dispatch.select(backend, m_limit, a, w, bias, residual, out_dtype)
     # the proof leans on a's producer having run in this graph: an empty a may have launched nothing
     if static_weight and a.shape[0] > 0:
-        return fn(a, w, bias, residual, static_weight=True)
-    return fn(a, w, bias, residual)
+        return fn(a, w, bias, residual, out_dtype, static_weight=True)
+    return fn(a, w, bias, residual, out_dtype)
 
 
 @skinny_gemm_op.register_fake
-def _(a, w, bias=None, residual=None, backend="auto", m_limit=16, static_weight=False):
-    _check(a, w, bias, residual)
-    return a.new_empty((a.shape[0], w.shape[0]))
+def _(a, w, bias=None, residual=None, backend="auto", m_limit=16, static_weight=False, out_dtype=None):
+    _check(a, w, bias, residual, out_dtype)
+    return a.new_empty((a.shape[0], w.shape[0]), dtype=out_dtype or a.dtype)

@@ -9,8 +9,9 @@ or the last program to arrive (an arrival counter per tile, rearmed by that prog
 kernel. Products run on tensor cores (``tl.dot``, M padded to 16) or, for a few rows, on CUDA cores
 (broadcast multiply, one K reduction at the end: one row takes such a grid of 8-column tiles by default
 where the tensor-core grid would split K, see ``FMA_ROW``).
-Weight tiles, and optionally a's, may come by TMA. Accumulation is fp32 always; fp32 inputs use IEEE
-products (no TF32). Any M <= ``triton_config.MAX_M``, N and K; tails are masked.
+Weight tiles, and optionally a's, may come by TMA. Accumulation is fp32 always, and the output is stored in
+its tensor's dtype (the operands' or fp32); fp32 inputs use IEEE products (no TF32). Any M <=
+``triton_config.MAX_M``, N and K; tails are masked.
 
 With ``pdl`` (sm_90+) the kernel is launched with programmatic dependent launch: its programs may start
 while the previous kernel finishes, and touch nothing another kernel may write or read (a, residual, out,
@@ -305,20 +306,22 @@ def _descriptor(t: torch.Tensor, rows: int, cols: int):
 def skinny_gemm_triton(
     a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
     residual: Optional[torch.Tensor] = None, *, config: Optional[TritonConfig] = None,
-    out: Optional[torch.Tensor] = None, static_weight: bool = False,
+    out: Optional[torch.Tensor] = None, static_weight: bool = False, out_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
-    """``a[M, K] @ w[N, K]^T + bias[N] + residual[M, N]`` -> new ``[M, N]`` tensor in ``a.dtype``.
+    """``a[M, K] @ w[N, K]^T + bias[N] + residual[M, N]`` -> new ``[M, N]`` tensor in ``out_dtype`` (default
+    ``a.dtype``).
 
-    a, w, bias, residual: same dtype (fp16 / bf16 / fp32), same device, any strides; M <= 64.
-    ``config``: the dispatch's (``dispatch.triton_config_for``), else the heuristic's; ``out`` ([M, N], a.dtype) receives the
-    result instead of a new tensor (tests poison it with NaN first). ``static_weight=True`` promises that
-    no kernel writes ``w`` (a parameter; the compiler proves it in the graph): a PDL launch then loads the
-    first weight tiles before waiting on the previous kernel. It changes nothing where the config has no
+    a, w, bias, residual: same dtype (fp16 / bf16 / fp32), same device, any strides; M <= 64. ``out_dtype=float32``
+    on 16-bit operands stores the fp32 accumulator unrounded (residual then fp32): ``linear(a.float(), w.float())``
+    without the cast. ``config``: the dispatch's (``dispatch.triton_config_for``), else the heuristic's; ``out``
+    ([M, N], out_dtype) receives the result instead of a new tensor (tests poison it with NaN first).
+    ``static_weight=True`` promises that no kernel writes ``w`` (a parameter; the compiler proves it in the
+    graph): a PDL launch then loads the first weight tiles before waiting on the previous kernel. It changes nothing where the config has no
     PDL. Example::
 
         out = skinny_gemm_triton(x, layer.weight, layer.bias, residual=h)
     """
-    reason = supports(a, w, bias, residual)
+    reason = supports(a, w, bias, residual, out_dtype)
     if reason is not None:
         raise ValueError(f"skinny_gemm_triton: {reason}")
     m, k = a.shape
@@ -328,10 +331,11 @@ def skinny_gemm_triton(
         raise ValueError(f"skinny_gemm_triton: shapes a{tuple(a.shape)} w{tuple(w.shape)} "
                          f"bias{None if bias is None else tuple(bias.shape)} "
                          f"residual{None if residual is None else tuple(residual.shape)} do not agree")
+    out_dtype = out_dtype or a.dtype
     if out is None:
-        out = torch.empty((m, n), dtype=a.dtype, device=a.device)
-    elif out.shape != (m, n) or out.dtype != a.dtype or out.device != a.device:
-        raise ValueError(f"skinny_gemm_triton: out must be [{m}, {n}] {a.dtype} on {a.device}")
+        out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    elif out.shape != (m, n) or out.dtype != out_dtype or out.device != a.device:
+        raise ValueError(f"skinny_gemm_triton: out must be [{m}, {n}] {out_dtype} on {a.device}")
     if m == 0 or n == 0:
         return out
     if config is None:

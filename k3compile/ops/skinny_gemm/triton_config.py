@@ -150,15 +150,19 @@ def for_dtype(cfg: TritonConfig, element_size: int) -> TritonConfig:
     return cfg
 
 
-def supports(a, w, bias=None, residual=None) -> Optional[str]:
-    """None if the kernel takes these operands (any strides and offsets), else why not."""
+def supports(a, w, bias=None, residual=None, out_dtype=None) -> Optional[str]:
+    """None if the kernel takes these operands (any strides and offsets), else why not. ``out_dtype``: None (a's
+    dtype) or float32 (the fp32 sums of 16-bit operands; residual then fp32)."""
     if a.dim() != 2 or w.dim() != 2:
         return f"needs 2-D a and w, got {a.dim()}-D and {w.dim()}-D"
     if a.dtype not in SUPPORTED_DTYPES:
         return f"dtype {a.dtype} not in {SUPPORTED_DTYPES}"
-    for name, t in (("w", w), ("bias", bias), ("residual", residual)):
-        if t is not None and t.dtype != a.dtype:
-            return f"{name} dtype {t.dtype} != a dtype {a.dtype}"
+    out = out_dtype or a.dtype
+    if out not in (a.dtype, torch.float32):
+        return f"output dtype {out} for {a.dtype} operands"
+    for name, t, dtype in (("w", w, a.dtype), ("bias", bias, a.dtype), ("residual", residual, out)):
+        if t is not None and t.dtype != dtype:
+            return f"{name} dtype {t.dtype} != {dtype}"
     if a.shape[0] > MAX_M:
         return f"M={a.shape[0]} > {MAX_M}"
     return None
