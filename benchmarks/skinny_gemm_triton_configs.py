@@ -200,7 +200,7 @@ def main():
     ap.add_argument("--ms", default=None, help="default 1,4,16; 1,2,4,8,16 with --defaults")
     ap.add_argument("--defaults", action="store_true", help="time only the dispatch's picks (static off/on)")
     ap.add_argument("--checks", action="store_true",
-                    help="the dispatch's picks at every K3 shape; prints CHECK 1 (>= 1.0x cuBLAS) and CHECK 2 (>= 80%%)")
+                    help="the dispatch's picks at every K3 shape: CHECK 1 (>= 1.0x cuBLAS), CHECK 2 (>= 80%%)")
     ap.add_argument("--shapes", default=None)
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "mm_sweep.json"))
     ap.add_argument("--budget-s", type=float, default=100.0, help="stop sweeping (keep heuristic + cuBLAS) after this")
