@@ -2,6 +2,7 @@
 
     python benchmarks/skinny_gemm_triton_configs.py [--json OUT.json] [--budget-s 100] [--ms 1,4,16] [--shapes 4608x7168,...]
     python benchmarks/skinny_gemm_triton_configs.py --defaults [--json OUT.json]     # what the dispatch picks only
+    python benchmarks/skinny_gemm_triton_configs.py --checks [--json OUT.json]       # issue 27's two goals
 
 What the Triton heuristic (k3compile/ops/skinny_gemm/triton_config.py) was read off (docs/tuning/skinny_gemm.md).
 ``MM_SMOKE_DEVICE=cpu`` with ``TRITON_INTERPRET=1`` checks the logic.
@@ -9,6 +10,11 @@ What the Triton heuristic (k3compile/ops/skinny_gemm/triton_config.py) was read 
 ``--defaults``: only the dispatch's picks, with ``static_weight`` off and on (what the dispatch runs where
 the compiler proved the weight static; today the same kernel, so the two columns also show the run's noise), on
 the >= 32 MB decode shapes at M 1/2/4/8/16 (% of the ceiling, ratio to cuBLAS).
+
+``--checks``: the dispatch's Triton pick (weight not static) and cuBLAS at every K3 shape and M 1/2/4/8/16, then two
+lines: CHECK 1, the Triton path after the dispatch's Triton-or-vendor-BLAS choice (``dispatch.order`` without CuTe, as
+on a GPU where CuTe cannot run) >= 1.0x cuBLAS at every point (where the dispatch picks cuBLAS the path is cuBLAS:
+x1.00); CHECK 2, the Triton kernel's median % of the copy ceiling on the >= 32 MB weights >= 80%. Needs no CuTe DSL.
 
 For every (N, K, M): the current heuristic, dot configs around "n programs per SM" (BLOCK_N 32/64/128,
 split-K one-launch or two-launch, num_stages, num_warps) and, for M <= 4, CUDA-core (fma) configs.
@@ -22,6 +28,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import sys
 import time
 
@@ -57,8 +64,8 @@ def candidates(m, n, k, sms, defaults=False):
     from k3compile.ops.skinny_gemm import dispatch
     from k3compile.ops.skinny_gemm.triton_config import TritonConfig
 
-    pick = dispatch.triton_config_for(torch.bfloat16, m, n, k, dispatch.Gpu(dispatch.gpu_of(torch.device("cuda")).table,
-                                                                            sms))
+    gpu = dispatch.gpu_of(torch.device("cuda"))
+    pick = dispatch.triton_config_for(torch.bfloat16, m, n, k, gpu._replace(sms=sms))
     if defaults:
         return [(pick, False), (pick, True)]
     out = [pick]
@@ -192,6 +199,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default=None, help="default 1,4,16; 1,2,4,8,16 with --defaults")
     ap.add_argument("--defaults", action="store_true", help="time only the dispatch's picks (static off/on)")
+    ap.add_argument("--checks", action="store_true",
+                    help="the dispatch's picks at every K3 shape: CHECK 1 (>= 1.0x cuBLAS), CHECK 2 (>= 80%%)")
     ap.add_argument("--shapes", default=None)
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "mm_sweep.json"))
     ap.add_argument("--budget-s", type=float, default=100.0, help="stop sweeping (keep heuristic + cuBLAS) after this")
@@ -202,15 +211,19 @@ def main():
         copy_ceiling_tbps = lambda: 4.0  # noqa: E731
         torch.cuda.get_device_properties = lambda i: type("P", (), dict(multi_processor_count=4))
         torch.cuda.get_device_name = lambda *a: "cpu"
+        torch.cuda.get_device_capability = lambda *a: (9, 0)
         torch.cuda.synchronize = torch.cuda.empty_cache = lambda *a: None
     from k3compile.ops.skinny_gemm.triton import skinny_gemm_triton
 
+    args.defaults = args.defaults or args.checks   # the dispatch's picks only
     ms = [int(x) for x in (args.ms or ("1,2,4,8,16" if args.defaults else "1,4,16")).split(",")]
-    shapes = ((BIG_SHAPES if args.defaults else SHAPES) if args.shapes is None
+    from skinny_gemm import K3_SHAPES
+    shapes = ((K3_SHAPES if args.checks else BIG_SHAPES if args.defaults else SHAPES) if args.shapes is None
               else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")])
     dtype = torch.bfloat16
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plan = {(n, k, m): candidates(m, n, k, sms, args.defaults) for n, k in shapes for m in ms}
+    plan = {(n, k, m): candidates(m, n, k, sms, args.defaults)[:1 if args.checks else None] for n, k in shapes
+            for m in ms}
     print(f"# {torch.cuda.get_device_name()} SMs={sms} torch {torch.__version__}; "
           f"{sum(map(len, plan.values()))} (shape, config) points", flush=True)
     precompile([(m, k, c, st) for (n, k, m), cs in plan.items() for c, st in cs], args.workers)
@@ -282,11 +295,46 @@ def main():
                 line += (f" {t[0]['us']:6.2f}us {t[0]['frac']:5.1%} x{cubs[key] / t[0]['us']:4.2f} |" if t
                          else " -- |")
             print(line)
+    if args.checks:
+        print_checks(rows, sms)
     print("# summary: best config per point")
     for (n, k, m), (us, cfg) in best.items():
         print(f"#   ({m}, {n}, {k}): {cfg!r},  # {us:.2f} us")
     dump(args.json, ceil, sms, rows)
     print(f"# done in {time.time() - T0:.0f}s")
+
+
+def print_checks(rows, sms):
+    """Issue 27's two goals, one line each: the Triton path after the dispatch's choice against cuBLAS at every
+    point, and the Triton kernel's median share of the copy ceiling on the >= 32 MB weights."""
+    from k3compile.ops.skinny_gemm import dispatch
+
+    gpu = dispatch.gpu_of(torch.device("cuda"))
+    cub = {(r["n"], r["k"], r["m"]): r for r in rows if r["provider"] == "cublas"}
+    tri = {(r["n"], r["k"], r["m"]): r for r in rows if r["provider"] == "triton" and "us" in r and not r["static"]}
+    ratios, missing = {}, []
+    for key, c in cub.items():
+        n, k, m = key
+        if "triton" not in dispatch.order(torch.bfloat16, m, n, k, gpu.table):
+            ratios[key] = 1.0   # the dispatch runs cuBLAS here
+        elif key in tri:
+            ratios[key] = c["us"] / tri[key]["us"]
+        else:
+            missing.append(key)   # dispatched to a Triton kernel that did not run correctly
+    worst = min(ratios, key=ratios.get) if ratios else None
+    picked = sum(1 for key in ratios if key in tri and "triton" in dispatch.order(torch.bfloat16, key[2], key[0],
+                                                                                    key[1], gpu.table))
+    ok = bool(ratios) and not missing and ratios[worst] >= 1.0
+    print(f"CHECK 1 the Triton path after dispatch >= 1.00x cuBLAS at every K3 shape and M: {'PASS' if ok else 'FAIL'}"
+          + (f" (min x{ratios[worst]:.3f} at {worst[0]}x{worst[1]} M{worst[2]}; Triton dispatched at {picked} of "
+             f"{len(cub)} points, cuBLAS at the rest{'; no result at ' + str(missing) if missing else ''})"
+             if worst else " (nothing measured)"))
+    big = [tri[key]["frac"] for key in tri if key[:2] in BIG_SHAPES]
+    med = statistics.median(big) if big else float("nan")
+    low = min((key for key in tri if key[:2] in BIG_SHAPES), key=lambda key: tri[key]["frac"], default=None)
+    print(f"CHECK 2 the Triton kernel >= 80% of the copy ceiling on >= 32 MB weights (median of {len(big)}): "
+          f"{'PASS' if med >= 0.80 else 'FAIL'} (median {med:.1%}"
+          + (f", min {tri[low]['frac']:.1%} at {low[0]}x{low[1]} M{low[2]})" if low else ")"))
 
 
 def dump(path, ceil, sms, rows):

@@ -76,6 +76,35 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+# Local memory (shared memory / LDS) one program may take, by AMD architecture; gfx9 (MI200, MI300) has 64 KiB
+LDS_BYTES = {"gfx950": 160 * 1024}
+LDS_BYTES_DEFAULT = 64 * 1024
+
+
+def local_memory_budget(device: torch.device) -> int:
+    """Bytes of shared memory (AMD: LDS) one program may take on ``device``: a configuration whose pipeline needs
+    more is refused at launch (NVIDIA: the opt-in per-block limit, 227 KiB on sm_90; AMD: ``LDS_BYTES``); no limit
+    off the GPU (the interpreter)."""
+    return _local_memory_budget(device.index or 0) if device.type == "cuda" else 1 << 40
+
+
+@functools.cache
+def _local_memory_budget(device_index: int) -> int:
+    props = torch.cuda.get_device_properties(device_index)
+    if is_rocm():
+        return LDS_BYTES.get(props.gcnArchName.split(":")[0], LDS_BYTES_DEFAULT)
+    return getattr(props, "shared_memory_per_block_optin", 227 * 1024)
+
+
+def stages_within(budget: int, stage_bytes: int, fixed_bytes: int, stages: int) -> int:
+    """The most software-pipeline stages, at most ``stages`` and at least 1, whose ring fits ``budget``: Triton's
+    pipeliner keeps ``stages - 1`` tiles of ``stage_bytes`` in shared memory (checked against the code objects
+    compiled for gfx942 in tests/ops/test_rocm_compile.py), besides ``fixed_bytes``."""
+    while stages > 1 and (stages - 1) * stage_bytes + fixed_bytes > budget:
+        stages -= 1
+    return stages
+
+
 @functools.cache
 def triton_importable() -> Reason:
     try:

@@ -1,7 +1,9 @@
 """Measured picks as data: one JSON table per op and GPU, ``k3compile/ops/<op>/tables/<gpu>.json``.
 
 The op's tuner (``benchmarks/tune_<op>.py``) writes the table on the GPU it describes; the op's ``dispatch.py``
-reads it. A GPU without a table of its own reads ``FALLBACK_GPU``'s (the only GPU tuned so far). The format::
+reads it. A GPU without a table of its own reads ``FALLBACK_GPU``'s (the only GPU tuned so far) where it has that GPU's
+architecture (``FALLBACK_ARCH``); a GPU of another architecture has no measurements (its op's dispatch says what it
+runs then). The format::
 
     {"op": "skinny_gemm", "gpu": "NVIDIA H200", "sms": 132, "tuner": "benchmarks/tune_skinny_gemm.py", "note": "...",
      "configs": {"<name>": {"kernel": "<kernel>", "<field>": <value>, ...}, ...},
@@ -27,6 +29,7 @@ from typing import Any, Mapping, Optional
 
 M_BUCKETS = (1, 2, 4, 8, 16)
 FALLBACK_GPU = "h200"
+FALLBACK_ARCH = "sm_90"   # FALLBACK_GPU's architecture: its picks stand in for GPUs of that architecture only
 KEY_FIELDS = ("dtype", "m", "n", "k", "static")
 
 
@@ -161,8 +164,27 @@ def load(path: str, kernels: Mapping[str, Mapping[str, type]]) -> Table:
         return parse(json.load(f), kernels, path)
 
 
+def load_for(op_dir: str, device_name: str, arch: str, kernels: Mapping[str, Mapping[str, type]]) -> Optional[Table]:
+    """The table a GPU of this name and architecture reads (``table_path``), None where nothing was measured."""
+    path = table_path(op_dir, device_name, arch)
+    return load(path, kernels) if path else None
+
+
+def gpu_arch(device_index: int) -> str:
+    """The architecture of a CUDA / ROCm device, as tables are keyed: ``"sm_90"`` (NVIDIA), ``"gfx942"`` (AMD)."""
+    import torch
+
+    if torch.version.hip is not None:
+        return torch.cuda.get_device_properties(device_index).gcnArchName.split(":")[0]
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return f"sm_{major}{minor}"
+
+
 @functools.cache
-def table_path(op_dir: str, device_name: str) -> str:
-    """``op_dir/tables/<gpu>.json`` for this GPU, else the fallback GPU's."""
+def table_path(op_dir: str, device_name: str, arch: str = FALLBACK_ARCH) -> Optional[str]:
+    """``op_dir/tables/<gpu>.json`` for this GPU, else the fallback GPU's where ``arch`` is its architecture, else
+    None (nothing measured on this architecture)."""
     own = os.path.join(op_dir, "tables", gpu_slug(device_name) + ".json")
-    return own if os.path.exists(own) else os.path.join(op_dir, "tables", FALLBACK_GPU + ".json")
+    if os.path.exists(own):
+        return own
+    return os.path.join(op_dir, "tables", FALLBACK_GPU + ".json") if arch == FALLBACK_ARCH else None

@@ -126,3 +126,33 @@ def test_run_auto_decides_as_the_op_and_records_nothing(monkeypatch):
     assert torch.allclose(out, a @ w.T + r, atol=1e-5) and dispatch.SKINNY_GEMM.choices() == []
     impl, _ = dispatch.SKINNY_GEMM.decide("auto", (a, w, None, r))
     assert dispatch._AUTO[dispatch.key(a, w, None, r)] is dispatch.SKINNY_GEMM.impl(impl).fn
+
+
+# --------------------------------------------------------------------------------------------------
+# an architecture with no measurements (ROCm's gfx942): the vendor BLAS but for large 16-bit weights
+
+@pytest.mark.parametrize("n,k,dtype,impl", [
+    (2304, 1536, torch.bfloat16, "aten"),     # Triton x0.77 of cuBLAS on the H200
+    (7168, 1536, torch.bfloat16, "aten"),     # x0.91
+    (2112, 7168, torch.bfloat16, "aten"),     # 30 MB: under the 32 MiB rule
+    (4608, 7168, torch.bfloat16, "triton"),   # x1.12-1.22
+    (20480, 7168, torch.float16, "triton"),
+    (20480, 7168, torch.float32, "aten"),     # fp32: never measured against the vendor BLAS
+], ids=lambda v: str(v).removeprefix("torch."))
+def test_unmeasured_architecture_runs_the_vendor_blas_but_for_large_weights(monkeypatch, n, k, dtype, impl):
+    monkeypatch.setattr(dispatch, "_cuda_gpu", lambda index: dispatch.Gpu(None, 304, "gfx942"))
+    monkeypatch.setattr(dispatch, "_cute_available", lambda *args: "CuTe DSL is NVIDIA-only")
+    mode, a, w = _cuda(4, n, k, dtype)
+    with mode:
+        pick, why = dispatch.SKINNY_GEMM.decide("auto", (a, w, None, None))
+    assert pick == impl, why
+    if impl == "aten":
+        assert "no measurements for gfx942" in why
+
+
+def test_fallback_table_stands_in_for_its_architecture_only():
+    assert dispatch.table_for("NVIDIA H100 80GB HBM3", "sm_90") is H200 or \
+        dispatch.table_for("NVIDIA H100 80GB HBM3", "sm_90").path == H200.path
+    assert dispatch.table_for("AMD Instinct MI300X", "gfx942") is None
+    assert dispatch.table_for("NVIDIA B200", "sm_100") is None
+    assert dispatch.order(torch.bfloat16, 4, 4608, 7168, None) == ("triton",)

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3compile.backends import sm_count
+from k3compile.backends import is_rocm, sm_count
 from k3compile.ops.arrival_counters import arrival_counters
 
 from .triton_config import KernelConfig, default_config
@@ -422,7 +422,8 @@ def kda_decode_triton(
         tickets = arrival_counters(v.device, B * H)   # all zero; every launch leaves them zero
         if tickets is None:  # first launch inside a CUDA-graph capture: the graph zeroes its own
             tickets = torch.zeros(B * H, dtype=torch.int32, device=v.device)
-    options = {"maxnreg": cfg.max_registers} if cfg.max_registers and v.device.type == "cuda" else {}
+    # a register cap is NVIDIA's option (Triton's HIP backend rejects the keyword)
+    options = {"maxnreg": cfg.max_registers} if cfg.max_registers and v.device.type == "cuda" and not is_rocm() else {}
     kda_decode_kernel[(programs, splits)](
         q, k, v, conv_state_q, conv_state_k, conv_state_v, conv_weight_q, conv_weight_k, conv_weight_v,
         f, A_log, dt_bias, beta_logits, out_gate, o_norm_weight, state, o, o_part, ss_part, tickets,

@@ -11,7 +11,8 @@ Order (``backends.OpImpls``), up to the small-M limit:
 Profitability, under ``backend="auto"`` on a GPU: this GPU's table (``tables/<gpu>.json``) lists, per (dtype, M
 bucket, D = N, L = K, static weight), the one-kernel forms measured faster than the split path, in the order to
 try them: CuTe where it comes first, Triton where it is listed (its grid form only on sm_90+, where it was
-measured with TMA). A shape the table does not list takes the split path. On the CPU (the Triton interpreter) the
+measured with TMA). A shape the table does not list, and every shape on a GPU of an architecture with no table
+(``tables.table_path``: ROCm's gfx942), takes the split path. On the CPU (the Triton interpreter) the
 Triton kernel always runs. A forced backend runs the kernel it names wherever it can.
 
 Configuration: the table's, else a heuristic: CuTe the skinny GEMM's mma.sync pick for this product (its table's
@@ -49,14 +50,15 @@ _TRITON, _SPLIT = KernelModule(f"{__package__}.triton"), KernelModule(f"{__packa
 
 
 @functools.cache
-def table_for(device_name: str) -> tables.Table:
-    """The table of the GPU of this name (``torch.cuda.get_device_name``), else the fallback GPU's."""
-    return tables.load(tables.table_path(os.path.dirname(os.path.abspath(__file__)), device_name), KERNELS)
+def table_for(device_name: str, arch: str = tables.FALLBACK_ARCH) -> Optional[tables.Table]:
+    """The table of the GPU of this name (``torch.cuda.get_device_name``) and architecture, else the fallback GPU's
+    where it is of that architecture, else None."""
+    return tables.load_for(os.path.dirname(os.path.abspath(__file__)), device_name, arch, KERNELS)
 
 
 @functools.cache
-def _cuda_table(index: int) -> tables.Table:
-    return table_for(torch.cuda.get_device_name(index))
+def _cuda_table(index: int) -> Optional[tables.Table]:
+    return table_for(torch.cuda.get_device_name(index), tables.gpu_arch(index))
 
 
 def table_of(device: torch.device) -> Optional[tables.Table]:

@@ -35,7 +35,7 @@ from k3compile.ops.arrival_counters import arrival_counters
 
 from .triton_config import MAX_BLOCK_M
 from .triton_tiles import (_add_product, _latent_tile, _row_rstd, _tail_epilogue, _tma_layout_ok, gdc_launch_dependents,
-                           gdc_wait, pdl_capable)
+                           gdc_wait, pdl_capable, tma_capable)
 
 
 def plan(n_tiles: int, k_blocks: int, programs: int) -> tuple[int, int, int]:
@@ -214,7 +214,7 @@ def launch_stream_k(latent, shared, norm_weight, up_weight, eps, config, out, up
     counters = arrival_counters(latent.device, n_tiles) if config.reduce == "last" else None
     grid_args = (units, k_blocks, programs, max_seg, float(eps))
     w_desc = up_weight
-    tma = config.tma and _tma_layout_ok(up_weight)
+    tma = config.tma and tma_capable(latent.device) and _tma_layout_ok(up_weight)
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415
 

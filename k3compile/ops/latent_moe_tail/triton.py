@@ -37,13 +37,14 @@ import torch
 import triton
 import triton.language as tl
 
-from k3compile.backends import sm_count, triton_interpret
+from k3compile.backends import local_memory_budget, sm_count, triton_interpret
 from k3compile.ops.arrival_counters import arrival_counters
 
 from . import streamk, triton_config
 from .triton_config import MAX_BLOCK_M, TailConfig
 from .triton_tiles import (_add_product, _latent_tiles, _row_rstd, _scale_by_norm_weight, _shared_tile,
-                           _tail_epilogue, _tail_store, _tma_layout_ok, gdc_launch_dependents, gdc_wait, pdl_capable)
+                           _tail_epilogue, _tail_store, _tma_layout_ok, gdc_launch_dependents, gdc_wait, pdl_capable,
+                           tma_capable)
 
 
 @triton.jit(do_not_specialize=["M"])   # one compiled kernel for every M <= 16
@@ -233,6 +234,7 @@ def latent_moe_tail_triton(latent: torch.Tensor, shared: torch.Tensor, norm_weig
     if not norm_weight.is_contiguous():
         norm_weight = norm_weight.contiguous()
     upcast = latent.dtype != torch.float32 and triton_interpret()
+    config = triton_config.fit_local_memory(config, latent.element_size(), local_memory_budget(latent.device))
     if config.stream_k:
         return streamk.launch_stream_k(latent, shared, norm_weight, up_weight, eps, config, out, upcast, static_weight)
     k_per_split = triton.cdiv(triton.cdiv(l, config.split_k), config.block_k) * config.block_k
@@ -251,7 +253,7 @@ def latent_moe_tail_triton(latent: torch.Tensor, shared: torch.Tensor, norm_weig
     on_gpu = pdl_capable(latent.device)   # sm_90+ NVIDIA: TMA and PDL
     w_desc = x_desc = g_desc = up_weight
     # TMA on sm_90+, and in the interpreter (tests); pointer loads on other GPUs and where the layout forbids it
-    tma = config.tma and (on_gpu or latent.device.type == "cpu") and _tma_layout_ok(up_weight)
+    tma = config.tma and tma_capable(latent.device) and _tma_layout_ok(up_weight)
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415
 

@@ -8,6 +8,8 @@ from typing import Optional
 
 import torch
 
+from k3compile.backends import stages_within
+
 REDUCES = ("last", "kernel")
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_BLOCK_M = 16   # one tensor-core tile of rows; the op's small-M limit may not exceed it
@@ -107,6 +109,14 @@ def heuristic(m: int, d: int, l: int, dtype: torch.dtype, sm_count: int) -> Tail
 def for_dtype(cfg: TailConfig, dtype: torch.dtype) -> TailConfig:
     """fp16 normalises each row before the dot (``prenorm``): x·g of an unnormalised latent can overflow fp16."""
     return dataclasses.replace(cfg, prenorm=True) if dtype == torch.float16 else cfg
+
+
+def fit_local_memory(cfg: TailConfig, element_size: int, budget: int) -> TailConfig:
+    """``cfg`` with its pipeline no deeper than ``budget`` bytes of shared memory hold (``backends.stages_within``:
+    a [MAX_BLOCK_M + block_n, block_k] stage): gfx9's 64 KiB of LDS takes two stages of ``STREAM_K_TMA``'s 128 x 128
+    tiles through pointers (four: 100 KiB, refused at launch), two of the fp32 grid's 64 x 128 (three: 72 KiB)."""
+    stages = stages_within(budget, (MAX_BLOCK_M + cfg.block_n) * cfg.block_k * element_size, 0, cfg.num_stages)
+    return cfg if stages == cfg.num_stages else dataclasses.replace(cfg, num_stages=stages)
 
 
 def supports(latent, shared, norm_weight, up_weight, eps, small_m_limit=MAX_BLOCK_M) -> Optional[str]:

@@ -110,6 +110,11 @@ def pdl_capable(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
+def tma_capable(device: torch.device) -> bool:
+    """TMA descriptors: on sm_90+ NVIDIA, and in the interpreter (tests); pointer loads on other GPUs (ROCm)."""
+    return pdl_capable(device) or device.type == "cpu"
+
+
 def _tma_layout_ok(w: torch.Tensor) -> bool:
     return (w.stride(1) == 1 and w.data_ptr() % 16 == 0 and (w.stride(0) * w.element_size()) % 16 == 0
             and w.shape[0] > 0 and w.shape[1] > 0)

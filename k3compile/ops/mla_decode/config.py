@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from k3compile.backends import stages_within
+
 
 @dataclass(frozen=True)
 class TritonConfig:
@@ -59,6 +61,16 @@ def default_config(rows: int, batch: Optional[int] = None) -> TritonConfig:
     if row_block(rows) <= 16:
         return TritonConfig(fused_readback=fused)
     return TritonConfig(num_warps=8, num_stages=4, programs_per_sm=1, fused_readback=fused)
+
+
+def fit_local_memory(config: TritonConfig, rows: int, lk: int, r: int, element_size: int,
+                     budget: int) -> TritonConfig:
+    """``config`` with the split kernel's pipeline no deeper than ``budget`` bytes of shared memory hold
+    (``backends.stages_within``; a stage: a [block_s, Lk + R] tile of c_kv and k_pe, besides the query's [rows, R]):
+    gfx9's 64 KiB of LDS takes two stages of K3's 36 KiB tiles (three: 72 KiB, refused at launch)."""
+    stages = stages_within(budget, config.block_s * (lk + r) * element_size, row_block(rows) * r * element_size,
+                           config.num_stages)
+    return config if stages == config.num_stages else dataclasses.replace(config, num_stages=stages)
 
 
 def row_block(rows: int) -> int:

@@ -44,9 +44,9 @@ try:  # grid dependency control (PDL), Triton >= 3.4
 except ImportError:  # pragma: no cover
     gdc_launch_dependents = gdc_wait = None
 
-from k3compile.backends import is_rocm, sm_count, triton_interpret
+from k3compile.backends import is_rocm, local_memory_budget, sm_count, triton_interpret
 
-from .config import TritonConfig, default_config, row_block, split_count
+from .config import TritonConfig, default_config, fit_local_memory, row_block, split_count
 from .triton_tiles import (  # noqa: F401  (the kernels' device helpers)
     _combine_step, _dot, _pdl_enter, _prefetch_rows, _split_len, _split_range, _valid_range,
 )
@@ -310,7 +310,8 @@ def mla_decode_triton(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tens
     VD = w_kv_b.shape[1] - N
     TH = T * H
     dtype = c_kv.dtype
-    config = config or default_config(TH, B)
+    config = fit_local_memory(config or default_config(TH, B), TH, LK, R, c_kv.element_size(),
+                              local_memory_budget(c_kv.device))
     pdl = config.pdl and pdl_capable(c_kv.device)
     early = pdl and early_reads_safe()
     sms = sm_count(c_kv.device)

@@ -4,11 +4,13 @@ Order (``backends.OpImpls``): the CuTe kernels (``cute.py``), the Triton kernel 
 (``torch.nn.functional.linear``, OpImpls' ``aten``) where a kernel of ours can run but loses, the reference where
 none can run. Rows above ``m_limit`` go to cuBLAS.
 
-Profitability, under ``backend="auto"`` on an NVIDIA GPU: this GPU's table (``tables/<gpu>.json``) lists, per
-(dtype, M bucket, N, K, static weight), the kernels measured faster than cuBLAS in the order to try them. CuTe runs
-where it comes first in that order, Triton where it is listed. A shape the table does not list takes CuTe (never
-measured behind cuBLAS there), then Triton where ``triton_beats_cublas``. Off NVIDIA (the Triton interpreter on
-CPU tensors, ROCm) the Triton kernel always runs.
+Profitability, under ``backend="auto"`` on a GPU: this GPU's table (``tables/<gpu>.json``, else the H200's on a GPU
+of its architecture, ``tables.table_path``) lists, per (dtype, M bucket, N, K, static weight), the kernels measured
+faster than cuBLAS in the order to try them. CuTe runs where it comes first in that order, Triton where it is
+listed. A shape the table does not list takes CuTe (never measured behind cuBLAS there), then Triton where
+``triton_beats_cublas``. A GPU of an architecture with no measurements (ROCm's gfx942, NVIDIA's sm_100) runs the
+vendor BLAS (cuBLAS / hipBLASLt, through ``linear``) but for the large weights where the Triton kernel led cuBLAS
+on the H200 at every M (``unmeasured_order``). The Triton interpreter (CPU tensors) runs the Triton kernel.
 
 Configuration: the table's for the implementation that runs, else its heuristic (``cute_config.heuristic``,
 ``triton_config.heuristic``). The Triton configurations of a table hold on GPUs of its SM count only (the grids
@@ -34,7 +36,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from k3compile import tables
-from k3compile.backends import (Impl, OpImpls, Reason, cute_can_run_on, is_rocm, register_op_impls, sm_count,
+from k3compile.backends import (Impl, OpImpls, Reason, cute_can_run_on, register_op_impls, sm_count,
                                 triton_can_run_on)
 from k3compile.kernel_module import KernelModule
 from k3compile.kernels.cute import compile as cute_kernels
@@ -50,6 +52,19 @@ KERNEL_OF = {MmaConfig: "cute_mma", WgmmaConfig: "cute_wgmma", TritonConfig: "tr
 _TRITON = KernelModule(f"{__package__}.triton")   # imports Triton
 
 
+# Unmeasured architectures: the Triton kernel for 16-bit weights of at least this many elements (32 MiB), where it
+# streamed at 98-101% of the copy ceiling on the H200 and led cuBLAS by x1.07-1.27 at every M; below it (2304 x 1536:
+# x0.77, 7168 x 1536: x0.91) and in fp32 (never measured against the vendor BLAS) the vendor BLAS runs.
+# benchmarks/results/skinny_gemm_triton_defaults_h200.log
+UNMEASURED_TRITON_MIN_WEIGHT = 1 << 24
+
+
+def unmeasured_order(dtype: torch.dtype, n: int, k: int) -> tuple[str, ...]:
+    """The kernels to try, ahead of the vendor BLAS, on a GPU whose architecture has no table."""
+    big = dtype in (torch.float16, torch.bfloat16) and n * k >= UNMEASURED_TRITON_MIN_WEIGHT
+    return ("triton",) if big else ()
+
+
 def triton_beats_cublas(m: int, n: int, k: int) -> bool:
     """Where a table lists nothing: the Triton kernel measured ahead of cuBLAS on the H200 at N >= 2048 with K >=
     4096 (3-25%), K >= 3072 with M <= 8 (20-25% at 7168 x 3584), or N >= 7168 with K >= 2048 (10% at 7168 x 2048);
@@ -61,19 +76,22 @@ def triton_beats_cublas(m: int, n: int, k: int) -> bool:
 # the table of the GPU a tensor lives on
 
 class Gpu(NamedTuple):
-    table: Optional[tables.Table]   # None: not an NVIDIA GPU (no measured picks apply)
+    table: Optional[tables.Table]   # None: no measurements for this GPU's architecture (or no GPU)
     sms: int                         # 0: no GPU (the Triton interpreter)
+    arch: str = ""                   # "sm_90", "gfx942"
 
 
 @functools.cache
-def table_for(device_name: str) -> tables.Table:
-    """The table of the GPU of this name (``torch.cuda.get_device_name``), else the fallback GPU's."""
-    return tables.load(tables.table_path(os.path.dirname(os.path.abspath(__file__)), device_name), KERNELS)
+def table_for(device_name: str, arch: str = tables.FALLBACK_ARCH) -> Optional[tables.Table]:
+    """The table of the GPU of this name (``torch.cuda.get_device_name``) and architecture, else the fallback GPU's
+    where it is of that architecture, else None."""
+    return tables.load_for(os.path.dirname(os.path.abspath(__file__)), device_name, arch, KERNELS)
 
 
 @functools.cache
 def _cuda_gpu(index: int) -> Gpu:
-    return Gpu(table_for(torch.cuda.get_device_name(index)), sm_count(torch.device("cuda", index)))
+    arch = tables.gpu_arch(index)
+    return Gpu(table_for(torch.cuda.get_device_name(index), arch), sm_count(torch.device("cuda", index)), arch)
 
 
 def gpu_of(device: torch.device) -> Gpu:
@@ -84,8 +102,11 @@ def _dtype(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def order(dtype: torch.dtype, m: int, n: int, k: int, table: tables.Table) -> tuple[str, ...]:
-    """The kernels that beat cuBLAS at this shape, in the order to try them: the table's, else the rule's."""
+def order(dtype: torch.dtype, m: int, n: int, k: int, table: Optional[tables.Table]) -> tuple[str, ...]:
+    """The kernels that beat cuBLAS at this shape, in the order to try them: the table's, else the rule's; with no
+    table (an architecture nothing was measured on), ``unmeasured_order``'s."""
+    if table is None:
+        return unmeasured_order(dtype, n, k)
     pick = table.get(_dtype(dtype), m, n, k, False) if m <= 16 else None
     if pick is not None:
         return pick.order
@@ -120,11 +141,15 @@ def _measured(impl: str, a, w) -> Reason:
     m, k = a.shape
     n = w.shape[0]
     g = gpu_of(a.device)
-    if g.table is None:
-        return None   # off NVIDIA: nothing measured
+    if not g.sms:
+        return None   # the interpreter
     kernels = order(a.dtype, m, n, k, g.table)
     if (kernels[:1] == ("cute",)) if impl == "cute" else ("triton" in kernels):
         return None
+    if g.table is None:
+        return (f"no measurements for {g.arch}: the vendor BLAS for M={m} N={n} K={k} {_dtype(a.dtype)} (the Triton "
+                "kernel only for 16-bit weights >= 32 MiB, where it led cuBLAS on the H200: "
+                "dispatch.unmeasured_order)")
     faster = "the Triton kernel" if impl == "cute" and "triton" in kernels else "cuBLAS"
     listed = g.table.get(_dtype(a.dtype), m, n, k, False) is not None
     return (f"{faster} measured faster for M={m} N={n} K={k} "
@@ -148,7 +173,7 @@ def _cute_profitable(a, w, bias, residual, out_dtype=None) -> Reason:
 def _triton_profitable(a, w, bias, residual, out_dtype=None) -> Reason:
     if out_dtype is not None:
         return None   # against the upcast product, not the table's 16-bit cuBLAS (module doc)
-    return None if a.device.type != "cuda" or is_rocm() else _measured("triton", a, w)
+    return _measured("triton", a, w)
 
 
 def _cute(a, w, bias, residual, out_dtype=None, static_weight=False):

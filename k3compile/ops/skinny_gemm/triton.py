@@ -36,7 +36,7 @@ try:  # grid dependency control (PDL), Triton >= 3.4
 except ImportError:  # pragma: no cover
     gdc_launch_dependents = gdc_wait = None
 
-from k3compile.backends import is_rocm, sm_count
+from k3compile.backends import is_rocm, local_memory_budget, sm_count
 from k3compile.ops.arrival_counters import PARTIAL_EMPTY as _EMPTY_WORD, arrival_counters, partial_slots
 
 from . import triton_config
@@ -343,10 +343,15 @@ def skinny_gemm_triton(
     elif config.block_m < m or config.block_m & (config.block_m - 1) or (not config.fma and config.block_m < 16):
         raise ValueError(f"skinny_gemm_triton: {config} cannot hold M={m} "
                          "(block_m: a power of 2 >= M, and >= 16 for tl.dot)")
+    config = triton_config.fit_local_memory(config, a.element_size(), local_memory_budget(a.device))
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     split_k = max(1, triton.cdiv(k, k_per_split)) if k else 1
     n_tiles = triton.cdiv(n, config.block_n)
-    ws = partial_slots(a.device, (split_k - 1) * m * n) if split_k > 1 and config.one_launch and config.poll else None
+    # Polled partials on NVIDIA only: there the polls are ld.volatile, read from L2; on AMD (gfx942) a volatile load
+    # may be served by the compute unit's own L1, which other workgroups' stores never reach (a spin that may not
+    # end). There the last program to arrive sums them, behind the arrival counter's acq_rel atomic.
+    poll = split_k > 1 and config.one_launch and config.poll and not is_rocm()
+    ws = partial_slots(a.device, (split_k - 1) * m * n) if poll else None
     poll = ws is not None
     if not poll:
         ws = torch.empty((split_k, m, n), dtype=torch.float32, device=a.device) if split_k > 1 else out

@@ -11,6 +11,8 @@ from typing import Optional
 
 import torch
 
+from k3compile.backends import stages_within
+
 MAX_M = 64          # beyond this the kernel's whole-M register tile spills; callers use cuBLAS there
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -148,6 +150,15 @@ def for_dtype(cfg: TritonConfig, element_size: int) -> TritonConfig:
     if cfg.early_trigger and element_size > 2:
         return dataclasses.replace(cfg, early_trigger=False, num_stages=None)
     return cfg
+
+
+def fit_local_memory(cfg: TritonConfig, element_size: int, budget: int) -> TritonConfig:
+    """``cfg`` with its pipeline no deeper than ``budget`` bytes of shared memory hold (``backends.stages_within``:
+    [BLOCK_M + BLOCK_N, BLOCK_K] tiles a stage; the target's default depth counted as 3): gfx9's 64 KiB of LDS takes
+    two fp32 stages of the 2048 x 2048+ grid, not the three (72 KiB) AMD's compiler would otherwise refuse at launch."""
+    stages = cfg.num_stages or 3
+    fit = stages_within(budget, (cfg.block_m + cfg.block_n) * cfg.block_k * element_size, 0, stages)
+    return cfg if fit == stages else dataclasses.replace(cfg, num_stages=fit)
 
 
 def supports(a, w, bias=None, residual=None, out_dtype=None) -> Optional[str]:
