@@ -28,6 +28,11 @@ class Report:
     regions: str = ""                              # which blocks optimize() made compile regions, or why none
 
     @property
+    def kernel_build_seconds(self) -> float:
+        """Host time of the k3 ops' first calls for this model (their kernels' JIT builds or disk-cache loads)."""
+        return sum(c.first_call_seconds or 0.0 for c in self.choices)
+
+    @property
     def cache_hits(self) -> int:
         return sum(1 for g in self.graphs if g.source.startswith("cache hit"))
 
@@ -71,6 +76,10 @@ class Report:
             if why_not:
                 line += "; not proven: " + "; ".join(f"{why} (x{n})" for why, n in why_not.items())
             lines.append(line)
+        built = [c.first_call_seconds for c in self.choices if c.first_call_seconds is not None]
+        if built:
+            lines.append(f"  k3 kernels: {len(built)} key(s) built at their first call in this process, "
+                         f"{sum(built):.1f} s of host time (Triton / CuTe JIT, or a load from their disk caches)")
         lines.append("  kernels chosen:")
         if not self.choices:
             lines.append("    (no k3 op has run for this model)")
