@@ -144,6 +144,9 @@ def inline(gm: torch.fx.GraphModule) -> int:
             gm.graph.erase_node(node)
             n += 1
     if n:
+        for node in gm.graph.find_nodes(op="get_attr"):
+            if not node.users and isinstance(getattr(gm, node.target, None), torch.fx.GraphModule):
+                gm.graph.erase_node(node)
         used = {node.target for node in gm.graph.find_nodes(op="get_attr")}
         for name, child in list(gm.named_children()):
             if isinstance(child, torch.fx.GraphModule) and name not in used:
