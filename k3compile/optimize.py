@@ -19,7 +19,6 @@ application configures logging; ``logging.getLogger("k3compile").setLevel(loggin
 """
 from __future__ import annotations
 
-import copy
 import functools
 import inspect
 import logging
@@ -42,7 +41,6 @@ from .graph_records import (
 from .passes import (
     COMPILE_RECORD, GraphRecord, K3Options, K3PostGradPass, pattern_module, stand_down_reason, summarize_model,
 )
-from .regions import has_regions, inline
 from . import regions as compile_regions
 
 log = logging.getLogger("k3compile")
@@ -153,13 +151,15 @@ class K3Inductor(torch._TorchCompileInductorWrapper):
                  f" ({STOOD_DOWN})" if stood_down else "")
         t0 = time.perf_counter()
         if stood_down:
-            inline(model_)   # exactly as plain torch.compile compiles it: no regions
+            compile_regions.inline(model_)   # exactly as plain torch.compile compiles it: no regions
             self.plain.name = getattr(self, "name", None)
             compiled = self.plain(model_, inputs_, **kwargs)
             graph = CompiledGraph("", GraphRecord(), STOOD_DOWN, time.perf_counter() - t0, {}, label, devices,
                                   stood_down)
         else:
-            compiled, graph = self._compile_regions(model_, inputs_, label, devices, kwargs)
+            compiled, graph = compile_regions.compile_or_whole(   # the whole graph where regions fail or lose
+                model_, lambda gm: self._compile_with_passes(gm, inputs_, label, devices, kwargs),
+                lambda record: _missing(state, record), describe(state, index, label=label))
         with state.lock:
             state.graphs.append(graph)
         if stood_down:
@@ -173,31 +173,6 @@ class K3Inductor(torch._TorchCompileInductorWrapper):
         if graph.record is not None and not stood_down:
             _check_expected(state, index, graph)
         return compiled
-
-    def _compile_regions(self, model_, inputs_, label, devices, kwargs) -> tuple[Any, CompiledGraph]:
-        """A graph with compile regions (``regions.py``) compiled as it is, unless that fails or loses a pass that
-        the whole graph would run: then its regions are inlined and the whole graph compiled, the reason kept in
-        ``CompiledGraph.regions``."""
-        if not has_regions(model_):
-            return self._compile_with_passes(model_, inputs_, label, devices, kwargs)
-        whole = copy.deepcopy(model_)
-        t0 = time.perf_counter()
-        try:
-            compiled, graph = self._compile_with_passes(model_, inputs_, label, devices, kwargs)
-            lost = _missing(self.k3_state, graph.record) if graph.record is not None else []
-            why = "; ".join(f"pass {name!r} rewrote nothing in the regions although {expected}"
-                            for name, expected in lost)
-        except Exception as e:    # e.g. a torch whose Inductor cannot lower a region's body
-            why = f"compiling the regions failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
-        if not why:
-            return compiled, graph
-        log.warning("k3compile: %s: %s; compiling the whole graph instead",
-                    describe(self.k3_state, len(self.k3_state.graphs), label=label), why)
-        inline(whole)
-        compiled, graph = self._compile_with_passes(whole, inputs_, label, devices, kwargs)
-        graph.compile_seconds = time.perf_counter() - t0
-        graph.regions = f"whole graph: {why}"
-        return compiled, graph
 
     def _compile_with_passes(self, model_, inputs_, label, devices, kwargs) -> tuple[Any, CompiledGraph]:
         pass_ = self.config["post_grad_custom_post_pass"]
@@ -215,11 +190,9 @@ class K3Inductor(torch._TorchCompileInductorWrapper):
         else:
             record = load_record(key)
             source = "cache hit (sidecar)" if record is not None else "cache hit (no record)"
-        graph = CompiledGraph(key, record, source, seconds,
-                              {k: after[k] - before[k] for k in after if after[k] != before[k]}, label, devices)
-        if record is not None and record.regions:
-            graph.regions = f"{record.regions['bodies']} region bodies for {record.regions['calls']} calls"
-        return compiled, graph
+        return compiled, CompiledGraph(key, record, source, seconds,
+                                       {k: after[k] - before[k] for k in after if after[k] != before[k]}, label,
+                                       devices)
 
     def _compile(self, model_, inputs_, **kwargs):
         """torch's own Inductor call; where an enabled pattern module overrides entries of Inductor's
@@ -319,29 +292,13 @@ def _skipped_by_dynamo(model: torch.nn.Module) -> bool:
         return type(model).forward.__module__.startswith("torch.")
 
 
-def _recording(call, state: K3State, model=None):
-    """``call`` with this model's kernel choices recorded in ``state.choices`` (``report`` reads them). Where Dynamo
-    cannot trace the model's compile regions (a torch whose ``invoke_subgraph`` refuses what a block does), the
-    regions are removed, the reason kept in ``state.regions``, and the call traced again without them."""
+def _recording(call, state: K3State):
+    """``call`` with this model's kernel choices recorded in ``state.choices`` (``report`` reads them)."""
     @functools.wraps(call)
     def recorded(*args, **kwargs):
         with recording_choices(state.choices):
-            try:
-                return call(*args, **kwargs)
-            except _region_errors() as e:
-                if model is None or not compile_regions.unmark(model):
-                    raise
-                why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
-                state.regions = f"off (Dynamo could not trace them: {why})"
-                log.warning("k3compile: Dynamo could not trace the compile regions of %s (%s); compiling whole "
-                            "graphs instead", state.model_name, why)
-                return call(*args, **kwargs)
+            return call(*args, **kwargs)
     return recorded
-
-
-def _region_errors() -> tuple:
-    exc = torch._dynamo.exc
-    return tuple(getattr(exc, name) for name in ("UncapturedHigherOrderOpError", "Unsupported") if hasattr(exc, name))
 
 
 def optimize(model, *, backend: str = "auto", passes=None, strict: bool = False,
@@ -359,10 +316,8 @@ def optimize(model, *, backend: str = "auto", passes=None, strict: bool = False,
         of a K3) rewrites none of it, naming the pass and the graph; and when backend="auto" stands the
         passes down on this device (raised here where the model's device tells).
     small_m_limit: most rows a GEMM may have to become a skinny GEMM.
-    regions: compile the blocks of each decoder layer (attention, MoE / MLP) once per distinct block, as
-        ``torch.compiler.nested_compile_region`` (``k3compile/regions.py``): compile time stops growing with
-        depth. A graph whose regions fail to compile, or lose a pass the whole graph runs, is compiled whole
-        (the reason in ``report``). False: one graph as long as the model.
+    regions: compile each distinct block of the decoder layers once (``k3compile/regions.py``); a graph whose
+        regions fail or lose a pass is compiled whole (the reason in ``report``). False: one graph.
     torch_compile_kwargs: as ``torch.compile`` (mode, dynamic, fullgraph, options, ...). A
         ``post_grad_custom_post_pass`` given in ``options`` or installed in Inductor's config runs
         after ours.
@@ -411,7 +366,9 @@ def optimize(model, *, backend: str = "auto", passes=None, strict: bool = False,
         inductor_options.setdefault("shape_padding", False)
     state = K3State(options, strict, summarize_model(model), model_name=type(model).__name__
                     if isinstance(model, torch.nn.Module) else getattr(model, "__name__", "the function"))
-    state.regions = _mark_regions(model, options) if regions else "off (regions=False)"
+    types = {d.type for d in _model_devices(model)}
+    state.regions = compile_regions.mark_model(model, types and stand_down_reason(options, types)) if regions else \
+        "off (regions=False)"
     compiler = K3Inductor(mode, inductor_options, torch_compile_kwargs.get("dynamic"), state, plain_options)
     state.compiler = compiler
     if isinstance(model, torch.nn.Module):
@@ -424,29 +381,14 @@ def optimize(model, *, backend: str = "auto", passes=None, strict: bool = False,
             def frame(*args, **kwargs):
                 return call(*args, **kwargs)
             model._compiled_call_impl = torch.compile(frame, backend=compiler, **torch_compile_kwargs)
-        model._compiled_call_impl = _recording(model._compiled_call_impl, state, model)
+        model._compiled_call_impl = _recording(  # where Dynamo cannot trace the regions: traced without them
+            compile_regions.without_regions_on_error(model._compiled_call_impl, model, state), state)
         compiled = model
     else:
         compiled = _recording(torch.compile(model, backend=compiler, **torch_compile_kwargs), state)
     setattr(compiled, STATE_ATTR, state)
     weakref.finalize(compiled, warn_if_nothing_done, state)
     return compiled
-
-
-def _mark_regions(model, options: K3Options) -> str:
-    """Mark the model's layer blocks as compile regions; what was marked, or why nothing."""
-    if not isinstance(model, torch.nn.Module):
-        return "off (not a module)"
-    why = compile_regions.available()
-    devices = {d.type for d in _model_devices(model)}
-    if why is None and devices and stand_down_reason(options, devices):
-        why = "the passes stand down on this device (plain torch.compile, without regions)"
-    if why is not None:
-        return f"off ({why})"
-    marked = compile_regions.mark(model)
-    if not marked:
-        return "off (no layer stack: no nn.ModuleList named 'layers' with blocks)"
-    return ", ".join(f"{n} {name}" for name, n in marked.items())
 
 
 def state_of(model) -> K3State:

@@ -20,13 +20,17 @@ with regions back into the whole graph (``optimize``'s fallback where a pass los
 """
 from __future__ import annotations
 
+import copy
 import functools
+import logging
 import operator
-from typing import Optional
+import time
+from typing import Any, Callable, Optional
 
 import torch
 
 REGION_OF = "_k3compile_region_of"     # on a region subclass: the class it wraps
+log = logging.getLogger("k3compile")
 
 
 def invoke_subgraph_op():
@@ -154,3 +158,68 @@ def inline(gm: torch.fx.GraphModule) -> int:
         gm.graph.lint()
         gm.recompile()
     return n
+
+
+def mark_model(model, stood_down: Optional[str]) -> str:
+    """``optimize(regions=True)``: mark the model's blocks unless the passes stand down on its device
+    (``stood_down``: why) or this torch has no regions; says what was marked, or why nothing."""
+    why = "not a module" if not isinstance(model, torch.nn.Module) else available()
+    if why is None and stood_down:
+        why = "the passes stand down on this device (plain torch.compile, without regions)"
+    if why is not None:
+        return f"off ({why})"
+    marked = mark(model)
+    if not marked:
+        return "off (no layer stack: no nn.ModuleList named 'layers' with blocks)"
+    return ", ".join(f"{n} {name}" for name, n in marked.items())
+
+
+def _dynamo_errors() -> tuple:
+    exc = torch._dynamo.exc
+    return tuple(getattr(exc, name) for name in ("UncapturedHigherOrderOpError", "Unsupported") if hasattr(exc, name))
+
+
+def without_regions_on_error(call: Callable, model: torch.nn.Module, state) -> Callable:
+    """``call`` (the model's compiled call); where Dynamo cannot trace its regions (a torch whose
+    ``invoke_subgraph`` refuses what a block does), the blocks are unmarked, the reason kept in ``state.regions``,
+    and the call traced again without them."""
+    @functools.wraps(call)
+    def traced(*args, **kwargs):
+        try:
+            return call(*args, **kwargs)
+        except _dynamo_errors() as e:
+            if not unmark(model):
+                raise
+            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
+            state.regions = f"off (Dynamo could not trace them: {why})"
+            log.warning("k3compile: Dynamo could not trace the compile regions of %s (%s); compiling whole graphs "
+                        "instead", state.model_name, why)
+            return call(*args, **kwargs)
+    return traced
+
+
+def compile_or_whole(gm: torch.fx.GraphModule, compile_: Callable, missing: Callable, where: str) -> tuple[Any, Any]:
+    """``compile_(gm)`` -> (compiled, CompiledGraph) for a Dynamo graph with regions; where that raises (e.g. a
+    torch whose Inductor cannot lower a body) or ``missing(record)`` names passes expected on the graph that
+    rewrote nothing in the regions ((pass, why expected) pairs), the regions are inlined and the whole graph
+    compiled, the reason kept in ``CompiledGraph.regions``."""
+    if not has_regions(gm):
+        return compile_(gm)
+    whole = copy.deepcopy(gm)
+    t0 = time.perf_counter()
+    try:
+        compiled, graph = compile_(gm)
+        why = "; ".join(f"pass {name!r} rewrote nothing in the regions although {expected}"
+                        for name, expected in (missing(graph.record) if graph.record is not None else []))
+    except Exception as e:
+        why = f"compiling the regions failed ({type(e).__name__}: {str(e).strip().splitlines()[0][:200]})"
+    if not why:
+        if graph.record is not None and graph.record.regions:
+            graph.regions = f"{graph.record.regions['bodies']} region bodies for {graph.record.regions['calls']} calls"
+        return compiled, graph
+    log.warning("k3compile: %s: %s; compiling the whole graph instead", where, why)
+    inline(whole)
+    compiled, graph = compile_(whole)
+    graph.compile_seconds = time.perf_counter() - t0
+    graph.regions = f"whole graph: {why}"
+    return compiled, graph
