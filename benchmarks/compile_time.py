@@ -13,17 +13,19 @@ k3 kernel builds at their first call, one run) minus a steady step, and splits t
   ``report(model).kernel_build_seconds``),
 - ``other``: the rest of the first step (guards, the run itself, cudagraph-free launch overheads).
 
-Variants: ``torch.compile`` (``model.compile(dynamic=False)``), ``optimize`` (compile regions, the default),
-``optimize-whole`` (``regions=False``: one graph as long as the model).
+Variants: ``torch.compile`` (``model.compile(dynamic=False)``), ``optimize-whole`` (``optimize()``'s default,
+``regions=False``: one graph as long as the model), ``optimize-regions`` (``regions=True``: each distinct block of the
+layers compiled once).
 
     # CPU (the 2-core machine): tiny K3, 2 and 8 layers, the passes on the references
     python benchmarks/compile_time.py --layers 2,8 --runs 1 --out compile_time.json
-    # one H200: a TP = 8 rank's shapes at K3 widths (8 experts), 4 layers, cold and warm, in one command (< 9 min)
+    # one H200: a TP = 8 rank's shapes at K3 widths (8 experts), 4 layers, all variants cold and warm (<= 520 s)
     python benchmarks/compile_time.py --device cuda --layers 4 --out compile_time_h200.json
-    # all 93 layers, optimize only (plain torch.compile of 93 layers compiles for many minutes: opt in by naming it)
-    python benchmarks/compile_time.py --device cuda --layers 93 --variants optimize --out compile_time_93_h200.json
+    # all 93 layers with regions (whole-graph variants of 93 layers compile for many minutes: opt in by naming them)
+    python benchmarks/compile_time.py --device cuda --layers 93 --variants optimize-regions --out compile_time_93.json
 
-``--child-timeout`` bounds each child; one cut short is reported as such (the others still run).
+``--child-timeout`` bounds each child and ``--budget`` all of them (default 520 s on cuda); a child cut short is
+reported as such, and children past the budget are skipped.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-VARIANTS = ("torch.compile", "optimize", "optimize-whole")
+VARIANTS = ("torch.compile", "optimize-whole", "optimize-regions")
 PHASES = ("cold", "warm")
 SPLIT = ("dynamo", "aot", "inductor", "passes", "k3 kernels", "other")
 
@@ -109,7 +111,7 @@ def child(args) -> dict:
         if args.variant == "torch.compile":
             model.compile(dynamic=False)
         else:
-            k3compile.optimize(model, backend=args.backend, dynamic=False, regions=args.variant == "optimize")
+            k3compile.optimize(model, backend=args.backend, dynamic=False, regions=args.variant == "optimize-regions")
         _sync()
         t0 = time.perf_counter()
         token = model(token, cache=cache, logits_to_keep=1).argmax(-1)   # compiles the decode step
@@ -209,9 +211,10 @@ def ratios(summary: dict) -> dict:
     layers = sorted({row["layers"] for row in summary.values()})
     for n in layers:
         for phase in PHASES:
-            ours, base = get(n, "optimize", phase), get(n, "torch.compile", phase)
-            if ours is not None and base:
-                out[f"{n} layers {phase}: optimize / torch.compile"] = ours / base
+            for variant in VARIANTS[1:]:
+                ours, base = get(n, variant, phase), get(n, "torch.compile", phase)
+                if ours is not None and base:
+                    out[f"{n} layers {phase}: {variant} / torch.compile"] = ours / base
     if len(layers) > 1:
         for variant in VARIANTS:
             deep, shallow = get(layers[-1], variant, "cold"), get(layers[0], variant, "cold")
@@ -238,8 +241,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--layers", default="", help="comma-separated depths (default: cpu 2,8; cuda 4)")
-    ap.add_argument("--variants", default="", help=f"comma-separated of {VARIANTS} (default: cpu all; cuda "
-                                                   "torch.compile,optimize)")
+    ap.add_argument("--variants", default="", help=f"comma-separated of {VARIANTS} (default: all)")
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--backend", default="", help="optimize(backend=...) (default: cpu reference, cuda auto)")
     ap.add_argument("--tp", type=int, default=8, help="cuda: the TP degree whose rank-0 shapes are built")
@@ -247,6 +249,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--context", type=int, default=256, help="cuda: tokens in the cache before the step")
     ap.add_argument("--child-timeout", type=float, default=420.0, help="seconds a child may run")
+    ap.add_argument("--budget", type=float, default=0.0, help="seconds all children may run (default: cuda 520, "
+                                                              "cpu unbounded)")
     ap.add_argument("--registration", action="store_true", help="also time pattern registration alone")
     ap.add_argument("--out", default="compile_time.json")
     ap.add_argument("--child", nargs="*", help=argparse.SUPPRESS)
@@ -261,7 +265,8 @@ def main() -> None:
         return
 
     depths = [int(x) for x in (args.layers or ("2,8" if args.device == "cpu" else "4")).split(",")]
-    variants = (args.variants or (",".join(VARIANTS) if args.device == "cpu" else "torch.compile,optimize")).split(",")
+    variants = (args.variants or ",".join(VARIANTS)).split(",")
+    budget = args.budget or (520.0 if args.device == "cuda" else float("inf"))
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         raise SystemExit(f"unknown variant(s) {sorted(unknown)}; known: {VARIANTS}")
@@ -275,7 +280,11 @@ def main() -> None:
                 cache_dir = tempfile.mkdtemp(prefix="k3ct-")
                 try:
                     for phase in PHASES:
-                        r = run_child([variant, str(layers), *common], cache_dir, args.child_timeout)
+                        left = budget - (time.perf_counter() - start)
+                        if left < 30:
+                            r = {"error": f"skipped: the {budget:.0f} s budget was spent"}
+                        else:
+                            r = run_child([variant, str(layers), *common], cache_dir, min(args.child_timeout, left))
                         results.setdefault((layers, variant, phase), []).append(r)
                         print(f"[{time.perf_counter() - start:6.0f} s] {layers} layers {variant} {phase}: "
                               + (f"{r['compile_s']:.1f} s" if "error" not in r else r["error"]),

@@ -302,7 +302,7 @@ def _recording(call, state: K3State):
 
 
 def optimize(model, *, backend: str = "auto", passes=None, strict: bool = False,
-             small_m_limit: int = 16, regions: bool = True, **torch_compile_kwargs):
+             small_m_limit: int = 16, regions: bool = False, **torch_compile_kwargs):
     """Compile ``model`` with Inductor and the k3 passes; returns the same (now compiled) module.
 
     backend: "auto" | "cute" | "triton" | "reference" -- which kernel implementation the k3 ops use.
@@ -317,7 +317,8 @@ def optimize(model, *, backend: str = "auto", passes=None, strict: bool = False,
         passes down on this device (raised here where the model's device tells).
     small_m_limit: most rows a GEMM may have to become a skinny GEMM.
     regions: compile each distinct block of the decoder layers once (``k3compile/regions.py``); a graph whose
-        regions fail or lose a pass is compiled whole (the reason in ``report``). False: one graph.
+        regions fail or lose a pass is compiled whole (the reason in ``report``). Off by default: the
+        static-weight proof does not yet see through a region's inputs (``regions.py`` says what that costs).
     torch_compile_kwargs: as ``torch.compile`` (mode, dynamic, fullgraph, options, ...). A
         ``post_grad_custom_post_pass`` given in ``options`` or installed in Inductor's config runs
         after ours.

@@ -14,6 +14,12 @@ region on a bound method (``module.forward = region.__get__(module)``) makes tor
 instance's parameters for every later call of the body (wrong results), a class-level region does not. The model's
 code is untouched; :func:`unmark` restores the classes. Outside ``torch.compile`` a region is a plain call.
 
+Cost (why ``optimize`` leaves regions off by default): ``static_weights.mark_static_weights`` runs on each body
+alone, where the first GEMM of a block reads a body input, so it cannot prove that the kernel before it belongs to
+the compiled graph; those GEMMs (the micro K3's decode step: 18 of 36) do not stream their weights before the PDL
+wait. Proving them needs the call sites' view (each operand made by a kernel of the outer graph, the weight
+written by none), which the proof does not take yet.
+
 What the passes did in a body counts once per call of it (``graph_records.merge_records`` weights each record by
 :func:`calls`), so a report over regions reads as one over the whole graph. :func:`inline` turns a Dynamo graph
 with regions back into the whole graph (``optimize``'s fallback where a pass lost matches in the regions).

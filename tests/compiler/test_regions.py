@@ -52,9 +52,9 @@ class Stack(nn.Module):
         return x
 
 
-def _compiled(model, **kwargs):
+def _compiled(model, regions=True):
     torch._dynamo.reset()
-    k3compile.optimize(model, backend="reference", passes=["skinny_gemm"], dynamic=False, **kwargs)
+    k3compile.optimize(model, backend="reference", passes=["skinny_gemm"], dynamic=False, regions=regions)
     x = torch.randn(2, D)
     with torch.no_grad():
         out = model(x)
