@@ -15,9 +15,9 @@ instance's parameters for every later call of the body (wrong results), a class-
 code is untouched; :func:`unmark` restores the classes. Outside ``torch.compile`` a region is a plain call.
 
 Cost (why ``optimize`` leaves regions off by default): ``static_weights.mark_static_weights`` runs on each body
-alone, where the first GEMM of a block reads a body input, so it cannot prove that the kernel before it belongs to
-the compiled graph; those GEMMs (the micro K3's decode step: 18 of 36) do not stream their weights before the PDL
-wait. Proving them needs the call sites' view (each operand made by a kernel of the outer graph, the weight
+alone, where every GEMM that reads the block's input reads a body input, so it cannot prove that the kernel before it
+belongs to the compiled graph; those GEMMs do not stream their weights before the PDL wait (the micro K3's decode
+step: 30 of its 48 skinny GEMMs unproven, none in the whole graph). Proving them needs the call sites' view (each operand made by a kernel of the outer graph, the weight
 written by none), which the proof does not take yet.
 
 What the passes did in a body counts once per call of it (``graph_records.merge_records`` weights each record by
