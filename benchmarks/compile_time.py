@@ -1,11 +1,31 @@
-"""Compile time of the tiny K3 decode step, with and without the k3 passes, cold and warm.
+"""Compile time of the K3 decode step: plain ``torch.compile`` against ``k3compile.optimize``, cold and warm, by depth.
 
-Every measurement is a new process: cold = empty Inductor cache directory, warm = a second process
-on the directory a cold run just filled (it should be an FX-graph-cache hit). Each child builds the
-model, prefills eagerly, then times the first compiled decode step (compile + one run) minus a
-steady-state step. A separate child times pattern registration alone. Medians over ``--runs``.
+Every measurement is a new process: cold = empty Inductor, Triton and CuTe caches (``TORCHINDUCTOR_CACHE_DIR``,
+``TRITON_CACHE_DIR``, ``K3_CUTE_CACHE_DIR`` in a fresh directory), warm = a second process on the directories the
+cold one filled. Each child builds the model, fills its cache, then times the first compiled decode step (compile,
+k3 kernel builds at their first call, one run) minus a steady step, and splits that time (``split``):
 
-    python benchmarks/compile_time.py --runs 3 --out compile_time.json
+- ``dynamo``: Dynamo's tracing (its ``entire_frame_compile`` less ``backend_compile``),
+- ``aot``: AOTAutograd (``backend_compile`` less ``inductor_compile``),
+- ``inductor``: Inductor (``inductor_compile``: lowering, code generation, Inductor's own kernel builds) less ours,
+- ``passes``: our post-grad passes (``report(model).pass_seconds``),
+- ``k3 kernels``: the k3 ops' first calls (their Triton / CuTe JIT builds or disk-cache loads;
+  ``report(model).kernel_build_seconds``),
+- ``other``: the rest of the first step (guards, the run itself, cudagraph-free launch overheads).
+
+Variants: ``torch.compile`` (``model.compile(dynamic=False)``), ``optimize-whole`` (``optimize()``'s default,
+``regions=False``: one graph as long as the model), ``optimize-regions`` (``regions=True``: each distinct block of the
+layers compiled once).
+
+    # CPU (the 2-core machine): tiny K3, 2 and 8 layers, the passes on the references
+    python benchmarks/compile_time.py --layers 2,8 --runs 1 --out compile_time.json
+    # one H200: a TP = 8 rank's shapes at K3 widths (8 experts), 4 layers, all variants cold and warm (<= 520 s)
+    python benchmarks/compile_time.py --device cuda --layers 4 --out compile_time_h200.json
+    # all 93 layers with regions (whole-graph variants of 93 layers compile for many minutes: opt in by naming them)
+    python benchmarks/compile_time.py --device cuda --layers 93 --variants optimize-regions --out compile_time_93.json
+
+``--child-timeout`` bounds each child and ``--budget`` all of them (default 520 s on cuda); a child cut short is
+reported as such, and children past the budget are skipped.
 """
 from __future__ import annotations
 
@@ -18,49 +38,111 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-VARIANTS = ("torch.compile", "k3compile")
+HERE = Path(__file__).resolve().parent
+VARIANTS = ("torch.compile", "optimize-whole", "optimize-regions")
+PHASES = ("cold", "warm")
+SPLIT = ("dynamo", "aot", "inductor", "passes", "k3 kernels", "other")
 
 
 # --- child side -------------------------------------------------------------------------------
 
-def _child_step(variant: str, config: str, passes: str) -> dict:
+def _group(args):
+    """A process group of this process alone on the GPU (the TP rank's collectives run on it), else nothing."""
+    import contextlib
+
     import torch
-    from torch._dynamo.utils import counters
+
+    if args.device == "cpu":
+        return contextlib.nullcontext()
+    sys.path.insert(0, str(HERE))
+    from decode_step import world_of_one
+    from tp_decode import NO_MULTICAST
+
+    os.environ.update(NO_MULTICAST)
+    return world_of_one(torch.device("cuda", torch.cuda.current_device()))
+
+
+def _build(args, group_name):
+    """(model, cache, token [B, 1]) for ``args``."""
+    import torch
 
     from k3compile.model import KimiK3Config, KimiK3ForConditionalGeneration
 
     torch.manual_seed(0)
-    model = KimiK3ForConditionalGeneration(getattr(KimiK3Config, config)()).eval()
-    batch, prompt = 2, 8
-    ids = torch.randint(0, model.config.text_config.vocab_size, (batch, prompt))
-    cache = model.allocate_cache(batch, prompt + 4)
-    with torch.no_grad():
-        token = model(ids, cache=cache, logits_to_keep=1).argmax(-1)     # eager prefill
-        if variant == "k3compile":
-            import k3compile
+    if args.device == "cpu":
+        model = KimiK3ForConditionalGeneration(KimiK3Config.tiny(num_hidden_layers=args.layers)).eval()
+        ids = torch.randint(0, model.config.text_config.vocab_size, (args.batch, 8))
+        cache = model.allocate_cache(args.batch, 8 + 4)
+        with torch.no_grad():
+            token = model(ids, cache=cache, logits_to_keep=1).argmax(-1)     # eager prefill
+        return model, cache, token
+    from decode_step import build_rank, fill_cache, vocab_slice
 
-            k3compile.optimize(model, dynamic=False, passes=passes.split(",") if passes else None)
-        else:
+    from k3compile.model import TPContext
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    name = group_name
+    config = KimiK3Config.slice(num_hidden_layers=args.layers, num_experts=args.experts)
+    model = build_rank(config, TPContext(rank=0, world=args.tp, group_name=name), torch.bfloat16, "bf16", device, 0)
+    cache = model.allocate_cache(args.batch, args.context + 4, device=device)
+    fill_cache(cache, args.context, 0)
+    lo, hi = vocab_slice(model)
+    token = torch.randint(lo, hi, (args.batch, 1), device=device)
+    return model, cache, token
+
+
+def _sync():
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def child(args) -> dict:
+    import torch
+    from torch._dynamo.utils import calculate_time_spent, counters
+
+    import k3compile
+
+    with _group(args) as group_name, torch.no_grad():
+        model, cache, token = _build(args, group_name)
+        if args.variant == "torch.compile":
             model.compile(dynamic=False)
+        else:
+            k3compile.optimize(model, backend=args.backend, dynamic=False, regions=args.variant == "optimize-regions")
+        _sync()
         t0 = time.perf_counter()
-        token = model(token, cache=cache, logits_to_keep=1).argmax(-1)  # compiles the decode step
+        token = model(token, cache=cache, logits_to_keep=1).argmax(-1)   # compiles the decode step
+        _sync()
         first = time.perf_counter() - t0
         t0 = time.perf_counter()
         model(token, cache=cache, logits_to_keep=1)
+        _sync()
         steady = time.perf_counter() - t0
-    out = {
-        "compile_s": first - steady, "step_s": steady,
-        "fx_hit": counters["inductor"]["fxgraph_cache_hit"],
-        "fx_miss": counters["inductor"]["fxgraph_cache_miss"],
-        "aot_hit": counters["aot_autograd"]["autograd_cache_hit"],
-    }
-    if variant == "k3compile":
-        import k3compile
-
+    spent = calculate_time_spent()
+    frame, backend, inductor = (spent.get(k, 0.0) for k in ("entire_frame_compile", "backend_compile",
+                                                             "inductor_compile"))
+    out = {"compile_s": first - steady, "step_s": steady, "fx_hit": counters["inductor"]["fxgraph_cache_hit"],
+           "fx_miss": counters["inductor"]["fxgraph_cache_miss"],
+           "aot_hit": counters["aot_autograd"]["autograd_cache_hit"], "torch": torch.__version__}
+    passes = kernels = 0.0
+    if args.variant != "torch.compile":
         rep = k3compile.report(model)
-        out.update(pass_s=rep.pass_seconds, registration_s=rep.registration_seconds,
-                   matches=rep.matches, sources=[g.source for g in rep.graphs])
+        passes, kernels = rep.pass_seconds, rep.kernel_build_seconds
+        out.update(matches=rep.matches, sources=[g.source for g in rep.graphs], regions=rep.regions,
+                   graph_regions=[g.regions for g in rep.graphs], kernel_keys=sum(
+                       1 for c in rep.choices if c.first_call_seconds is not None))
+        try:
+            from k3compile.kernels.cute.compile import STATS
+
+            out["cute"] = dict(STATS)
+        except ImportError:   # pragma: no cover - cutlass absent: the module still imports
+            pass
+    out["split"] = {"dynamo": frame - backend, "aot": backend - inductor, "inductor": inductor - passes,
+                    "passes": passes, "k3 kernels": kernels,
+                    "other": first - steady - frame - kernels}
     return out
 
 
@@ -78,97 +160,160 @@ def _child_register(passes: str) -> dict:
 
 # --- parent side ------------------------------------------------------------------------------
 
-def run_child(args: list[str], cache_dir: str) -> dict:
+def run_child(argv: list[str], cache_dir: str, timeout: float) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_", "TRITON_CACHE"))}
-    env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
-    proc = subprocess.run([sys.executable, __file__, "--child", *args], env=env, capture_output=True,
-                          text=True)
+    env.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_dir, "inductor"),
+               TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"), K3_CUTE_CACHE_DIR=os.path.join(cache_dir, "cute"))
+    for name in ("OMP_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS"):   # kept: the caller's thread limits
+        if name in os.environ:
+            env[name] = os.environ[name]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, __file__, "--child", *argv], env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s", "wall_s": time.perf_counter() - t0}
     if proc.returncode != 0:
-        raise RuntimeError(f"child {args} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-class Progress:
-    """One status line on stderr: done/total, elapsed, an ETA from the mean so far."""
-
-    def __init__(self, total: int):
-        self.total, self.done, self.t0 = total, 0, time.perf_counter()
-
-    def step(self, label: str) -> None:
-        elapsed = time.perf_counter() - self.t0
-        eta = elapsed / self.done * (self.total - self.done) if self.done else float("nan")
-        bar = "#" * (20 * self.done // self.total)
-        print(f"\r[{bar:<20}] {self.done}/{self.total}  {elapsed:6.0f}s elapsed, ETA {eta:5.0f}s  {label:<40}",
-              end="", file=sys.stderr, flush=True)
-
-    def advance(self) -> None:
-        self.done += 1
+        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}",
+                "stderr": proc.stderr[-4000:], "wall_s": time.perf_counter() - t0}
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["wall_s"] = time.perf_counter() - t0
+    return out
 
 
 def median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
+def summarize(results: dict) -> dict:
+    """Medians per (layers, variant, phase) over the runs that finished."""
+    summary = {}
+    for (layers, variant, phase), runs in results.items():
+        ok = [r for r in runs if "error" not in r]
+        row = {"layers": layers, "variant": variant, "phase": phase, "runs": len(ok),
+               "errors": [r["error"] for r in runs if "error" in r]}
+        if ok:
+            row.update(compile_s=median([r["compile_s"] for r in ok]), fx_hit=median([r["fx_hit"] for r in ok]),
+                       split={k: median([r["split"][k] for r in ok]) for k in SPLIT},
+                       wall_s=median([r["wall_s"] for r in ok]), regions=ok[-1].get("regions", ""),
+                       kernel_keys=ok[-1].get("kernel_keys"), cute=ok[-1].get("cute"))
+        summary[f"{layers} layers, {variant}, {phase}"] = row
+    return summary
+
+
+def ratios(summary: dict) -> dict:
+    """The issue's goals where both sides ran: cold / warm optimize over torch.compile, deep over shallow."""
+    def get(layers, variant, phase):
+        row = summary.get(f"{layers} layers, {variant}, {phase}", {})
+        return row.get("compile_s")
+
+    out = {}
+    layers = sorted({row["layers"] for row in summary.values()})
+    for n in layers:
+        for phase in PHASES:
+            for variant in VARIANTS[1:]:
+                ours, base = get(n, variant, phase), get(n, "torch.compile", phase)
+                if ours is not None and base:
+                    out[f"{n} layers {phase}: {variant} / torch.compile"] = ours / base
+    if len(layers) > 1:
+        for variant in VARIANTS:
+            deep, shallow = get(layers[-1], variant, "cold"), get(layers[0], variant, "cold")
+            if deep is not None and shallow:
+                out[f"{variant} cold: {layers[-1]} layers / {layers[0]} layers"] = deep / shallow
+    return out
+
+
+def table(summary: dict) -> str:
+    head = f"{'layers':>6} {'variant':<15} {'phase':<5} {'compile s':>9} " + " ".join(f"{k:>10}" for k in SPLIT)
+    lines = [head + f" {'FX hits':>7} {'k3 keys':>7}  regions"]
+    for row in summary.values():
+        if not row["runs"]:
+            lines.append(f"{row['layers']:>6} {row['variant']:<15} {row['phase']:<5} {'-':>9}  {row['errors'][0]}")
+            continue
+        split = " ".join(f"{row['split'][k]:>10.1f}" for k in SPLIT)
+        keys = row.get("kernel_keys")
+        lines.append(f"{row['layers']:>6} {row['variant']:<15} {row['phase']:<5} {row['compile_s']:>9.1f} {split} "
+                     f"{row['fx_hit']:>7.0f} {'-' if keys is None else keys:>7}  {row.get('regions') or ''}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--config", default="tiny", help="KimiK3Config factory: tiny | micro")
-    ap.add_argument("--passes", default="", help="comma-separated pass names (default: all)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--layers", default="", help="comma-separated depths (default: cpu 2,8; cuda 4)")
+    ap.add_argument("--variants", default="", help=f"comma-separated of {VARIANTS} (default: all)")
+    ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--backend", default="", help="optimize(backend=...) (default: cpu reference, cuda auto)")
+    ap.add_argument("--tp", type=int, default=8, help="cuda: the TP degree whose rank-0 shapes are built")
+    ap.add_argument("--experts", type=int, default=8, help="cuda: routed experts (the graph does not depend on it)")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--context", type=int, default=256, help="cuda: tokens in the cache before the step")
+    ap.add_argument("--child-timeout", type=float, default=420.0, help="seconds a child may run")
+    ap.add_argument("--budget", type=float, default=0.0, help="seconds all children may run (default: cuda 520, "
+                                                              "cpu unbounded)")
+    ap.add_argument("--registration", action="store_true", help="also time pattern registration alone")
     ap.add_argument("--out", default="compile_time.json")
     ap.add_argument("--child", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
-        kind, *rest = args.child
-        result = _child_register(*rest) if kind == "register" else _child_step(kind, *rest)
-        print(json.dumps(result))
+        if args.child[0] == "register":
+            print(json.dumps(_child_register(*args.child[1:])))
+            return
+        args.variant, args.layers = args.child[0], int(args.child[1])
+        args.backend = args.backend or ("reference" if args.device == "cpu" else "auto")
+        print(json.dumps(child(args)))
         return
 
-    results = {v: {"cold": [], "warm": []} for v in VARIANTS}
-    registration = []
-    progress = Progress(args.runs * (2 * len(VARIANTS) + 1))
-    for run in range(args.runs):
-        for variant in VARIANTS:
-            cache_dir = tempfile.mkdtemp(prefix="k3ct-")
-            try:
-                for phase in ("cold", "warm"):
-                    progress.step(f"run {run + 1}: {variant} {phase}")
-                    results[variant][phase].append(run_child([variant, args.config, args.passes], cache_dir))
-                    progress.advance()
-            finally:
-                shutil.rmtree(cache_dir, ignore_errors=True)
-        progress.step(f"run {run + 1}: registration")
+    depths = [int(x) for x in (args.layers or ("2,8" if args.device == "cpu" else "4")).split(",")]
+    variants = (args.variants or ",".join(VARIANTS)).split(",")
+    budget = args.budget or (520.0 if args.device == "cuda" else float("inf"))
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {sorted(unknown)}; known: {VARIANTS}")
+    common = ["--device", args.device, "--tp", str(args.tp), "--experts", str(args.experts), "--batch",
+              str(args.batch), "--context", str(args.context)] + (["--backend", args.backend] if args.backend else [])
+    results: dict = {}
+    start = time.perf_counter()
+    for _ in range(args.runs):
+        for layers in depths:
+            for variant in variants:
+                cache_dir = tempfile.mkdtemp(prefix="k3ct-")
+                try:
+                    for phase in PHASES:
+                        left = budget - (time.perf_counter() - start)
+                        if left < 30:
+                            r = {"error": f"skipped: the {budget:.0f} s budget was spent"}
+                        else:
+                            r = run_child([variant, str(layers), *common], cache_dir, min(args.child_timeout, left))
+                        results.setdefault((layers, variant, phase), []).append(r)
+                        print(f"[{time.perf_counter() - start:6.0f} s] {layers} layers {variant} {phase}: "
+                              + (f"{r['compile_s']:.1f} s" if "error" not in r else r["error"]),
+                              file=sys.stderr, flush=True)
+                        if "error" in r:
+                            break   # a warm run needs a cold one that finished
+                finally:
+                    shutil.rmtree(cache_dir, ignore_errors=True)
+    registration = None
+    if args.registration:
         cache_dir = tempfile.mkdtemp(prefix="k3ct-")
-        registration.append(run_child(["register", args.passes], cache_dir))
+        registration = run_child(["register", ""], cache_dir, args.child_timeout)
         shutil.rmtree(cache_dir, ignore_errors=True)
-        progress.advance()
-    progress.step("done")
-    print(file=sys.stderr)
 
-    summary = {}
-    for variant in VARIANTS:
-        for phase in ("cold", "warm"):
-            rs = results[variant][phase]
-            summary[f"{variant} {phase}"] = {
-                "compile_s": median([r["compile_s"] for r in rs]),
-                "pass_s": median([r.get("pass_s", 0.0) for r in rs]),
-                "fx_hit": median([r["fx_hit"] for r in rs]),
-            }
-    base, ours = summary["torch.compile cold"]["compile_s"], summary["k3compile cold"]["compile_s"]
-    reg = median([r["registration_s"] for r in registration])
-    payload = {"config": args.config, "runs": args.runs, "summary": summary, "registration_s": reg,
-               "registration_per_pass_s": registration[-1]["per_pass_s"], "raw": results,
-               "cold_overhead": ours / base - 1}
+    summary = summarize(results)
+    payload = {"device": args.device, "argv": sys.argv[1:], "summary": summary, "ratios": ratios(summary),
+               "registration": registration,
+               "raw": {f"{k[0]} layers, {k[1]}, {k[2]}": v for k, v in results.items()},
+               "total_wall_s": time.perf_counter() - start}
     with open(args.out, "w") as f:
         json.dump(payload, f, indent=2)
-
-    print(f"tiny K3 ({args.config}) decode step, {args.runs} run(s), medians")
-    print(f"{'':<24}{'compile (s)':>12}{'our passes (s)':>16}{'FX cache hits':>15}")
-    for name, row in summary.items():
-        print(f"{name:<24}{row['compile_s']:>12.2f}{row['pass_s']:>16.3f}{row['fx_hit']:>15.0f}")
-    print(f"pattern registration (all enabled passes, fresh process): {reg:.3f} s "
-          f"{ {k: round(v, 3) for k, v in payload['registration_per_pass_s'].items()} }")
-    print(f"cold compile with our passes vs without: {100 * payload['cold_overhead']:+.1f}%")
-    print(f"wrote {args.out}")
+    what = "tiny K3" if args.device == "cpu" else f"K3 slice, TP {args.tp} rank shapes, {args.experts} experts, bf16"
+    print(f"{what}, decode step (batch {args.batch}), {args.runs} run(s), medians; seconds")
+    print(table(summary))
+    for name, value in payload["ratios"].items():
+        print(f"{name}: {value:.2f}x")
+    if registration and "error" not in registration:
+        print(f"pattern registration (all passes, fresh process): {registration['registration_s']:.2f} s")
+    print(f"wrote {args.out} ({payload['total_wall_s']:.0f} s in all)")
 
 
 if __name__ == "__main__":

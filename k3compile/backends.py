@@ -222,26 +222,33 @@ def recording_choices(into: dict):
         _MODEL_CHOICES.reset(token)
 
 
-def _record_for_model(ck: tuple, choice: "Choice") -> None:
+def _record_for_model(ck: tuple, choice: "Choice") -> Optional["Choice"]:
     into = _MODEL_CHOICES.get()
-    if into is not None:
-        mine = into.get(ck)
-        if mine is None:
-            mine = into.setdefault(ck, dataclasses.replace(choice, calls=0))
-        mine.calls += 1
+    if into is None:
+        return None
+    mine = into.get(ck)
+    if mine is None:
+        mine = into.setdefault(ck, dataclasses.replace(choice, calls=0))
+    mine.calls += 1
+    return mine
 
 
 BUILD_LOG_SECONDS = 1.0   # a kernel's first call (its JIT build, unless cached on disk) logged above this
 
 
-def _logging_a_slow_build(fn: Callable[..., Any], choice: "Choice") -> Callable[..., Any]:
+def _logging_a_slow_build(fn: Callable[..., Any], choice: "Choice", mine: Optional["Choice"] = None
+                          ) -> Callable[..., Any]:
     """``fn`` for a key's first call, which builds the kernels it runs (Triton, CuTe DSL; the latent-MoE tail's
-    fallback builds two): logged where it takes long, so a slow first step is not silent. Host time: the build
-    blocks the host, the kernel itself runs on."""
+    fallback builds two): its host time kept in ``first_call_seconds`` (of the process's choice and of the model's,
+    ``mine``; ``report`` sums them), logged where it takes long, so a slow first step is not silent. Host time: the
+    build blocks the host, the kernel itself runs on."""
     def first_call(*args, **kwargs):
         start = time.perf_counter()
         out = fn(*args, **kwargs)
         seconds = time.perf_counter() - start
+        for c in (choice, mine):
+            if c is not None:
+                c.first_call_seconds = seconds
         if seconds > BUILD_LOG_SECONDS:
             log.info("k3compile: k3::%s built its %s kernel for %s in %.1f s (first call; cached afterwards)",
                      choice.op, choice.impl, choice.key, seconds)
@@ -265,6 +272,7 @@ class Choice:
     reason: str        # why (the chain of fallbacks, or "preferred")
     key: Hashable = None
     calls: int = 0
+    first_call_seconds: Optional[float] = None   # host time of the key's first call (its kernel builds)
 
 
 @dataclass
@@ -338,9 +346,9 @@ class OpImpls:
             with self._lock:
                 choice = self._choices.setdefault(ck, choice)
         choice.calls += 1
-        _record_for_model((self.name, *ck), choice)
+        mine = _record_for_model((self.name, *ck), choice)
         fn = self.impl(choice.impl).fn
-        return _logging_a_slow_build(fn, choice) if first and choice.impl != "reference" else fn
+        return _logging_a_slow_build(fn, choice, mine) if first and choice.impl != "reference" else fn
 
     def select_fixed(self, backend: str, key: Hashable, label: str, reason: str,
                      fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -29,6 +29,7 @@ class CompiledGraph:
     label: str = ""                 # what the graph computes: "prefill, batch 1, 8 tokens", "decode, batch 2", ""
     devices: tuple = ()             # device types of its tensors, e.g. ("cuda",)
     stood_down: str = ""            # why our passes left it alone (backend="auto" where no k3 kernel runs)
+    regions: str = ""               # "4 region bodies for 8 calls", "whole graph: <why>", "" (no regions)
 
     @property
     def on_gpu(self) -> bool:
@@ -51,10 +52,14 @@ def _input_meta(x: Any) -> str:
 
 
 def graph_key(gm: torch.fx.GraphModule, inputs: list, uuid: Optional[str]) -> str:
-    """Stable across processes: the Dynamo graph's code, its inputs' metadata, our pass uuid."""
+    """Stable across processes: the Dynamo graph's code (its region bodies' too), its inputs' metadata, our pass
+    uuid."""
     h = hashlib.sha256()
     h.update(str(uuid).encode())
     h.update(gm.code.encode())
+    for name, body in sorted(gm.named_modules()):   # compile regions' bodies (their calls name them)
+        if name and isinstance(body, torch.fx.GraphModule):
+            h.update(f"{name}:{body.code}".encode())
     for x in inputs:
         h.update(_input_meta(x).encode())
     return h.hexdigest()[:32]
@@ -81,13 +86,49 @@ def load_record(key: str) -> Optional[GraphRecord]:
 
 
 def merge_records(records: list[GraphRecord]) -> GraphRecord:
+    """One record for one compiled graph from the records our pass left: the graph's own and, with compile regions,
+    one per region body (compiled once however often it is called). A body's matches and counted facts weigh as
+    often as the graph calls it (through the bodies that call it, for nested ones), so the sum reads as the whole
+    graph's; seconds add up unweighted (they were spent once)."""
+    callers: dict = {}
+    for r in records:
+        for body, n in r.calls.items():
+            callers.setdefault(body, []).append((r, n))
+
+    def weight(r: GraphRecord, depth: int = 0) -> int:
+        if depth > len(records) or r.graph_id not in callers:
+            return 1
+        return sum(n * weight(caller, depth + 1) for caller, n in callers[r.graph_id])
+
     out = GraphRecord()
     for r in records:
+        w = weight(r)
         for name, n in r.matches.items():
-            out.matches[name] = out.matches.get(name, 0) + n
+            out.matches[name] = out.matches.get(name, 0) + w * n
         out.seconds += r.seconds
         out.registration_seconds += r.registration_seconds
-        out.facts.update(r.facts)
+        out.facts = _merge_facts(out.facts, r.facts, w)
+        out.regions = _merge_facts(out.regions, r.regions, 1)
+        if r.graph_id in callers:
+            out.regions["bodies"] = out.regions.get("bodies", 0) + 1
+            out.regions["calls"] = out.regions.get("calls", 0) + w
+    return out
+
+
+def _merge_facts(into: dict, facts: dict, weight: int) -> dict:
+    """``facts`` added to ``into``: counts (ints) times ``weight``, lists as their sorted union, dicts key by key,
+    anything else replaced."""
+    out = dict(into)
+    for key, value in facts.items():
+        have = out.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, list, dict)):
+            out[key] = value
+        elif isinstance(value, int):
+            out[key] = (have if isinstance(have, int) else 0) + weight * value
+        elif isinstance(value, list):
+            out[key] = sorted(set(have or []) | set(value), key=str)
+        else:
+            out[key] = _merge_facts(have if isinstance(have, dict) else {}, value, weight)
     return out
 
 

@@ -41,6 +41,7 @@ from .graph_records import (
 from .passes import (
     COMPILE_RECORD, GraphRecord, K3Options, K3PostGradPass, pattern_module, stand_down_reason, summarize_model,
 )
+from . import regions as compile_regions
 
 log = logging.getLogger("k3compile")
 
@@ -84,6 +85,7 @@ class K3State:
     model_name: str = "model"
     choices: dict = field(default_factory=dict)   # this model's kernel choices (backends.recording_choices)
     told: set = field(default_factory=set)        # one-time notices already logged
+    regions: str = ""                             # which blocks optimize() made compile regions, or why none
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def tell_once(self, what: str, level: int, msg: str, *args) -> None:
@@ -98,17 +100,24 @@ def describe(state: K3State, index: int, graph: Optional[CompiledGraph] = None, 
     return f"graph {index}{f' ({label})' if label else ''} of {state.model_name}"
 
 
-def _check_expected(state: K3State, index: int, graph: CompiledGraph) -> None:
-    """Each pass whose ``expected()`` holds for this graph but rewrote nothing: a warning in words (what the
-    graph loses, what to do), or ``K3PassMissingError`` under ``strict``."""
-    record = graph.record
+def _missing(state: K3State, record: GraphRecord) -> list[tuple[str, str]]:
+    """(pass, why it was expected) for each pass whose ``expected()`` holds for this graph but rewrote nothing."""
     summary = {**state.summary, **record.facts, "small_m_limit": state.options.small_m_limit}
+    out = []
     for name in state.options.enabled:
         module = pattern_module(name)
         expected = getattr(module, "expected", None)
         if record.matches.get(name, 0) or expected is None or not expected(summary):
             continue
-        why = getattr(module, "EXPECTED", "its pattern is there").format(**summary)
+        out.append((name, getattr(module, "EXPECTED", "its pattern is there").format(**summary)))
+    return out
+
+
+def _check_expected(state: K3State, index: int, graph: CompiledGraph) -> None:
+    """Each pass whose ``expected()`` holds for this graph but rewrote nothing: a warning in words (what the
+    graph loses, what to do), or ``K3PassMissingError`` under ``strict``."""
+    for name, why in _missing(state, graph.record):
+        module = pattern_module(name)
         msg = (f"k3compile: pass {name!r} rewrote nothing on {describe(state, index, graph)} although {why}. "
                f"The graph is correct but slower: it runs {getattr(module, 'MISSED', 'the unfused form')}. "
                f"k3compile.report(model) shows what each pass found; strict=True makes this an error, "
@@ -142,12 +151,15 @@ class K3Inductor(torch._TorchCompileInductorWrapper):
                  f" ({STOOD_DOWN})" if stood_down else "")
         t0 = time.perf_counter()
         if stood_down:
+            compile_regions.inline(model_)   # exactly as plain torch.compile compiles it: no regions
             self.plain.name = getattr(self, "name", None)
             compiled = self.plain(model_, inputs_, **kwargs)
             graph = CompiledGraph("", GraphRecord(), STOOD_DOWN, time.perf_counter() - t0, {}, label, devices,
                                   stood_down)
         else:
-            compiled, graph = self._compile_with_passes(model_, inputs_, label, devices, kwargs)
+            compiled, graph = compile_regions.compile_or_whole(   # the whole graph where regions fail or lose
+                model_, lambda gm: self._compile_with_passes(gm, inputs_, label, devices, kwargs),
+                lambda record: _missing(state, record), describe(state, index, label=label))
         with state.lock:
             state.graphs.append(graph)
         if stood_down:
@@ -290,7 +302,7 @@ def _recording(call, state: K3State):
 
 
 def optimize(model, *, backend: str = "auto", passes=None, strict: bool = False,
-             small_m_limit: int = 16, **torch_compile_kwargs):
+             small_m_limit: int = 16, regions: bool = False, **torch_compile_kwargs):
     """Compile ``model`` with Inductor and the k3 passes; returns the same (now compiled) module.
 
     backend: "auto" | "cute" | "triton" | "reference" -- which kernel implementation the k3 ops use.
@@ -304,6 +316,9 @@ def optimize(model, *, backend: str = "auto", passes=None, strict: bool = False,
         of a K3) rewrites none of it, naming the pass and the graph; and when backend="auto" stands the
         passes down on this device (raised here where the model's device tells).
     small_m_limit: most rows a GEMM may have to become a skinny GEMM.
+    regions: compile each distinct block of the decoder layers once (``k3compile/regions.py``); a graph whose
+        regions fail or lose a pass is compiled whole (the reason in ``report``). Off by default: the
+        static-weight proof does not yet see through a region's inputs (``regions.py`` says what that costs).
     torch_compile_kwargs: as ``torch.compile`` (mode, dynamic, fullgraph, options, ...). A
         ``post_grad_custom_post_pass`` given in ``options`` or installed in Inductor's config runs
         after ours.
@@ -352,6 +367,9 @@ def optimize(model, *, backend: str = "auto", passes=None, strict: bool = False,
         inductor_options.setdefault("shape_padding", False)
     state = K3State(options, strict, summarize_model(model), model_name=type(model).__name__
                     if isinstance(model, torch.nn.Module) else getattr(model, "__name__", "the function"))
+    types = {d.type for d in _model_devices(model)}
+    state.regions = compile_regions.mark_model(model, types and stand_down_reason(options, types)) if regions else \
+        "off (regions=False)"
     compiler = K3Inductor(mode, inductor_options, torch_compile_kwargs.get("dynamic"), state, plain_options)
     state.compiler = compiler
     if isinstance(model, torch.nn.Module):
@@ -364,7 +382,8 @@ def optimize(model, *, backend: str = "auto", passes=None, strict: bool = False,
             def frame(*args, **kwargs):
                 return call(*args, **kwargs)
             model._compiled_call_impl = torch.compile(frame, backend=compiler, **torch_compile_kwargs)
-        model._compiled_call_impl = _recording(model._compiled_call_impl, state)
+        model._compiled_call_impl = _recording(  # where Dynamo cannot trace the regions: traced without them
+            compile_regions.without_regions_on_error(model._compiled_call_impl, model, state), state)
         compiled = model
     else:
         compiled = _recording(torch.compile(model, backend=compiler, **torch_compile_kwargs), state)

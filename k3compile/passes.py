@@ -32,6 +32,7 @@ from torch._inductor import pattern_matcher as pm
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from .backends import check_backend, triton_importable, triton_interpret
+from .regions import calls as region_calls
 from .static_weights import enabled as static_weights_enabled
 from .static_weights import mark_static_weights
 
@@ -90,9 +91,14 @@ class GraphRecord:
     # what pattern modules' facts() saw before rewriting, and under STATIC_WEIGHT_FACT what
     # static_weights.mark_static_weights proved after it: {op: {"proven": n, "not proven": {reason: n}}}
     facts: dict = field(default_factory=dict)
+    # compile regions (regions.py) of a merged record: {"bodies": distinct bodies compiled, "calls": their calls}
+    regions: dict = field(default_factory=dict)
+    # not stored: which graph the pass saw, and {id of a region body's graph: calls} it makes
+    graph_id: Optional[int] = field(default=None, compare=False, repr=False, metadata={"transient": True})
+    calls: dict = field(default_factory=dict, compare=False, repr=False, metadata={"transient": True})
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.metadata.get("transient")}
 
     @classmethod
     def from_json(cls, d: dict) -> "GraphRecord":
@@ -193,6 +199,7 @@ class K3PostGradPass(CustomGraphPass):
         t0 = time.perf_counter()
         passes, reg_s = _register(self.options)
         record = GraphRecord(registration_seconds=reg_s)
+        record.graph_id, record.calls = id(graph), region_calls(graph)   # merge_records weighs region bodies
         for name in passes:
             read_facts = getattr(pattern_module(name), "facts", None)
             if read_facts is not None:

@@ -25,6 +25,12 @@ class Report:
     static_weight: dict = field(default_factory=dict)
     model_name: str = "model"
     notice: str = ""                               # where the model compiled or rewrote nothing: why
+    regions: str = ""                              # which blocks optimize() made compile regions, or why none
+
+    @property
+    def kernel_build_seconds(self) -> float:
+        """Host time of the k3 ops' first calls for this model (their kernels' JIT builds or disk-cache loads)."""
+        return sum(c.first_call_seconds or 0.0 for c in self.choices)
 
     @property
     def cache_hits(self) -> int:
@@ -46,10 +52,13 @@ class Report:
         if len(stood_down) < len(self.graphs):
             lines.append(f"  passes added {self.pass_seconds:.3f} s to {self.compile_seconds:.3f} s of "
                          f"compilation (registration {self.registration_seconds:.3f} s)")
+        if self.regions:
+            lines.append(f"  compile regions: {self.regions}")
         for i, g in enumerate(self.graphs):
             what = g.source if g.source != "pass ran" else "passes ran"
             lines.append(f"  graph {i}{f' ({g.label})' if g.label else ''}: {what}, compile {g.compile_seconds:.3f} s"
-                         + (f", passes {g.record.seconds:.3f} s" if g.record and g.source == "pass ran" else ""))
+                         + (f", passes {g.record.seconds:.3f} s" if g.record and g.source == "pass ran" else "")
+                         + (f"; {g.regions}" if g.regions else ""))
         if len(stood_down) < len(self.graphs) or not self.graphs:
             lines.append("  pass matches:")
             for name in self.passes:
@@ -67,6 +76,10 @@ class Report:
             if why_not:
                 line += "; not proven: " + "; ".join(f"{why} (x{n})" for why, n in why_not.items())
             lines.append(line)
+        built = [c.first_call_seconds for c in self.choices if c.first_call_seconds is not None]
+        if built:
+            lines.append(f"  k3 kernels: {len(built)} key(s) built at their first call in this process, "
+                         f"{sum(built):.1f} s of host time (Triton / CuTe JIT, or a load from their disk caches)")
         lines.append("  kernels chosen:")
         if not self.choices:
             lines.append("    (no k3 op has run for this model)")
@@ -129,5 +142,5 @@ def report(model) -> Report:
         pass_seconds=pass_s, registration_seconds=reg_s,
         compile_seconds=sum(g.compile_seconds for g in graphs), backend=state.options.backend,
         unknown_graphs=sum(1 for g in graphs if g.record is None), op_calls=op_calls, static_weight=static,
-        model_name=state.model_name, notice=nothing_done(state) or "",
+        model_name=state.model_name, notice=nothing_done(state) or "", regions=state.regions,
     )

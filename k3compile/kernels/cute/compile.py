@@ -19,6 +19,7 @@ import hashlib
 import os
 import struct
 import threading
+import time
 from typing import Optional
 
 import torch
@@ -28,6 +29,8 @@ from k3compile.kernel_module import KernelModule
 from k3compile.kernels.cute.configs import VEC, KernelConfig, MmaConfig, WgmmaConfig
 
 _compiled: dict = {}
+# this process's variants: loaded from the disk cache, or built (and the seconds the builds took)
+STATS = {"loaded": 0, "built": 0, "build_seconds": 0.0}
 _compile_lock = threading.Lock()   # cute.compile is not thread-safe
 _SOURCES = ("asm.py", "compile.py", "configs.py", "mma.py", "mma_ring.py", "wgmma.py")
 # the kernel class of each configuration type, in a module that imports cutlass at its top
@@ -106,10 +109,15 @@ def _load_or_build(name: str, key):
     path = os.path.join(cdir, name + ".o") if cdir else None
     if path and os.path.exists(path):
         try:
-            return cute.runtime.load_module(path, enable_tvm_ffi=True)[name]
+            fn = cute.runtime.load_module(path, enable_tvm_ffi=True)[name]
+            STATS["loaded"] += 1
+            return fn
         except Exception:  # a stale or torn file: build below and overwrite it
             pass
+    start = time.perf_counter()
     fn = build(key)
+    STATS["built"] += 1
+    STATS["build_seconds"] += time.perf_counter() - start
     if path:
         try:
             os.makedirs(cdir, exist_ok=True)

@@ -1,0 +1,231 @@
+"""Compile regions: the decoder layers' blocks compiled once per distinct block, not once per layer.
+
+``optimize(regions=True)`` marks the blocks of every layer stack (an ``nn.ModuleList`` named ``layers``): each
+child of a layer that has children of its own (K3: ``self_attn`` -- KDA or MLA --, ``block_sparse_moe`` or
+``mlp``) runs its ``forward`` as a ``torch.compiler.nested_compile_region``. Dynamo then traces each distinct block
+once into an ``invoke_subgraph`` body, and Inductor compiles each body once (its post-grad passes, ours included,
+run on every body, ``torch/_inductor/compile_fx.py: _recursive_post_grad_passes``): the 93-layer K3 compiles four
+bodies (KDA, MLA, latent MoE, dense MLP) instead of a graph 93 layers long. The norms, residual adds and AttnRes
+mixes between the blocks stay in the outer graph (small pointwise work; the layer itself cannot be the region:
+its output list aliases its input list, which ``invoke_subgraph`` refuses).
+
+Marking swaps the instance's class for a subclass whose ``forward`` is the region (one subclass per class): a
+region on a bound method (``module.forward = region.__get__(module)``) makes torch 2.13's Dynamo reuse the first
+instance's parameters for every later call of the body (wrong results), a class-level region does not. The model's
+code is untouched; :func:`unmark` restores the classes. Outside ``torch.compile`` a region is a plain call.
+
+Cost (why ``optimize`` leaves regions off by default): ``static_weights.mark_static_weights`` runs on each body
+alone, where every GEMM that reads the block's input reads a body input, so it cannot prove that the kernel before it
+belongs to the compiled graph; those GEMMs do not stream their weights before the PDL wait (the micro K3's decode
+step: 30 of its 48 skinny GEMMs unproven, none in the whole graph). Proving them needs the call sites' view (each operand made by a kernel of the outer graph, the weight
+written by none), which the proof does not take yet.
+
+What the passes did in a body counts once per call of it (``graph_records.merge_records`` weights each record by
+:func:`calls`), so a report over regions reads as one over the whole graph. :func:`inline` turns a Dynamo graph
+with regions back into the whole graph (``optimize``'s fallback where a pass lost matches in the regions).
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+import operator
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+REGION_OF = "_k3compile_region_of"     # on a region subclass: the class it wraps
+log = logging.getLogger("k3compile")
+
+
+def invoke_subgraph_op():
+    return getattr(torch.ops.higher_order, "invoke_subgraph", None)
+
+
+def available() -> Optional[str]:
+    """None where this torch has ``torch.compiler.nested_compile_region``, else why not."""
+    if getattr(torch.compiler, "nested_compile_region", None) is None or invoke_subgraph_op() is None:
+        return f"torch {torch.__version__} has no torch.compiler.nested_compile_region"
+    return None
+
+
+@functools.cache
+def _region_class(cls: type) -> type:
+    """``cls`` with its ``forward`` as a nested compile region (one per class, so equal blocks share it)."""
+    forward = torch.compiler.nested_compile_region(cls.forward)
+    return type(cls.__name__, (cls,), {"forward": forward, REGION_OF: cls, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__})
+
+
+def blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(qualified name, module) of each block :func:`mark` makes a region: the children with children of each
+    layer of every ``layers`` ModuleList."""
+    found = []
+    for name, stack in model.named_modules():
+        if not (isinstance(stack, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers"):
+            continue
+        for i, layer in enumerate(stack):
+            for child_name, child in layer.named_children():
+                if next(child.children(), None) is not None:
+                    found.append((f"{name}.{i}.{child_name}", child))
+    return found
+
+
+def mark(model: torch.nn.Module) -> dict[str, int]:
+    """Make each of ``blocks(model)`` a compile region; returns {block class: how many} marked."""
+    marked: dict[str, int] = {}
+    for _, block in blocks(model):
+        cls = getattr(type(block), REGION_OF, type(block))
+        block.__class__ = _region_class(cls)
+        marked[cls.__name__] = marked.get(cls.__name__, 0) + 1
+    return marked
+
+
+def unmark(model: torch.nn.Module) -> int:
+    """Restore every marked block's own class; returns how many."""
+    n = 0
+    for module in model.modules():
+        cls = getattr(type(module), REGION_OF, None)
+        if cls is not None:
+            module.__class__ = cls
+            n += 1
+    return n
+
+
+def calls(graph: torch.fx.Graph) -> dict[int, int]:
+    """{id of a region body's graph: how many times ``graph`` calls it}: ``invoke_subgraph`` nodes, and those of a
+    body that writes its inputs (after functionalization, ``auto_functionalized_v2(invoke_subgraph, subgraph=...)``)."""
+    op = invoke_subgraph_op()
+    owner = graph.owning_module
+    if op is None or owner is None:
+        return {}
+    out: dict[int, int] = {}
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is op:
+            body = node.args[0]
+        elif node.args and node.args[0] is op and "auto_functionalized" in str(node.target):
+            body = node.kwargs.get("subgraph")
+        else:
+            continue
+        body = getattr(owner, body.target, None) if isinstance(body, torch.fx.Node) else None
+        if isinstance(body, torch.fx.GraphModule):
+            out[id(body.graph)] = out.get(id(body.graph), 0) + 1
+    return out
+
+
+def has_regions(gm: torch.fx.GraphModule) -> bool:
+    op = invoke_subgraph_op()
+    return op is not None and bool(gm.graph.find_nodes(op="call_function", target=op))
+
+
+def inline(gm: torch.fx.GraphModule) -> int:
+    """Replace every ``invoke_subgraph`` call of a Dynamo graph by a copy of its body (nested ones too); returns how
+    many calls were inlined. The graph then is what Dynamo traces without regions."""
+    op = invoke_subgraph_op()
+    n = 0
+    while op is not None:
+        nodes = gm.graph.find_nodes(op="call_function", target=op)
+        if not nodes:
+            break
+        for node in nodes:
+            body = getattr(gm, node.args[0].target)
+            env = dict(zip(body.graph.find_nodes(op="placeholder"), node.args[2:]))
+            for attr in body.graph.find_nodes(op="get_attr"):   # a nested body or a constant of the body
+                name = f"{node.args[0].target}_{attr.target}".replace(".", "_")
+                value = getattr(body, attr.target)
+                if isinstance(value, torch.nn.Module):
+                    gm.register_module(name, value)
+                else:
+                    setattr(gm, name, value)
+                with gm.graph.inserting_before(node):
+                    env[attr] = gm.graph.get_attr(name)
+            with gm.graph.inserting_before(node):
+                result = gm.graph.graph_copy(body.graph, env)
+            outputs = result if isinstance(result, (tuple, list)) else (result,)
+            for user in list(node.users):
+                if user.op == "call_function" and user.target is operator.getitem:
+                    user.replace_all_uses_with(outputs[user.args[1]])
+                    gm.graph.erase_node(user)
+            if node.users:
+                raise RuntimeError(f"k3compile: {node.name} is used other than by getitem: cannot inline it")
+            gm.graph.erase_node(node)
+            n += 1
+    if n:
+        for node in gm.graph.find_nodes(op="get_attr"):
+            if not node.users and isinstance(getattr(gm, node.target, None), torch.fx.GraphModule):
+                gm.graph.erase_node(node)
+        used = {node.target for node in gm.graph.find_nodes(op="get_attr")}
+        for name, child in list(gm.named_children()):
+            if isinstance(child, torch.fx.GraphModule) and name not in used:
+                delattr(gm, name)
+        gm.graph.lint()
+        gm.recompile()
+    return n
+
+
+def mark_model(model, stood_down: Optional[str]) -> str:
+    """``optimize(regions=True)``: mark the model's blocks unless the passes stand down on its device
+    (``stood_down``: why) or this torch has no regions; says what was marked, or why nothing."""
+    why = "not a module" if not isinstance(model, torch.nn.Module) else available()
+    if why is None and stood_down:
+        why = "the passes stand down on this device (plain torch.compile, without regions)"
+    if why is not None:
+        return f"off ({why})"
+    marked = mark(model)
+    if not marked:
+        return "off (no layer stack: no nn.ModuleList named 'layers' with blocks)"
+    return ", ".join(f"{n} {name}" for name, n in marked.items())
+
+
+def _dynamo_errors() -> tuple:
+    exc = torch._dynamo.exc
+    return tuple(getattr(exc, name) for name in ("UncapturedHigherOrderOpError", "Unsupported") if hasattr(exc, name))
+
+
+def without_regions_on_error(call: Callable, model: torch.nn.Module, state) -> Callable:
+    """``call`` (the model's compiled call); where Dynamo cannot trace its regions (a torch whose
+    ``invoke_subgraph`` refuses what a block does), the blocks are unmarked, the reason kept in ``state.regions``,
+    and the call traced again without them."""
+    @functools.wraps(call)
+    def traced(*args, **kwargs):
+        try:
+            return call(*args, **kwargs)
+        except _dynamo_errors() as e:
+            if not unmark(model):
+                raise
+            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
+            state.regions = f"off (Dynamo could not trace them: {why})"
+            log.warning("k3compile: Dynamo could not trace the compile regions of %s (%s); compiling whole graphs "
+                        "instead", state.model_name, why)
+            return call(*args, **kwargs)
+    return traced
+
+
+def compile_or_whole(gm: torch.fx.GraphModule, compile_: Callable, missing: Callable, where: str) -> tuple[Any, Any]:
+    """``compile_(gm)`` -> (compiled, CompiledGraph) for a Dynamo graph with regions; where that raises (e.g. a
+    torch whose Inductor cannot lower a body) or ``missing(record)`` names passes expected on the graph that
+    rewrote nothing in the regions ((pass, why expected) pairs), the regions are inlined and the whole graph
+    compiled, the reason kept in ``CompiledGraph.regions``."""
+    if not has_regions(gm):
+        return compile_(gm)
+    whole = copy.deepcopy(gm)
+    t0 = time.perf_counter()
+    try:
+        compiled, graph = compile_(gm)
+        why = "; ".join(f"pass {name!r} rewrote nothing in the regions although {expected}"
+                        for name, expected in (missing(graph.record) if graph.record is not None else []))
+    except Exception as e:
+        why = f"compiling the regions failed ({type(e).__name__}: {str(e).strip().splitlines()[0][:200]})"
+    if not why:
+        if graph.record is not None and graph.record.regions:
+            graph.regions = f"{graph.record.regions['bodies']} region bodies for {graph.record.regions['calls']} calls"
+        return compiled, graph
+    log.warning("k3compile: %s: %s; compiling the whole graph instead", where, why)
+    inline(whole)
+    compiled, graph = compile_(whole)
+    graph.compile_seconds = time.perf_counter() - t0
+    graph.regions = f"whole graph: {why}"
+    return compiled, graph

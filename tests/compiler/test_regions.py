@@ -1,0 +1,233 @@
+"""Compile regions (``k3compile/regions.py``): each distinct decoder block compiled once, the passes' counts weighed by
+the calls of each body, and the whole graph where regions fail or lose a pass.
+
+A stack of three equal layers (a Linear block each, M = 2: one skinny GEMM a layer) covers the mechanics in seconds;
+the micro K3 (3 KDA + 1 MLA layers, 3 latent MoE) checks that every pass fires as often in the regions as in the
+whole graph, with the same tokens (one decode graph each, shared by the module's tests).
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import k3compile
+from k3compile import regions
+from k3compile.graph_records import merge_records
+from k3compile.passes import GraphRecord
+from k3compile.testing import rel_err
+
+LAYERS, D = 3, 16
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(D, D)
+
+    def forward(self, x):
+        return torch.relu(self.proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.mlp = Block()
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+class Stack(nn.Module):
+    def __init__(self, layer=Layer):
+        super().__init__()
+        self.layers = nn.ModuleList(layer() for _ in range(LAYERS))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _compiled(model, regions=True):
+    torch._dynamo.reset()
+    k3compile.optimize(model, backend="reference", passes=["skinny_gemm"], dynamic=False, regions=regions)
+    x = torch.randn(2, D)
+    with torch.no_grad():
+        out = model(x)
+    return out, x, k3compile.report(model)
+
+
+def test_merge_records_weighs_each_body_by_its_calls():
+    body = GraphRecord(matches={"skinny_gemm": 2}, facts={"graph_small_m_gemms": 2, "rejected": ["b"],
+                                                           "static_weight": {"skinny_gemm": {"proven": 1}}})
+    inner = GraphRecord(matches={"skinny_gemm": 1}, facts={"graph_small_m_gemms": 1, "rejected": ["a"]})
+    outer = GraphRecord(matches={"skinny_gemm": 1}, facts={"graph_small_m_gemms": 1})
+    body.graph_id, inner.graph_id, outer.graph_id = 1, 2, 3
+    body.calls = {2: 2}          # the body calls a nested body twice; the graph calls the body three times
+    outer.calls = {1: 3}
+    merged = merge_records([inner, body, outer])   # bodies first, as Inductor's recursive post-grad passes run
+    assert merged.matches == {"skinny_gemm": 1 * 6 + 2 * 3 + 1}
+    assert merged.facts["graph_small_m_gemms"] == 13
+    assert merged.facts["rejected"] == ["a", "b"]
+    assert merged.facts["static_weight"] == {"skinny_gemm": {"proven": 3}}
+    assert merged.regions == {"bodies": 2, "calls": 9}
+    assert "graph_id" not in merged.to_json() and "calls" not in merged.to_json()
+
+
+def test_regions_count_every_call_of_a_body(no_graph_caches):
+    eager = Stack().eval()
+    model = copy.deepcopy(eager)
+    out, x, rep = _compiled(model)
+    assert rel_err(out, eager(x)) < 1e-6
+    (graph,) = rep.graphs
+    assert rep.regions == f"{LAYERS} Block"
+    assert graph.regions == f"1 region bodies for {LAYERS} calls"
+    assert rep.matches["skinny_gemm"] == LAYERS == graph.record.facts["graph_small_m_gemms"]
+    assert "compile regions: 3 Block" in str(rep)
+    assert regions.unmark(model) == LAYERS and type(model.layers[0].mlp) is Block
+
+
+def test_regions_off_compiles_one_graph(no_graph_caches):
+    out, x, rep = _compiled(Stack().eval(), regions=False)
+    (graph,) = rep.graphs
+    assert rep.regions == "off (regions=False)" and graph.regions == ""
+    assert rep.matches["skinny_gemm"] == LAYERS
+
+
+def test_regions_that_lose_a_pass_compile_the_whole_graph(no_graph_caches, monkeypatch):
+    """A pass expected on the graph but silent in its regions: the regions are inlined and the whole graph compiled,
+    the reason in the report."""
+    import importlib
+
+    optimize_module = importlib.import_module("k3compile.optimize")
+    found = optimize_module._missing
+
+    def lost_in_regions(state, record):
+        return [("skinny_gemm", "simulated")] if record.regions else found(state, record)
+    monkeypatch.setattr(optimize_module, "_missing", lost_in_regions)
+    eager = Stack().eval()
+    out, x, rep = _compiled(copy.deepcopy(eager))
+    (graph,) = rep.graphs
+    assert graph.regions.startswith("whole graph: pass 'skinny_gemm' rewrote nothing in the regions although "
+                                    "simulated")
+    assert graph.record.regions == {} and rep.matches["skinny_gemm"] == LAYERS
+    assert rel_err(out, eager(x)) < 1e-6
+
+
+class Passthrough(nn.Module):
+    """A block that returns its input as it is (on odd widths): its output aliases its input, which
+    ``invoke_subgraph`` refuses."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(D, D)
+
+    def forward(self, x):
+        return x
+
+
+class AliasingLayer(Layer):
+    def __init__(self):
+        super().__init__()
+        self.mlp = Passthrough()
+
+
+def test_regions_dynamo_cannot_trace_are_removed(no_graph_caches):
+    eager = Stack(AliasingLayer).eval()
+    model = copy.deepcopy(eager)
+    out, x, rep = _compiled(model)
+    assert rep.regions.startswith("off (Dynamo could not trace them: ")
+    assert type(model.layers[0].mlp) is Passthrough
+    assert rel_err(out, eager(x)) < 1e-6
+
+
+def test_inline_gives_back_the_graph_without_regions():
+    captured = []
+
+    def backend(gm, inputs):
+        captured.append((gm, inputs))
+        return gm.forward
+    model = Stack().eval()
+    regions.mark(model)
+    torch._dynamo.reset()
+    x = torch.randn(2, D)
+    with torch.no_grad():
+        want = torch.compile(model, backend=backend)(x)
+    ((gm, inputs),) = captured
+    assert regions.has_regions(gm)
+    assert regions.inline(gm) == LAYERS and not regions.has_regions(gm)
+    assert not any(isinstance(m, torch.fx.GraphModule) for _, m in gm.named_children())
+    with torch.no_grad():
+        (got,) = gm(*inputs)
+    assert torch.equal(got, want)
+    torch._dynamo.reset()
+
+
+def test_warm_start_report_keeps_the_weighed_counts(tmp_path, monkeypatch):
+    """The second compile of the same model is an FX-graph-cache hit: no pass runs, the sidecar record has the
+    counts over every call of the body."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    eager = Stack().eval()
+    reports = [_compiled(copy.deepcopy(eager))[2] for _ in range(2)]
+    assert [r.graphs[0].source for r in reports] == ["pass ran", "cache hit (sidecar)"]
+    assert [r.matches["skinny_gemm"] for r in reports] == [LAYERS, LAYERS]
+    assert reports[1].graphs[0].regions == f"1 region bodies for {LAYERS} calls"
+
+
+# --- the micro K3: every pass, regions against the whole graph -------------------------------------------------
+
+BATCH, PROMPT, NEW = 2, 6, 3
+
+
+@pytest.fixture(scope="module")
+def decoded():
+    """{regions: (tokens, report)} for the micro K3's decode step (the prefill eager), and eager's tokens."""
+    from k3compile.model import KimiK3Config, KimiK3ForConditionalGeneration
+
+    torch.manual_seed(0)
+    eager = KimiK3ForConditionalGeneration(KimiK3Config.micro()).eval()
+    ids = torch.randint(0, eager.config.text_config.vocab_size, (BATCH, PROMPT))
+
+    def decode(model, compile_=None):
+        cache = model.allocate_cache(BATCH, PROMPT + NEW)
+        with torch.no_grad():
+            token = model(ids, cache=cache, logits_to_keep=1).argmax(-1)
+            if compile_ is not None:
+                compile_(model)
+            tokens = [token]
+            for _ in range(NEW - 1):
+                tokens.append(model(tokens[-1], cache=cache, logits_to_keep=1).argmax(-1))
+        return torch.cat(tokens, 1)
+
+    out = {"eager": (decode(eager), None)}
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        for on in (True, False):
+            torch._dynamo.reset()
+            model = copy.deepcopy(eager)
+            tokens = decode(model, lambda m: k3compile.optimize(m, backend="reference", dynamic=False, regions=on,
+                                                                 strict=True))
+            out[on] = (tokens, k3compile.report(model))
+    return out
+
+
+@pytest.mark.slow
+def test_micro_k3_regions_decode_eager_tokens(decoded):
+    assert torch.equal(decoded[True][0], decoded["eager"][0])
+    assert torch.equal(decoded[False][0], decoded["eager"][0])
+
+
+@pytest.mark.slow
+def test_micro_k3_regions_match_as_often_as_the_whole_graph(decoded):
+    (with_regions,), (whole,) = decoded[True][1].graphs, decoded[False][1].graphs
+    assert with_regions.regions and "whole graph" not in with_regions.regions
+    assert whole.regions == ""
+    assert with_regions.record.matches == whole.record.matches
+    assert all(whole.record.matches[name] for name in ("kda_decode", "mla_decode", "moe_experts",
+                                                        "latent_moe_tail", "skinny_gemm"))
+    counted = {k: v for k, v in whole.record.facts.items() if isinstance(v, int) and not isinstance(v, bool)}
+    assert {k: with_regions.record.facts[k] for k in counted} == counted
