@@ -106,8 +106,12 @@ def test_old_calls_and_fakes_stay_valid():
         assert GEMM(a, w, None, None, "auto", 16, True).shape == (2, 8)
         lat, sh, g, uw = torch.empty(2, 16), torch.empty(2, 8), torch.empty(16), torch.empty(8, 16)
         assert TAIL(lat, sh, g, uw, 1e-5, "auto", 16, True).shape == (2, 8)
-    schema = GEMM.default._schema
-    assert schema.arguments[-1].name == "static_weight" and schema.arguments[-1].default_value is False
+    # optional arguments append after static_weight (out_dtype since the upcast_matmul pass): positions stay valid
+    args = {a.name: a for a in GEMM.default._schema.arguments}
+    names = [a.name for a in GEMM.default._schema.arguments]
+    assert names.index("static_weight") == 6 and args["static_weight"].default_value is False
+    assert all(a.default_value is not None or a.type.kind() == "OptionalType"
+               for a in GEMM.default._schema.arguments[7:])
     assert TAIL.default._schema.arguments[-1].default_value is False
 
 
