@@ -1,8 +1,8 @@
 """The KDA decode rewrite: fires on every KDA layer of a decode graph (none on prefill), leaves no state
-copy in the compiled code, equals eager; near misses do not fire. The tiny K3 compiled here also runs the
-prefill pass (``kda_prefill``), whose tiny-model checks live here to share the one compile.
+copy in the compiled code, equals eager; near misses do not fire. The micro K3 compiled here also runs the
+prefill pass (``kda_prefill``), whose micro-model checks live here to share the one compile.
 
-Caches are off (a hit would skip the pass). The tiny K3 compiles once for the module (minutes on a
+Caches are off (a hit would skip the pass). The micro K3 compiles once for the module (minutes on a
 shared 2-core CPU: marked slow); the other tests compile one small step function each through
 tests/conftest.py's PassHarness. The state-copy check reads the output code: the op mutates the states in place,
 and only the generated code can show that no copy of them remains.
@@ -48,12 +48,12 @@ def assert_states_not_copied(code: str) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The tiny K3: every KDA layer of the decode graph, tokens equal eager
+# The micro K3: every KDA layer of the decode graph, tokens equal eager
 
 @pytest.fixture(scope="module")
-def tiny_generate():
+def micro_generate():
     torch.manual_seed(0)
-    model = KimiK3ForConditionalGeneration(KimiK3Config.tiny()).eval()
+    model = KimiK3ForConditionalGeneration(KimiK3Config.micro()).eval()
     eager = copy.deepcopy(model)
     ids = torch.randint(0, 512, (2, 5))
     torch._dynamo.reset()
@@ -69,36 +69,36 @@ def tiny_generate():
 
 
 @pytest.mark.slow
-def test_tiny_k3_fires_on_every_kda_layer_of_decode_and_not_on_prefill(tiny_generate):
-    rep = tiny_generate["report"]
+def test_micro_k3_fires_on_every_kda_layer_of_decode_and_not_on_prefill(micro_generate):
+    rep = micro_generate["report"]
     per_graph = [g.record.matches["kda_decode"] for g in rep.graphs]
-    assert per_graph == [0, 9], per_graph   # prefill [2, 5] graph, then the decode [2, 1] graph; 9 KDA layers
+    assert per_graph == [0, 3], per_graph   # prefill [2, 5] graph, then the decode [2, 1] graph; 3 KDA layers
     # the prefill graph is not one where the pass is expected (no warning / strict error there)
-    assert [g.record.facts["graph_kda_decode_convs"] for g in rep.graphs] == [0, 27]
+    assert [g.record.facts["graph_kda_decode_convs"] for g in rep.graphs] == [0, 9]
     assert any(c.op == "kda_decode" and c.impl == "triton" for c in rep.choices)
 
 
 @pytest.mark.slow
-def test_tiny_k3_prefill_pass_fires_once_per_kda_layer(tiny_generate):
+def test_micro_k3_prefill_pass_fires_once_per_kda_layer(micro_generate):
     """Prompt [2, 5]: one chunk (padded from 5 to 16) per layer; the decode graph holds no chunk solve."""
-    rep = tiny_generate["report"]
-    assert [g.record.matches["kda_prefill"] for g in rep.graphs] == [9, 0]
-    assert [g.record.facts["graph_kda_prefill_solves"] for g in rep.graphs] == [18, 0]
+    rep = micro_generate["report"]
+    assert [g.record.matches["kda_prefill"] for g in rep.graphs] == [3, 0]
+    assert [g.record.facts["graph_kda_prefill_solves"] for g in rep.graphs] == [6, 0]
     # CPU: fla cannot run, so the forced Triton backend falls back to the reference, recorded with its reason
     (choice,) = [c for c in rep.choices if c.op == "kda_prefill"]
     assert choice.impl == "reference" and "fla" in choice.reason
-    assert choice.calls == 9
+    assert choice.calls == 3
 
 
 @pytest.mark.slow
-def test_tiny_k3_generated_tokens_equal_eager(tiny_generate):
-    assert torch.equal(tiny_generate["tokens"], tiny_generate["ref"])
+def test_micro_k3_generated_tokens_equal_eager(micro_generate):
+    assert torch.equal(micro_generate["tokens"], micro_generate["ref"])
 
 
 @pytest.mark.slow
-def test_tiny_k3_decode_code_holds_no_state_copy(tiny_generate):
-    counts = [assert_states_not_copied(code) for code in tiny_generate["codes"]]
-    assert sorted(counts) == [0, 9]
+def test_micro_k3_decode_code_holds_no_state_copy(micro_generate):
+    counts = [assert_states_not_copied(code) for code in micro_generate["codes"]]
+    assert sorted(counts) == [0, 3]   # one op call per KDA layer, in the decode graph
 
 
 # ---------------------------------------------------------------------------------------------------
