@@ -101,6 +101,7 @@ def test_compare_logits_median_row_ties_flips_and_nan():
 
 
 @pytest.mark.slow
+@pytest.mark.deep   # ~80 s; the teacher-forced comparison is tested above, TP fusion by test_latent_moe_tail_compiled
 def test_script_tp2_gloo_micro_teacher_forced_logits_and_all_reduces(tmp_path):
     out = tmp_path / "tp2.json"
     cmd = [sys.executable, str(SCRIPT), "--backend", "gloo", "--world-size", "2", "--config", "micro",
