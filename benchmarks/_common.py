@@ -115,3 +115,19 @@ def decode_call(model, token: torch.Tensor, cache) -> torch.Tensor:
     """One decode step through ``nn.Module.__call__`` (the compiled path where the model was compiled in place),
     skipping the K3 model's own ``__call__``: it checks the ids on the host, a sync no CUDA graph can hold."""
     return torch.nn.Module.__call__(model, token, cache=cache, logits_to_keep=1)
+
+
+def within(seconds: float, fn, error):
+    """``fn()``, interrupted by raising ``error()`` once it has run ``seconds`` (a SIGALRM timer: main thread only)."""
+    import signal
+
+    def alarm(signum, frame):
+        raise error()
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        return fn()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

@@ -262,18 +262,10 @@ def bounded(fn, seconds: float):
     """``fn()``, interrupted (CompileBudgetExceeded) once it has run ``seconds`` (main thread; 0: unbounded)."""
     if seconds <= 0 or SMOKE:
         return fn()
-    import signal
+    from _common import within
 
-    def alarm(signum, frame):
-        raise CompileBudgetExceeded(f"compile still running after {seconds:.0f} s (--autotune-budget)")
-
-    previous = signal.signal(signal.SIGALRM, alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        return fn()
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+    return within(seconds, fn, lambda: CompileBudgetExceeded(
+        f"compile still running after {seconds:.0f} s (--autotune-budget)"))
 
 
 def check(name, fn, s, weights, m, routing) -> float:

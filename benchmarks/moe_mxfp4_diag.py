@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import signal
 import sys
 import time
 import traceback
@@ -178,15 +177,9 @@ class StepTimeout(Exception):
 
 
 def limited(seconds, fn):
-    def alarm(signum, frame):
-        raise StepTimeout(f"still running after {seconds} s")
-    previous = signal.signal(signal.SIGALRM, alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        return fn()
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+    from _common import within
+
+    return within(seconds, fn, lambda: StepTimeout(f"still running after {seconds} s"))
 
 
 def main(argv=None):
