@@ -107,7 +107,7 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="interleaved timing passes; a row is their median")
     p.add_argument("--replays", type=int, default=20, help="graph replays per pass")
     p.add_argument("--json", default=None)
-    p.add_argument("--svg", default=None, help="the plot: % of the floor per M, one panel per TP x format")
+    p.add_argument("--svg", default=None, help="the plot: %% of the floor per M, one panel per TP x format")
     p.add_argument("--table", default=None, help="write the measured picks (tables/h200.json's format) here")
     p.add_argument("--smoke", action="store_true", help="every code path on the CPU at tiny widths (no GPU)")
     args = p.parse_args(argv)
