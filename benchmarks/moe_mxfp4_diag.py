@@ -9,9 +9,8 @@ Rows printed (variant, M, µs per call, % of the gate/up floor, rel err of h aga
 - ``gemv-conv`` (MODE 1, + the conversion), ``gemv-r{R}-w{W}`` (MODE 2, the GEMV candidate itself, h checked);
 - ``rows-{load,triv,full}-i{BI}-l{BL}-w{W}s{S}``: the weight rows form of ``triton.py``'s gate/up kernel (the
   wgmma form) as a copy here with one knob, MODE: ``load`` the same loads (codes as 16-byte words, scales, z)
-  xor-summed, no conversion, no product (Triton pipelines
-  no load that feeds no dot: these loads are plain, not cp.async); ``triv`` the product with a trivial conversion (a byte shifted into a bf16:
-  the loads still feed a dot, so Triton pipelines them as in the real kernel); ``full`` the real conversion
+  xor-summed, no conversion, no product (Triton pipelines no load that feeds no dot: these loads are plain, not
+  cp.async); ``triv`` the product with a trivial conversion (a byte shifted into a bf16: the loads still feed a dot, so Triton pipelines them as in the real kernel); ``full`` the real conversion
   (``E2M1_BF16_BITS`` PTX) and product;
 - ``op-gate_up[...]``: the production gate/up kernel alone (``moe_experts_triton(only="gate_up")``) with the table's
   pick and the rows configurations run 3 measured; ``op[...]``: the whole op (rel err of out).
@@ -34,7 +33,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from k3compile.ops.moe_experts.config import MoeConfig, default_config, table, tuned_config  # noqa: E402
-from k3compile.ops.moe_experts.reference import _situ_glu, expert_weights, moe_experts_ref  # noqa: E402
+from k3compile.ops.moe_experts.reference import gate_up_ref, moe_experts_ref  # noqa: E402
 from k3compile.ops.moe_experts.triton import moe_experts_triton  # noqa: E402
 from k3compile.ops.moe_experts.triton_gemv import GEMV_MAX_M, gate_up_gemv  # noqa: E402
 from k3compile.ops.moe_experts.triton_tiles import (E2M1_BF16_BITS, _chunk_pairs, _e8m0_bf16,  # noqa: E402
@@ -155,17 +154,6 @@ def make_routing(m, layer):
     return z, experts, weights
 
 
-def h_reference(z, experts, w1, w3, s1, s3):
-    dtype = z.dtype
-    rows = []
-    for p, e in enumerate(experts.reshape(-1).tolist()):
-        x = z[p // A].float()
-        gate = (expert_weights(w1, s1, e, dtype).float() @ x).to(dtype).float()
-        up = (expert_weights(w3, s3, e, dtype).float() @ x).to(dtype).float()
-        rows.append(_situ_glu(gate, up, *BETAS).to(dtype))
-    return torch.stack(rows)
-
-
 def rel_err(out, ref):
     if out.isnan().any():
         return float("nan")
@@ -211,7 +199,7 @@ def main(argv=None):
         hs = [torch.empty(m * A, I, dtype=torch.bfloat16, device=DEVICE) for _ in layers]
         sink = torch.empty(m * A * 384, dtype=torch.float32, device=DEVICE)
         z0, ex0, wt0 = make_routing(m, 999)
-        h_ref = h_reference(z0, ex0, w1, w3, s1, s3)
+        h_ref = gate_up_ref(z0, ex0, w1, w3, s1, s3, *BETAS)
         out_ref = moe_experts_ref(z0, ex0, wt0, w1, w3, w2, s1, s3, s2, *BETAS) if m <= 16 else None
 
         variants = {}   # name -> (fn(z, experts, weights, h) -> checked tensor or None, what it returns)

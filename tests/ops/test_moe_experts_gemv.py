@@ -7,25 +7,12 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from k3compile.ops.moe_experts.reference import _situ_glu, expert_weights
+from k3compile.ops.moe_experts.reference import gate_up_ref
 from k3compile.ops.moe_experts.triton_gemv import gate_up_gemv
 from k3compile.testing import moe_experts_inputs, rel_err
 
 K3_BETAS = (4.0, 25.0)
 TOL = {torch.float32: 2e-5, torch.bfloat16: 4e-2}
-
-
-def h_reference(z, experts, w1, w3, s1, s3, betas=K3_BETAS):
-    """h [M·A, I] of every (token, slot) pair in z's dtype, from the reference's pieces."""
-    dtype = z.dtype
-    a = experts.shape[1]
-    rows = []
-    for p, e in enumerate(experts.reshape(-1).tolist()):
-        x = z[p // a].float()
-        gate = (expert_weights(w1, s1, e, dtype).float() @ x).to(dtype).float()
-        up = (expert_weights(w3, s3, e, dtype).float() @ x).to(dtype).float()
-        rows.append(_situ_glu(gate, up, *betas).to(dtype))
-    return torch.stack(rows)
 
 
 @settings(max_examples=6, deadline=None)
@@ -43,7 +30,7 @@ def test_gemv_gate_up_matches_reference(m, a, e, i, l, dtype, routing, rows, see
     z, experts, _, w1, w3, _, s1, s3, _ = moe_experts_inputs(m, a, e, i, l, dt, routing, mxfp4=True, seed=seed)
     h = torch.full((m * a, i), float("nan"), dtype=dt)
     gate_up_gemv(z, experts, w1, w3, s1, s3, *K3_BETAS, rows=rows, h=h)
-    assert rel_err(h, h_reference(z, experts, w1, w3, s1, s3)) < TOL[dt], \
+    assert rel_err(h, gate_up_ref(z, experts, w1, w3, s1, s3, *K3_BETAS)) < TOL[dt], \
         f"M{m}-A{a}-E{e}-I{i}-L{l}-{dtype}-{routing}-r{rows}"
 
 
@@ -57,7 +44,7 @@ def test_gemv_gate_up_extreme_scales_and_every_code():
     experts = torch.zeros(1, 1, dtype=torch.int64)
     h = torch.full((1, i), float("nan"))
     gate_up_gemv(z, experts, codes, codes, scales, scales, None, None, h=h)
-    assert rel_err(h, h_reference(z, experts, codes, codes, scales, scales, (None, None))) < 1e-6
+    assert rel_err(h, gate_up_ref(z, experts, codes, codes, scales, scales, None, None)) < 1e-6
     scales[0, 1, 3] = 255
     gate_up_gemv(z, experts, codes, codes, scales, scales, None, None, h=h)
     assert h[0, 1].isnan() and not h[0, 0].isnan()

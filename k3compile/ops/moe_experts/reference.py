@@ -61,6 +61,28 @@ def check_expert_ids(experts: torch.Tensor, num_experts: int) -> None:
         raise ValueError(f"moe_experts: expert id {int(experts[where])} at {where} is outside [0, {num_experts})")
 
 
+def _expert_pairs(flat: torch.Tensor):
+    """(expert id, its (token, slot) pair indices) for each distinct id of the flat [M·A] ids, in id order."""
+    for e in torch.unique(flat).tolist():
+        yield e, (flat == e).nonzero().squeeze(1)
+
+
+def gate_up_ref(z: torch.Tensor, experts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                w1_scale: Optional[torch.Tensor] = None, w3_scale: Optional[torch.Tensor] = None,
+                beta: Optional[float] = None, linear_beta: Optional[float] = None) -> torch.Tensor:
+    """h [M·A, I] in z's dtype: the activation of every (token, slot) pair, one distinct expert at a time (both
+    products rounded to z's dtype, as the model rounds them). Ids are not checked here."""
+    dtype = z.dtype
+    a = experts.shape[1]
+    h = torch.empty(experts.numel(), w1.shape[1], dtype=dtype, device=z.device)
+    for e, pairs in _expert_pairs(experts.reshape(-1)):
+        x = z[torch.div(pairs, a, rounding_mode="floor")].float()                   # [R, L]
+        gate = (x @ expert_weights(w1, w1_scale, e, dtype).float().t()).to(dtype).float()   # [R, I]
+        up = (x @ expert_weights(w3, w3_scale, e, dtype).float().t()).to(dtype).float()
+        h[pairs] = _situ_glu(gate, up, beta, linear_beta).to(dtype)
+    return h
+
+
 def moe_experts_ref(z: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
                     w3: torch.Tensor, w2: torch.Tensor, w1_scale: Optional[torch.Tensor] = None,
                     w3_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
@@ -71,18 +93,12 @@ def moe_experts_ref(z: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
     float weights w1, w3 [E, I, L], w2 [E, L, I] in z's dtype, or MXFP4 codes with scales (module doc).
     Returns [M, L] in z's dtype.
     """
-    num_experts = w1.shape[0]
-    check_expert_ids(experts, num_experts)
+    check_expert_ids(experts, w1.shape[0])
     dtype = z.dtype
     m, a = experts.shape
-    flat = experts.reshape(-1)
+    h = gate_up_ref(z, experts, w1, w3, w1_scale, w3_scale, beta, linear_beta)    # [M·A, I]
     ys = torch.zeros(m * a, z.shape[1], dtype=torch.float32, device=z.device)     # y of every (token, slot)
-    for e in torch.unique(flat).tolist():
-        pairs = (flat == e).nonzero().squeeze(1)
-        x = z[torch.div(pairs, a, rounding_mode="floor")].float()                   # [R, L]
-        gate = (x @ expert_weights(w1, w1_scale, e, dtype).float().t()).to(dtype).float()   # [R, I]
-        up = (x @ expert_weights(w3, w3_scale, e, dtype).float().t()).to(dtype).float()
-        h = _situ_glu(gate, up, beta, linear_beta).to(dtype).float()
-        ys[pairs] = (h @ expert_weights(w2, w2_scale, e, dtype).float().t()).to(dtype).float()
+    for e, pairs in _expert_pairs(experts.reshape(-1)):
+        ys[pairs] = (h[pairs].float() @ expert_weights(w2, w2_scale, e, dtype).float().t()).to(dtype).float()
     # the combine as the model writes it: weight every slot, sum over the slots in order
     return (ys.view(m, a, -1) * weights.float()[..., None]).sum(1).to(dtype)
