@@ -10,8 +10,9 @@ Rows printed (variant, M, µs per call, % of the gate/up floor, rel err of h aga
 - ``rows-{load,triv,full}-i{BI}-l{BL}-w{W}s{S}``: the weight rows form of ``triton.py``'s gate/up kernel (the
   wgmma form) as a copy here with one knob, MODE: ``load`` the same loads (codes as 16-byte words, scales, z)
   xor-summed, no conversion, no product (Triton pipelines no load that feeds no dot: these loads are plain, not
-  cp.async); ``triv`` the product with a trivial conversion (a byte shifted into a bf16: the loads still feed a dot, so Triton pipelines them as in the real kernel); ``full`` the real conversion
-  (``E2M1_BF16_BITS`` PTX) and product;
+  cp.async); ``triv`` the product with a trivial conversion (a byte shifted into a bf16: the loads still feed a
+  dot, so Triton pipelines them as in the real kernel); ``full`` the real conversion (``E2M1_BF16_BITS`` PTX) and
+  product;
 - ``op-gate_up[...]``: the production gate/up kernel alone (``moe_experts_triton(only="gate_up")``) with the table's
   pick and the rows configurations run 3 measured; ``op[...]``: the whole op (rel err of out).
 
