@@ -24,7 +24,8 @@ alone, which is the same wherever the model's output is finite (start_b <= pos: 
 
 The einsums' decomposition depends on the sizes: a reshape that cannot view becomes clone + reshape where T > 1,
 differently for B = 1. So each dtype and form (with and without ``start``) is traced at three (B, T): (2, 1),
-(2, 2) and (1, 2). The search ignores sizes and other literals; the guard re-checks what that leaves open: the
+(2, 2) and (1, 2); and on a GPU, where Inductor turns a batch-1 ``bmm`` into ``mm``, batch 1 is traced in that form
+too, at T = 1 and 2. The search ignores sizes and other literals; the guard re-checks what that leaves open: the
 shapes the op accepts, a static T <= ``MAX_DECODE_TOKENS`` (a longer or symbolic-length prompt stays on the plain
 path; a prompt this short is one more thing the op computes), w_kv_b split at N, the mask's fill -inf, start ``[B]``
 integer.
@@ -81,6 +82,7 @@ def _replacement_padded(backend: str):
 # -- example inputs and the guard ---------------------------------------------------------------------------
 H_EX, N_EX, R_EX, VD_EX, LK_EX, S_EX = 3, 8, 4, 6, 10, 12   # distinct sizes: no two dims of a trace confused
 TRACE_SHAPES = ((2, 1), (2, 2), (1, 2))                        # (B, T): see the module docstring
+GPU_BATCH_ONE_SHAPES = ((1, 1), (1, 2))                        # batch 1 as a GPU graph has it (bmm_to_mm_pass)
 
 
 def get_inputs(dtype: torch.dtype, B: int, T: int, padded: bool = False) -> list:
@@ -137,10 +139,11 @@ def _can_mla_decode(match: pm.Match) -> bool:
     return bool(fills) and all(f == -math.inf for f in fills) and _splits_w_kv_b_at_n(match, N)
 
 
-def _trace(*args, **kwargs) -> torch.fx.GraphModule:
+def _trace(*args, gpu_joint: Optional[pm.PatternMatcherPass] = None, **kwargs) -> torch.fx.GraphModule:
     """``trace_fn``, then the passes Inductor ran on the model's graph before ours (ours and any user pass are not
     re-entered): they merge permutes, move clones and turn ``masked_fill``'s fill into ``full([], -inf)``, and the
-    model's graph is matched as they left it."""
+    model's graph is matched as they left it. ``gpu_joint``: the joint-graph rewrites Inductor applies on a GPU only,
+    run after its joint-graph passes as it does."""
     from torch._inductor import config as inductor_config
     from torch._inductor.fx_passes.joint_graph import joint_graph_passes
     from torch._inductor.fx_passes.post_grad import post_grad_passes
@@ -149,10 +152,30 @@ def _trace(*args, **kwargs) -> torch.fx.GraphModule:
     with inductor_config.patch(joint_custom_pre_pass=None, joint_custom_post_pass=None,
                                post_grad_custom_pre_pass=None, post_grad_custom_post_pass=None):
         gm = joint_graph_passes(gm) or gm
+        if gpu_joint is not None:
+            gpu_joint.apply(gm.graph)
+            gm.graph.eliminate_dead_code()
+            gm.recompile()
         post_grad_passes(gm, is_inference=True)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
+
+
+def bmm_to_mm_pass() -> pm.PatternMatcherPass:
+    """Inductor's joint-graph rewrite of a ``bmm`` whose batch is 1 into ``squeeze``, ``mm``, ``unsqueeze``
+    (torch/_inductor/fx_passes/joint_graph.py ``bmm_to_mm``), without its device check: Inductor applies it to GPU
+    graphs only, where it turns the batch-1 decode step's score and value products (batched over B) into ``mm``."""
+    batch_one = pm.PatternMatcherPass()
+
+    def batch_is_one(match: pm.Match) -> bool:
+        return all(statically_known_true(val(match.kwargs[k]).shape[0] == 1) for k in ("a", "b"))
+
+    pm.register_replacement(lambda a, b: torch.bmm(a, b),
+                            lambda a, b: torch.mm(a.squeeze(0), b.squeeze(0)).unsqueeze(0),
+                            [torch.empty(1, 2, 3), torch.empty(1, 3, 4)], pm.fwd_only, batch_one,
+                            extra_check=batch_is_one)
+    return batch_one
 
 
 def online_softmax_pass() -> Optional[pm.PatternMatcherPass]:
@@ -171,9 +194,9 @@ def online_softmax_pass() -> Optional[pm.PatternMatcherPass]:
     return online
 
 
-def _trace_online(online: pm.PatternMatcherPass):
+def _trace_online(online: pm.PatternMatcherPass, gpu_joint: Optional[pm.PatternMatcherPass] = None):
     def trace(*args, **kwargs) -> torch.fx.GraphModule:
-        gm = _trace(*args, **kwargs)
+        gm = _trace(*args, gpu_joint=gpu_joint, **kwargs)
         online.apply(gm.graph)
         gm.graph.eliminate_dead_code()
         gm.recompile()
@@ -185,12 +208,15 @@ def register(pm_pass: pm.PatternMatcherPass, options) -> None:
     import k3compile.ops.mla_decode  # noqa: F401  (registers k3::mla_decode)
 
     online = online_softmax_pass()
-    traces = [_trace] + ([_trace_online(online)] if online is not None else [])
+    traces = [(_trace, TRACE_SHAPES)]
+    if online is not None:
+        traces += [(_trace_online(online), TRACE_SHAPES),
+                   (_trace_online(online, gpu_joint=bmm_to_mm_pass()), GPU_BATCH_ONE_SHAPES)]
     forms = ((_search, _replacement(options.backend), False),
              (_search_padded, _replacement_padded(options.backend), True))
-    for trace in traces:
+    for trace, shapes in traces:
         for dtype in TRACE_DTYPES:
-            for B, T in TRACE_SHAPES:
+            for B, T in shapes:
                 for search, replacement, padded in forms:
                     pm.register_replacement(
                         search, replacement, get_inputs(dtype, B, T, padded), trace, pm_pass,

@@ -118,3 +118,19 @@ def test_decode_attention_fires_on_the_gpu_softmax_form():
     here: Inductor's CPU backend cannot lower the online form, which a GPU graph only has."""
     layers = [(mla_attend, False), (mla_attend, True)]
     assert compile_and_count(layers, 2, 1, torch.bfloat16, "reference", OnlineSoftmaxFirst) == (2, 2)
+
+
+@pytest.mark.skipif(pattern.online_softmax_pass() is None, reason="this torch has no online-softmax rewrite")
+@pytest.mark.parametrize("T", [1, 2], ids=lambda t: f"T{t}")
+def test_decode_attention_fires_on_the_gpu_batch_one_form(monkeypatch, T):
+    """On a GPU Inductor also turns a ``bmm`` of batch 1 into ``squeeze``, ``mm``, ``unsqueeze`` (joint_graph.py
+    ``bmm_to_mm``, GPU only): the H200's batch-1 decode step matched nothing before that form was traced. Inductor's
+    own rewrite is made to fire here (its device check patched, after our patterns are registered)."""
+    from torch._inductor.fx_passes import joint_graph
+
+    from k3compile.passes import _register
+
+    _register(K3Options(backend="reference", passes=("mla_decode",)))
+    monkeypatch.setattr(joint_graph, "check_device", lambda a, b, device=None: True)
+    layers = [(mla_attend, False), (mla_attend, True)]
+    assert compile_and_count(layers, 1, T, torch.bfloat16, "reference", OnlineSoftmaxFirst) == (2, 2)
