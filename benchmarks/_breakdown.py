@@ -36,7 +36,8 @@ GEMM_KERNEL = re.compile(r"gemm|gemv|nvjet|cutlass|xmma|cublas|splitKreduce|wgmm
 INDUCTOR_KERNEL = ("triton_", "cpp_", "graph_")
 FX_GEMM = re.compile(r"^aten\.(mm|addmm|bmm|baddbmm|_scaled_mm)\b")
 K3_OPS = {"kda_decode": "KDA", "kda_prefill": "KDA", "mla_decode": "MLA", "moe_experts": "experts",
-          "all_reduce_": "collectives", "latent_moe_tail": "dense GEMMs", "skinny_gemm": None}   # None: by shape
+          "moe_route": "router", "all_reduce_": "collectives", "latent_moe_tail": "dense GEMMs",
+          "skinny_gemm": None}   # None: by shape
 
 # model source (file, function) -> category; file-wide rules after the function rules
 EXPERT_FUNCTIONS = {"_gathered", "experts_gathered", "experts_gathered_mxfp4", "_dense_outputs", "_dense_combine",

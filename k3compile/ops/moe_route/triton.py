@@ -1,0 +1,67 @@
+"""``k3::moe_route`` in one Triton kernel: one program a token holds its row of E keys (score + bias) in registers and
+takes the top-k by k rounds of (max, mask it out), so the experts come out in descending order without a sort; the
+weights are the unbiased scores of the picked experts."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _moe_route_kernel(logits_ptr, bias_ptr, weights_ptr, experts_ptr, stride_m, E,
+                      renorm_eps, scaling, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                      RENORM: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    inside = offs < E
+    x = tl.load(logits_ptr + row * stride_m + offs, mask=inside, other=0.0)
+    key = tl.sigmoid(x) + tl.load(bias_ptr + offs, mask=inside, other=0.0)
+    key = tl.where(key != key, float("inf"), key)          # NaN ranks first, as in torch.topk
+    # (key, lowest index) as one int64 whose order is theirs, so each round is one max: the fp32 bits made
+    # order-preserving as int32 (negatives' magnitude bits flipped) above, the reversed index below
+    bits = key.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    packed = (ordered.to(tl.int64) << 32) | (BLOCK_E - 1 - offs).to(tl.int64)
+    packed = tl.where(inside, packed, -9223372036854775808)
+    slot = tl.arange(0, BLOCK_K)
+    picked = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(packed, axis=0)
+        idx = BLOCK_E - 1 - (best & 0xFFFFFFFF).to(tl.int32)
+        picked = tl.where(slot == j, idx, picked)
+        packed = tl.where(offs == idx, -9223372036854775808, packed)
+    taken = slot < TOP_K
+    # the unbiased scores of the picked experts, read back (the row is in L1)
+    weight = tl.sigmoid(tl.load(logits_ptr + row * stride_m + picked, mask=taken, other=0.0))
+    if RENORM:
+        weight = weight / (tl.sum(tl.where(taken, weight, 0.0), axis=0) + renorm_eps)
+    weight = weight * scaling
+    tl.store(weights_ptr + row * TOP_K + slot, weight, mask=taken)
+    tl.store(experts_ptr + row * TOP_K + slot, picked.to(tl.int64), mask=taken)
+
+
+def moe_route_triton(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renorm_eps: Optional[float],
+                     scaling: float, out: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's arguments (checked by the op) -> (weights [M, top_k] fp32, experts [M, top_k] int64), written into
+    ``out`` when given (contiguous; tests pass poisoned ones)."""
+    m, e = logits.shape
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    bias = bias.contiguous()
+    weights, experts = out if out is not None else (
+        torch.empty(m, top_k, device=logits.device, dtype=torch.float32),
+        torch.empty(m, top_k, device=logits.device, dtype=torch.int64))
+    if m == 0:
+        return weights, experts
+    block_e = triton.next_power_of_2(e)
+    _moe_route_kernel[(m,)](
+        logits, bias, weights, experts, logits.stride(0), e,
+        0.0 if renorm_eps is None else float(renorm_eps), float(scaling),
+        TOP_K=top_k, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), RENORM=renorm_eps is not None,
+        num_warps=max(1, min(8, block_e // 1024)),   # one warp to 1024 experts: the k rounds' maxima stay in a warp
+    )
+    return weights, experts
