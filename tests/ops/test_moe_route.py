@@ -32,6 +32,7 @@ def run_poisoned(logits, bias, k, eps, scaling):
 @example(m=8, e=384, k_frac=7 / 383, renorm=True, scaling=2.5, bias_scale=10.0, seed=1)     # negative keys
 @example(m=3, e=64, k_frac=1.0, renorm=False, scaling=1.0, bias_scale=0.0, seed=2)           # k = E
 @example(m=5, e=99, k_frac=1.0, renorm=False, scaling=1.0, bias_scale=0.0, seed=0)           # near-ties
+@example(m=1, e=2, k_frac=0.0, renorm=False, scaling=1.0, bias_scale=0.0, seed=0)            # top-1 of a pair
 def test_kernel_equals_reference(m, e, k_frac, renorm, scaling, bias_scale, seed):
     k = min(64, 1 + round(k_frac * (e - 1)))
     logits, bias = inputs(m, e, bias_scale, seed)
