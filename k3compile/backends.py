@@ -206,7 +206,7 @@ class Impl:
     supports: Callable[..., Reason] = _always
     profitable: Callable[..., Reason] = _always
     # (*args, static_weight=) -> [(kind, key)] of k3compile/kernel_cache.py: the kernels ``fn`` builds at its first
-    # call with these arguments (k3compile/precompile.py builds them ahead)
+    # call with these arguments (k3compile/precompile.py builds them ahead); a Build: another op's (it composes it)
     kernels: Optional[Callable[..., list]] = None
 
 
@@ -328,7 +328,8 @@ class OpImpls:
         found = self.impl(impl_name).kernels
         if found is None:
             return []
-        return [Build(kind, k, self.name, key, impl_name) for kind, k in found(*args, static_weight=static_weight)]
+        return [b if isinstance(b, Build) else Build(*b, self.name, key, impl_name)
+                for b in found(*args, static_weight=static_weight)]
 
     def mark_broken(self, key: Hashable, impl_name: str, why: str) -> None:
         """``impl_name`` may not run for ``key`` (its kernel failed to build): ``decide`` passes over it, saying why;

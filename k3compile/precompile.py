@@ -12,7 +12,8 @@
 3. A kernel whose build fails (or runs past ``K3_PRECOMPILE_TIMEOUT`` seconds, default 600; or whose worker dies) is
    logged and reported with its name, which spells its key, and its error; its op then passes over that
    implementation for the calls that need it (``OpImpls.mark_broken``: the reason shows in the report's kernel
-   choices) and the kernels of the implementation that runs instead are planned in turn.
+   choices) and the kernels of the implementation that runs instead are planned in turn. A kernel the workers could
+   not even attempt (a worker that does not start) is left to its first call, as without this, and reported so.
 
 Triton kernels are not built ahead: Triton specialises a compiled kernel on its launch arguments (16-byte alignment
 of every pointer, divisibility by 16 and equality to 1 of every integer, the constexprs each launcher derives), so a
@@ -111,6 +112,7 @@ def found(sites: list[dict]) -> None:
         batch.submit(sites, in_pass=True)
 
 
+
 class Batch:
     """The kernels of one graph ``optimize`` compiles: planned as our pass finds the calls (``active``) or from the
     stored list (``submit``), built by worker processes, waited for by ``finish`` (which returns the record)."""
@@ -134,9 +136,21 @@ class Batch:
             _ACTIVE.batch = None
 
     def submit(self, sites: list[dict], in_pass: bool = False) -> None:
+        """Plan these calls and start building what they need; never raises (a compile does not fail for this)."""
         if not self.record.on or not sites:
             return
         start = time.perf_counter()
+        try:
+            self._submit(sites)
+        except Exception as e:   # pragma: no cover - a bug of ours: the kernels then build at their first call
+            self._unplanned(f"building ahead failed ({type(e).__name__}: {e})")
+            log.warning("k3compile: building kernels ahead failed (%s: %s); they build at their first call",
+                        type(e).__name__, e)
+        seconds = time.perf_counter() - start
+        self.record.plan_seconds += seconds
+        self.record.plan_in_pass_seconds += seconds if in_pass else 0.0
+
+    def _submit(self, sites: list[dict]) -> None:
         for site in sites:
             text = json.dumps(site, sort_keys=True)
             if text in self._seen_sites:
@@ -148,9 +162,6 @@ class Batch:
             self.record.calls += 1
             self.record.symbolic += bool(site.get("symbols"))
             self._plan(site)
-        seconds = time.perf_counter() - start
-        self.record.plan_seconds += seconds
-        self.record.plan_in_pass_seconds += seconds if in_pass else 0.0
 
     def _unplanned(self, why: str) -> None:
         self.record.unplanned[why] = self.record.unplanned.get(why, 0) + 1
@@ -188,7 +199,8 @@ class Batch:
         return self._pool
 
     def finish(self) -> PrecompileRecord:
-        """Wait for every build (a failed one re-plans the calls that needed it); the pool is closed."""
+        """Wait for every build (a failed one re-plans the calls that needed it); the pool is closed. Never raises:
+        what is not built by then builds at its first call."""
         start = time.perf_counter()
         try:
             for _ in range(MAX_ROUNDS):
@@ -198,9 +210,10 @@ class Batch:
                 for kk in failed:
                     for site in self._sites_of.get(kk, []):
                         self._plan(site)
-            if self._futures:   # pragma: no cover - only with more fallbacks than MAX_ROUNDS
-                self._pool.kill()
-                self._wait()
+        except Exception as e:   # pragma: no cover - a bug of ours
+            self._unplanned(f"building ahead failed ({type(e).__name__}: {e})")
+            log.warning("k3compile: building kernels ahead failed (%s: %s); the rest build at their first call",
+                        type(e).__name__, e)
         finally:
             self.close()
         r = self.record
@@ -227,6 +240,8 @@ class Batch:
                 self.record.build_seconds += seconds
                 if ok:
                     self.record.compiled += 1
+                elif ok is None:   # the workers could not run it: built at its first call, as without them
+                    self._unplanned(f"{kk[0]} kernels: {detail}")
                 else:
                     self._fail(kk, detail)
                     failed.append(kk)
@@ -245,8 +260,13 @@ class Batch:
                     "(k3compile.report(model) names it)", name, where, error)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.kill() if self._futures else self._pool.close()
+        """The workers end (killed where builds are still running: an error cut the wait short)."""
+        if self._pool is None:
+            return
+        if self._futures:
+            self._pool.kill()
+        else:
+            self._pool.close()
 
 
 def _workers() -> int:

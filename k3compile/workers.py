@@ -6,9 +6,11 @@ script (every line outside an ``if __name__ == "__main__"`` guard: a model built
 one inherits the parent's CUDA state. This is why Inductor's own compile workers are subprocesses too.
 
 Messages are length-prefixed pickles on the worker's stdin and on a copy of its stdout (its fd 1 then points at
-stderr, so a build that prints cannot corrupt a reply). A job returns ``(ok, detail, seconds)``: ``ok`` False with the
-error in ``detail`` where the function raised. A job that runs past ``timeout`` seconds, or a worker that dies, kills
-that worker only (the next job starts a new one) and fails the job with the reason: never a hang.
+stderr, so a build that prints cannot corrupt a reply). A job returns ``(ok, detail, seconds)``: ``ok`` True with the
+function's result; False with the error where the function raised, ran past ``timeout`` seconds (its worker is
+killed) or its worker died while running it; None where the job could not run in a worker at all (the worker did not
+start, the job did not unpickle there): a fault of the workers' environment, not of the job. A killed or dead worker is
+replaced by the next job: never a hang. A worker whose parent has gone ends itself.
 """
 from __future__ import annotations
 
@@ -145,22 +147,28 @@ class WorkerPool:
                 raise EOFError("an unexpected first message")
             return None
         except (OSError, EOFError, pickle.UnpicklingError) as e:
-            why = slot.killed or f"its worker did not start ({type(e).__name__}: {e}; exit code {self._reap(slot)})"
-            slot.proc = None
-            return why
+            code = self._reap(slot)
+            return slot.killed or f"its worker did not start ({type(e).__name__}: {e}; exit code {code})"
         finally:
             slot.phase = "idle"
 
     @staticmethod
     def _reap(slot: _Slot) -> Optional[int]:
+        """End ``slot``'s process (it was told to, died, or was killed): its exit code."""
         proc, slot.proc = slot.proc, None
         if proc is None:
             return None
         try:
-            return proc.wait(timeout=10)
+            code = proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
-            return proc.wait()
+            code = proc.wait()
+        for pipe in (proc.stdin, proc.stdout):
+            try:
+                pipe.close()
+            except OSError:
+                pass
+        return code
 
     def _serve(self, slot: _Slot) -> None:
         while True:
@@ -184,7 +192,7 @@ class WorkerPool:
             self._reap(slot)   # killed after its last job, or died idle
         why = None if slot.proc is not None else self._start(slot)
         if why is not None:
-            return False, why, 0.0
+            return None, why, 0.0
         slot.phase, slot.since, slot.killed = "running", time.monotonic(), ""
         try:
             _send_bytes(slot.proc.stdin, payload)
@@ -196,11 +204,19 @@ class WorkerPool:
             slot.phase = "idle"
 
 
+def _end_with_parent(parent: int) -> None:
+    while True:
+        time.sleep(10)
+        if os.getppid() != parent:   # the parent died: nothing will read what this worker builds
+            os._exit(1)
+
+
 def main() -> None:
     """The worker: replies go to a copy of stdout; what the jobs print goes to stderr."""
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     inp = sys.stdin.buffer
+    threading.Thread(target=_end_with_parent, args=(os.getppid(),), daemon=True).start()
     _send(out, "ready")
     while True:
         try:
@@ -210,6 +226,10 @@ def main() -> None:
         start = time.perf_counter()
         try:
             fn, args = pickle.loads(data)
+        except Exception as e:   # this worker cannot run the job (a module missing here, ...)
+            _send(out, (None, f"the job did not load in a worker ({type(e).__name__}: {e})", 0.0))
+            continue
+        try:
             reply = (True, fn(*args), time.perf_counter() - start)
         except Exception as e:   # the job's own error, reported with its key by the caller
             reply = (False, f"{type(e).__name__}: {e}", time.perf_counter() - start)

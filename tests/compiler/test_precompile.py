@@ -14,9 +14,12 @@ from torch import nn
 import k3compile
 from k3compile import kernel_cache, testing
 from k3compile.kernels.cute import compile as cute_kernels
+from k3compile.call_sites import stand_in
+from k3compile.ops.latent_moe_tail import dispatch as tail_dispatch
+from k3compile.ops.latent_moe_tail.reference import latent_moe_tail_unfused
 from k3compile.ops.skinny_gemm import dispatch as gemm_dispatch
 from k3compile.precompile import enabled, setting
-from k3compile.testing import rel_err
+from k3compile.testing import latent_moe_tail_inputs, rel_err
 
 D = 64
 
@@ -39,15 +42,19 @@ class Net(nn.Module):
 def fake_cute(monkeypatch, tmp_path, no_graph_caches):
     """The CuTe skinny GEMM runs on the CPU with fake kernels, built into a fresh disk cache (yields its folder)."""
     monkeypatch.setenv("K3_CUTE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(gemm_dispatch, "cute_can_run_on", lambda *tensors: None)
+    for dispatch in (gemm_dispatch, tail_dispatch):
+        monkeypatch.setattr(dispatch, "cute_can_run_on", lambda *tensors: None)
     monkeypatch.setattr(cute_kernels, "unavailable", lambda: None)
     monkeypatch.setitem(kernel_cache.BUILDERS, cute_kernels.KIND, testing.fake_cute_builder())
+    ops = (gemm_dispatch.SKINNY_GEMM, tail_dispatch.LATENT_MOE_TAIL)
     kernel_cache.clear()
-    gemm_dispatch.SKINNY_GEMM.clear()
+    for op in ops:
+        op.clear()
     torch._dynamo.reset()
     yield tmp_path / "fake"
     kernel_cache.clear()
-    gemm_dispatch.SKINNY_GEMM.clear()   # no CuTe choice (nor broken mark) outlives the patches
+    for op in ops:
+        op.clear()   # no CuTe choice (nor broken mark) outlives the patches
 
 
 def _run(x, dynamic=False, more=()):
@@ -124,3 +131,28 @@ def test_precompile_is_on_by_default_only_on_a_gpu_with_cute(monkeypatch):
     assert not enabled(None, "triton", ("cuda",))[0] and not enabled(None, "reference", ("cuda",))[0]
     monkeypatch.setenv("K3_PRECOMPILE", "1")
     assert setting(None) is True and setting(False) is False and enabled(setting(None), "auto", ("cpu",))[0]
+
+
+def _stand_in(t: torch.Tensor):
+    return stand_in(t.shape, t.dtype, t.device, t.stride(), t.storage_offset())
+
+
+@pytest.mark.parametrize("path", ["cute", "split"])
+def test_the_latent_moe_tail_plans_what_its_call_builds(fake_cute, path):
+    """The fused CuTe tail (forced), and the split path's GEMM (the CuTe skinny GEMM on the norm's output, its weight
+    static; a failure there is the skinny GEMM's to fall back from): the kernel planned on stand-ins is the one the
+    call then builds."""
+    args = latent_moe_tail_inputs(4, 64, 96, torch.bfloat16)
+    eps, backend = 1e-6, "cute" if path == "cute" else "auto"
+    if path == "split":   # on the CPU auto passes the CuTe tail over (unmeasured); the Triton tail's kernel "broke"
+        key = tail_dispatch.key(*args, tail_dispatch.MAX_BLOCK_M)
+        tail_dispatch.LATENT_MOE_TAIL.mark_broken(key, "triton", "its kernel failed to build")
+    planned = tail_dispatch.kernels(*map(_stand_in, args), eps, backend)
+    assert [(b.op, b.impl) for b in planned] == [("latent_moe_tail" if path == "cute" else "skinny_gemm", "cute")]
+    out = torch.ops.k3.latent_moe_tail(*args, eps, backend)
+    (choice,) = tail_dispatch.LATENT_MOE_TAIL.choices()
+    assert choice.impl == ("cute" if path == "cute" else "aten")
+    names = {kernel_cache.BUILDERS[b.kind].name(b.key) for b in planned}
+    assert kernel_cache.in_memory(cute_kernels.KIND) == names and len(names) == 1
+    assert ("_norm" in next(iter(names))) == (path == "cute")
+    assert rel_err(out, latent_moe_tail_unfused(*args, eps)) < 2e-2

@@ -181,11 +181,11 @@ def _split(latent, shared, norm_weight, up_weight, eps, small_m_limit, static_we
 
 def _split_kernels(latent, shared, norm_weight, up_weight, eps, small_m_limit, static_weight=False) -> list:
     """The up-projection's (``split.latent_moe_tail_split``: the skinny GEMM's pick on the norm's fresh [M, L] output,
-    its weight static); the norm is a Triton kernel."""
+    its weight static), as the skinny GEMM's own (a failed build makes that op pass over it); the norm is Triton's."""
     if latent.shape[0] == 0:
         return []
     normed = stand_in(latent.shape, latent.dtype, latent.device)
-    return [(b.kind, b.key) for b in gemm_dispatch.auto_kernels(normed, up_weight, None, shared, static_weight=True)]
+    return gemm_dispatch.auto_kernels(normed, up_weight, None, shared, static_weight=True)
 
 
 def _reference(latent, shared, norm_weight, up_weight, eps, small_m_limit, static_weight=False):
