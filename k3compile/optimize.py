@@ -36,11 +36,11 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .backends import BackendUnavailableError, REGISTRY, forced_backend_reason
 from .choices import recording_choices
-from .logs import show_progress
 from .graph_records import (
     STOOD_DOWN, CompiledGraph, cache_counters, device_types, graph_key, graph_label, load_record, merge_records,
     save_record,
 )
+from .logs import show_progress
 from .passes import (
     COMPILE_RECORD, GraphRecord, K3Options, K3PostGradPass, pattern_module, stand_down_reason, summarize_model,
 )

@@ -112,7 +112,6 @@ def found(sites: list[dict]) -> None:
         batch.submit(sites, in_pass=True)
 
 
-
 class Batch:
     """The kernels of one graph ``optimize`` compiles: planned as our pass finds the calls (``active``) or from the
     stored list (``submit``), built by worker processes, waited for by ``finish`` (which returns the record)."""
@@ -129,11 +128,13 @@ class Batch:
 
     @contextlib.contextmanager
     def active(self):
+        """Within this block our pass hands this batch the calls it finds (``found``), in this thread."""
+        outer = getattr(_ACTIVE, "batch", None)
         _ACTIVE.batch = self if self.record.on else None
         try:
             yield self
         finally:
-            _ACTIVE.batch = None
+            _ACTIVE.batch = outer
 
     def submit(self, sites: list[dict], in_pass: bool = False) -> None:
         """Plan these calls and start building what they need; never raises (a compile does not fail for this)."""
