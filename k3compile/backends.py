@@ -31,7 +31,6 @@ contiguity). The cache is the whole process's record; each model ``optimize`` co
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import threading
 from dataclasses import dataclass, field
@@ -41,8 +40,6 @@ import torch
 
 from .choices import Choice, logging_a_slow_build, record_for_model
 from .kernel_cache import Build
-
-log = logging.getLogger("k3compile")
 
 BACKENDS = ("auto", "cute", "triton", "reference")
 IMPL_ORDER = ("cute", "triton", "reference")

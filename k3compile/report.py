@@ -104,8 +104,8 @@ class Report:
         lines += self._precompile_lines()
         built = [c.first_call_seconds for c in self.choices if c.first_call_seconds is not None]
         if built:
-            lines.append(f"  k3 kernels: the first calls of {len(built)} key(s) in this process took {sum(built):.1f} s "
-                         "of host time (Triton / CuTe JIT builds, or loads from their disk caches)")
+            lines.append(f"  k3 kernels: the first calls of {len(built)} key(s) in this process took "
+                         f"{sum(built):.1f} s of host time (Triton / CuTe JIT builds, or loads from their disk caches)")
         lines.append("  kernels chosen:")
         if not self.choices:
             lines.append("    (no k3 op has run for this model)")
@@ -133,10 +133,11 @@ class Report:
         calls, symbolic = sum(r.calls for r in records), sum(r.symbolic for r in records)
         wall, waited = sum(r.wall_seconds for r in records), sum(r.waited_seconds for r in records)
         workers = max(r.workers for r in records)
-        lines = [f"  k3 kernels built ahead of the first call: {self.kernels_compiled} compiled in {workers} worker "
-                 f"process(es) ({self.kernel_compile_seconds:.1f} s of build time, {wall:.1f} s wall, {waited:.1f} s "
-                 f"of it after Inductor finished), {self.kernel_cache_hits} already built (this process or the disk "
-                 f"cache), {len(self.kernel_failures)} failed; for {calls} call(s)"
+        built = (f"{self.kernels_compiled} compiled in {workers} worker process(es) "
+                 f"({self.kernel_compile_seconds:.1f} s of build time, {wall:.1f} s wall, {waited:.1f} s of it after "
+                 "Inductor finished)" if workers else "none compiled")
+        lines = [f"  k3 kernels built ahead of the first call: {built}, {self.kernel_cache_hits} already built (this "
+                 f"process or the disk cache), {len(self.kernel_failures)} failed; for {calls} call(s)"
                  + (f", {symbolic} of them at planned values of a symbolic size (M buckets and the example's)"
                     if symbolic else "")]
         lines += [f"    failed: {name}: {why}" for name, why in self.kernel_failures.items()]
