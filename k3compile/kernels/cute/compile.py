@@ -6,8 +6,10 @@ are symbolic in the compiled kernel, so one compile serves every shape. A compil
 exported to a disk cache so that another process loads it in milliseconds instead of compiling (~0.3 s): the file
 is ``K3_CUTE_CACHE_DIR/<fingerprint>/<variant name>.o`` (default ``~/.cache/k3compile/cute``; "0" turns it off).
 The fingerprint hashes this package's sources, the DSL version and the target arch, so a cache built on a CPU host
-with ``CUTE_DSL_ARCH=sm_90a`` serves an H200. Every compiled kernel is called ``fn(a, w, out, bias, residual, g)``
-(``g``: the fused norm's weight, else None) on the current torch stream, through TVM-FFI.
+with ``CUTE_DSL_ARCH=sm_90a`` serves an H200. The cache is the "cute" kind of ``k3compile/kernel_cache.py``, into which
+``k3compile/precompile.py`` builds the variants a compiled graph calls, in GPU-blind worker processes (``worker_env``),
+ahead of its first call. Every compiled kernel is called ``fn(a, w, out, bias, residual, g)`` (``g``: the fused norm's
+weight, else None) on the current torch stream, through TVM-FFI.
 
 Nothing here imports cutlass at its top: the kernel modules load on the first build (``KERNEL_MODULES``; an op's
 ``available`` predicate adds :func:`unavailable`, so a DSL that does not import them is a recorded fallback).
