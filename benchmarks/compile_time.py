@@ -6,21 +6,29 @@ cold one filled. Each child builds the model, fills its cache, then times the fi
 k3 kernel builds at their first call, one run) minus a steady step, and splits that time (``split``):
 
 - ``dynamo``: Dynamo's tracing (its ``entire_frame_compile`` less ``backend_compile``),
-- ``aot``: AOTAutograd (``backend_compile`` less ``inductor_compile``),
+- ``aot``: AOTAutograd (``backend_compile`` less ``inductor_compile``, less what k3compile's build-ahead spent there),
 - ``inductor``: Inductor (``inductor_compile``: lowering, code generation, Inductor's own kernel builds) less ours,
 - ``passes``: our post-grad passes (``report(model).pass_seconds``),
-- ``k3 kernels``: the k3 ops' first calls (their Triton / CuTe JIT builds or disk-cache loads;
-  ``report(model).kernel_build_seconds``),
+- ``k3 kernels``: what k3 kernels added to the critical path: the build-ahead's planning and its wait for the worker
+  processes once Inductor had finished (``k3compile/precompile.py``), then the k3 ops' first calls (their Triton /
+  CuTe JIT builds or disk-cache loads; ``report(model).kernel_build_seconds``),
 - ``other``: the rest of the first step (guards, the run itself, cudagraph-free launch overheads).
 
+The kernel table beside it: CuTe kernels built ahead by the worker processes (and their summed build time, which ran
+beside Inductor), found already built (cache hits), failed; and CuTe kernels the first step built or loaded itself.
+
 Variants: ``torch.compile`` (``model.compile(dynamic=False)``), ``optimize-whole`` (``optimize()``'s default,
-``regions=False``: one graph as long as the model), ``optimize-regions`` (``regions=True``: each distinct block of the
-layers compiled once).
+``regions=False``: one graph as long as the model; kernels built ahead where ``optimize`` does by default: a GPU with
+CuTe DSL), ``optimize-whole-noprecompile`` (the same with ``precompile=False``: every kernel built at its first call),
+``optimize-regions`` (``regions=True``: each distinct block of the layers compiled once).
 
     # CPU (the 2-core machine): tiny K3, 2 and 8 layers, the passes on the references
     python benchmarks/compile_time.py --layers 2,8 --runs 1 --out compile_time.json
-    # one H200: a TP = 8 rank's shapes at K3 widths (8 experts), 4 layers, all variants cold and warm (<= 520 s)
-    python benchmarks/compile_time.py --device cuda --layers 4 --out compile_time_h200.json
+    # one H200: a TP = 8 rank's shapes at K3 widths (8 experts), 4 layers, with and without the build-ahead, against
+    # torch.compile, cold and warm (the no-build-ahead variant cold only: its warm start is the same as with it)
+    python benchmarks/compile_time.py --device cuda --layers 4 --variants \
+        torch.compile,optimize-whole,optimize-whole-noprecompile --warm-variants torch.compile,optimize-whole \
+        --out compile_time_h200.json
     # all 93 layers with regions (whole-graph variants of 93 layers compile for many minutes: opt in by naming them)
     python benchmarks/compile_time.py --device cuda --layers 93 --variants optimize-regions --out compile_time_93.json
 
@@ -41,7 +49,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-VARIANTS = ("torch.compile", "optimize-whole", "optimize-regions")
+VARIANTS = ("torch.compile", "optimize-whole", "optimize-whole-noprecompile", "optimize-regions")
 PHASES = ("cold", "warm")
 SPLIT = ("dynamo", "aot", "inductor", "passes", "k3 kernels", "other")
 
@@ -111,7 +119,8 @@ def child(args) -> dict:
         if args.variant == "torch.compile":
             model.compile(dynamic=False)
         else:
-            k3compile.optimize(model, backend=args.backend, dynamic=False, regions=args.variant == "optimize-regions")
+            k3compile.optimize(model, backend=args.backend, dynamic=False, regions=args.variant == "optimize-regions",
+                               precompile=False if args.variant.endswith("-noprecompile") else None)
         _sync()
         t0 = time.perf_counter()
         token = model(token, cache=cache, logits_to_keep=1).argmax(-1)   # compiles the decode step
@@ -127,22 +136,30 @@ def child(args) -> dict:
     out = {"compile_s": first - steady, "step_s": steady, "fx_hit": counters["inductor"]["fxgraph_cache_hit"],
            "fx_miss": counters["inductor"]["fxgraph_cache_miss"],
            "aot_hit": counters["aot_autograd"]["autograd_cache_hit"], "torch": torch.__version__}
-    passes = kernels = 0.0
+    passes = first_calls = plan = plan_in_pass = waited = 0.0
     if args.variant != "torch.compile":
         rep = k3compile.report(model)
-        passes, kernels = rep.pass_seconds, rep.kernel_build_seconds
+        passes, first_calls = rep.pass_seconds, rep.kernel_build_seconds
+        ahead = rep.precompiled
+        plan, plan_in_pass = sum(r.plan_seconds for r in ahead), sum(r.plan_in_pass_seconds for r in ahead)
+        waited = sum(r.waited_seconds for r in ahead)
         out.update(matches=rep.matches, sources=[g.source for g in rep.graphs], regions=rep.regions,
                    graph_regions=[g.regions for g in rep.graphs], kernel_keys=sum(
-                       1 for c in rep.choices if c.first_call_seconds is not None))
+                       1 for c in rep.choices if c.first_call_seconds is not None),
+                   ahead=dict(compiled=rep.kernels_compiled, cached=rep.kernel_cache_hits,
+                              failed=rep.kernel_failures, build_s=rep.kernel_compile_seconds,
+                              wall_s=sum(r.wall_seconds for r in ahead), workers=max([r.workers for r in ahead] or [0]),
+                              calls=sum(r.calls for r in ahead), unplanned=[u for r in ahead for u in r.unplanned],
+                              why=sorted({g.precompile.why for g in rep.graphs if g.precompile is not None})))
         try:
             from k3compile.kernels.cute.compile import STATS
 
-            out["cute"] = dict(STATS)
+            out["cute"] = dict(STATS)   # this process's own: the first step's loads and builds
         except ImportError:   # pragma: no cover - cutlass absent: the module still imports
             pass
-    out["split"] = {"dynamo": frame - backend, "aot": backend - inductor, "inductor": inductor - passes,
-                    "passes": passes, "k3 kernels": kernels,
-                    "other": first - steady - frame - kernels}
+    out["split"] = {"dynamo": frame - backend, "aot": backend - inductor - (plan - plan_in_pass) - waited,
+                    "inductor": inductor - passes - plan_in_pass, "passes": passes,
+                    "k3 kernels": plan + waited + first_calls, "other": first - steady - frame - first_calls}
     return out
 
 
@@ -196,7 +213,7 @@ def summarize(results: dict) -> dict:
             row.update(compile_s=median([r["compile_s"] for r in ok]), fx_hit=median([r["fx_hit"] for r in ok]),
                        split={k: median([r["split"][k] for r in ok]) for k in SPLIT},
                        wall_s=median([r["wall_s"] for r in ok]), regions=ok[-1].get("regions", ""),
-                       kernel_keys=ok[-1].get("kernel_keys"), cute=ok[-1].get("cute"))
+                       kernel_keys=ok[-1].get("kernel_keys"), cute=ok[-1].get("cute"), ahead=ok[-1].get("ahead"))
         summary[f"{layers} layers, {variant}, {phase}"] = row
     return summary
 
@@ -224,16 +241,37 @@ def ratios(summary: dict) -> dict:
 
 
 def table(summary: dict) -> str:
-    head = f"{'layers':>6} {'variant':<15} {'phase':<5} {'compile s':>9} " + " ".join(f"{k:>10}" for k in SPLIT)
+    head = f"{'layers':>6} {'variant':<27} {'phase':<5} {'compile s':>9} " + " ".join(f"{k:>10}" for k in SPLIT)
     lines = [head + f" {'FX hits':>7} {'k3 keys':>7}  regions"]
     for row in summary.values():
         if not row["runs"]:
-            lines.append(f"{row['layers']:>6} {row['variant']:<15} {row['phase']:<5} {'-':>9}  {row['errors'][0]}")
+            lines.append(f"{row['layers']:>6} {row['variant']:<27} {row['phase']:<5} {'-':>9}  {row['errors'][0]}")
             continue
         split = " ".join(f"{row['split'][k]:>10.1f}" for k in SPLIT)
         keys = row.get("kernel_keys")
-        lines.append(f"{row['layers']:>6} {row['variant']:<15} {row['phase']:<5} {row['compile_s']:>9.1f} {split} "
+        lines.append(f"{row['layers']:>6} {row['variant']:<27} {row['phase']:<5} {row['compile_s']:>9.1f} {split} "
                      f"{row['fx_hit']:>7.0f} {'-' if keys is None else keys:>7}  {row.get('regions') or ''}")
+    return "\n".join(lines)
+
+
+def kernel_table(summary: dict) -> str:
+    """CuTe kernels per run: built ahead by the workers (their summed build time, their wall time), found already
+    built, failed; then built and loaded by the first step itself."""
+    head = (f"{'layers':>6} {'variant':<27} {'phase':<5} {'ahead':>5} {'build s':>8} {'wall s':>7} {'workers':>7} "
+            f"{'hits':>5} {'failed':>6} {'1st-call built':>14} {'loaded':>6}")
+    lines = [head]
+    for row in summary.values():
+        ahead, cute = row.get("ahead"), row.get("cute")
+        if not row["runs"] or (ahead is None and cute is None):
+            continue
+        ahead = ahead or {}
+        cute = cute or {}
+        lines.append(f"{row['layers']:>6} {row['variant']:<27} {row['phase']:<5} {ahead.get('compiled', 0):>5} "
+                     f"{ahead.get('build_s', 0.0):>8.1f} {ahead.get('wall_s', 0.0):>7.1f} {ahead.get('workers', 0):>7} "
+                     f"{ahead.get('cached', 0):>5} {len(ahead.get('failed') or {}):>6} "
+                     f"{cute.get('built', '-'):>14} {cute.get('loaded', '-'):>6}"
+                     + (f"  ({'; '.join(ahead['why'])})" if ahead.get("why") and not ahead.get("compiled")
+                        and not ahead.get("cached") else ""))
     return "\n".join(lines)
 
 
@@ -242,6 +280,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--layers", default="", help="comma-separated depths (default: cpu 2,8; cuda 4)")
     ap.add_argument("--variants", default="", help=f"comma-separated of {VARIANTS} (default: all)")
+    ap.add_argument("--warm-variants", default="", help="the variants whose warm start is timed too (default: all)")
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--backend", default="", help="optimize(backend=...) (default: cpu reference, cuda auto)")
     ap.add_argument("--tp", type=int, default=8, help="cuda: the TP degree whose rank-0 shapes are built")
@@ -266,8 +305,9 @@ def main() -> None:
 
     depths = [int(x) for x in (args.layers or ("2,8" if args.device == "cpu" else "4")).split(",")]
     variants = (args.variants or ",".join(VARIANTS)).split(",")
+    warm = set((args.warm_variants or ",".join(variants)).split(","))
     budget = args.budget or (520.0 if args.device == "cuda" else float("inf"))
-    unknown = set(variants) - set(VARIANTS)
+    unknown = (set(variants) | warm) - set(VARIANTS)
     if unknown:
         raise SystemExit(f"unknown variant(s) {sorted(unknown)}; known: {VARIANTS}")
     common = ["--device", args.device, "--tp", str(args.tp), "--experts", str(args.experts), "--batch",
@@ -279,7 +319,7 @@ def main() -> None:
             for variant in variants:
                 cache_dir = tempfile.mkdtemp(prefix="k3ct-")
                 try:
-                    for phase in PHASES:
+                    for phase in PHASES if variant in warm else PHASES[:1]:
                         left = budget - (time.perf_counter() - start)
                         if left < 30:
                             r = {"error": f"skipped: the {budget:.0f} s budget was spent"}
@@ -309,6 +349,8 @@ def main() -> None:
     what = "tiny K3" if args.device == "cpu" else f"K3 slice, TP {args.tp} rank shapes, {args.experts} experts, bf16"
     print(f"{what}, decode step (batch {args.batch}), {args.runs} run(s), medians; seconds")
     print(table(summary))
+    print("CuTe kernels")
+    print(kernel_table(summary))
     for name, value in payload["ratios"].items():
         print(f"{name}: {value:.2f}x")
     if registration and "error" not in registration:

@@ -26,24 +26,20 @@ Rules:
 Choices are cached per (op, backend, key) so dispatch costs one dict lookup after the first call;
 ``key`` must capture everything the predicates read (dtypes, shapes or shape classes, device,
 contiguity). The cache is the whole process's record; each model ``optimize`` compiled keeps its own
-(:func:`recording_choices`, set around its calls), which ``k3compile.report`` prints.
+(``choices.recording_choices``, set around its calls), which ``k3compile.report`` prints.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import dataclasses
 import functools
-import logging
 import os
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Optional
 
 import torch
 
-log = logging.getLogger("k3compile")
+from .choices import Choice, logging_a_slow_build, record_for_model
+from .kernel_cache import Build
 
 BACKENDS = ("auto", "cute", "triton", "reference")
 IMPL_ORDER = ("cute", "triton", "reference")
@@ -206,54 +202,10 @@ class Impl:
     available: Callable[..., Reason] = _always
     supports: Callable[..., Reason] = _always
     profitable: Callable[..., Reason] = _always
+    # (*args, static_weight=) -> [(kind, key)] of k3compile/kernel_cache.py: the kernels ``fn`` builds at its first
+    # call with these arguments (k3compile/precompile.py builds them ahead); a Build: another op's (it composes it)
+    kernels: Optional[Callable[..., list]] = None
 
-
-# The choice records of the model whose compiled call is running (``optimize`` sets it around each call).
-_MODEL_CHOICES: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("k3compile_choices", default=None)
-
-
-@contextlib.contextmanager
-def recording_choices(into: dict):
-    """Within this block every dispatch is also recorded in ``into`` ((op, backend, key...) -> Choice)."""
-    token = _MODEL_CHOICES.set(into)
-    try:
-        yield
-    finally:
-        _MODEL_CHOICES.reset(token)
-
-
-def _record_for_model(ck: tuple, choice: "Choice") -> Optional["Choice"]:
-    into = _MODEL_CHOICES.get()
-    if into is None:
-        return None
-    mine = into.get(ck)
-    if mine is None:
-        mine = into.setdefault(ck, dataclasses.replace(choice, calls=0))
-    mine.calls += 1
-    return mine
-
-
-BUILD_LOG_SECONDS = 1.0   # a kernel's first call (its JIT build, unless cached on disk) logged above this
-
-
-def _logging_a_slow_build(fn: Callable[..., Any], choice: "Choice", mine: Optional["Choice"] = None
-                          ) -> Callable[..., Any]:
-    """``fn`` for a key's first call, which builds the kernels it runs (Triton, CuTe DSL; the latent-MoE tail's
-    fallback builds two): its host time kept in ``first_call_seconds`` (of the process's choice and of the model's,
-    ``mine``; ``report`` sums them), logged where it takes long, so a slow first step is not silent. Host time: the
-    build blocks the host, the kernel itself runs on."""
-    def first_call(*args, **kwargs):
-        start = time.perf_counter()
-        out = fn(*args, **kwargs)
-        seconds = time.perf_counter() - start
-        for c in (choice, mine):
-            if c is not None:
-                c.first_call_seconds = seconds
-        if seconds > BUILD_LOG_SECONDS:
-            log.info("k3compile: k3::%s built its %s kernel for %s in %.1f s (first call; cached afterwards)",
-                     choice.op, choice.impl, choice.key, seconds)
-        return out
-    return first_call
 
 
 def _reason_of(predicate: Callable[..., Reason], args: tuple) -> Reason:
@@ -265,17 +217,6 @@ def _reason_of(predicate: Callable[..., Reason], args: tuple) -> Reason:
 
 
 @dataclass
-class Choice:
-    op: str
-    backend: str       # what the user asked for
-    impl: str          # what runs
-    reason: str        # why (the chain of fallbacks, or "preferred")
-    key: Hashable = None
-    calls: int = 0
-    first_call_seconds: Optional[float] = None   # host time of the key's first call (its kernel builds)
-
-
-@dataclass
 class OpImpls:
     """The implementations of one op and the record of which one ran for which key."""
     name: str
@@ -283,15 +224,20 @@ class OpImpls:
     triton: Optional[Impl] = None
     cute: Optional[Impl] = None
     aten: Optional[Impl] = None      # the fallback an unprofitable kernel yields to (e.g. cuBLAS)
+    # the op's call (its schema's arguments, by name) -> the Builds of its first call (the op's ``dispatch.kernels``)
+    plan: Optional[Callable[..., list]] = None
     _choices: dict = field(default_factory=dict, repr=False)
+    _decided: dict = field(default_factory=dict, repr=False)   # decide_once's cache
+    _broken: dict = field(default_factory=dict, repr=False)    # (key, impl) -> why it may not run (mark_broken)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def impl(self, impl_name: str) -> Optional[Impl]:
         return getattr(self, impl_name)
 
-    def decide(self, backend: str, args: tuple) -> tuple[str, str]:
+    def decide(self, backend: str, args: tuple, key: Hashable = None) -> tuple[str, str]:
         """(the implementation to run for these arguments, why), by the rules of the module doc; nothing recorded
-        (``select`` records). An op whose own implementation composes another op decides that one here."""
+        (``select`` records). An op whose own implementation composes another op decides that one here. An
+        implementation marked broken for ``key`` (``mark_broken``) is passed over as one that does not support it."""
         check_backend(backend)
         if backend == "reference":
             return "reference", "backend='reference' requested"
@@ -322,7 +268,9 @@ class OpImpls:
                     raise BackendUnavailableError(f"{self.name}: backend={backend!r} cannot run here: {why}")
                 notes.append(f"{name}: {why}")
                 continue
-            why = _reason_of(impl.supports, args)
+            why = self._broken.get((key, name)) if key is not None else None
+            if why is None:
+                why = _reason_of(impl.supports, args)
             if why is not None:
                 notes.append(f"{name}: {why}")
                 continue
@@ -341,14 +289,14 @@ class OpImpls:
         choice = self._choices.get(ck)
         first = choice is None
         if first:
-            impl_name, reason = self.decide(backend, args)
+            impl_name, reason = self.decide(backend, args, key)
             choice = Choice(self.name, backend, impl_name, reason, key)
             with self._lock:
                 choice = self._choices.setdefault(ck, choice)
         choice.calls += 1
-        mine = _record_for_model((self.name, *ck), choice)
+        mine = record_for_model((self.name, *ck), choice)
         fn = self.impl(choice.impl).fn
-        return _logging_a_slow_build(fn, choice, mine) if first and choice.impl != "reference" else fn
+        return logging_a_slow_build(fn, choice, mine) if first and choice.impl != "reference" else fn
 
     def select_fixed(self, backend: str, key: Hashable, label: str, reason: str,
                      fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -360,8 +308,34 @@ class OpImpls:
             with self._lock:
                 choice = self._choices.setdefault(ck, Choice(self.name, backend, label, reason, key))
         choice.calls += 1
-        _record_for_model((self.name, *ck), choice)
+        record_for_model((self.name, *ck), choice)
         return fn
+
+    def decide_once(self, backend: str, key: Hashable, args: tuple) -> str:
+        """The implementation ``decide`` picks for ``key``, decided once (cached, not recorded): for an op whose own
+        implementation composes this one."""
+        impl = self._decided.get((backend, key))
+        if impl is None:
+            impl = self._decided[(backend, key)] = self.decide(backend, args, key)[0]
+        return impl
+
+    def kernels(self, backend: str, key: Hashable, args: tuple, static_weight: bool = False) -> list[Build]:
+        """The kernels the implementation ``decide`` picks for these arguments builds at its first call."""
+        impl_name, _ = self.decide(backend, args, key)
+        found = self.impl(impl_name).kernels
+        if found is None:
+            return []
+        return [b if isinstance(b, Build) else Build(*b, self.name, key, impl_name)
+                for b in found(*args, static_weight=static_weight)]
+
+    def mark_broken(self, key: Hashable, impl_name: str, why: str) -> None:
+        """``impl_name`` may not run for ``key`` (its kernel failed to build): ``decide`` passes over it, saying why;
+        choices already made for ``key`` are made again."""
+        with self._lock:
+            self._broken[(key, impl_name)] = why
+            for table in (self._choices, self._decided):
+                for ck in [ck for ck in table if ck[1] == key]:
+                    del table[ck]
 
     def choices(self) -> list[Choice]:
         return list(self._choices.values())
@@ -369,6 +343,8 @@ class OpImpls:
     def clear(self) -> None:
         with self._lock:
             self._choices.clear()
+            self._decided.clear()
+            self._broken.clear()
 
 
 # Every OpImpls registers here so the report can list them.

@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 
 from .passes import GraphRecord
+from .precompile import PrecompileRecord
 
 log = logging.getLogger("k3compile")
 
@@ -30,6 +31,7 @@ class CompiledGraph:
     devices: tuple = ()             # device types of its tensors, e.g. ("cuda",)
     stood_down: str = ""            # why our passes left it alone (backend="auto" where no k3 kernel runs)
     regions: str = ""               # "4 region bodies for 8 calls", "whole graph: <why>", "" (no regions)
+    precompile: Optional[PrecompileRecord] = None   # its kernels built ahead of its first call (precompile.py)
 
     @property
     def on_gpu(self) -> bool:
@@ -109,6 +111,7 @@ def merge_records(records: list[GraphRecord]) -> GraphRecord:
         out.registration_seconds += r.registration_seconds
         out.facts = _merge_facts(out.facts, r.facts, w)
         out.regions = _merge_facts(out.regions, r.regions, 1)
+        out.kernel_calls += [c for c in r.kernel_calls if c not in out.kernel_calls]
         if r.graph_id in callers:
             out.regions["bodies"] = out.regions.get("bodies", 0) + 1
             out.regions["calls"] = out.regions.get("calls", 0) + w

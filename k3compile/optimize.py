@@ -12,7 +12,9 @@ torch's own Inductor wrapper (mode, options and CUDA graphs behave exactly as wi
   the report stays truthful on a warm start;
 - under ``backend="auto"`` a graph whose tensors no k3 kernel can run on (CPU tensors without Triton's
   interpreter) is compiled exactly as plain ``torch.compile`` compiles it, without our pass
-  (``passes.stand_down_reason``): the ops' PyTorch references would only be slower than Inductor's code.
+  (``passes.stand_down_reason``): the ops' PyTorch references would only be slower than Inductor's code;
+- the CuTe kernels a graph calls are built by worker processes while Inductor compiles it, and waited for before it
+  first runs (``precompile.py``; by default on a GPU with CuTe DSL).
 
 Each graph's compilation is announced on the ``k3compile`` logger (INFO, shown on stderr unless the
 application configures logging; ``logging.getLogger("k3compile").setLevel(logging.WARNING)`` hides it).
@@ -22,7 +24,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import sys
 import threading
 import time
 import warnings
@@ -33,40 +34,23 @@ from typing import Any, Optional
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from .backends import BackendUnavailableError, REGISTRY, forced_backend_reason, recording_choices
+from .backends import BackendUnavailableError, REGISTRY, forced_backend_reason
+from .choices import recording_choices
 from .graph_records import (
     STOOD_DOWN, CompiledGraph, cache_counters, device_types, graph_key, graph_label, load_record, merge_records,
     save_record,
 )
+from .logs import show_progress
 from .passes import (
     COMPILE_RECORD, GraphRecord, K3Options, K3PostGradPass, pattern_module, stand_down_reason, summarize_model,
 )
 from . import regions as compile_regions
+from .precompile import Batch, enabled as precompile_enabled, setting as precompile_setting
 
 log = logging.getLogger("k3compile")
 
 
-class _UnlessConfigured(logging.StreamHandler):
-    """stderr (as it is now), for as long as the application has not configured logging (a root handler
-    then shows our records)."""
-
-    def emit(self, record):
-        if not logging.getLogger().handlers:
-            self.stream = sys.stderr
-            super().emit(record)
-
-
-def _show_progress() -> None:
-    """Progress lines (INFO) and warnings visible by default; a level or handler set by the user stays."""
-    if log.level == logging.NOTSET:
-        log.setLevel(logging.INFO)
-    if not any(isinstance(h, _UnlessConfigured) for h in log.handlers):
-        handler = _UnlessConfigured()
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        log.addHandler(handler)
-
-
-_show_progress()
+show_progress()
 
 STATE_ATTR = "_k3compile"
 
@@ -83,9 +67,10 @@ class K3State:
     graphs: list = field(default_factory=list)
     compiler: Any = None                    # the K3Inductor torch.compile was given
     model_name: str = "model"
-    choices: dict = field(default_factory=dict)   # this model's kernel choices (backends.recording_choices)
+    choices: dict = field(default_factory=dict)   # this model's kernel choices (choices.recording_choices)
     told: set = field(default_factory=set)        # one-time notices already logged
     regions: str = ""                             # which blocks optimize() made compile regions, or why none
+    precompile: Optional[bool] = None             # build kernels ahead: True / False, None: where it helps
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def tell_once(self, what: str, level: int, msg: str, *args) -> None:
@@ -169,30 +154,40 @@ class K3Inductor(torch._TorchCompileInductorWrapper):
         else:
             rewrites = ", ".join(f"{n} {name}" for name, n in graph.record.matches.items() if n)
             done = f"; rewrites: {rewrites or 'none'}"
+        if graph.precompile is not None and graph.precompile.waited_seconds >= 0.1:
+            done += f"; then {graph.precompile.waited_seconds:.1f} s waiting for the k3 kernels built ahead"
         log.info("k3compile: %s compiled in %.1f s%s", describe(state, index, graph), graph.compile_seconds, done)
         if graph.record is not None and not stood_down:
             _check_expected(state, index, graph)
         return compiled
 
     def _compile_with_passes(self, model_, inputs_, label, devices, kwargs) -> tuple[Any, CompiledGraph]:
+        state = self.k3_state
         pass_ = self.config["post_grad_custom_post_pass"]
         key = graph_key(model_, inputs_, pass_.uuid())
         COMPILE_RECORD.take()  # drop records left by an unrelated compile in this thread
+        batch = Batch(*precompile_enabled(state.precompile, state.options.backend, devices))
         before = cache_counters()
         t0 = time.perf_counter()
-        compiled = self._compile(model_, inputs_, **kwargs)
-        seconds = time.perf_counter() - t0
-        after = cache_counters()
-        records = COMPILE_RECORD.take()
-        if records:
-            record, source = merge_records(records), "pass ran"
-            save_record(key, record)
-        else:
-            record = load_record(key)
-            source = "cache hit (sidecar)" if record is not None else "cache hit (no record)"
+        try:
+            with batch.active():   # our pass hands it the graph's kernel calls: built while Inductor compiles
+                compiled = self._compile(model_, inputs_, **kwargs)
+            seconds = time.perf_counter() - t0
+            after = cache_counters()
+            records = COMPILE_RECORD.take()
+            if records:
+                record, source = merge_records(records), "pass ran"
+                save_record(key, record)
+            else:
+                record = load_record(key)
+                source = "cache hit (sidecar)" if record is not None else "cache hit (no record)"
+                batch.submit(record.kernel_calls if record is not None else [])
+            built = batch.finish()
+        finally:
+            batch.close()
         return compiled, CompiledGraph(key, record, source, seconds,
                                        {k: after[k] - before[k] for k in after if after[k] != before[k]}, label,
-                                       devices)
+                                       devices, precompile=built)
 
     def _compile(self, model_, inputs_, **kwargs):
         """torch's own Inductor call; where an enabled pattern module overrides entries of Inductor's
@@ -302,7 +297,8 @@ def _recording(call, state: K3State):
 
 
 def optimize(model, *, backend: str = "auto", passes=None, strict: bool = False,
-             small_m_limit: int = 16, regions: bool = False, **torch_compile_kwargs):
+             small_m_limit: int = 16, regions: bool = False, precompile: Optional[bool] = None,
+             **torch_compile_kwargs):
     """Compile ``model`` with Inductor and the k3 passes; returns the same (now compiled) module.
 
     backend: "auto" | "cute" | "triton" | "reference" -- which kernel implementation the k3 ops use.
@@ -319,6 +315,10 @@ def optimize(model, *, backend: str = "auto", passes=None, strict: bool = False,
     regions: compile each distinct block of the decoder layers once (``k3compile/regions.py``); a graph whose
         regions fail or lose a pass is compiled whole (the reason in ``report``). Off by default: the
         static-weight proof does not yet see through a region's inputs (``regions.py`` says what that costs).
+    precompile: build the kernels each compiled graph will JIT-build at its first call (CuTe DSL's) in worker
+        processes while Inductor compiles it, into their disk cache, so that the first call only loads
+        (``k3compile/precompile.py``). None (default): ``K3_PRECOMPILE`` ("1" / "0") where set, else on for graphs on
+        an NVIDIA GPU with CuTe DSL installed (backend "auto" or "cute"), off elsewhere.
     torch_compile_kwargs: as ``torch.compile`` (mode, dynamic, fullgraph, options, ...). A
         ``post_grad_custom_post_pass`` given in ``options`` or installed in Inductor's config runs
         after ours.
@@ -366,7 +366,8 @@ def optimize(model, *, backend: str = "auto", passes=None, strict: bool = False,
         # passes replace gain nothing from it.
         inductor_options.setdefault("shape_padding", False)
     state = K3State(options, strict, summarize_model(model), model_name=type(model).__name__
-                    if isinstance(model, torch.nn.Module) else getattr(model, "__name__", "the function"))
+                    if isinstance(model, torch.nn.Module) else getattr(model, "__name__", "the function"),
+                    precompile=precompile_setting(precompile))
     types = {d.type for d in _model_devices(model)}
     state.regions = compile_regions.mark_model(model, types and stand_down_reason(options, types)) if regions else \
         "off (regions=False)"

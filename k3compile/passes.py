@@ -9,7 +9,9 @@ compiles (only on an FX-graph-cache miss). It
 3. runs the pass the user had installed before us (chained), if any,
 4. finishes with ``static_weights.mark_static_weights``: ``static_weight=True`` on each k3 GEMM whose
    weight the final graph proves static (recorded, proven or not and why, in ``facts["static_weight"]``;
-   not a pass: strict mode expects nothing of it).
+   not a pass: strict mode expects nothing of it),
+5. lists the final graph's calls of k3 ops that JIT-build kernels (``call_sites.py``, kept in the record) and
+   hands them to the build-ahead batch ``optimize`` runs, if any (``precompile.found``).
 
 Its ``uuid()`` hashes our version, the torch version, the source of every pass and pattern file and
 op schema, the options, whether the static-weight proof is on, and the chained pass's uuid, so the FX graph and AOTAutograd caches stay
@@ -32,6 +34,8 @@ from torch._inductor import pattern_matcher as pm
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from .backends import check_backend, triton_importable, triton_interpret
+from .call_sites import call_sites
+from .precompile import found as precompile_found
 from .regions import calls as region_calls
 from .static_weights import enabled as static_weights_enabled
 from .static_weights import mark_static_weights
@@ -93,6 +97,8 @@ class GraphRecord:
     facts: dict = field(default_factory=dict)
     # compile regions (regions.py) of a merged record: {"bodies": distinct bodies compiled, "calls": their calls}
     regions: dict = field(default_factory=dict)
+    # the calls of k3 ops that JIT-build kernels, as call_sites.call_sites lists them (a warm start plans from these)
+    kernel_calls: list = field(default_factory=list)
     # not stored: which graph the pass saw, and {id of a region body's graph: calls} it makes
     graph_id: Optional[int] = field(default=None, compare=False, repr=False, metadata={"transient": True})
     calls: dict = field(default_factory=dict, compare=False, repr=False, metadata={"transient": True})
@@ -221,7 +227,9 @@ class K3PostGradPass(CustomGraphPass):
         if static:
             record.facts[STATIC_WEIGHT_FACT] = static
         record.seconds = ours + time.perf_counter() - t1   # the chained pass's time is not ours
+        record.kernel_calls = call_sites(graph)
         COMPILE_RECORD.graphs.append(record)
+        precompile_found(record.kernel_calls)   # counted as kernel-build time, not ours
 
     def uuid(self) -> Optional[str]:
         import k3compile

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .backends import Choice
+from .choices import Choice
 from .graph_records import CompiledGraph
 from .optimize import nothing_done, state_of, warn_if_nothing_done
 from .passes import STATIC_WEIGHT_FACT
@@ -31,6 +31,31 @@ class Report:
     def kernel_build_seconds(self) -> float:
         """Host time of the k3 ops' first calls for this model (their kernels' JIT builds or disk-cache loads)."""
         return sum(c.first_call_seconds or 0.0 for c in self.choices)
+
+    @property
+    def precompiled(self) -> list:
+        """The build-ahead records (``precompile.PrecompileRecord``) of the graphs whose kernels were built ahead."""
+        return [g.precompile for g in self.graphs if g.precompile is not None and g.precompile.on]
+
+    @property
+    def kernels_compiled(self) -> int:
+        """Kernels built ahead of their first call, by worker processes, while the graphs compiled."""
+        return sum(r.compiled for r in self.precompiled)
+
+    @property
+    def kernel_cache_hits(self) -> int:
+        """Kernels the graphs call that were already built (in this process or in the disk cache)."""
+        return sum(r.cached for r in self.precompiled)
+
+    @property
+    def kernel_compile_seconds(self) -> float:
+        """The builds' own time, summed over the worker processes (they ran beside Inductor's compile)."""
+        return sum(r.build_seconds for r in self.precompiled)
+
+    @property
+    def kernel_failures(self) -> dict:
+        """Kernel name (its key) -> "k3::op (implementation): error", for each build that failed ahead."""
+        return {name: why for r in self.precompiled for name, why in r.failed.items()}
 
     @property
     def cache_hits(self) -> int:
@@ -76,10 +101,11 @@ class Report:
             if why_not:
                 line += "; not proven: " + "; ".join(f"{why} (x{n})" for why, n in why_not.items())
             lines.append(line)
+        lines += self._precompile_lines()
         built = [c.first_call_seconds for c in self.choices if c.first_call_seconds is not None]
         if built:
-            lines.append(f"  k3 kernels: {len(built)} key(s) built at their first call in this process, "
-                         f"{sum(built):.1f} s of host time (Triton / CuTe JIT, or a load from their disk caches)")
+            lines.append(f"  k3 kernels: the first calls of {len(built)} key(s) in this process took "
+                         f"{sum(built):.1f} s of host time (Triton / CuTe JIT builds, or loads from their disk caches)")
         lines.append("  kernels chosen:")
         if not self.choices:
             lines.append("    (no k3 op has run for this model)")
@@ -97,6 +123,30 @@ class Report:
             lines.append(f"    {op:<16} asked {asked!r:<8} ran {impl:<10} {shapes:>3} shape(s) {calls:>6} call(s): "
                          f"{reason}")
         return "\n".join(lines)
+
+
+    def _precompile_lines(self) -> list[str]:
+        records = self.precompiled
+        if not records:
+            off = {g.precompile.why for g in self.graphs if g.precompile is not None and g.on_gpu}
+            return [f"  k3 kernels built ahead of the first call: {why}" for why in sorted(off)]
+        calls, symbolic = sum(r.calls for r in records), sum(r.symbolic for r in records)
+        wall, waited = sum(r.wall_seconds for r in records), sum(r.waited_seconds for r in records)
+        workers = max(r.workers for r in records)
+        built = (f"{self.kernels_compiled} compiled in {workers} worker process(es) "
+                 f"({self.kernel_compile_seconds:.1f} s of build time, {wall:.1f} s wall, {waited:.1f} s of it after "
+                 "Inductor finished)" if workers else "none compiled")
+        lines = [f"  k3 kernels built ahead of the first call: {built}, {self.kernel_cache_hits} already built (this "
+                 f"process or the disk cache), {len(self.kernel_failures)} failed; for {calls} call(s)"
+                 + (f", {symbolic} of them at planned values of a symbolic size (M buckets and the example's)"
+                    if symbolic else "")]
+        lines += [f"    failed: {name}: {why}" for name, why in self.kernel_failures.items()]
+        unplanned: dict = {}
+        for r in records:
+            for why, n in r.unplanned.items():
+                unplanned[why] = unplanned.get(why, 0) + n
+        lines += [f"    not built ahead (built at the first call): {why} (x{n})" for why, n in unplanned.items()]
+        return lines
 
 
 def _key_str(key) -> str:

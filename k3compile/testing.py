@@ -101,3 +101,85 @@ def moe_experts_inputs(m: int, a: int, e: int, i: int, l: int, dtype: torch.dtyp
                              device=device)
 
     return z, experts, weights, codes(i, l), codes(i, l), codes(l, i), scale(i, l), scale(i, l), scale(l, i)
+
+
+# --------------------------------------------------------------------------------------------------
+# A stand-in for CuTe DSL's builds (tests/compiler/test_precompile.py): registered in place of the "cute" kind of
+# k3compile/kernel_cache.py, it "builds" a kernel that computes the skinny GEMM's (or the fused tail's) result in
+# PyTorch and stores it as a small JSON file. Module-level, so that a precompile worker process unpickles it.
+
+FAKE_FAIL_ENV = "K3_FAKE_BUILD_FAIL"   # a kernel whose name contains this value fails to build (a compiler error)
+FAKE_TORN_ENV = "K3_FAKE_BUILD_TORN"   # ... fails half way through writing its file
+FAKE_HANG_ENV = "K3_FAKE_BUILD_HANG"   # ... never finishes
+
+
+def _named_by(env: str, name: str) -> bool:
+    value = __import__("os").environ.get(env, "")
+    return bool(value) and value in name
+
+
+class FakeKernel:
+    """``fn(a, w, out, bias, residual, g)`` as a compiled CuTe variant is called, for its M only."""
+
+    def __init__(self, name: str, m: int, eps):
+        self.name, self.m, self.eps = name, m, eps
+
+    def __call__(self, a, w, out, bias, residual, g):
+        assert a.shape[0] == self.m, f"{self.name} called with M={a.shape[0]}"
+        x = a.float()
+        if self.eps is not None:
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * g.float()
+        y = x @ w.float().T
+        for t in (bias, residual):
+            if t is not None:
+                y = y + t.float()
+        out.copy_(y)
+
+
+def fake_compile(key) -> FakeKernel:
+    import time
+
+    from k3compile.kernels.cute.compile import variant_name
+
+    name = variant_name(key)
+    if _named_by(FAKE_FAIL_ENV, name):
+        raise RuntimeError("simulated compiler error")
+    if _named_by(FAKE_HANG_ENV, name):
+        time.sleep(3600)
+    return FakeKernel(name, key[1], key[6])
+
+
+def fake_export(kernel: FakeKernel, path: str, name: str) -> None:
+    import json
+
+    text = json.dumps({"name": name, "m": kernel.m, "eps": kernel.eps})
+    with open(path, "w") as f:
+        if _named_by(FAKE_TORN_ENV, name):
+            f.write(text[:len(text) // 2])
+            f.flush()
+            raise OSError("simulated failure half way through writing the kernel")
+        f.write(text)
+
+
+def fake_load(path: str, name: str) -> FakeKernel:
+    import json
+
+    with open(path) as f:
+        d = json.load(f)
+    assert d["name"] == name, (d, name)
+    return FakeKernel(name, d["m"], d["eps"])
+
+
+def fake_directory():
+    import os
+
+    root = os.environ.get("K3_CUTE_CACHE_DIR", "0")
+    return None if root == "0" else os.path.join(root, "fake")
+
+
+def fake_cute_builder():
+    """The ``kernel_cache.Builder`` to register as the "cute" kind."""
+    from k3compile import kernel_cache
+    from k3compile.kernels.cute.compile import variant_name
+
+    return kernel_cache.Builder(fake_compile, fake_export, fake_load, variant_name, fake_directory, suffix=".json")

@@ -125,7 +125,7 @@ def test_run_auto_decides_as_the_op_and_records_nothing(monkeypatch):
     out = dispatch.run_auto(a, w, None, r)
     assert torch.allclose(out, a @ w.T + r, atol=1e-5) and dispatch.SKINNY_GEMM.choices() == []
     impl, _ = dispatch.SKINNY_GEMM.decide("auto", (a, w, None, r))
-    assert dispatch._AUTO[dispatch.key(a, w, None, r)] is dispatch.SKINNY_GEMM.impl(impl).fn
+    assert dispatch.SKINNY_GEMM.decide_once("auto", dispatch.key(a, w, None, r), (a, w, None, r)) == impl
 
 
 # --------------------------------------------------------------------------------------------------

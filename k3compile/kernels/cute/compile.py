@@ -6,8 +6,10 @@ are symbolic in the compiled kernel, so one compile serves every shape. A compil
 exported to a disk cache so that another process loads it in milliseconds instead of compiling (~0.3 s): the file
 is ``K3_CUTE_CACHE_DIR/<fingerprint>/<variant name>.o`` (default ``~/.cache/k3compile/cute``; "0" turns it off).
 The fingerprint hashes this package's sources, the DSL version and the target arch, so a cache built on a CPU host
-with ``CUTE_DSL_ARCH=sm_90a`` serves an H200. Every compiled kernel is called ``fn(a, w, out, bias, residual, g)``
-(``g``: the fused norm's weight, else None) on the current torch stream, through TVM-FFI.
+with ``CUTE_DSL_ARCH=sm_90a`` serves an H200. The cache is the "cute" kind of ``k3compile/kernel_cache.py``, into which
+``k3compile/precompile.py`` builds the variants a compiled graph calls, in GPU-blind worker processes (``worker_env``),
+ahead of its first call. Every compiled kernel is called ``fn(a, w, out, bias, residual, g)`` (``g``: the fused norm's
+weight, else None) on the current torch stream, through TVM-FFI.
 
 Nothing here imports cutlass at its top: the kernel modules load on the first build (``KERNEL_MODULES``; an op's
 ``available`` predicate adds :func:`unavailable`, so a DSL that does not import them is a recorded fallback).
@@ -18,24 +20,20 @@ import functools
 import hashlib
 import os
 import struct
-import threading
-import time
 from typing import Optional
 
 import torch
 
+from k3compile import kernel_cache
 from k3compile.backends import Reason, cute_importable
 from k3compile.kernel_module import KernelModule
 from k3compile.kernels.cute.configs import VEC, KernelConfig, MmaConfig, WgmmaConfig
 
-_compiled: dict = {}
-# this process's variants: loaded from the disk cache, or built (and the seconds the builds took)
-STATS = {"loaded": 0, "built": 0, "build_seconds": 0.0}
-_compile_lock = threading.Lock()   # cute.compile is not thread-safe
 _SOURCES = ("asm.py", "compile.py", "configs.py", "mma.py", "mma_ring.py", "wgmma.py")
 # the kernel class of each configuration type, in a module that imports cutlass at its top
 KERNEL_MODULES = {MmaConfig: (KernelModule(f"{__package__}.mma", cute_importable), "MmaSkinnyGemm"),
                   WgmmaConfig: (KernelModule(f"{__package__}.wgmma", cute_importable), "WgmmaSkinnyGemm")}
+KIND = "cute"   # the kind of kernel in k3compile/kernel_cache.py
 
 
 def unavailable() -> Reason:
@@ -47,6 +45,12 @@ def unavailable() -> Reason:
     return None
 
 
+def variant(dtype: torch.dtype, m: int, cfg: KernelConfig, has_bias: bool, has_res: bool,
+            static_weight: bool = False, norm_eps: Optional[float] = None) -> tuple:
+    """The key of one compiled kernel (see the module doc)."""
+    return (dtype, m, cfg, has_bias, has_res, static_weight, None if norm_eps is None else float(norm_eps))
+
+
 def compile_kernel(dtype: torch.dtype, m: int, cfg: KernelConfig, has_bias: bool, has_res: bool,
                    static_weight: bool = False, norm_eps: Optional[float] = None):
     """The compiled kernel for this variant: from memory, else from disk, else compiled (and saved).
@@ -54,15 +58,7 @@ def compile_kernel(dtype: torch.dtype, m: int, cfg: KernelConfig, has_bias: bool
     ``norm_eps``: fuse the RMSNorm of A with this eps (the latent-MoE tail; ``g`` then is the norm weight). It is
     baked into the kernel: one model uses one eps.
     """
-    key = (dtype, m, cfg, has_bias, has_res, static_weight, None if norm_eps is None else float(norm_eps))
-    fn = _compiled.get(key)
-    if fn is not None:
-        return fn
-    with _compile_lock:
-        fn = _compiled.get(key)
-        if fn is None:
-            fn = _compiled[key] = _load_or_build(variant_name(key), key)
-    return fn
+    return kernel_cache.get(KIND, variant(dtype, m, cfg, has_bias, has_res, static_weight, norm_eps))
 
 
 def variant_name(key) -> str:
@@ -79,14 +75,20 @@ def cute_dtype(dtype: torch.dtype):
     return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
 
 
-def dsl_and_arch() -> str:
-    """The DSL version and the target arch (the DSL targets the arch-specific "a" variant from sm_90)."""
-    import cutlass
+def target_arch() -> str:
+    """The arch kernels are built for: ``CUTE_DSL_ARCH``, else this process's GPU (the DSL targets the arch-specific
+    "a" variant from sm_90); "" on a machine with neither."""
     arch = os.environ.get("CUTE_DSL_ARCH", "")
     if not arch and torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
         arch = "sm_%d%d%s" % (major, minor, "a" if major >= 9 else "")
-    return f"{getattr(cutlass, '__version__', '?')}/{arch}"
+    return arch
+
+
+def dsl_and_arch() -> str:
+    """The DSL version and the target arch."""
+    import cutlass
+    return f"{getattr(cutlass, '__version__', '?')}/{target_arch()}"
 
 
 @functools.cache
@@ -101,32 +103,26 @@ def fingerprint() -> str:
     return h.hexdigest()[:16]
 
 
-def _load_or_build(name: str, key):
+def directory() -> Optional[str]:
+    """``K3_CUTE_CACHE_DIR/<fingerprint>`` (default ``~/.cache/k3compile/cute``), None where it is "0"."""
+    root = os.environ.get("K3_CUTE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "k3compile", "cute"))
+    return None if root == "0" else os.path.join(root, fingerprint())
+
+
+def export(fn, path: str, name: str) -> None:
+    fn.export_to_c(object_file_path=path, function_name=name)
+
+
+def load(path: str, name: str):
     import cutlass.cute as cute
 
-    root = os.environ.get("K3_CUTE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "k3compile", "cute"))
-    cdir = None if root == "0" else os.path.join(root, fingerprint())
-    path = os.path.join(cdir, name + ".o") if cdir else None
-    if path and os.path.exists(path):
-        try:
-            fn = cute.runtime.load_module(path, enable_tvm_ffi=True)[name]
-            STATS["loaded"] += 1
-            return fn
-        except Exception:  # a stale or torn file: build below and overwrite it
-            pass
-    start = time.perf_counter()
-    fn = build(key)
-    STATS["built"] += 1
-    STATS["build_seconds"] += time.perf_counter() - start
-    if path:
-        try:
-            os.makedirs(cdir, exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            fn.export_to_c(object_file_path=tmp, function_name=name)
-            os.replace(tmp, path)  # atomic: a second process sees the whole file or none
-        except Exception:
-            pass  # the cache is an optimisation; the compiled function is already in hand
-    return fn
+    return cute.runtime.load_module(path, enable_tvm_ffi=True)[name]
+
+
+def worker_env() -> dict:
+    """A precompile worker builds for this process's arch and never touches a GPU (CuTe DSL compiles on the host:
+    ``cute.compile`` is not thread-safe, so parallel builds are processes)."""
+    return {"CUTE_DSL_ARCH": target_arch(), "CUDA_VISIBLE_DEVICES": ""}
 
 
 def build(key):
@@ -163,3 +159,8 @@ def fake_args(dtype: torch.dtype, m: int, has_bias: bool, has_res: bool, has_nor
     res = make_fake_tensor(cd, (m, n), (cute.sym_int64(), 1), assumed_align=2) if has_res else None
     g = make_fake_tensor(cd, (k,), (1,), assumed_align=16) if has_norm else None
     return a, w, c, bias, res, g, make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+# this process's variants: loaded from the disk cache, or built (and the seconds the builds took)
+STATS = kernel_cache.register(KIND, kernel_cache.Builder(build, export, load, variant_name, directory,
+                                                         worker_env=worker_env))

@@ -29,7 +29,7 @@ import torch
 
 from k3compile.kernels.cute.configs import KernelConfig, WgmmaConfig
 from k3compile.ops.skinny_gemm import cute as _skinny
-from k3compile.kernels.cute.compile import compile_kernel
+from k3compile.kernels.cute.compile import KIND, compile_kernel, variant
 
 
 def supports(latent, shared, norm_weight, up_weight, eps) -> Optional[str]:
@@ -65,6 +65,15 @@ def latent_moe_tail_cute(latent: torch.Tensor, shared: torch.Tensor, norm_weight
         out = torch.empty((m, d), dtype=latent.dtype, device=latent.device)
     fn(latent, up_weight, out, None, shared, norm_weight)
     return out
+
+
+def kernels(latent, up_weight, eps: float, cfg: KernelConfig, static_weight: bool = False) -> list:
+    """The kernel ``latent_moe_tail_cute`` builds at its first call: ``[(kind, key)]`` (``k3compile/kernel_cache.py``);
+    none where the call raises instead."""
+    m, l = latent.shape
+    if isinstance(cfg, WgmmaConfig) and not cfg.norm_fits(m, l):
+        return []
+    return [(KIND, variant(latent.dtype, m, cfg, False, True, static_weight, float(eps)))]
 
 
 def warmup(dtype: torch.dtype, m: int, cfg: KernelConfig, eps: float, static_weight: bool = False) -> None:

@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 
 from k3compile import tables
+from k3compile.call_sites import stand_in
 from k3compile.backends import (Impl, OpImpls, Reason, cute_can_run_on, is_rocm, register_op_impls, sm_count,
                                 triton_can_run_on)
 from k3compile.kernel_module import KernelModule
@@ -152,11 +153,19 @@ def _triton_profitable(latent, shared, norm_weight, up_weight, eps, small_m_limi
     return None
 
 
-def _cute(latent, shared, norm_weight, up_weight, eps, small_m_limit, static_weight=False):
+def _cute_config(latent, up_weight, static_weight: bool) -> KernelConfig:
     m, l = latent.shape
-    cfg = cute_config_for(latent.dtype, m, up_weight.shape[0], l, static_weight, table_of(latent.device),
-                          gemm_dispatch.gpu_of(latent.device).table)
+    return cute_config_for(latent.dtype, m, up_weight.shape[0], l, static_weight, table_of(latent.device),
+                           gemm_dispatch.gpu_of(latent.device).table)
+
+
+def _cute(latent, shared, norm_weight, up_weight, eps, small_m_limit, static_weight=False):
+    cfg = _cute_config(latent, up_weight, static_weight)
     return cute.latent_moe_tail_cute(latent, shared, norm_weight, up_weight, eps, cfg, static_weight=static_weight)
+
+
+def _cute_kernels(latent, shared, norm_weight, up_weight, eps, small_m_limit, static_weight=False) -> list:
+    return cute.kernels(latent, up_weight, eps, _cute_config(latent, up_weight, static_weight), static_weight)
 
 
 def _triton(latent, shared, norm_weight, up_weight, eps, small_m_limit, static_weight=False):
@@ -170,16 +179,37 @@ def _split(latent, shared, norm_weight, up_weight, eps, small_m_limit, static_we
     return _SPLIT.latent_moe_tail_split(latent, shared, norm_weight, up_weight, eps)
 
 
+def _split_kernels(latent, shared, norm_weight, up_weight, eps, small_m_limit, static_weight=False) -> list:
+    """The up-projection's (``split.latent_moe_tail_split``: the skinny GEMM's pick on the norm's fresh [M, L] output,
+    its weight static), as the skinny GEMM's own (a failed build makes that op pass over it); the norm is Triton's."""
+    if latent.shape[0] == 0:
+        return []
+    normed = stand_in(latent.shape, latent.dtype, latent.device)
+    return gemm_dispatch.auto_kernels(normed, up_weight, None, shared, static_weight=True)
+
+
 def _reference(latent, shared, norm_weight, up_weight, eps, small_m_limit, static_weight=False):
     return latent_moe_tail_unfused(latent, shared, norm_weight, up_weight, eps)   # no PDL: nothing to stream early
+
+
+def kernels(latent, shared, norm_weight, up_weight, eps, backend: str = "auto", small_m_limit: int = MAX_BLOCK_M,
+            static_weight: bool = False) -> list:
+    """The kernels a call of ``k3::latent_moe_tail`` with these arguments (``op.py``'s) builds at its first call: those
+    of the implementation ``select`` picks, at the configuration it runs (``k3compile/precompile.py`` builds them
+    ahead)."""
+    limit = min(small_m_limit, MAX_BLOCK_M)
+    return LATENT_MOE_TAIL.kernels(backend, key(latent, shared, norm_weight, up_weight, limit),
+                                   (latent, shared, norm_weight, up_weight, eps, small_m_limit),
+                                   static_weight=static_weight and latent.shape[0] > 0)
 
 
 LATENT_MOE_TAIL = register_op_impls(OpImpls(
     "latent_moe_tail",
     reference=Impl(_reference),
     triton=Impl(_triton, _triton_available, _triton_supports, _triton_profitable),
-    cute=Impl(_cute, _cute_available, _cute_supports, _cute_profitable),
-    aten=Impl(_split, _split_available),
+    cute=Impl(_cute, _cute_available, _cute_supports, _cute_profitable, kernels=_cute_kernels),
+    aten=Impl(_split, _split_available, kernels=_split_kernels),
+    plan=kernels,
 ))
 
 

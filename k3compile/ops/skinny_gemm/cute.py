@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from k3compile.kernels.cute.compile import compile_kernel
+from k3compile.kernels.cute.compile import KIND, compile_kernel, variant
 from k3compile.kernels.cute.configs import VEC, KernelConfig, WgmmaConfig
 
 MAX_M = 16
@@ -74,6 +74,14 @@ def skinny_gemm_cute(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tens
         out = torch.empty((m, n), dtype=a.dtype, device=a.device)
     fn(a, w, out, bias, residual, None)
     return out
+
+
+def kernels(a, w, bias, residual, cfg: KernelConfig, static_weight: bool = False) -> list:
+    """The kernel ``skinny_gemm_cute`` builds at its first call with these operands: ``[(kind, key)]``
+    (``k3compile/kernel_cache.py``); none where the call raises instead."""
+    if isinstance(cfg, WgmmaConfig) and not cfg.share_fits(a.shape[1]):
+        return []
+    return [(KIND, variant(a.dtype, a.shape[0], cfg, bias is not None, residual is not None, static_weight))]
 
 
 def warmup(dtype: torch.dtype, m: int, cfg: KernelConfig, has_bias: bool = False, has_residual: bool = False,

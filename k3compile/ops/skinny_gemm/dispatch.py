@@ -176,10 +176,17 @@ def _triton_profitable(a, w, bias, residual, out_dtype=None) -> Reason:
     return _measured("triton", a, w)
 
 
-def _cute(a, w, bias, residual, out_dtype=None, static_weight=False):
+def _cute_config(a, w, static_weight: bool) -> KernelConfig:
     m, k = a.shape
-    cfg = cute_config_for(a.dtype, m, w.shape[0], k, static_weight, gpu_of(a.device).table)
-    return cute.skinny_gemm_cute(a, w, bias, residual, cfg, static_weight=static_weight)
+    return cute_config_for(a.dtype, m, w.shape[0], k, static_weight, gpu_of(a.device).table)
+
+
+def _cute(a, w, bias, residual, out_dtype=None, static_weight=False):
+    return cute.skinny_gemm_cute(a, w, bias, residual, _cute_config(a, w, static_weight), static_weight=static_weight)
+
+
+def _cute_kernels(a, w, bias, residual, out_dtype=None, static_weight=False) -> list:
+    return cute.kernels(a, w, bias, residual, _cute_config(a, w, static_weight), static_weight)
 
 
 def _triton(a, w, bias, residual, out_dtype=None, static_weight=False):
@@ -202,12 +209,25 @@ def _cublas(a, w, bias, residual, out_dtype=None, static_weight=False):
     return out if residual is None else out.add_(residual)
 
 
+def kernels(a, w, bias=None, residual=None, backend: str = "auto", m_limit: int = 16, static_weight: bool = False,
+            out_dtype: Optional[torch.dtype] = None) -> list:
+    """The kernels a call of ``k3::skinny_gemm`` with these arguments (``op.py``'s) builds at its first call: those of
+    the implementation ``select`` picks, at the configuration it runs (``k3compile/precompile.py`` builds them
+    ahead)."""
+    out_dtype = None if out_dtype == a.dtype else out_dtype
+    if a.shape[0] > m_limit:
+        return []
+    return SKINNY_GEMM.kernels(backend, key(a, w, bias, residual, out_dtype), (a, w, bias, residual, out_dtype),
+                               static_weight=static_weight and a.shape[0] > 0)
+
+
 SKINNY_GEMM = register_op_impls(OpImpls(
     "skinny_gemm",
     reference=Impl(_reference),
     triton=Impl(_triton, _triton_available, triton_config.supports, _triton_profitable),
-    cute=Impl(_cute, _cute_available, cute.supports, _cute_profitable),
+    cute=Impl(_cute, _cute_available, cute.supports, _cute_profitable, kernels=_cute_kernels),
     aten=Impl(_cublas),
+    plan=kernels,
 ))
 
 
@@ -232,16 +252,14 @@ def select(backend: str, m_limit: int, a, w, bias, residual, out_dtype=None) -> 
     return SKINNY_GEMM.select(backend, k_, a, w, bias, residual, out_dtype)
 
 
-_AUTO: dict = {}
-
-
 def run_auto(a, w, bias=None, residual=None, static_weight: bool = False) -> torch.Tensor:
     """``a @ wᵀ + bias + residual`` by the implementation ``backend="auto"`` picks for these operands (decided as
-    the op decides, cached per key, not recorded): the GEMM of an op whose own implementation composes this one
+    the op decides, once per key, not recorded): the GEMM of an op whose own implementation composes this one
     (the latent-MoE tail's split path, which that op's dispatch records)."""
-    k_ = key(a, w, bias, residual)
-    fn = _AUTO.get(k_)
-    if fn is None:
-        impl, _ = SKINNY_GEMM.decide("auto", (a, w, bias, residual))
-        fn = _AUTO[k_] = SKINNY_GEMM.impl(impl).fn
-    return fn(a, w, bias, residual, static_weight=static_weight)
+    impl = SKINNY_GEMM.decide_once("auto", key(a, w, bias, residual), (a, w, bias, residual))
+    return SKINNY_GEMM.impl(impl).fn(a, w, bias, residual, static_weight=static_weight)
+
+
+def auto_kernels(a, w, bias=None, residual=None, static_weight: bool = False) -> list:
+    """The kernels ``run_auto`` builds at its first call with these operands."""
+    return SKINNY_GEMM.kernels("auto", key(a, w, bias, residual), (a, w, bias, residual), static_weight=static_weight)

@@ -1,0 +1,240 @@
+"""A small pool of worker processes for kernel builds (``k3compile/precompile.py``): each worker is a fresh Python
+process running :func:`main`, one job at a time: a module-level function and its arguments.
+
+Fresh processes rather than ``multiprocessing``: a spawned ``multiprocessing`` child re-runs the user's ``__main__``
+script (every line outside an ``if __name__ == "__main__"`` guard: a model built again in each worker), and a forked
+one inherits the parent's CUDA state. This is why Inductor's own compile workers are subprocesses too.
+
+Messages are length-prefixed pickles on the worker's stdin and on a copy of its stdout (its fd 1 then points at
+stderr, so a build that prints cannot corrupt a reply). A job returns ``(ok, detail, seconds)``: ``ok`` True with the
+function's result; False with the error where the function raised, ran past ``timeout`` seconds (its worker is
+killed) or its worker died while running it; None where the job could not run in a worker at all (the worker did not
+start, the job did not unpickle there): a fault of the workers' environment, not of the job. A killed or dead worker is
+replaced by the next job: never a hang. A worker whose parent has gone ends itself.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import struct
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Callable, Optional
+
+STARTUP_SECONDS = 300.0   # a worker that has not imported its modules by then is killed
+
+
+def _send_bytes(stream, data: bytes) -> None:
+    stream.write(struct.pack("<Q", len(data)) + data)
+    stream.flush()
+
+
+def _send(stream, obj) -> None:
+    _send_bytes(stream, pickle.dumps(obj))
+
+
+def _read_exactly(stream, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = stream.read(n - len(data))
+        if not chunk:
+            raise EOFError("the stream closed")
+        data += chunk
+    return data
+
+
+def _receive_bytes(stream) -> bytes:
+    (n,) = struct.unpack("<Q", _read_exactly(stream, 8))
+    return _read_exactly(stream, n)
+
+
+class _Slot:
+    """What one worker thread is doing: its process, since when, and why it was killed (if it was)."""
+
+    def __init__(self):
+        self.proc: Optional[subprocess.Popen] = None
+        self.phase = "idle"            # idle | starting | running
+        self.since = 0.0
+        self.killed = ""
+
+
+class WorkerPool:
+    """Up to ``size`` worker processes, started as jobs arrive, each with ``env`` added to this process's
+    environment and this process's ``sys.path``. ``submit`` returns a future of ``(ok, detail, seconds)``;
+    ``enforce_limits`` (call it while waiting) kills a worker whose job ran past ``timeout`` seconds."""
+
+    def __init__(self, size: int, env: dict, timeout: float):
+        self.size, self.timeout = max(1, size), timeout
+        self.env = {**os.environ, **env,
+                    "PYTHONPATH": os.pathsep.join(p for p in [*sys.path, os.environ.get("PYTHONPATH")] if p)}
+        self._jobs: queue.Queue = queue.Queue()
+        self._slots: list[_Slot] = []
+        self._threads: list[threading.Thread] = []
+        self._outstanding = 0
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def started(self) -> int:
+        return len(self._threads)
+
+    def submit(self, fn: Callable, *args: Any) -> Future:
+        future: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the pool is closed")
+            self._outstanding += 1
+            if len(self._threads) < min(self.size, self._outstanding):
+                slot = _Slot()
+                thread = threading.Thread(target=self._serve, args=(slot,), daemon=True,
+                                          name=f"k3compile-worker-{len(self._threads)}")
+                self._slots.append(slot)
+                self._threads.append(thread)
+                thread.start()
+        self._jobs.put((future, pickle.dumps((fn, args))))
+        return future
+
+    def enforce_limits(self) -> None:
+        now = time.monotonic()
+        for slot in list(self._slots):
+            proc = slot.proc
+            if proc is None:
+                continue
+            if slot.phase == "running" and now - slot.since > self.timeout:
+                slot.killed = f"did not finish within {self.timeout:.0f} s (K3_PRECOMPILE_TIMEOUT): worker killed"
+            elif slot.phase == "starting" and now - slot.since > max(self.timeout, STARTUP_SECONDS):
+                slot.killed = f"its worker did not start within {max(self.timeout, STARTUP_SECONDS):.0f} s"
+            else:
+                continue
+            proc.kill()
+
+    def close(self) -> None:
+        """Workers end once their current job is done (stdin closed); a job still queued is cancelled."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        while True:
+            try:
+                future, _ = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            future.cancel()
+        for _ in self._threads:
+            self._jobs.put(None)
+
+    def kill(self) -> None:
+        """``close``, and the workers killed now."""
+        self.close()
+        for slot in self._slots:
+            if slot.proc is not None and slot.proc.poll() is None:
+                slot.killed = slot.killed or "the pool was killed"
+                slot.proc.kill()
+
+    # ---- one thread per worker process --------------------------------------------------------------------------
+
+    def _start(self, slot: _Slot) -> Optional[str]:
+        """Start ``slot``'s process and wait until it is ready; None, or why it did not start."""
+        slot.phase, slot.since, slot.killed = "starting", time.monotonic(), ""
+        try:
+            slot.proc = subprocess.Popen([sys.executable, "-c", "from k3compile.workers import main; main()"],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=self.env)
+            if pickle.loads(_receive_bytes(slot.proc.stdout)) != "ready":
+                raise EOFError("an unexpected first message")
+            return None
+        except (OSError, EOFError, pickle.UnpicklingError) as e:
+            code = self._reap(slot)
+            return slot.killed or f"its worker did not start ({type(e).__name__}: {e}; exit code {code})"
+        finally:
+            slot.phase = "idle"
+
+    @staticmethod
+    def _reap(slot: _Slot) -> Optional[int]:
+        """End ``slot``'s process (it was told to, died, or was killed): its exit code."""
+        proc, slot.proc = slot.proc, None
+        if proc is None:
+            return None
+        try:
+            code = proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+        for pipe in (proc.stdin, proc.stdout):
+            try:
+                pipe.close()
+            except OSError:
+                pass
+        return code
+
+    def _serve(self, slot: _Slot) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                break
+            future, payload = job
+            if future.set_running_or_notify_cancel():
+                future.set_result(self._run(slot, payload))
+            with self._lock:
+                self._outstanding -= 1
+        if slot.proc is not None:
+            try:
+                slot.proc.stdin.close()
+            except OSError:
+                pass
+            self._reap(slot)
+
+    def _run(self, slot: _Slot, payload: bytes) -> tuple:
+        if slot.proc is not None and slot.proc.poll() is not None:
+            self._reap(slot)   # killed after its last job, or died idle
+        why = None if slot.proc is not None else self._start(slot)
+        if why is not None:
+            return None, why, 0.0
+        slot.phase, slot.since, slot.killed = "running", time.monotonic(), ""
+        try:
+            _send_bytes(slot.proc.stdin, payload)
+            return pickle.loads(_receive_bytes(slot.proc.stdout))
+        except (OSError, EOFError, pickle.UnpicklingError, struct.error):
+            code = self._reap(slot)
+            return False, slot.killed or f"its worker process died (exit code {code})", time.monotonic() - slot.since
+        finally:
+            slot.phase = "idle"
+
+
+def _end_with_parent(parent: int) -> None:
+    while True:
+        time.sleep(10)
+        if os.getppid() != parent:   # the parent died: nothing will read what this worker builds
+            os._exit(1)
+
+
+def main() -> None:
+    """The worker: replies go to a copy of stdout; what the jobs print goes to stderr."""
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    inp = sys.stdin.buffer
+    threading.Thread(target=_end_with_parent, args=(os.getppid(),), daemon=True).start()
+    _send(out, "ready")
+    while True:
+        try:
+            data = _receive_bytes(inp)
+        except EOFError:
+            return
+        start = time.perf_counter()
+        try:
+            fn, args = pickle.loads(data)
+        except Exception as e:   # this worker cannot run the job (a module missing here, ...)
+            _send(out, (None, f"the job did not load in a worker ({type(e).__name__}: {e})", 0.0))
+            continue
+        try:
+            reply = (True, fn(*args), time.perf_counter() - start)
+        except Exception as e:   # the job's own error, reported with its key by the caller
+            reply = (False, f"{type(e).__name__}: {e}", time.perf_counter() - start)
+        try:
+            _send(out, reply)
+        except Exception as e:   # an unpicklable result
+            _send(out, (False, f"the result did not pickle ({type(e).__name__}: {e})", time.perf_counter() - start))
+

@@ -1,0 +1,158 @@
+"""Building the k3 kernels a graph calls ahead of its first call (``k3compile/precompile.py``), on the CPU: the skinny
+GEMM's CuTe path made runnable here (its availability predicates pass) with its builds done by
+``k3compile.testing``'s fake builder, registered as the "cute" kind of ``k3compile/kernel_cache.py``. Everything else
+is real: the pass, the call sites read off the rewritten graph, the dispatch's choice and configuration per call,
+the worker processes, the disk cache, the first call's loads.
+
+The model: four small-M products, each a different kernel variant (bias / residual / static weight), M = 4."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import k3compile
+from k3compile import kernel_cache, testing
+from k3compile.kernels.cute import compile as cute_kernels
+from k3compile.call_sites import stand_in
+from k3compile.ops.latent_moe_tail import dispatch as tail_dispatch
+from k3compile.ops.latent_moe_tail.reference import latent_moe_tail_unfused
+from k3compile.ops.skinny_gemm import dispatch as gemm_dispatch
+from k3compile.precompile import enabled, setting
+from k3compile.testing import latent_moe_tail_inputs, rel_err
+
+D = 64
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(D, 2 * D, bias=False)   # x is an input: the weight is not proven static
+        self.down = nn.Linear(2 * D, D)             # bias + residual
+        self.mix = nn.Linear(D, D, bias=False)
+        self.out = nn.Linear(D, 2 * D)              # bias
+
+    def forward(self, x):
+        h = self.down(torch.relu(self.up(x))) + x
+        h = torch.relu(self.mix(h)) + h
+        return self.out(h)
+
+
+@pytest.fixture
+def fake_cute(monkeypatch, tmp_path, no_graph_caches):
+    """The CuTe skinny GEMM runs on the CPU with fake kernels, built into a fresh disk cache (yields its folder)."""
+    monkeypatch.setenv("K3_CUTE_CACHE_DIR", str(tmp_path))
+    for dispatch in (gemm_dispatch, tail_dispatch):
+        monkeypatch.setattr(dispatch, "cute_can_run_on", lambda *tensors: None)
+    monkeypatch.setattr(cute_kernels, "unavailable", lambda: None)
+    monkeypatch.setitem(kernel_cache.BUILDERS, cute_kernels.KIND, testing.fake_cute_builder())
+    ops = (gemm_dispatch.SKINNY_GEMM, tail_dispatch.LATENT_MOE_TAIL)
+    kernel_cache.clear()
+    for op in ops:
+        op.clear()
+    torch._dynamo.reset()
+    yield tmp_path / "fake"
+    kernel_cache.clear()
+    for op in ops:
+        op.clear()   # no CuTe choice (nor broken mark) outlives the patches
+
+
+def _run(x, dynamic=False, more=()):
+    """(model, eager outputs, compiled outputs, the first call's kernel builds and loads) for ``x`` then ``more``."""
+    model = Net().to(torch.bfloat16)
+    with torch.no_grad():
+        ref = [model(t) for t in (x, *more)]
+        k3compile.optimize(model, passes=["skinny_gemm"], precompile=True, dynamic=dynamic)
+        before = dict(kernel_cache.STATS[cute_kernels.KIND])
+        out = [model(t) for t in (x, *more)]
+    after = kernel_cache.STATS[cute_kernels.KIND]
+    return model, ref, out, {k: after[k] - before[k] for k in ("built", "loaded")}
+
+
+def test_precompile_builds_exactly_the_kernels_the_first_call_loads(fake_cute):
+    x = torch.randn(4, D, dtype=torch.bfloat16)
+    model, ref, out, first = _run(x)
+    built_ahead = {p.stem for p in fake_cute.iterdir()}
+    assert first == {"built": 0, "loaded": 4}
+    assert kernel_cache.in_memory(cute_kernels.KIND) == built_ahead and len(built_ahead) == 4   # no more, none missing
+    assert rel_err(out[0], ref[0]) < 1e-2
+    rep = k3compile.report(model)
+    assert (rep.kernels_compiled, rep.kernel_cache_hits, rep.kernel_failures) == (4, 0, {})
+    assert "4 compiled in" in str(rep) and "0 failed; for 4 call(s)" in str(rep)
+
+    kernel_cache.clear()   # a new process on the same disk cache: every kernel is already built
+    torch._dynamo.reset()
+    model, _, _, first = _run(x)
+    rep = k3compile.report(model)
+    assert first == {"built": 0, "loaded": 4} and (rep.kernels_compiled, rep.kernel_cache_hits) == (0, 4)
+
+
+def test_precompile_plans_a_symbolic_m_at_the_buckets_and_the_example(fake_cute):
+    x, x8 = torch.randn(3, D, dtype=torch.bfloat16), torch.randn(8, D, dtype=torch.bfloat16)
+    model, ref, out, first = _run(x, dynamic=True, more=(x8,))
+    ms = sorted({int(p.stem.split("_m")[1].split("_")[0]) for p in fake_cute.iterdir()})
+    assert ms == [1, 2, 3, 4, 8, 16] and len(list(fake_cute.iterdir())) == 6 * 4
+    assert first == {"built": 0, "loaded": 8}   # M = 3 (the example) and M = 8 (a bucket): loads only
+    assert all(rel_err(o, r) < 1e-2 for o, r in zip(out, ref))
+    (record,) = k3compile.report(model).precompiled
+    assert record.symbolic == record.calls == 6 * 4
+
+
+def test_a_broken_build_is_reported_with_its_key_and_its_calls_fall_back(fake_cute, monkeypatch):
+    """A compiler error, a file torn half way through its write, a build that never ends: each reported with the
+    kernel's name, its calls on the next implementation (the Triton kernel, interpreted) with the reason, no file
+    left for it in the cache (nor a temporary one), no hang."""
+    monkeypatch.setenv(testing.FAKE_FAIL_ENV, "_b1_r0_")
+    monkeypatch.setenv(testing.FAKE_TORN_ENV, "_b0_r0_s1")
+    monkeypatch.setenv(testing.FAKE_HANG_ENV, "_b1_r1_")
+    monkeypatch.setenv("K3_PRECOMPILE_TIMEOUT", "5")
+    monkeypatch.setenv("K3_PRECOMPILE_WORKERS", "2")
+    model, ref, out, first = _run(torch.randn(4, D, dtype=torch.bfloat16))
+    rep = k3compile.report(model)
+    errors = {name.split("_l")[-1]: why for name, why in rep.kernel_failures.items()}
+    assert errors.keys() == {"1_b1_r0_s1", "1_b0_r0_s1", "2_b1_r1_s1"}, rep.kernel_failures
+    assert "RuntimeError: simulated compiler error" in errors["1_b1_r0_s1"]
+    assert "half way" in errors["1_b0_r0_s1"]
+    assert "did not finish within 5 s" in errors["2_b1_r1_s1"]
+    assert all(why.startswith("k3::skinny_gemm (cute): ") for why in errors.values())
+    assert [p.name for p in fake_cute.iterdir()] == ["k3_skinny_bfloat16_m4_rg1_wn1_wk1_u4_e_l1_b0_r0_s0.json"]
+    fell_back = [c for c in rep.choices if c.impl != "cute"]
+    assert len(fell_back) == 3 and all(c.impl == "triton" and "failed to build ahead" in c.reason for c in fell_back)
+    assert {n for c in fell_back for n in rep.kernel_failures if n in c.reason} == rep.kernel_failures.keys()
+    assert first == {"built": 0, "loaded": 1}
+    assert rel_err(out[0], ref[0]) < 1e-2
+    assert "failed: k3_skinny_bfloat16_m4_" in str(rep)
+
+
+def test_precompile_is_on_by_default_only_on_a_gpu_with_cute(monkeypatch):
+    monkeypatch.delenv("K3_PRECOMPILE", raising=False)
+    assert setting(None) is None
+    assert enabled(None, "auto", ("cpu",)) == (False, "off: no k3 kernel is JIT-built off the GPU")
+    assert not enabled(None, "triton", ("cuda",))[0] and not enabled(None, "reference", ("cuda",))[0]
+    monkeypatch.setenv("K3_PRECOMPILE", "1")
+    assert setting(None) is True and setting(False) is False and enabled(setting(None), "auto", ("cpu",))[0]
+
+
+def _stand_in(t: torch.Tensor):
+    return stand_in(t.shape, t.dtype, t.device, t.stride(), t.storage_offset())
+
+
+@pytest.mark.parametrize("path", ["cute", "split"])
+def test_the_latent_moe_tail_plans_what_its_call_builds(fake_cute, path):
+    """The fused CuTe tail (forced), and the split path's GEMM (the CuTe skinny GEMM on the norm's output, its weight
+    static; a failure there is the skinny GEMM's to fall back from): the kernel planned on stand-ins is the one the
+    call then builds."""
+    args = latent_moe_tail_inputs(4, 64, 96, torch.bfloat16)
+    eps, backend = 1e-6, "cute" if path == "cute" else "auto"
+    if path == "split":   # on the CPU auto passes the CuTe tail over (unmeasured); the Triton tail's kernel "broke"
+        key = tail_dispatch.key(*args, tail_dispatch.MAX_BLOCK_M)
+        tail_dispatch.LATENT_MOE_TAIL.mark_broken(key, "triton", "its kernel failed to build")
+    planned = tail_dispatch.kernels(*map(_stand_in, args), eps, backend)
+    assert [(b.op, b.impl) for b in planned] == [("latent_moe_tail" if path == "cute" else "skinny_gemm", "cute")]
+    out = torch.ops.k3.latent_moe_tail(*args, eps, backend)
+    (choice,) = tail_dispatch.LATENT_MOE_TAIL.choices()
+    assert choice.impl == ("cute" if path == "cute" else "aten")
+    names = {kernel_cache.BUILDERS[b.kind].name(b.key) for b in planned}
+    assert kernel_cache.in_memory(cute_kernels.KIND) == names and len(names) == 1
+    assert ("_norm" in next(iter(names))) == (path == "cute")
+    assert rel_err(out, latent_moe_tail_unfused(*args, eps)) < 2e-2
