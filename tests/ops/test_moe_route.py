@@ -22,7 +22,8 @@ def inputs(m, e, bias_scale, seed, ties=False):
 
 def run_poisoned(logits, bias, k, eps, scaling):
     m = logits.shape[0]
-    out = (torch.full((m, k), float("nan")), torch.full((m, k), -1, dtype=torch.int64))
+    out = (torch.full((m, k), float("nan"), device=logits.device),
+           torch.full((m, k), -1, dtype=torch.int64, device=logits.device))
     return moe_route_triton(logits, bias, k, eps, scaling, out=out)
 
 
