@@ -468,23 +468,14 @@ def test_gpu_k3_shapes_match_reference(m, routing, fmt):
 @pytest.mark.gpu
 @pytest.mark.parametrize("i", [48, 64], ids=lambda i: f"I{i}")
 def test_gpu_sorted_form_at_the_micro_widths(i):
-    """The micro K3's routed experts (E 16, top-4, L 64) at its prefill M (2 x 12) through the Triton kernels
-    directly (not the dispatch, which keeps I = 48 off them on a GPU): I = 48 gave one sequence's prefill logits
-    0.74 off eager's on the H200 with the moe_experts pass alone; I = 64 is the verified control."""
+    """The micro K3's routed experts (E 16, top-4, L 64) at its prefill M (2 x 12) through the Triton kernels: the
+    widths where one sequence's prefill logits came out 0.74 off eager's on the H200 (an ill-conditioned prompt,
+    not the kernels: docs/tuning/moe_experts.md); I = 64 is the control."""
     args = moe_experts_inputs(24, 4, 16, i, 64, torch.bfloat16, "random", seed=24, device="cuda")
     out = run_triton(args)
     torch.cuda.synchronize()
     rows = ((out.float() - truth(args).float()).norm(dim=-1) / truth(args).float().norm(dim=-1)).cpu()
     assert rows.max() < 3e-2, f"I{i}: rows off the reference:\n{rows}"
-
-
-def test_sorted_form_kept_off_unverified_gpu_widths():
-    from k3compile.ops.moe_experts.dispatch import sorted_form_unverified
-
-    assert "I=48" in sorted_form_unverified("cuda", 24, 4, 48, 16)
-    assert sorted_form_unverified("cuda", 24, 4, 384, 16) is None      # K3's width, measured right
-    assert sorted_form_unverified("cuda", 8, 4, 48, 16) is None        # the decode form
-    assert sorted_form_unverified("cpu", 24, 4, 48, 16) is None        # the interpreter computes it right
 
 
 @pytest.mark.gpu

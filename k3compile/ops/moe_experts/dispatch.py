@@ -56,24 +56,8 @@ def _triton_available(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_sc
     return triton_can_run_on(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale) or _TRITON.reason()
 
 
-# The sorted (prefill) kernels on a GPU: correct on the H200 at I = 384 (K3 TP=8, benchmarks/moe_experts.py at
-# M 64 / 256) and I = 64 (tests/patterns/test_moe_experts.py, M 40), wrong at I = 48 (the micro K3's prefill, M 24:
-# one sequence's logits 0.74 off eager's, tests/compiler/test_gpu_k3.py; the interpreter computes it right). Until
-# the cause is found they run only at widths of the verified kind; docs/tuning/moe_experts.md has the next check.
-SORTED_GPU_I_MULTIPLE = 64
-
-
-def sorted_form_unverified(device_type: str, m: int, a: int, i: int, small_m_limit: int) -> Reason:
-    """Why the Triton kernels may not take this call (the sorted form on a GPU at an unverified I), else None."""
-    if device_type == "cuda" and not decode_form(m, a, small_m_limit) and i % SORTED_GPU_I_MULTIPLE:
-        return (f"the sorted (prefill) kernels are verified on a GPU only for I a multiple of "
-                f"{SORTED_GPU_I_MULTIPLE} (wrong outputs measured at I=48; dispatch.SORTED_GPU_I_MULTIPLE), I={i}")
-    return None
-
-
 def _triton_supports(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, small_m_limit) -> Reason:
-    return (sorted_form_unverified(z.device.type, z.shape[0], experts.shape[1], w1.shape[1], small_m_limit)
-            or _TRITON.supports(z, experts, weights, w1, w3, w2, w1_scale))
+    return _TRITON.supports(z, experts, weights, w1, w3, w2, w1_scale)
 
 
 def _triton_profitable(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, small_m_limit) -> Reason:
