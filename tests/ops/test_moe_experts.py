@@ -322,11 +322,13 @@ for name, flavour in json.loads(sys.argv[1]).items():
     kind = flavour.pop("kernel")
     kernel = getattr(kernels, f"_{kind}_kernel")
     dtype, mxfp4 = flavour.pop("dtype"), flavour.get("MXFP4", False)
-    not_16 = flavour.pop("not_16", [])   # integer arguments not a multiple of 16 at K3 shapes (MXFP4: I/32)
+    # integer arguments not a multiple of 16 at K3 shapes (MXFP4: I/32; the gate/up steps of an L slice)
+    not_16 = flavour.pop("not_16", []) + ["STEPS"]
     options = dict(num_warps=flavour.pop("num_warps", 4), num_stages=flavour.pop("num_stages", 3))
     const = dict(BLOCK_M=16, BLOCK_A=16, SORTED=False, MXFP4=False, HALVES=False, ASM=False, DOTS=False,
                  X_FMT="fp16" if dtype == "fp16" else "bf16", IEEE=dtype == "fp32",
-                 UPCAST=False, PDL=True, EARLY=False, EVEN_K=False, ROWS=False, S_ALIGN=1, BLOCK_N=64, BLOCK_K=128)
+                 UPCAST=False, PDL=True, EARLY=False, EVEN_K=False, ROWS=False, S_ALIGN=1, BLOCK_N=64, BLOCK_K=128,
+                 SPLIT=1, FMA=False)
     # unit inner strides as Triton specialises them at a launch (the loads vectorise)
     const.update(dict(BLOCK_I=32, BLOCK_L=128, HAS_BETA=True, HAS_LINEAR_BETA=True, s_zl=1, s_1l=1, s_3l=1, s_s1l=1,
                       s_s3l=1) if kind == "gate_up"
