@@ -324,7 +324,8 @@ for name, flavour in json.loads(sys.argv[1]).items():
     dtype, mxfp4 = flavour.pop("dtype"), flavour.get("MXFP4", False)
     # integer arguments not a multiple of 16 at K3 shapes (MXFP4: I/32; the gate/up steps of an L slice)
     not_16 = flavour.pop("not_16", []) + ["STEPS"]
-    options = dict(num_warps=flavour.pop("num_warps", 4), num_stages=flavour.pop("num_stages", 3))
+    options = dict(num_warps=flavour.pop("num_warps", 4), num_stages=flavour.pop("num_stages", 3),
+                   **({"maxnreg": flavour.pop("maxnreg")} if "maxnreg" in flavour else {}))
     const = dict(BLOCK_M=16, BLOCK_A=16, SORTED=False, MXFP4=False, HALVES=False, ASM=False, DOTS=False,
                  X_FMT="fp16" if dtype == "fp16" else "bf16", IEEE=dtype == "fp32",
                  UPCAST=False, PDL=True, EARLY=False, EVEN_K=False, ROWS=False, S_ALIGN=1, BLOCK_N=64, BLOCK_K=128,

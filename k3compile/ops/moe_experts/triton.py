@@ -33,7 +33,15 @@ Other forms of the same math (``config.MoeConfig`` picks; ``benchmarks/moe_exper
   z is loaded contiguous and (MXFP4) split into even and odd columns in registers, so every load of the K loop
   pipelines (cp.async);
 - ``down_by_token`` (decode): ``triton_token._down_token_kernel`` does the down product and the combine, a program
-  per (token, n-tile) streaming the token's A experts in slot order: no partials and no third launch.
+  per (token, n-tile) streaming the token's A experts in slot order: no partials and no third launch;
+- ``split_l`` (decode): the gate/up grid gets a third axis, slices of L (at M = 1, 16 experts x 12 i-tiles fill
+  192 programs, under two a GPU of 132 SMs: the slices put more programs, and bytes, in flight); each slice stores its
+  fp32 gate and up sums (``ws [S, P, 2, I]``) and counts itself in at its (slot, i-tile)'s arrival counter
+  (``k3compile/ops/arrival_counters.py``: zero between launches, no memset, CUDA-graph safe); the last to arrive sums
+  the slices in slice order (the same result every run), applies SiTU-GLU and stores h, which the down kernel reads
+  as before. No extra launch;
+- ``gemv`` (decode): both products as fp32 broadcast multiplies summed on the CUDA cores instead of ``tl.dot``, the
+  tokens padded to a power of two from 1 (``tl.dot`` takes 16 rows, 15 of them empty at M = 1).
 
 MXFP4 weights: codes and scales are loaded as bytes and dequantised in registers to z's dtype, exactly as
 ``model/moe.py`` dequantises them, before the products: interleaved into one tile (``triton_tiles._mxfp4_tile``), or
@@ -394,6 +402,9 @@ def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Te
     s1, s3, s2 = (w1_scale, w3_scale, w2_scale) if mxfp4 else (w1, w3, w2)   # placeholders when float
     ss1, ss3, ss2 = (_strides3(w1_scale), _strides3(w3_scale), _strides3(w2_scale)) if mxfp4 else ((0, 0, 0),) * 3
     launch = dict(launch_pdl=True) if pdl else {}
+    nvidia = on_gpu and not is_rocm()   # maxnreg is an NVIDIA option (Triton raises on it elsewhere)
+    regs_up = dict(maxnreg=config.maxnreg_up) if nvidia and config.maxnreg_up else {}
+    regs_down = dict(maxnreg=config.maxnreg_down) if nvidia and config.maxnreg_down else {}
     rows = config.weight_rows and _rows_fit(w1, w3, w1_scale, w3_scale)
     # Triton's scaled product: bf16 / fp16 z on a GPU (the interpreter lacks it: there the halves below)
     dots = mxfp4 and config.mxfp4_dot_scaled and on_gpu and z.dtype != torch.float32 and not rows and not gemv
@@ -415,7 +426,7 @@ def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Te
                 SORTED=sorted_form, HALVES=halves, DOTS=dots, X_FMT=x_fmt, HAS_BETA=beta is not None,
                 HAS_LINEAR_BETA=linear_beta is not None, EVEN_K=(dots or rows) and l % config.block_l == 0,
                 ROWS=rows, SPLIT=split, FMA=gemv, num_warps=config.warps_up, num_stages=config.stages_up, **common,
-                **launch,
+                **launch, **regs_up,
             )
         if only in (None, "down") and by_token:
             _down_token_kernel[(m, n_tiles)](
@@ -424,7 +435,7 @@ def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Te
                 *w2.stride(), *ss2, h.stride(0), out.stride(0), out.stride(1),
                 BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_A=block_a, S_ALIGN=s_align,
                 EVEN_K=i_width % config.block_k == 0, num_warps=config.warps_down, num_stages=config.stages_down,
-                **common, **launch,
+                **common, **launch, **regs_down,
             )
         elif only in (None, "down"):
             _down_kernel[(slots, n_tiles)](
@@ -434,7 +445,7 @@ def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Te
                 BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_A=block_a,
                 SORTED=sorted_form, HALVES=halves, DOTS=dots, X_FMT=x_fmt, PRELOAD=config.preload,
                 EVEN_K=(dots or rows) and i_width % config.block_k == 0, ROWS=rows, S_ALIGN=s_align, FMA=gemv,
-                num_warps=config.warps_down, num_stages=config.stages_down, **common, **launch,
+                num_warps=config.warps_down, num_stages=config.stages_down, **common, **launch, **regs_down,
             )
         if only in (None, "combine") and not by_token:
             _combine_kernel[(m, n_tiles)](
