@@ -7,6 +7,8 @@ times the GPU's; the tolerances cover both. Shapes are small and examples few: i
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import triton
@@ -396,6 +398,18 @@ PTX_FLAVOURS = {
     "gate_up_rows-fp16-mxfp4-sorted": dict(kernel="gate_up", dtype="fp16", ROWS=True, MXFP4=True, SORTED=True),
     # down_by_token: the down product and the combine in one kernel
     "down_token-bf16": dict(kernel="down_token", dtype="bf16", EARLY=True, EVEN_K=True, BLOCK_N=16, num_stages=8),
+    # split_l: gate/up over slices of L, the last slice to arrive summing them; gemv: the products on CUDA cores
+    "gate_up-bf16-split-early": dict(kernel="gate_up", dtype="bf16", SPLIT=2, EARLY=True, num_stages=3),
+    "gate_up-bf16-mxfp4-bits-split-early": dict(kernel="gate_up", dtype="bf16", ROWS=True, MXFP4=True, ASM=True,
+                                                EARLY=True, EVEN_K=True, BLOCK_L=128, SPLIT=2, num_stages=5),
+    "gate_up-bf16-mxfp4-bits-split-maxnreg-early": dict(kernel="gate_up", dtype="bf16", ROWS=True, MXFP4=True,
+                                                        ASM=True, EARLY=True, EVEN_K=True, BLOCK_L=128, SPLIT=2,
+                                                        num_stages=5, maxnreg=80),
+    "gate_up-bf16-mxfp4-bits-split-gemv-early": dict(kernel="gate_up", dtype="bf16", ROWS=True, MXFP4=True, ASM=True,
+                                                     EARLY=True, EVEN_K=True, BLOCK_I=16, BLOCK_L=128, SPLIT=7,
+                                                     FMA=True, BLOCK_M=1, num_stages=1),
+    "down-bf16-gemv-early": dict(kernel="down", dtype="bf16", FMA=True, BLOCK_M=1, BLOCK_N=32, EARLY=True,
+                                 num_stages=1),
 }
 
 
@@ -448,6 +462,29 @@ def test_candidates_sm90_loads_pipelined_no_spills(sm90_ptx, flavour):
         assert "tt.load " not in loop, "a load of the K loop is not pipelined"
     if "mxfp4" in flavour:
         assert "tt.elementwise_inline_asm" in loop or "sorted" in flavour or "fp16" in flavour
+
+
+@pytest.mark.parametrize("flavour", sorted(f for f in PTX_FLAVOURS if "-split" in f or "-gemv" in f))
+def test_split_and_gemv_sm90(sm90_ptx, flavour):
+    """The split gate/up counts its arrival with an acq_rel atomic at GPU scope, reads the other slices' partials
+    through L2 (.cg), rearms its counter by an exchange, and pipelines its slice's loads (16-byte cp.async) where the
+    products are MMAs; the CUDA-core forms issue no MMA. No spills, but where a register cap is asked (ptxas honours
+    it, spilling little)."""
+    got = sm90_ptx[flavour]
+    ptx = got["ptx"]
+    if got["ptxas"]:
+        regs = int(re.search(r"Used (\d+) registers", got["ptxas"]).group(1))
+        spills = int(re.search(r"(\d+) bytes spill stores", got["ptxas"]).group(1))
+        assert (regs <= 80 and spills <= 64) if "maxnreg" in flavour else spills == 0, got["ptxas"]
+    if "-split" in flavour:
+        atoms = [line for line in ptx.splitlines() if "atom.global" in line]
+        assert any(".acq_rel." in a and ".gpu." in a and ".add." in a for a in atoms), "arrival: acq_rel add, GPU scope"
+        assert any(".exch." in a for a in atoms), "the counter rearmed by an exchange"
+        assert "ld.global.cg" in ptx, "the partials read through L2"
+    if "-gemv" in flavour:
+        assert "mma" not in ptx
+    else:
+        assert any("cp.async.cg.shared.global" in line and "0x10" in line for line in ptx.splitlines())
 
 
 # ---------------------------------------------------------------------------------------------
