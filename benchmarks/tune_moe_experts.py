@@ -132,6 +132,13 @@ def picks(rows: list, forms: dict) -> list:
     return out
 
 
+def write_picks(path: Path, entries: list) -> None:
+    """Merge ``entries`` into the table at ``path``, a copy of the committed ``tables/h200.json`` where none is."""
+    if not path.exists():
+        shutil.copy(TABLES / "h200.json", path)
+    bench.write_table(path, entries)
+
+
 def print_rows(rows: list) -> None:
     print(f"{'fmt':>6} {'M':>3} {'experts':>7} {'floor us':>9} {'provider':>8} {'us':>8} {'%floor':>7} "
           f"{'x table':>7} {'rel err':>9}  form")
@@ -183,6 +190,8 @@ def main(argv=None):
             print(f"   ({time.time() - t0:.1f} s; {time.time() - t_start:.0f} s so far)", flush=True)
             if args.json:   # after every point: a run cut short keeps what it measured
                 Path(args.json).write_text(json.dumps(dict(info, rows=rows), indent=1))
+            if args.table:   # likewise the picks so far
+                write_picks(Path(args.table), picks(rows, forms))
         del weights
         if not bench.SMOKE:
             torch.cuda.empty_cache()
@@ -198,11 +207,8 @@ def main(argv=None):
     if args.json:
         Path(args.json).write_text(json.dumps(dict(info, rows=rows, picks=chosen), indent=1))
     if args.table:
-        path = Path(args.table)
-        if not path.exists():
-            shutil.copy(TABLES / "h200.json", path)
-        bench.write_table(path, chosen)
-        print(f"table: {path}")
+        write_picks(Path(args.table), chosen)
+        print(f"table: {args.table}")
 
 
 if __name__ == "__main__":
