@@ -37,7 +37,7 @@ def run(args, config, limit=16, betas=K3_BETAS):
     return out
 
 
-@settings(max_examples=12)
+@settings(max_examples=8)
 @given(m=st.integers(1, 5), a=st.integers(1, 3), e=st.integers(1, 6), i=st.integers(1, 50),
        l=st.integers(33, 140), dtype=st.sampled_from(list(DTYPES)), mxfp4=st.booleans(),
        routing=st.sampled_from(["random", "skewed", "repeat", "one"]), split=st.integers(1, 5), gemv=st.booleans(),
@@ -66,9 +66,8 @@ def test_split_and_gemv_match_reference(m, a, e, i, l, dtype, mxfp4, routing, sp
     assert arrival_counters.all_zero()
 
 
-@pytest.mark.parametrize("config", [dict(split_l=3), dict(split_l=2, gemv=True, weight_rows=True),
-                                    dict(split_l=4, down_by_token=True)], ids=["split3", "split2-gemv-rows",
-                                                                               "split4-bytoken"])
+@pytest.mark.parametrize("config", [dict(split_l=3), dict(split_l=2, gemv=True, weight_rows=True)],
+                         ids=["split3", "split2-gemv-rows"])
 def test_split_repeated_calls_identical_counters_rearmed(config):
     """The slices are summed in slice order by whichever arrives last: every call gives the same bits, and each leaves
     its counters at zero for the next (one buffer serves every call, no memset)."""
@@ -168,7 +167,7 @@ def test_id_outside_range_reads_no_byte_outside_the_weights():
     """Ids -1 and E with the weights between unreadable pages: no kernel of the decode form, whichever form, reads
     outside the stacks (a fault kills the interpreting process; the tokens come out NaN)."""
     configs = [dict(block_l=32, block_k=32, block_n=16, stages_up=1, stages_down=1, **c) for c in
-               (dict(), dict(split_l=4, weight_rows=True, trigger_early=True), dict(split_l=2, gemv=True),
+               (dict(split_l=4, weight_rows=True, trigger_early=True), dict(split_l=2, gemv=True),
                 dict(gemv=True, weight_rows=True, down_by_token=True))]
     env = dict(os.environ, TRITON_INTERPRET="1")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -420,7 +420,7 @@ def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Te
         if only in (None, "gate_up"):
             _gate_up_kernel[(slots, i_tiles, split)](
                 z, ids, order, offsets, w1, w3, s1, s3, h, ws, counters,
-                m, a, e_count, i_width, l, steps, float(beta or 0.0), float(linear_beta or 0.0),
+                m, a, e_count, i_width, l, steps if split > 1 else 1, float(beta or 0.0), float(linear_beta or 0.0),
                 z.stride(0), z.stride(1), *w1.stride(), *w3.stride(), *ss1, *ss3, h.stride(0),
                 BLOCK_M=block_m, BLOCK_I=config.block_i, BLOCK_L=config.block_l, BLOCK_A=block_a,
                 SORTED=sorted_form, HALVES=halves, DOTS=dots, X_FMT=x_fmt, HAS_BETA=beta is not None,
