@@ -196,9 +196,7 @@ def main(argv=None):
         if not bench.SMOKE:
             torch.cuda.empty_cache()
     chosen = picks(rows, forms)
-    print("\nall rows:")
-    print_rows(rows)
-    print("\npicks (format, M: table's pick -> the pick; us):")
+    print("picks (format, M: table's pick -> the pick; us):")
     for e in chosen:
         base = forms[("bf16" if e["format"] == "float" else "mxfp4", e["m"], "k3")]
         new = MoeConfig(**e["config"])
