@@ -268,18 +268,17 @@ def bounded(fn, seconds: float):
         f"compile still running after {seconds:.0f} s (--autotune-budget)"))
 
 
-def check(name, fn, s, weights, m, routing) -> float:
-    """Relative error of ``fn`` against the fp32 reference on fresh inputs; the swept kernels write into a
-    NaN-poisoned output (the other providers allocate their own). The first call of a compiled provider compiles."""
-    z, experts, wts = make_routing(m, s, routing, layer=99, seed=7)
-    args = (z, experts, wts, *weights)
+def check(name, fn, args, ref) -> float:
+    """Relative error of ``fn`` on ``args`` (fresh inputs) against ``ref()`` (the fp32 reference's output, made once
+    for all providers); the swept kernels write into a NaN-poisoned output (the other providers allocate their own).
+    The first call of a compiled provider compiles."""
     if name.startswith("k3["):
         return float("nan")   # one kernel alone: timing only
     if name.startswith("k3:"):
-        out = fn(*args, out=torch.full_like(z, float("nan")))
+        out = fn(*args, out=torch.full_like(args[0], float("nan")))
     else:
         out = fn(*args)
-    return rel_err(out, moe_experts_ref(*args, *BETAS))
+    return rel_err(out, ref())
 
 
 def run_point(args, s, fmt, weights, m, routing, providers, ceiling) -> list:
@@ -295,11 +294,19 @@ def run_point(args, s, fmt, weights, m, routing, providers, ceiling) -> list:
         n_layers *= 2
     floor_us = sum(layer_bytes) / len(layer_bytes) / (ceiling * 1e12) * 1e6
     rows, runs, errs, compile_s = [], {}, {}, {}
+    inputs = (*make_routing(m, s, routing, layer=99, seed=7), *weights)
+    refs = []
+
+    def ref():
+        if not refs:
+            refs.append(moe_experts_ref(*inputs, *BETAS))
+        return refs[0]
+
     for name, fn in providers.items():
         t0 = time.time()
         try:
             budget = args.autotune_budget if name == "max-autotune" else 0
-            errs[name] = bounded(lambda: check(name, fn, s, weights, m, routing), budget)
+            errs[name] = bounded(lambda: check(name, fn, inputs, ref), budget)
         except Exception as e:   # one provider that cannot run (a compile error) must not take the others with it
             print(f"   {name}: {type(e).__name__}: {str(e)[:300]} ({time.time() - t0:.1f} s)", flush=True)
             continue
@@ -367,19 +374,21 @@ def _prewarm_one(task) -> float:
     return time.time() - t0
 
 
-def prewarm(args) -> None:
-    """Compile every swept configuration in ``args.prewarm`` processes at once (each is three kernels, seconds of
-    compile: in one process they would take most of a benchmark step's time limit)."""
-    if SMOKE or args.prewarm <= 0 or not args.sweep_m:
+def prewarm(args, tasks: Optional[list] = None, timeout: float = 75) -> None:
+    """Compile every swept configuration (``tasks``: (format, tp, config dict, Ms) each; default: the SWEEP lists at
+    ``--sweep-m``) in ``args.prewarm`` processes at once (each is three kernels, seconds of compile: in one process
+    they would take most of a benchmark step's time limit)."""
+    if tasks is None:
+        tasks = [(fmt, tp, dataclasses.asdict(c), sorted(set(args.sweep_m)))
+                 for tp in args.tp for fmt in args.formats for c in (SWEEP if fmt == "bf16" else SWEEP_MXFP4)]
+    if SMOKE or args.prewarm <= 0 or not tasks:
         return
     import multiprocessing
 
-    tasks = [(fmt, tp, dataclasses.asdict(c), sorted(set(args.sweep_m)))
-             for tp in args.tp for fmt in args.formats for c in (SWEEP if fmt == "bf16" else SWEEP_MXFP4)]
     t0 = time.time()
     pool = multiprocessing.get_context("spawn").Pool(min(args.prewarm, len(tasks)))
     try:
-        done = pool.map_async(_prewarm_one, tasks).get(timeout=75)
+        done = pool.map_async(_prewarm_one, tasks).get(timeout=timeout)
         print(f"prewarm: {len(done)} configurations compiled in {time.time() - t0:.1f} s "
               f"({args.prewarm} processes; slowest {max(done):.1f} s)", flush=True)
     except Exception as e:   # the timed process compiles whatever is missing

@@ -7,6 +7,8 @@ times the GPU's; the tolerances cover both. Shapes are small and examples few: i
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import triton
@@ -322,11 +324,14 @@ for name, flavour in json.loads(sys.argv[1]).items():
     kind = flavour.pop("kernel")
     kernel = getattr(kernels, f"_{kind}_kernel")
     dtype, mxfp4 = flavour.pop("dtype"), flavour.get("MXFP4", False)
-    not_16 = flavour.pop("not_16", [])   # integer arguments not a multiple of 16 at K3 shapes (MXFP4: I/32)
-    options = dict(num_warps=flavour.pop("num_warps", 4), num_stages=flavour.pop("num_stages", 3))
+    # integer arguments not a multiple of 16 at K3 shapes (MXFP4: I/32; the gate/up steps of an L slice)
+    not_16 = flavour.pop("not_16", []) + ["STEPS"]
+    options = dict(num_warps=flavour.pop("num_warps", 4), num_stages=flavour.pop("num_stages", 3),
+                   **({"maxnreg": flavour.pop("maxnreg")} if "maxnreg" in flavour else {}))
     const = dict(BLOCK_M=16, BLOCK_A=16, SORTED=False, MXFP4=False, HALVES=False, ASM=False, DOTS=False,
                  X_FMT="fp16" if dtype == "fp16" else "bf16", IEEE=dtype == "fp32",
-                 UPCAST=False, PDL=True, EARLY=False, EVEN_K=False, ROWS=False, S_ALIGN=1, BLOCK_N=64, BLOCK_K=128)
+                 UPCAST=False, PDL=True, EARLY=False, EVEN_K=False, ROWS=False, S_ALIGN=1, BLOCK_N=64, BLOCK_K=128,
+                 SPLIT=1, FMA=False)
     # unit inner strides as Triton specialises them at a launch (the loads vectorise)
     const.update(dict(BLOCK_I=32, BLOCK_L=128, HAS_BETA=True, HAS_LINEAR_BETA=True, s_zl=1, s_1l=1, s_3l=1, s_s1l=1,
                       s_s3l=1) if kind == "gate_up"
@@ -393,6 +398,18 @@ PTX_FLAVOURS = {
     "gate_up_rows-fp16-mxfp4-sorted": dict(kernel="gate_up", dtype="fp16", ROWS=True, MXFP4=True, SORTED=True),
     # down_by_token: the down product and the combine in one kernel
     "down_token-bf16": dict(kernel="down_token", dtype="bf16", EARLY=True, EVEN_K=True, BLOCK_N=16, num_stages=8),
+    # split_l: gate/up over slices of L, the last slice to arrive summing them; gemv: the products on CUDA cores
+    "gate_up-bf16-split-early": dict(kernel="gate_up", dtype="bf16", SPLIT=2, EARLY=True, num_stages=3),
+    "gate_up-bf16-mxfp4-bits-split-early": dict(kernel="gate_up", dtype="bf16", ROWS=True, MXFP4=True, ASM=True,
+                                                EARLY=True, EVEN_K=True, BLOCK_L=128, SPLIT=2, num_stages=5),
+    "gate_up-bf16-mxfp4-bits-split-maxnreg-early": dict(kernel="gate_up", dtype="bf16", ROWS=True, MXFP4=True,
+                                                        ASM=True, EARLY=True, EVEN_K=True, BLOCK_L=128, SPLIT=2,
+                                                        num_stages=5, maxnreg=80),
+    "gate_up-bf16-mxfp4-bits-split-gemv-early": dict(kernel="gate_up", dtype="bf16", ROWS=True, MXFP4=True, ASM=True,
+                                                     EARLY=True, EVEN_K=True, BLOCK_I=16, BLOCK_L=128, SPLIT=7,
+                                                     FMA=True, BLOCK_M=1, num_stages=1),
+    "down-bf16-gemv-early": dict(kernel="down", dtype="bf16", FMA=True, BLOCK_M=1, BLOCK_N=32, EARLY=True,
+                                 num_stages=1),
 }
 
 
@@ -445,6 +462,29 @@ def test_candidates_sm90_loads_pipelined_no_spills(sm90_ptx, flavour):
         assert "tt.load " not in loop, "a load of the K loop is not pipelined"
     if "mxfp4" in flavour:
         assert "tt.elementwise_inline_asm" in loop or "sorted" in flavour or "fp16" in flavour
+
+
+@pytest.mark.parametrize("flavour", sorted(f for f in PTX_FLAVOURS if "-split" in f or "-gemv" in f))
+def test_split_and_gemv_sm90(sm90_ptx, flavour):
+    """The split gate/up counts its arrival with an acq_rel atomic at GPU scope, reads the other slices' partials
+    through L2 (.cg), rearms its counter by an exchange, and pipelines its slice's loads (16-byte cp.async) where the
+    products are MMAs; the CUDA-core forms issue no MMA. No spills, but where a register cap is asked (ptxas honours
+    it, spilling little)."""
+    got = sm90_ptx[flavour]
+    ptx = got["ptx"]
+    if got["ptxas"]:
+        regs = int(re.search(r"Used (\d+) registers", got["ptxas"]).group(1))
+        spills = int(re.search(r"(\d+) bytes spill stores", got["ptxas"]).group(1))
+        assert (regs <= 80 and spills <= 64) if "maxnreg" in flavour else spills == 0, got["ptxas"]
+    if "-split" in flavour:
+        atoms = [line for line in ptx.splitlines() if "atom.global" in line]
+        assert any(".acq_rel." in a and ".gpu." in a and ".add." in a for a in atoms), "arrival: acq_rel add, GPU scope"
+        assert any(".exch." in a for a in atoms), "the counter rearmed by an exchange"
+        assert "ld.global.cg" in ptx, "the partials read through L2"
+    if "-gemv" in flavour:
+        assert "mma" not in ptx
+    else:
+        assert any("cp.async.cg.shared.global" in line and "0x10" in line for line in ptx.splitlines())
 
 
 # ---------------------------------------------------------------------------------------------

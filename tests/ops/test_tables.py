@@ -105,9 +105,33 @@ def test_the_tail_tuner_writes_what_the_tail_dispatch_reads():
     assert tail_dispatch.triton_config_for(torch.bfloat16, 5, 7168, 3584, True, table, 132) == tri
 
 
-@pytest.mark.parametrize("name", ["tune_skinny_gemm", "tune_latent_moe_tail"])
+@pytest.mark.parametrize("name", ["tune_skinny_gemm", "tune_latent_moe_tail", "tune_moe_experts"])
 def test_tuners_import_without_a_gpu(name):
     assert callable(_benchmark(name).main)
+
+
+def test_the_moe_tuner_writes_what_the_moe_dispatch_reads(tmp_path):
+    """``tune_moe_experts.picks``: a candidate replaces the table's pick where it is faster by more than the margin
+    and correct; the table's pick stays otherwise; ``config.tuned_config`` reads back each M's pick."""
+    from k3compile.ops.moe_experts.config import MoeConfig, tuned_config
+
+    tune = _benchmark("tune_moe_experts")
+    base, split, fast_wrong = MoeConfig(), MoeConfig(split_l=4, trigger_early=True), MoeConfig(gemv=True)
+    forms = {}
+    rows = []
+    for m, us in ((1, {"k3": 40.0, "k3:split": 30.0, "k3:wrong": 10.0}), (2, {"k3": 50.0, "k3:split": 49.9})):
+        for name, t in us.items():
+            forms[("mxfp4", m, name)] = {"k3": base, "k3:split": split, "k3:wrong": fast_wrong}[name]
+            rows.append(dict(format="mxfp4", m=m, provider=name, us=t,
+                             rel_err=float("nan") if name == "k3:wrong" else 1e-3))
+    entries = tune.picks(rows, forms)
+    path = tmp_path / "h200.json"
+    tune.write_picks(path, entries)
+    table = json.loads(path.read_text())
+    pick = lambda m: tuned_config(table, m, torch.bfloat16, True, 384, 3584)   # noqa: E731
+    assert pick(1) == split and pick(2) == base                      # 49.9 vs 50.0: within the margin
+    assert [e["default_us"] for e in entries] == [40.0, 50.0]
+    assert tuned_config(table, 16, torch.bfloat16, False, 384, 3584) is not None   # the committed entries kept
 
 
 def _doc():

@@ -45,6 +45,17 @@ class MoeConfig:
     # decode form: the down product and the combine in one kernel, a program per (token, block_n columns) looping
     # over the token's slots in order (no partials, no combine launch; an expert two tokens chose is read twice)
     down_by_token: bool = False
+    # decode form: the gate/up programs of an (expert, i-tile) split L into this many slices (more programs, more
+    # bytes in flight at a few tokens); each writes fp32 partial sums of gate and up, and the last of them to arrive
+    # (an arrival counter, ``k3compile/ops/arrival_counters.py``) sums them in slice order and applies SiTU-GLU
+    split_l: int = 1
+    # decode form: the products as broadcast multiplies summed on the CUDA cores (no tl.dot), the tokens padded to a
+    # power of two from 1 instead of tl.dot's 16 rows (a GEMV at one token); both products, not the by-token down
+    gemv: bool = False
+    # ptxas register caps a thread (Triton's ``maxnreg``, NVIDIA only; 0: none) of the gate/up and the down kernels:
+    # more resident programs, so more loads in flight, at the price of spills
+    maxnreg_up: int = 0
+    maxnreg_down: int = 0
 
     def __post_init__(self):
         for name in ("block_m", "block_i", "block_l", "block_n", "block_k"):
@@ -53,6 +64,12 @@ class MoeConfig:
                 raise ValueError(f"MoeConfig.{name}={v}: a power of two >= 16")
         if self.block_l < MXFP4_GROUP or self.block_k < MXFP4_GROUP:
             raise ValueError("MoeConfig: block_l and block_k must cover whole MXFP4 groups (>= 32)")
+        if self.split_l < 1:
+            raise ValueError(f"MoeConfig.split_l={self.split_l}: >= 1")
+        for name in ("maxnreg_up", "maxnreg_down"):
+            v = getattr(self, name)
+            if v and not 24 <= v <= 255:
+                raise ValueError(f"MoeConfig.{name}={v}: 0 (no cap) or 24..255 registers")
 
     def tag(self) -> str:
         return (f"m{self.block_m}-i{self.block_i}-l{self.block_l}-w{self.warps_up}s{self.stages_up}"
@@ -60,7 +77,9 @@ class MoeConfig:
                 f"{'-pre' if self.preload else ''}{'-halves' if self.mxfp4_halves else ''}"
                 f"{'-asm' if self.mxfp4_asm else ''}{'-dots' if self.mxfp4_dot_scaled else ''}"
                 f"{'-rows' if self.weight_rows else ''}{'-early' if self.trigger_early else ''}"
-                f"{'-bytoken' if self.down_by_token else ''}")
+                f"{'-bytoken' if self.down_by_token else ''}{f'-split{self.split_l}' if self.split_l > 1 else ''}"
+                f"{'-gemv' if self.gemv else ''}{f'-r{self.maxnreg_up}' if self.maxnreg_up else ''}"
+                f"{f'-rd{self.maxnreg_down}' if self.maxnreg_down else ''}")
 
 
 def tuned_config(table: dict, m: int, dtype: torch.dtype, mxfp4: bool, i: int, l: int) -> Optional[MoeConfig]:

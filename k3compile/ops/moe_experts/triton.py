@@ -33,7 +33,15 @@ Other forms of the same math (``config.MoeConfig`` picks; ``benchmarks/moe_exper
   z is loaded contiguous and (MXFP4) split into even and odd columns in registers, so every load of the K loop
   pipelines (cp.async);
 - ``down_by_token`` (decode): ``triton_token._down_token_kernel`` does the down product and the combine, a program
-  per (token, n-tile) streaming the token's A experts in slot order: no partials and no third launch.
+  per (token, n-tile) streaming the token's A experts in slot order: no partials and no third launch;
+- ``split_l`` (decode): the gate/up grid gets a third axis, slices of L (at M = 1, 16 experts x 12 i-tiles fill
+  192 programs, under two a GPU of 132 SMs: the slices put more programs, and bytes, in flight); each slice stores its
+  fp32 gate and up sums (``ws [S, P, 2, I]``) and counts itself in at its (slot, i-tile)'s arrival counter
+  (``k3compile/ops/arrival_counters.py``: zero between launches, no memset, CUDA-graph safe); the last to arrive sums
+  the slices in slice order (the same result every run), applies SiTU-GLU and stores h, which the down kernel reads
+  as before. No extra launch;
+- ``gemv`` (decode): both products as fp32 broadcast multiplies summed on the CUDA cores instead of ``tl.dot``, the
+  tokens padded to a power of two from 1 (``tl.dot`` takes 16 rows, 15 of them empty at M = 1).
 
 MXFP4 weights: codes and scales are loaded as bytes and dequantised in registers to z's dtype, exactly as
 ``model/moe.py`` dequantises them, before the products: interleaved into one tile (``triton_tiles._mxfp4_tile``), or
@@ -58,10 +66,11 @@ import triton
 import triton.language as tl
 
 from k3compile.backends import Reason, is_rocm
+from k3compile.ops.arrival_counters import arrival_counters
 
 from .config import MoeConfig, decode_form, default_config, table, tuned_config  # noqa: F401
-from .triton_tiles import (_act_rows, _act_tiles, _chunk_pairs, _dot2, _down_step, _my_expert, _rows_tiles,
-                           _situ_glu, _w2_tiles, _weight_tiles, gdc_launch_dependents, gdc_wait)
+from .triton_tiles import (_act_rows, _act_tiles, _chunk_pairs, _dot2, _down_step, _glu_store, _my_expert,
+                           _rows_tiles, _w2_tiles, _weight_tiles, gdc_launch_dependents, gdc_wait)
 from .triton_token import _down_token_kernel
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -77,17 +86,23 @@ def pdl_capable(device: torch.device) -> bool:
 
 @triton.jit(do_not_specialize=["M"])
 def _gate_up_kernel(
-    p_z, p_ids, p_order, p_offsets, p_w1, p_w3, p_s1, p_s3, p_h,
-    M, A, E, I, L, beta, linear_beta,
+    p_z, p_ids, p_order, p_offsets, p_w1, p_w3, p_s1, p_s3, p_h, p_ws, p_cnt,
+    M, A, E, I, L, STEPS, beta, linear_beta,
     s_zm, s_zl, s_1e, s_1i, s_1l, s_3e, s_3i, s_3l, s_s1e, s_s1i, s_s1l, s_s3e, s_s3i, s_s3l, s_hp,
     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_A: tl.constexpr,
     SORTED: tl.constexpr, MXFP4: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr, DOTS: tl.constexpr,
     X_FMT: tl.constexpr, HAS_BETA: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr, IEEE: tl.constexpr,
     UPCAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, EVEN_K: tl.constexpr, ROWS: tl.constexpr,
+    SPLIT: tl.constexpr, FMA: tl.constexpr,
 ):
     """ROWS (``MoeConfig.weight_rows``): ``BLOCK_I`` rows of w1 above the same rows of w3 in one [2·BLOCK_I,
     BLOCK_L] tile, acc [2·BLOCK_I, BLOCK_M] = w · zᵀ split into gate and up after the loop; w1 and w3 then share
-    their column strides (``s_1l``, scales ``s_s1l``; the host checks)."""
+    their column strides (``s_1l``, scales ``s_s1l``; the host checks).
+
+    SPLIT > 1 (``MoeConfig.split_l``, decode form): program (slot, i-tile, slice) takes ``STEPS`` steps of L from
+    slice·STEPS·BLOCK_L on and stores its fp32 gate and up sums in ``ws [SPLIT, P, 2, I]``; the last of the SPLIT
+    programs of its (slot, i-tile) to arrive at counter ``p_cnt[slot, i-tile]`` sums the slices in order, applies
+    SiTU-GLU, stores h and sets the counter back to 0. FMA (``MoeConfig.gemv``): products on the CUDA cores."""
     slot = tl.program_id(0)
     i_i = tl.program_id(1)
     if PDL:
@@ -100,10 +115,24 @@ def _gate_up_kernel(
         o_i = i_i * BLOCK_I + tl.arange(0, BLOCK_I)
         m_i = o_i < I
         e64 = e.to(tl.int64)   # E·I·L may pass 2**31
-        p_w1e = p_w1 + e64 * s_1e
-        p_w3e = p_w3 + e64 * s_3e
-        p_s1e = p_s1 + e64 * s_s1e
-        p_s3e = p_s3 + e64 * s_s3e
+        # this program's slice of L: SPLIT > 1, whole steps from l_lo on (EVEN_K's masks and alignments hold); the
+        # weight and z pointers start there and the loop runs from 0 (a loop from a per-program start kept ~70 more
+        # registers a thread live, sm_90 bf16)
+        if SPLIT > 1:
+            i_s = tl.program_id(2)
+            l_lo = i_s * STEPS * BLOCK_L
+            l_len = tl.minimum(STEPS * BLOCK_L, L - l_lo)
+        else:
+            l_lo = 0
+            l_len = L
+        if MXFP4:
+            c_lo = l_lo // 2   # two codes a byte
+        else:
+            c_lo = l_lo
+        p_w1e = p_w1 + e64 * s_1e + c_lo * s_1l
+        p_w3e = p_w3 + e64 * s_3e + c_lo * s_3l
+        p_s1e = p_s1 + e64 * s_s1e + (l_lo // 32) * s_s1l
+        p_s3e = p_s3 + e64 * s_s3e + (l_lo // 32) * s_s3l
         if ROWS:   # each stacked row's first code (element) and scale
             o_r = tl.arange(0, 2 * BLOCK_I)
             o_ir = i_i * BLOCK_I + o_r % BLOCK_I
@@ -112,25 +141,25 @@ def _gate_up_kernel(
         dtype = p_z.dtype.element_ty
         for c in range(0, chunks):   # one chunk unless more than BLOCK_M pairs chose e
             pairs, m_j = _chunk_pairs(p_ids, p_order, e, start, c, count, M, A, SORTED, BLOCK_M, BLOCK_A)
-            p_zj = p_z + (pairs // A)[:, None] * s_zm
+            p_zj = p_z + l_lo * s_zl + (pairs // A)[:, None] * s_zm
             m_z = m_j[:, None]
             acc_g = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
             acc = tl.zeros([2 * BLOCK_I, BLOCK_M], dtype=tl.float32)
-            for l0 in range(0, L, BLOCK_L):
+            for l0 in range(0, l_len, BLOCK_L):
                 if ROWS:
-                    b_wa, b_wb = _rows_tiles(p_wr, p_sr, o_ir < I, l0, L, s_1l, s_s1l, 2 * BLOCK_I, BLOCK_L, MXFP4,
+                    b_wa, b_wb = _rows_tiles(p_wr, p_sr, o_ir < I, l0, l_len, s_1l, s_s1l, 2 * BLOCK_I, BLOCK_L, MXFP4,
                                              ASM, dtype, EVEN_K)
-                    b_za, b_zb = _act_rows(p_zj, m_z, l0, L, s_zl, BLOCK_M, BLOCK_L, MXFP4, EVEN_K)
-                    acc = _dot2(acc, b_wa, b_wb, b_za, b_zb, MXFP4, False, X_FMT, IEEE, UPCAST)   # acc + w · zᵀ
+                    b_za, b_zb = _act_rows(p_zj, m_z, l0, l_len, s_zl, BLOCK_M, BLOCK_L, MXFP4, EVEN_K)
+                    acc = _dot2(acc, b_wa, b_wb, b_za, b_zb, MXFP4, False, X_FMT, IEEE, UPCAST, FMA)   # acc + w · zᵀ
                 else:
-                    b_w1a, b_w1b = _weight_tiles(p_w1e, p_s1e, o_i, m_i, l0, L, s_1i, s_1l, s_s1i, s_s1l, BLOCK_I,
-                                                 BLOCK_L, MXFP4, HALVES, ASM, DOTS, dtype, EVEN_K)
-                    b_w3a, b_w3b = _weight_tiles(p_w3e, p_s3e, o_i, m_i, l0, L, s_3i, s_3l, s_s3i, s_s3l, BLOCK_I,
-                                                 BLOCK_L, MXFP4, HALVES, ASM, DOTS, dtype, EVEN_K)
-                    b_za, b_zb = _act_tiles(p_zj, m_z, l0, L, s_zl, BLOCK_L, HALVES)
-                    acc_g = _dot2(acc_g, b_za, b_zb, b_w1a, b_w1b, HALVES, DOTS, X_FMT, IEEE, UPCAST)
-                    acc_u = _dot2(acc_u, b_za, b_zb, b_w3a, b_w3b, HALVES, DOTS, X_FMT, IEEE, UPCAST)
+                    b_w1a, b_w1b = _weight_tiles(p_w1e, p_s1e, o_i, m_i, l0, l_len, s_1i, s_1l, s_s1i, s_s1l,
+                                                 BLOCK_I, BLOCK_L, MXFP4, HALVES, ASM, DOTS, dtype, EVEN_K)
+                    b_w3a, b_w3b = _weight_tiles(p_w3e, p_s3e, o_i, m_i, l0, l_len, s_3i, s_3l, s_s3i, s_s3l,
+                                                 BLOCK_I, BLOCK_L, MXFP4, HALVES, ASM, DOTS, dtype, EVEN_K)
+                    b_za, b_zb = _act_tiles(p_zj, m_z, l0, l_len, s_zl, BLOCK_L, HALVES)
+                    acc_g = _dot2(acc_g, b_za, b_zb, b_w1a, b_w1b, HALVES, DOTS, X_FMT, IEEE, UPCAST, FMA)
+                    acc_u = _dot2(acc_u, b_za, b_zb, b_w3a, b_w3b, HALVES, DOTS, X_FMT, IEEE, UPCAST, FMA)
             if PDL and not EARLY:
                 gdc_launch_dependents()   # after our own wait (static_weights.py, step 1); again is a no-op
             # the model rounds both products, then h, to z's dtype (model/moe.py experts_gathered). ROWS keeps the
@@ -138,15 +167,40 @@ def _gate_up_kernel(
             # product's operands back
             if ROWS:
                 acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_I, BLOCK_M)), (1, 2, 0)))
-                p_hi = p_h + pairs[None, :].to(tl.int64) * s_hp + o_i[:, None]
+                o_p = pairs[None, :].to(tl.int64)
+                o_ii = o_i[:, None]
                 m_hi = m_j[None, :] & m_i[:, None]
             else:
-                p_hi = p_h + pairs[:, None].to(tl.int64) * s_hp + o_i[None, :]
+                o_p = pairs[:, None].to(tl.int64)
+                o_ii = o_i[None, :]
                 m_hi = m_j[:, None] & m_i[None, :]
-            gate = acc_g.to(dtype).to(tl.float32)
-            up = acc_u.to(dtype).to(tl.float32)
-            b_h = _situ_glu(gate, up, beta, linear_beta, HAS_BETA, HAS_LINEAR_BETA)
-            tl.store(p_hi, b_h.to(dtype), mask=m_hi)
+            if SPLIT > 1:
+                p_wsi = p_ws + (i_s * M * A + o_p) * (2 * I) + o_ii
+                tl.store(p_wsi, acc_g, mask=m_hi)
+                tl.store(p_wsi + I, acc_u, mask=m_hi)
+            else:
+                _glu_store(acc_g, acc_u, p_h + o_p * s_hp + o_ii, m_hi, beta, linear_beta, HAS_BETA, HAS_LINEAR_BETA)
+        if SPLIT > 1:
+            # every thread's partials are written before the arrival is published (release); the last of the SPLIT
+            # programs reads them all through L2 (acquire, .cg: never a stale L1 line), in slice order
+            tl.debug_barrier()
+            p_c = p_cnt + slot * tl.num_programs(1) + i_i
+            arrived = tl.atomic_add(p_c, 1, sem="acq_rel", scope="gpu")
+            tl.debug_barrier()
+            if arrived == SPLIT - 1:
+                for c in range(0, chunks):
+                    pairs, m_j = _chunk_pairs(p_ids, p_order, e, start, c, count, M, A, SORTED, BLOCK_M, BLOCK_A)
+                    o_p = pairs[:, None].to(tl.int64)
+                    m_hi = m_j[:, None] & m_i[None, :]
+                    acc_g = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
+                    acc_u = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
+                    for s in tl.static_range(SPLIT):
+                        p_wsi = p_ws + (s * M * A + o_p) * (2 * I) + o_i[None, :]
+                        acc_g += tl.load(p_wsi, mask=m_hi, other=0., cache_modifier=".cg")
+                        acc_u += tl.load(p_wsi + I, mask=m_hi, other=0., cache_modifier=".cg")
+                    _glu_store(acc_g, acc_u, p_h + o_p * s_hp + o_i[None, :], m_hi, beta, linear_beta, HAS_BETA,
+                               HAS_LINEAR_BETA)
+                tl.atomic_xchg(p_c, 0, sem="relaxed", scope="gpu")   # ready for the next launch
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -157,7 +211,7 @@ def _down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_A: tl.constexpr,
     SORTED: tl.constexpr, MXFP4: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr, DOTS: tl.constexpr,
     X_FMT: tl.constexpr, PRELOAD: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
-    EARLY: tl.constexpr, EVEN_K: tl.constexpr, ROWS: tl.constexpr, S_ALIGN: tl.constexpr,
+    EARLY: tl.constexpr, EVEN_K: tl.constexpr, ROWS: tl.constexpr, S_ALIGN: tl.constexpr, FMA: tl.constexpr,
 ):
     """ROWS: w2's rows as the product's rows, acc [BLOCK_N, BLOCK_M] = w2 · hᵀ. ``S_ALIGN``: a power of two dividing
     the scales' row stride (so the scale bytes load as words)."""
@@ -196,10 +250,10 @@ def _down_kernel(
                 b_wa, b_wb = _w2_tiles(p_w2e, p_s2e, o_n, m_n, k0, I, s_2l, s_2i, s_s2l, s_s2i, BLOCK_N, BLOCK_K,
                                        MXFP4, HALVES, ASM, DOTS, dtype, EVEN_K, ROWS)
                 acc = _down_step(acc, b_wa, b_wb, p_hj, m_hj, k0, I, BLOCK_M, BLOCK_K, MXFP4, HALVES, DOTS, X_FMT,
-                                 IEEE, UPCAST, EVEN_K, ROWS)
+                                 IEEE, UPCAST, EVEN_K, ROWS, FMA)
             if PRELOAD:
                 acc = _down_step(acc, b_w0a, b_w0b, p_hj, m_hj, 0, I, BLOCK_M, BLOCK_K, MXFP4, HALVES, DOTS, X_FMT,
-                                 IEEE, UPCAST, EVEN_K, ROWS)
+                                 IEEE, UPCAST, EVEN_K, ROWS, FMA)
             if PDL and not EARLY:
                 gdc_launch_dependents()   # after our own wait
             # y rounded to z's dtype as the model's product is, then weighted in fp32; ROWS stores [BLOCK_N, BLOCK_M]
@@ -273,6 +327,14 @@ def _rows_fit(w1, w3, w1_scale, w3_scale) -> bool:
     return w1.stride(2) == w3.stride(2) and (w1_scale is None or w1_scale.stride(2) == w3_scale.stride(2))
 
 
+def _split_l(l: int, block_l: int, split_l: int) -> tuple[int, int]:
+    """(slices, steps of ``block_l`` each) for the gate/up programs' split of L into at most ``split_l`` slices:
+    whole steps each, none empty (3584 columns in steps of 256 over 8 asked: 7 slices of 2 steps)."""
+    n_steps = triton.cdiv(l, block_l)
+    steps = triton.cdiv(n_steps, max(1, split_l))
+    return triton.cdiv(n_steps, steps), steps
+
+
 def _pow2_dividing(n: int, cap: int = 16) -> int:
     p = 1
     while p < cap and n % (2 * p) == 0:
@@ -314,9 +376,22 @@ def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Te
     else:
         order = offsets = ids   # unused
         slots = np_
-    block_m = config.block_m if sorted_form else max(16, triton.next_power_of_2(m))   # decode: a row per token
+    gemv = config.gemv and not sorted_form
+    if sorted_form:
+        block_m = config.block_m
+    else:   # a row per token: tl.dot takes 16 rows at least, the CUDA-core products any power of two
+        block_m = triton.next_power_of_2(m) if gemv else max(16, triton.next_power_of_2(m))
     block_a = triton.next_power_of_2(a)
     h = torch.empty((np_, i_width), dtype=z.dtype, device=z.device)
+    i_tiles = triton.cdiv(i_width, config.block_i)
+    split, steps = _split_l(l, config.block_l, 1 if sorted_form else config.split_l)
+    if split > 1:   # fp32 partial sums of gate and up, the arrival counters their last slice reads them behind
+        ws = torch.empty((split, np_, 2, i_width), dtype=torch.float32, device=z.device)
+        counters = arrival_counters(z.device, slots * i_tiles)
+        if counters is None:   # a first call inside a CUDA-graph capture: zeroed by the graph itself, every replay
+            counters = torch.zeros(slots * i_tiles, dtype=torch.int32, device=z.device)
+    else:
+        ws, counters = h, ids   # unused
     by_token = config.down_by_token and not sorted_form   # the down kernel sums each token itself: no partials
     part = torch.empty((0 if by_token else np_, l), dtype=torch.float32, device=z.device)
     n_tiles = triton.cdiv(l, config.block_n)
@@ -327,9 +402,12 @@ def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Te
     s1, s3, s2 = (w1_scale, w3_scale, w2_scale) if mxfp4 else (w1, w3, w2)   # placeholders when float
     ss1, ss3, ss2 = (_strides3(w1_scale), _strides3(w3_scale), _strides3(w2_scale)) if mxfp4 else ((0, 0, 0),) * 3
     launch = dict(launch_pdl=True) if pdl else {}
+    nvidia = on_gpu and not is_rocm()   # maxnreg is an NVIDIA option (Triton raises on it elsewhere)
+    regs_up = dict(maxnreg=config.maxnreg_up) if nvidia and config.maxnreg_up else {}
+    regs_down = dict(maxnreg=config.maxnreg_down) if nvidia and config.maxnreg_down else {}
     rows = config.weight_rows and _rows_fit(w1, w3, w1_scale, w3_scale)
     # Triton's scaled product: bf16 / fp16 z on a GPU (the interpreter lacks it: there the halves below)
-    dots = mxfp4 and config.mxfp4_dot_scaled and on_gpu and z.dtype != torch.float32 and not rows
+    dots = mxfp4 and config.mxfp4_dot_scaled and on_gpu and z.dtype != torch.float32 and not rows and not gemv
     halves = mxfp4 and not dots and (config.mxfp4_halves or config.mxfp4_dot_scaled or rows or by_token)
     # the PTX conversions: bf16 on an NVIDIA GPU (the interpreter runs no inline assembly)
     asm = halves and config.mxfp4_asm and on_gpu and not is_rocm() and z.dtype == torch.bfloat16
@@ -340,14 +418,15 @@ def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Te
     on_device = torch.cuda.device(z.device) if on_gpu else contextlib.nullcontext()
     with on_device:
         if only in (None, "gate_up"):
-            _gate_up_kernel[(slots, triton.cdiv(i_width, config.block_i))](
-                z, ids, order, offsets, w1, w3, s1, s3, h,
-                m, a, e_count, i_width, l, float(beta or 0.0), float(linear_beta or 0.0),
+            _gate_up_kernel[(slots, i_tiles, split)](
+                z, ids, order, offsets, w1, w3, s1, s3, h, ws, counters,
+                m, a, e_count, i_width, l, steps if split > 1 else 1, float(beta or 0.0), float(linear_beta or 0.0),
                 z.stride(0), z.stride(1), *w1.stride(), *w3.stride(), *ss1, *ss3, h.stride(0),
                 BLOCK_M=block_m, BLOCK_I=config.block_i, BLOCK_L=config.block_l, BLOCK_A=block_a,
                 SORTED=sorted_form, HALVES=halves, DOTS=dots, X_FMT=x_fmt, HAS_BETA=beta is not None,
                 HAS_LINEAR_BETA=linear_beta is not None, EVEN_K=(dots or rows) and l % config.block_l == 0,
-                ROWS=rows, num_warps=config.warps_up, num_stages=config.stages_up, **common, **launch,
+                ROWS=rows, SPLIT=split, FMA=gemv, num_warps=config.warps_up, num_stages=config.stages_up, **common,
+                **launch, **regs_up,
             )
         if only in (None, "down") and by_token:
             _down_token_kernel[(m, n_tiles)](
@@ -356,7 +435,7 @@ def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Te
                 *w2.stride(), *ss2, h.stride(0), out.stride(0), out.stride(1),
                 BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_A=block_a, S_ALIGN=s_align,
                 EVEN_K=i_width % config.block_k == 0, num_warps=config.warps_down, num_stages=config.stages_down,
-                **common, **launch,
+                **common, **launch, **regs_down,
             )
         elif only in (None, "down"):
             _down_kernel[(slots, n_tiles)](
@@ -365,8 +444,8 @@ def moe_experts_triton(z: torch.Tensor, experts: torch.Tensor, weights: torch.Te
                 *w2.stride(), *ss2, h.stride(0),
                 BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_A=block_a,
                 SORTED=sorted_form, HALVES=halves, DOTS=dots, X_FMT=x_fmt, PRELOAD=config.preload,
-                EVEN_K=(dots or rows) and i_width % config.block_k == 0, ROWS=rows, S_ALIGN=s_align,
-                num_warps=config.warps_down, num_stages=config.stages_down, **common, **launch,
+                EVEN_K=(dots or rows) and i_width % config.block_k == 0, ROWS=rows, S_ALIGN=s_align, FMA=gemv,
+                num_warps=config.warps_down, num_stages=config.stages_down, **common, **launch, **regs_down,
             )
         if only in (None, "combine") and not by_token:
             _combine_kernel[(m, n_tiles)](

@@ -202,15 +202,15 @@ def _act_tiles(p_rows, m_rows, k0, K, s_k, BK: tl.constexpr, HALVES: tl.constexp
 
 @triton.jit
 def _dot2(acc, b_xa, b_xb, b_wa, b_wb, HALVES: tl.constexpr, DOTS: tl.constexpr, X_FMT: tl.constexpr,
-          IEEE: tl.constexpr, UPCAST: tl.constexpr):
+          IEEE: tl.constexpr, UPCAST: tl.constexpr, FMA: tl.constexpr = False):
     """``acc + x·wᵀ``: one product, or (HALVES) the even columns' plus the odd columns', or (DOTS) Triton's scaled
-    product of x (format X_FMT) with MXFP4 codes ``b_wa`` and E8M0 scales ``b_wb``."""
+    product of x (format X_FMT) with MXFP4 codes ``b_wa`` and E8M0 scales ``b_wb``. FMA: on the CUDA cores."""
     if DOTS:
         acc = tl.dot_scaled(b_xa, None, X_FMT, tl.trans(b_wa), b_wb, "e2m1", acc=acc)
     else:
-        acc = _dot(acc, b_xa, b_wa, IEEE, UPCAST)
+        acc = _dot(acc, b_xa, b_wa, IEEE, UPCAST, FMA)
         if HALVES:
-            acc = _dot(acc, b_xb, b_wb, IEEE, UPCAST)
+            acc = _dot(acc, b_xb, b_wb, IEEE, UPCAST, FMA)
     return acc
 
 
@@ -228,8 +228,11 @@ def _weight_tile(p_w, p_s, o_r, m_r, k0, K, s_wr, s_wk, s_sr, s_sk, R: tl.conste
 
 
 @triton.jit
-def _dot(acc, b_x, b_w, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """``acc + b_x · b_wᵀ`` in fp32 (UPCAST: fp32 operands, for the interpreter's 16-bit dot)."""
+def _dot(acc, b_x, b_w, IEEE: tl.constexpr, UPCAST: tl.constexpr, FMA: tl.constexpr = False):
+    """``acc + b_x · b_wᵀ`` in fp32 (UPCAST: fp32 operands, for the interpreter's 16-bit dot). FMA: as fp32 broadcast
+    multiplies summed over K on the CUDA cores (any row counts: no tl.dot minimum of 16)."""
+    if FMA:
+        return acc + tl.sum(b_x.to(tl.float32)[:, None, :] * b_w.to(tl.float32)[None, :, :], axis=2)
     if UPCAST:
         b_x = b_x.to(tl.float32)
         b_w = b_w.to(tl.float32)
@@ -369,13 +372,24 @@ def _w2_tiles(p_w2e, p_s2e, o_n, m_n, k0, I, s_2l, s_2i, s_s2l, s_s2i, BLOCK_N: 
 @triton.jit
 def _down_step(acc, b_wa, b_wb, p_hj, m_hj, k0, I, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                MXFP4: tl.constexpr, HALVES: tl.constexpr, DOTS: tl.constexpr, X_FMT: tl.constexpr,
-               IEEE: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr, ROWS: tl.constexpr):
+               IEEE: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr, ROWS: tl.constexpr,
+               FMA: tl.constexpr = False):
     """``acc`` plus the product of one w2 step with the pairs' h columns [k0, k0 + BLOCK_K): [BLOCK_N, BLOCK_M]
     (ROWS) or [BLOCK_M, BLOCK_N]."""
     if ROWS:
         b_ha, b_hb = _act_rows(p_hj, m_hj, k0, I, 1, BLOCK_M, BLOCK_K, MXFP4, EVEN_K)
-        return _dot2(acc, b_wa, b_wb, b_ha, b_hb, MXFP4, False, X_FMT, IEEE, UPCAST)   # acc + w · hᵀ
+        return _dot2(acc, b_wa, b_wb, b_ha, b_hb, MXFP4, False, X_FMT, IEEE, UPCAST, FMA)   # acc + w · hᵀ
     else:
         b_ha, b_hb = _act_tiles(p_hj, m_hj, k0, I, 1, BLOCK_K, HALVES)
-        return _dot2(acc, b_ha, b_hb, b_wa, b_wb, HALVES, DOTS, X_FMT, IEEE, UPCAST)
+        return _dot2(acc, b_ha, b_hb, b_wa, b_wb, HALVES, DOTS, X_FMT, IEEE, UPCAST, FMA)
+
+
+@triton.jit
+def _glu_store(acc_g, acc_u, p_hi, m_hi, beta, linear_beta, HAS_BETA: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr):
+    """h = SiTU-GLU(gate, up) stored at ``p_hi`` in h's dtype, with the model's roundings (model/moe.py
+    experts_gathered): both fp32 products, then h, rounded to that dtype."""
+    dtype = p_hi.dtype.element_ty
+    gate = acc_g.to(dtype).to(tl.float32)
+    up = acc_u.to(dtype).to(tl.float32)
+    tl.store(p_hi, _situ_glu(gate, up, beta, linear_beta, HAS_BETA, HAS_LINEAR_BETA).to(dtype), mask=m_hi)
 
