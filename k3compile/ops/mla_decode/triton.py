@@ -242,8 +242,8 @@ def _mla_one(q_nope, q_pe, c_kv, k_pe, w_kv_b, pos, start, q_lat, o_part, m_part
     i_b, i_sp, i_g = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     TH = T * H
     h0 = i_g * HG
-    if PREFETCH_W > 0:   # rows sp, sp + N_SPLIT, .. of the group's [HG, N + VD] rows of w_kv_b
-        o_w = i_sp + N_SPLIT * tl.arange(0, PREFETCH_W)
+    if PREFETCH_W > 0:   # the group's [HG, N + VD] rows of w_kv_b, shared out over the group's B x N_SPLIT programs
+        o_w = i_b * N_SPLIT + i_sp + tl.num_programs(0) * N_SPLIT * tl.arange(0, PREFETCH_W)
         m_w = (o_w < HG * (N + VD)) & (h0 + o_w // (N + VD) < H)
         o_w = tl.minimum(o_w, HG * (N + VD) - 1)
         _prefetch_rows(w_kv_b, (h0 + o_w // (N + VD)) * stride_wh + (o_w % (N + VD)) * stride_wr, m_w, 1,
@@ -504,7 +504,7 @@ def mla_decode_triton(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tens
             n_cnt1 = B * groups * (1 + triton.cdiv(n_split1, G1))
             counters = _counters(device, n_cnt1 + n_cnt)
             BM1 = row_block(T * HG)
-            prefetch_w = triton.next_power_of_2(triton.cdiv(HG * (N + VD), n_split1)) if pdl else 0
+            prefetch_w = triton.next_power_of_2(triton.cdiv(HG * (N + VD), B * n_split1)) if pdl else 0
             _mla_one[(B, n_split1, groups)](
                 q_nope, q_pe, c_kv, k_pe, w_kv_b, pos, start_arg, q_lat,
                 *_partials(B, n_split1 + triton.cdiv(n_split1, G1), TH, LK, device),   # splits, then groups
