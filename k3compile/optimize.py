@@ -14,7 +14,7 @@ torch's own Inductor wrapper (mode, options and CUDA graphs behave exactly as wi
   interpreter) is compiled exactly as plain ``torch.compile`` compiles it, without our pass
   (``passes.stand_down_reason``): the ops' PyTorch references would only be slower than Inductor's code;
 - the CuTe kernels a graph calls are built by worker processes while Inductor compiles it, and waited for before it
-  first runs (``precompile.py``; by default on a GPU with CuTe DSL).
+  first runs (``precompile.py``; opt in: ``precompile=True``).
 
 Each graph's compilation is announced on the ``k3compile`` logger (INFO, shown on stderr unless the
 application configures logging; ``logging.getLogger("k3compile").setLevel(logging.WARNING)`` hides it).
@@ -70,7 +70,7 @@ class K3State:
     choices: dict = field(default_factory=dict)   # this model's kernel choices (choices.recording_choices)
     told: set = field(default_factory=set)        # one-time notices already logged
     regions: str = ""                             # which blocks optimize() made compile regions, or why none
-    precompile: Optional[bool] = None             # build kernels ahead: True / False, None: where it helps
+    precompile: Optional[bool] = None             # build kernels ahead: True / False, None: K3_PRECOMPILE or off
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def tell_once(self, what: str, level: int, msg: str, *args) -> None:
@@ -166,7 +166,7 @@ class K3Inductor(torch._TorchCompileInductorWrapper):
         pass_ = self.config["post_grad_custom_post_pass"]
         key = graph_key(model_, inputs_, pass_.uuid())
         COMPILE_RECORD.take()  # drop records left by an unrelated compile in this thread
-        batch = Batch(*precompile_enabled(state.precompile, state.options.backend, devices))
+        batch = Batch(*precompile_enabled(state.precompile))
         before = cache_counters()
         t0 = time.perf_counter()
         try:
@@ -317,8 +317,8 @@ def optimize(model, *, backend: str = "auto", passes=None, strict: bool = False,
         static-weight proof does not yet see through a region's inputs (``regions.py`` says what that costs).
     precompile: build the kernels each compiled graph will JIT-build at its first call (CuTe DSL's) in worker
         processes while Inductor compiles it, into their disk cache, so that the first call only loads
-        (``k3compile/precompile.py``). None (default): ``K3_PRECOMPILE`` ("1" / "0") where set, else on for graphs on
-        an NVIDIA GPU with CuTe DSL installed (backend "auto" or "cute"), off elsewhere.
+        (``k3compile/precompile.py``). None (default): ``K3_PRECOMPILE`` ("1" / "0") where set, else off (not yet
+        measured on a GPU). On, it builds for graphs on an NVIDIA GPU with CuTe DSL (backend "auto" or "cute").
     torch_compile_kwargs: as ``torch.compile`` (mode, dynamic, fullgraph, options, ...). A
         ``post_grad_custom_post_pass`` given in ``options`` or installed in Inductor's config runs
         after ours.

@@ -124,13 +124,12 @@ def test_a_broken_build_is_reported_with_its_key_and_its_calls_fall_back(fake_cu
     assert "failed: k3_skinny_bfloat16_m4_" in str(rep)
 
 
-def test_precompile_is_on_by_default_only_on_a_gpu_with_cute(monkeypatch):
+def test_precompile_is_opt_in(monkeypatch):
     monkeypatch.delenv("K3_PRECOMPILE", raising=False)
-    assert setting(None) is None
-    assert enabled(None, "auto", ("cpu",)) == (False, "off: no k3 kernel is JIT-built off the GPU")
-    assert not enabled(None, "triton", ("cuda",))[0] and not enabled(None, "reference", ("cuda",))[0]
+    assert setting(None) is None and not enabled(None)[0] and "K3_PRECOMPILE=1" in enabled(None)[1]
+    assert not enabled(False)[0] and enabled(True)[0]
     monkeypatch.setenv("K3_PRECOMPILE", "1")
-    assert setting(None) is True and setting(False) is False and enabled(setting(None), "auto", ("cpu",))[0]
+    assert setting(None) is True and setting(False) is False and enabled(setting(None))[0]
 
 
 def _stand_in(t: torch.Tensor):
