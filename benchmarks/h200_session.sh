@@ -31,10 +31,9 @@ step skinny       ${T_SKINNY:-300} python3 benchmarks/skinny_gemm.py --json "$OU
                                   --png "$OUT/skinny_gemm_h200.png"
 step decode_tp1   ${T_DECODE:-120} python3 benchmarks/tp_decode.py --world-size 1 --backend nccl --config slice \
                                   --batch 1,16 --steps 3 --json "$OUT/decode_tp1.json"
-# the MLA decode layout table first (written into the tree, so the benchmark's dispatch reads it; its stage 3,
-# the forms, about a minute of the 240 s), then the sweep
-step mla_tune     ${T_MLA_TUNE:-240} python3 benchmarks/tune_mla_decode.py --out "$OUT/mla_decode_table_h200.json" \
-                                  --log "$OUT/mla_tune_log.json" --forms-json "$OUT/mla_forms_h200.json"
+# the MLA decode layout table first (written into the tree, so the benchmark's dispatch reads it), then the sweep
+step mla_tune     ${T_MLA_TUNE:-150} python3 benchmarks/tune_mla_decode.py --out "$OUT/mla_decode_table_h200.json" \
+                                  --log "$OUT/mla_tune_log.json"
 step mla_decode   ${T_MLA:-240}   python3 benchmarks/mla_decode.py ${MLA_ARGS:-} --out "$OUT/mla_decode_h200.json"
 # not in the default STEPS (about 6 minutes): STEPS=decode_step
 step decode_step  ${T_STEP:-460}  python3 benchmarks/decode_step.py --tp 8 --layers 4 --batch 1,8 --context 1024 \

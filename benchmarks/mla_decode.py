@@ -120,13 +120,9 @@ def k3_config(pool) -> dict:
 
 
 def _layout_tag(c: dict) -> str:
-    """keys/warps/stages, programs an SM, fewest tiles a split, read-back, form where not the chain (heads a program,
-    the hybrid's threshold): "32/4/3 p2 t4 fused", "64/4/3 p1 t2 hybrid:1<2048"."""
-    form = c.get("form", "chain")
-    form = "" if form == "chain" else f" {form}" + ("" if form == "last" else f":{c['group_heads']}") + (
-        f"<{c['short_keys']}" if form == "hybrid" else "")
+    """keys/warps/stages, programs an SM, fewest tiles a split, read-back form: "32/4/3 p2 t4 fused"."""
     return (f"{c['block_s']}/{c['num_warps']}/{c['num_stages']} p{c['programs_per_sm']} t{c['min_split_tiles']}"
-            f"{' fused' if c['fused_readback'] else ''}{form}")
+            f"{' fused' if c['fused_readback'] else ''}")
 
 
 _COMPILED = []

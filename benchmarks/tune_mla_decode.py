@@ -11,12 +11,6 @@ medians over rotated caches as in ``benchmarks/mla_decode.py``). Two stages keep
 2. per batch bucket, the split rule and read-back (fewest tiles a split; for batch <= 4 also the fused combine +
    read-back) under the layout stage 1 picked at the nearest of those batches, lengths 1K, 8K, 128K.
 
-3. (rows 16) per batch bucket 1, 8, 64, the forms (``TritonConfig.form``: ``last``, ``one``, ``hybrid``, in the
-   bucket's layout) against the bucket's pick, lengths 1K, 4K, 8K, 32K, 128K: a table of µs per length is printed
-   and written (``--forms-json``); a form replaces the pick only where its geometric mean over stage 2's lengths
-   (1K, 8K, 128K) beats the pick's by more than ``--min-gain``. Every candidate's output is checked against the
-   pick's at every length, and the arrival counters must be back at zero after its timing.
-
 Every candidate's output is checked against the default's on the first length before it is timed (a wrong one is
 logged and dropped). A pick goes into the table only where it beats ``config.default_config`` by more than
 ``--min-gain``. Batch buckets run 1, 8, 64 first; past ``--budget-s`` the remaining ones are skipped (they keep the
@@ -24,7 +18,6 @@ default; the log says so). The table is written after every bucket.
 
     python benchmarks/tune_mla_decode.py                       # rows 16 (12 or 6 heads, T = 1), batch 1-64
     python benchmarks/tune_mla_decode.py --rows 16 64          # also T x H = 48 (12 heads, T = 4)
-    python benchmarks/tune_mla_decode.py --forms               # stage 3 alone, on the table this GPU has
     python benchmarks/tune_mla_decode.py --dry-run             # CPU, interpreter, tiny widths: the code only
 """
 from __future__ import annotations
@@ -76,26 +69,12 @@ def split_rules(layout, batch: int):
         yield dataclasses.replace(layout, min_split_tiles=tiles, fused_readback=fuse)
 
 
-def forms(pick, heads: int):
-    """The other forms in the layout of ``pick`` (a bucket's chain): the last-arrival combine; one launch at one head a
-    program, and at all heads a program (8 warps: 4 spill); the hybrid at one head a program up to 2K and 8K keys."""
-    chain = dataclasses.replace(pick, fused_readback=False)
-    yield dataclasses.replace(chain, form="last")
-    yield dataclasses.replace(chain, form="one", group_heads=1)
-    yield dataclasses.replace(chain, form="one", group_heads=heads, num_warps=8)
-    for short in (2 * K, 8 * K):
-        yield dataclasses.replace(chain, form="hybrid", group_heads=1, short_keys=short)
-
-
 def tag(c) -> str:
     """A layout in a few characters: keys/warps/stages, programs an SM, fewest tiles a split, fused read-back,
-    L2 prefetch tiles (where not 2), PDL off, the form where not the chain (heads a program, the hybrid's
-    threshold): "32/4/3p2 t4 fused", "32/4/3p2 t4 pf0", "32/4/3p2 t4 nopdl", "64/4/3p1 t2 one:1", "hybrid:1<8K"."""
-    form = {"chain": "", "last": " last", "one": f" one:{c.group_heads}",
-            "hybrid": f" hybrid:{c.group_heads}<{c.short_keys // K}K"}[c.form]
+    L2 prefetch tiles (where not 2), PDL off: "32/4/3p2 t4 fused", "32/4/3p2 t4 pf0", "32/4/3p2 t4 nopdl"."""
     return (f"{c.block_s}/{c.num_warps}/{c.num_stages}p{c.programs_per_sm} t{c.min_split_tiles}"
             f"{' fused' if c.fused_readback else ''}{'' if c.prefetch_tiles == 2 else f' pf{c.prefetch_tiles}'}"
-            f"{'' if c.pdl else ' nopdl'}{form}")
+            f"{'' if c.pdl else ' nopdl'}")
 
 
 def gpu_name() -> str:
@@ -113,9 +92,6 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=110, help="skip the batch buckets left after this many seconds")
     ap.add_argument("--out", default="", help="also write the table here (default: only under tables/)")
     ap.add_argument("--log", default="", help="every candidate's times as JSON")
-    ap.add_argument("--forms", action="store_true", help="stage 3 alone, against this GPU's table")
-    ap.add_argument("--no-forms", dest="with_forms", action="store_false", help="stages 1 and 2 alone")
-    ap.add_argument("--forms-json", default="", help="stage 3's table of µs per length as JSON")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
     if args.dry_run:
@@ -126,8 +102,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(HERE))
     sys.path.insert(1, str(HERE.parent))
     import mla_decode as bench
-    from k3compile.ops import arrival_counters
-    from k3compile.ops.mla_decode.config import TritonConfig, default_config
+    from k3compile.ops.mla_decode.config import default_config
     from k3compile.ops.mla_decode.dispatch import table_key
 
     w = bench.TINY if args.dry_run else bench.K3
@@ -136,7 +111,6 @@ def main(argv=None) -> int:
     layout_lengths = [40, 96] if args.dry_run else [8 * K, 64 * K]
     split_lengths = [1, 40, 96] if args.dry_run else [K, 8 * K, 128 * K]
     batches = (1, 2) if args.dry_run else BATCH_ORDER
-    form_lengths = [1, 20, 40, 96] if args.dry_run else [K, 4 * K, 8 * K, 32 * K, 128 * K]
     layout_batches = (1, 2) if args.dry_run else LAYOUT_BATCHES
     most = 1 if args.dry_run else bench.MAX_ROTATION
     log = []
@@ -173,10 +147,6 @@ def main(argv=None) -> int:
 
     picks, notes = {}, {}
     device_name = "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name()
-    table_path = TABLES / f"{gpu_name() if not args.dry_run else 'dry'}.json"
-    if args.forms and table_path.exists():   # stage 3 alone: it starts from the table this GPU has
-        table = json.loads(table_path.read_text())
-        picks, notes = table["picks"], table.get("measured", {})
 
     def write() -> None:
         """After every batch bucket: a run stopped by its time limit keeps the picks it made."""
@@ -198,71 +168,7 @@ def main(argv=None) -> int:
         _with_tokens(pool, T, w, device)
         return pool
 
-    def forms_stage(rows: int, H: int, T: int) -> list:
-        """Stage 3: per batch bucket, the bucket's pick against the other forms in its layout at ``form_lengths``;
-        a form whose geometric mean over ``split_lengths`` beats the pick's by more than --min-gain becomes the
-        pick. Returns the measured rows (B, L, µs per candidate tag)."""
-        measured = []
-        for B in ((1, 2) if args.dry_run else LAYOUT_BATCHES):
-            key = table_key(torch.bfloat16, rows, B)
-            pick = TritonConfig(**picks[key]) if key in picks else default_config(rows, B)
-            if pick.form != "chain":   # a pick of an earlier stage 3: compare in its chain layout
-                pick = dataclasses.replace(pick, form="chain", group_heads=1)
-            candidates = [pick]
-            for c in forms(pick, H):   # one of each tag (at one head a rank, one:1 twice)
-                if tag(c) not in map(tag, candidates):
-                    candidates.append(c)
-            pool = pool_for(B, H, T, form_lengths)
-            us = {tag(c): {} for c in candidates}
-            for L in form_lengths:
-                pool.set_length(L)
-                expect = bench.k3_call(pool.args(0), pick)().clone()
-                view = bench._Prefix(pool, bench.rotation_for(B, L, alloc, w, most))
-                for c in candidates:
-                    where = dict(stage="forms", B=B, H=H, L=L, config=c.to_json())
-                    try:
-                        err = bench.rel(bench.k3_call(pool.args(0), c)(), expect)
-                        if not err < 1e-2:
-                            raise RuntimeError(f"output off the pick's by {err:.2e}")
-                        t = bench.time_rotation(view, lambda a, c=c: bench.k3_call(a, c), args.replays, args.dry_run)
-                        if not arrival_counters.all_zero():
-                            raise RuntimeError("arrival counters left armed")
-                    except Exception as e:   # a wrong or failed candidate: logged, never picked
-                        log.append(dict(where, error=f"{type(e).__name__}: {e}"))
-                        print(f"  B {B} L {L} {tag(c)}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                        t = math.inf
-                    log.append(dict(where, us=t))
-                    us[tag(c)][L] = t
-                measured.append(dict(B=B, L=L, us={name: per[L] for name, per in us.items()}))
-                print(f"  B {B:>2} L {L:>6}: " + ", ".join(f"{name} {per[L]:.2f}" for name, per in us.items()),
-                      flush=True)
-            score = {name: _geomean([per[L] for L in split_lengths]) for name, per in us.items()}
-            best_name = min(score, key=score.get)
-            best_config = candidates[[tag(c) for c in candidates].index(best_name)]
-            gain = score[tag(pick)] / score[best_name] - 1
-            kept = best_config.form != "chain" and gain > args.min_gain
-            if kept:
-                picks[key] = best_config.to_json()
-            notes.setdefault(key, {})["forms"] = dict(
-                pick_us=score[tag(pick)], best=best_name, best_us=score[best_name], kept=kept,
-                us={name: {str(L): v for L, v in per.items()} for name, per in us.items()})
-            print(f"{key}: forms, µs geomean of {split_lengths}: pick {tag(pick)} {score[tag(pick)]:.2f}, best "
-                  f"{best_name} {score[best_name]:.2f} ({100 * gain:+.1f}%){' -> new pick' if kept else ''} "
-                  f"({time.time() - t0:.0f} s)", flush=True)
-            del pool
-            _free(args.dry_run)
-            write()
-        _print_forms_table(measured)
-        return measured
-
     t0 = time.time()
-    if args.forms:
-        H, T = max(1, w.heads // 8), 1
-        measured = forms_stage(16, H, T)
-        if args.forms_json:
-            Path(args.forms_json).write_text(json.dumps(dict(device=device_name, rows=measured), indent=1))
-        print(f"wrote {'' if args.dry_run else table_path} {args.out} {args.forms_json} in {time.time() - t0:.0f} s")
-        return 0
     for rows in args.rows:
         H, T = max(1, w.heads // 8), 1 if rows <= 16 else 4          # TP 8's heads; 4 tokens for 48 rows
         best_layout = {}
@@ -294,36 +200,9 @@ def main(argv=None) -> int:
             del pool
             _free(args.dry_run)
             write()
-        if rows <= 16 and args.with_forms:
-            if time.time() - t0 > args.budget_s:
-                print(f"forms: skipped (over the {args.budget_s:.0f} s budget)", flush=True)
-            else:
-                measured = forms_stage(rows, H, T)
-                if args.forms_json:
-                    Path(args.forms_json).write_text(json.dumps(dict(device=device_name, rows=measured), indent=1))
     write()
     print(f"wrote {'' if args.dry_run else TABLES / (gpu_name() + '.json')} {args.out} in {time.time() - t0:.0f} s")
     return 0
-
-
-def _geomean(values) -> float:
-    values = list(values)
-    return math.inf if not all(math.isfinite(v) for v in values) else math.exp(sum(map(math.log, values)) / len(values))
-
-
-def _print_forms_table(measured: list) -> None:
-    """Per batch: µs per length for each candidate (column [0]: the bucket's pick), the fastest marked, its ratio
-    to the pick."""
-    for B in sorted({row["B"] for row in measured}):
-        rows = [row for row in measured if row["B"] == B]
-        names = list(rows[0]["us"])
-        print(f"\nforms at B {B} (µs; * fastest): " + ", ".join(f"[{i}] {name}" for i, name in enumerate(names)))
-        print(f"{'L':>7} | " + " ".join(f"{f'[{i}]':>9}" for i in range(len(names))) + " | best/[0]")
-        for row in rows:
-            us = [row["us"][n] for n in names]
-            best = min(range(len(us)), key=lambda i: us[i])
-            cells = " ".join(f"{u:>8.2f}{'*' if i == best else ' '}" for i, u in enumerate(us))
-            print(f"{row['L']:>7} | {cells} | {us[best] / us[0]:.2f}")
 
 
 def _free(dry_run: bool) -> None:

@@ -149,10 +149,6 @@ with simulated_rocm() as rec:
         decide(f"mla_decode {backend}", MLA_DECODE, mla_inputs(1, 1), backend)
     for key, cfg in mla_table("NVIDIA H200").items():
         launch(rec, f"mla_decode table {key}", mla_decode_triton, *mla_inputs(8, 1), config=cfg)
-    from k3compile.ops.mla_decode.config import TritonConfig as MlaConfig
-    for form, heads in (("last", 1), ("one", 1), ("one", 12), ("hybrid", 1)):   # the forms the tuner times
-        launch(rec, f"mla_decode {form} {heads} heads a program", mla_decode_triton, *mla_inputs(8, 1),
-               config=MlaConfig(form=form, group_heads=heads))
 
     # --- the routed experts: a rank of K3 at TP 8 (E 896, top-16, L 3584, I 384), bf16 and MXFP4 weights
     def moe_inputs(m, mxfp4):

@@ -7,7 +7,6 @@ of its split from the valid length, so the splits share the valid prefix whateve
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -16,28 +15,15 @@ import torch
 from k3compile.backends import stages_within
 
 
-FORMS = ("chain", "last", "one", "hybrid")
-
-
 @dataclass(frozen=True)
 class TritonConfig:
     """block_s: keys per tile. min_split_tiles: the fewest tiles a split takes (fewer, longer splits where the valid
     prefix is short: less partial-result traffic and a shorter combine). programs_per_sm: the split count aims at
-    about this many programs (splits x batch x row blocks, or head groups) per SM. num_warps / num_stages: of the
-    split kernel (``num_stages - 1`` tiles in flight a program). prefetch_tiles: tiles of its split a program pulls
-    into L2 (before its PDL wait where it may). fused_readback (``chain`` only): the combine and the read-back
-    through w_v in one kernel (a program per query row and 16 output columns, each combining its row over the whole
-    Lk: one launch fewer, partials read Vd/16 times). pdl: the kernels launch with PDL where the GPU has it (sm_90+).
-
-    form: how the step is cut into launches (``triton.py`` has the kernels, docs/tuning/mla_decode.md the costs):
-    - ``chain``: absorption, split, combine, read-back (three with ``fused_readback``);
-    - ``last``: absorption, split, read-back -- the last split of each sequence to arrive combines the partials;
-    - ``one``: one launch -- programs of ``group_heads`` heads each absorb their own queries, stream their split,
-      and the last to arrive combines and reads back through its heads' w_v; the cache is read once per head group
-      (from L2 after the first);
-    - ``hybrid``: three launches, ``one``'s kernel first: it does the whole step where the valid keys end at or
-      before ``short_keys`` (the two after it then exit at once), else only the absorption, and ``last``'s split
-      and read-back do the rest."""
+    about this many programs (splits x batch x row blocks) per SM. num_warps / num_stages: of the split kernel
+    (``num_stages - 1`` tiles in flight a program). prefetch_tiles: tiles of its split a program pulls into L2 before
+    its PDL wait. fused_readback: the combine and the read-back through w_v in one kernel (a program per query row
+    and 16 output columns, each combining its row over the whole Lk: one launch fewer, partials read Vd/16 times).
+    pdl: the kernels launch with PDL where the GPU has it (sm_90+)."""
     block_s: int = 32
     min_split_tiles: int = 4
     programs_per_sm: int = 2
@@ -46,17 +32,6 @@ class TritonConfig:
     prefetch_tiles: int = 2
     fused_readback: bool = False
     pdl: bool = True
-    form: str = "chain"
-    group_heads: int = 1
-    short_keys: int = 4096
-
-    def __post_init__(self):
-        if self.form not in FORMS:
-            raise ValueError(f"mla_decode: form {self.form!r} is not one of {FORMS}")
-        if self.fused_readback and self.form != "chain":
-            raise ValueError(f"mla_decode: fused_readback is a form of the chain, not of {self.form!r}")
-        if self.group_heads < 1 or self.short_keys < 0:
-            raise ValueError(f"mla_decode: group_heads {self.group_heads} < 1 or short_keys {self.short_keys} < 0")
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -86,19 +61,6 @@ def default_config(rows: int, batch: Optional[int] = None) -> TritonConfig:
     if row_block(rows) <= 16:
         return TritonConfig(fused_readback=fused)
     return TritonConfig(num_warps=8, num_stages=4, programs_per_sm=1, fused_readback=fused)
-
-
-# Partial bytes the last program of an arrival group reads in one level (``arrival_group``): two levels cost one
-# dependent round trip more, so one level takes up to this much (K3, 12 heads: 24 KB a split, 10 splits).
-COMBINE_BYTES = 256 * 1024
-
-
-def arrival_group(n_split: int, slot_bytes: int) -> int:
-    """Splits per arrival group: the last of a group combines the group's partials (``slot_bytes`` each) and, where
-    there are several groups, the last group the groups' combinations. One group where its partials take at most
-    ``COMBINE_BYTES``; else groups of about sqrt(splits), so neither level reads much more than the other."""
-    root = math.isqrt(max(0, n_split - 1)) + 1
-    return max(1, min(n_split, max(root, COMBINE_BYTES // max(1, slot_bytes))))
 
 
 def fit_local_memory(config: TritonConfig, rows: int, lk: int, r: int, element_size: int,
