@@ -20,25 +20,28 @@ def inputs(m, e, bias_scale, seed, ties=False):
     return logits, torch.randn(e, generator=g) * bias_scale
 
 
-def run_poisoned(logits, bias, k, eps, scaling):
+def run_poisoned(logits, bias, k, eps, scaling, network=False):
     m = logits.shape[0]
     out = (torch.full((m, k), float("nan"), device=logits.device),
            torch.full((m, k), -1, dtype=torch.int64, device=logits.device))
-    return moe_route_triton(logits, bias, k, eps, scaling, out=out)
+    return moe_route_triton(logits, bias, k, eps, scaling, out=out, sorting_network=network)
 
 
 @given(m=st.integers(1, 12), e=st.integers(1, 300), k_frac=st.floats(0, 1), renorm=st.booleans(),
-       scaling=st.sampled_from([1.0, 2.5]), bias_scale=st.sampled_from([0.0, 0.1, 10.0]), seed=st.integers(0, 99))
-@example(m=1, e=896, k_frac=15 / 895, renorm=True, scaling=1.0, bias_scale=0.1, seed=0)     # K3: E 896, top-16
-@example(m=8, e=384, k_frac=7 / 383, renorm=True, scaling=2.5, bias_scale=10.0, seed=1)     # negative keys
-@example(m=3, e=64, k_frac=1.0, renorm=False, scaling=1.0, bias_scale=0.0, seed=2)           # k = E
-@example(m=5, e=99, k_frac=1.0, renorm=False, scaling=1.0, bias_scale=0.0, seed=0)           # near-ties
-@example(m=1, e=2, k_frac=0.0, renorm=False, scaling=1.0, bias_scale=0.0, seed=0)            # top-1 of a pair
-def test_kernel_equals_reference(m, e, k_frac, renorm, scaling, bias_scale, seed):
+       scaling=st.sampled_from([1.0, 2.5]), bias_scale=st.sampled_from([0.0, 0.1, 10.0]), seed=st.integers(0, 99),
+       network=st.booleans())
+@example(m=1, e=896, k_frac=15 / 895, renorm=True, scaling=1.0, bias_scale=0.1, seed=0, network=True)  # K3
+# negative keys
+@example(m=8, e=384, k_frac=7 / 383, renorm=True, scaling=2.5, bias_scale=10.0, seed=1, network=False)
+@example(m=3, e=64, k_frac=1.0, renorm=False, scaling=1.0, bias_scale=0.0, seed=2, network=False)           # k = E
+@example(m=5, e=99, k_frac=1.0, renorm=False, scaling=1.0, bias_scale=0.0, seed=0, network=False)           # near-ties
+# top-1 of a pair
+@example(m=1, e=2, k_frac=0.0, renorm=False, scaling=1.0, bias_scale=0.0, seed=0, network=True)
+def test_kernel_equals_reference(m, e, k_frac, renorm, scaling, bias_scale, seed, network):
     k = min(64, 1 + round(k_frac * (e - 1)))
     logits, bias = inputs(m, e, bias_scale, seed)
     eps = 1e-20 if renorm else None
-    weights, experts = run_poisoned(logits, bias, k, eps, scaling)
+    weights, experts = run_poisoned(logits, bias, k, eps, scaling, network)
     assert_is_top_k(logits, bias, k, experts)
     # the weights of the experts the kernel picked, as the reference computes them
     scores = torch.sigmoid(logits).gather(-1, experts)
@@ -73,9 +76,10 @@ def test_reference_is_the_models_route():
     assert torch.equal(got_e, want_e) and torch.equal(got_w, want_w)
 
 
-def test_ties_take_the_lowest_expert_first():
+@pytest.mark.parametrize("network", [False, True], ids=["rounds", "bitonic"])
+def test_ties_take_the_lowest_expert_first(network):
     logits, bias = inputs(4, 30, 0.0, 3, ties=True)
-    weights, experts = run_poisoned(logits, bias, 6, 1e-20, 1.0)
+    weights, experts = run_poisoned(logits, bias, 6, 1e-20, 1.0, network)
     assert experts.tolist() == [[0, 3, 6, 9, 12, 15]] * 4
     torch.testing.assert_close(weights, torch.full((4, 6), 1 / 6))
 

@@ -1,7 +1,7 @@
-"""``k3::moe_route`` in one Triton kernel: one program a token holds its row of E keys (score + bias) in registers and
-takes the top-k of (key, reversed index) packed in one int64 with Triton's bitonic top-k (``tl.topk``: sorted groups
-of k merged by halving, log E rounds), so the experts come out in descending order, ties to the lower id; the weights
-are the unbiased scores of the picked experts. Without ``tl.topk``: k rounds of a full-row max."""
+"""``k3::moe_route`` in one Triton kernel: one program a token holds its row of E keys (score + bias) in registers,
+(key, reversed index) packed in one int64 so one comparison orders both, and takes the top-k by k rounds of a
+full-row max (or Triton's bitonic ``tl.topk``), so the experts come out in descending order, ties to the lower id;
+the weights are the unbiased scores of the picked experts."""
 from __future__ import annotations
 
 from typing import Optional
@@ -31,7 +31,7 @@ def _moe_route_kernel(logits_ptr, bias_ptr, weights_ptr, experts_ptr, stride_m, 
     packed = tl.where(inside, packed, -9223372036854775808)
     slot = tl.arange(0, BLOCK_K)
     if SORTING_NETWORK:
-        # bitonic top-k (tl.topk): log(E) short rounds, not k full-row maxima one after another
+        # bitonic top-k (tl.topk): sorted groups of k merged by halving
         top = tl.topk(packed, BLOCK_K)
         picked = BLOCK_E - 1 - (top & 0xFFFFFFFF).to(tl.int32)
     else:
@@ -53,10 +53,10 @@ def _moe_route_kernel(logits_ptr, bias_ptr, weights_ptr, experts_ptr, stride_m, 
 
 def moe_route_triton(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renorm_eps: Optional[float],
                      scaling: float, out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                     sorting_network: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                     sorting_network: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's arguments (checked by the op) -> (weights [M, top_k] fp32, experts [M, top_k] int64), written into
-    ``out`` when given (contiguous; tests pass poisoned ones). ``sorting_network=False``: the k rounds of a full-row
-    max instead of ``tl.topk`` (13 us a call at E 896, k 16 on the H200)."""
+    ``out`` when given (contiguous; tests pass poisoned ones). ``sorting_network``: Triton's bitonic ``tl.topk`` in
+    place of the k rounds of a full-row max (3-12% slower on the H200 at E 896, k 16: docs/tuning/moe_route.md)."""
     m, e = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
