@@ -66,6 +66,8 @@ with simulated_rocm() as rec:
     from k3compile.ops.mla_decode.triton import mla_decode_triton
     from k3compile.ops.moe_experts import moe_experts
     from k3compile.ops.moe_experts.dispatch import MOE_EXPERTS
+    from k3compile.ops.moe_route import moe_route
+    from k3compile.ops.moe_route.triton import moe_route_triton
     from k3compile.ops.skinny_gemm import skinny_gemm
     from k3compile.ops.skinny_gemm import dispatch as gemm_dispatch
     from k3compile.ops.skinny_gemm.triton import skinny_gemm_triton
@@ -170,6 +172,12 @@ with simulated_rocm() as rec:
     # (moe_experts' table applies to a GPU named H200 only, config.gpu_name: nothing of it reaches ROCm. Its MXFP4
     # weight-rows configuration does not compile for gfx942: Triton 3.7's AMD pointer canonicalisation fails.)
 
+    # --- the routing tail: K3's router (E 896, top-16), both top-k forms
+    for m in (1, 16):
+        logits, bias = gpu(m, 896, dtype=torch.float32), gpu(896, dtype=torch.float32)
+        launch(rec, f"moe_route M{m}", moe_route, logits, bias, 16, backend="triton")
+        launch(rec, f"moe_route bitonic M{m}", moe_route_triton, logits, bias, 16, 1e-20, 1.0, sorting_network=True)
+
 t1 = time.time()
 results = compile_for_gfx942(rec.launches, workers=2)
 for l, r in zip(rec.launches, results):
@@ -210,7 +218,7 @@ def test_every_launch_binds_for_hip(report):
     raises there) and the launchers take the ROCm path without error."""
     assert not report["launch_errors"], report["launch_errors"][:5]
     ops = {l["case"].split()[0] for l in report["launches"]}
-    assert ops == {"skinny_gemm", "latent_moe_tail", "kda_decode", "mla_decode", "moe_experts"}
+    assert ops == {"skinny_gemm", "latent_moe_tail", "kda_decode", "mla_decode", "moe_experts", "moe_route"}
 
 
 def test_every_kernel_compiles_for_gfx942(report):
