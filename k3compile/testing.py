@@ -1,5 +1,6 @@
 """Helpers the test suite (and GPU benchmarks' correctness checks) share."""
 import math
+import re
 
 import torch
 
@@ -10,6 +11,31 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     assert not torch.isnan(out).any(), "NaN in the output (unwritten element or bad math)"
     out, ref = out.double(), ref.double()
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+_KDA_DECODE_CALL = re.compile(r"torch\.ops\.k3\.kda_decode\.default\(([^)]*)\)")
+_KDA_DECODE_MUTATED = (3, 4, 5, 16)   # conv_state_q/k/v, state in k3::kda_decode's schema
+
+
+def assert_kda_states_not_copied(code: str) -> int:
+    """In Inductor's output ``code``, every state a ``k3::kda_decode`` call mutates is a graph input used by the op
+    call alone (and ``del``): no copy of it. Returns the number of calls (the op mutates in place, so only the
+    generated code can show that no copy remains)."""
+    calls = _KDA_DECODE_CALL.findall(code)
+    for call in calls:
+        args = [a.strip() for a in call.split(",")]
+        for i in _KDA_DECODE_MUTATED:
+            name = args[i]
+            assert re.fullmatch(r"arg\d+_1", name), f"mutated state {name} is not the graph input itself"
+            uses = [line.strip() for line in code.splitlines()
+                    if re.search(rf"\b{name}\b", line) and "kda_decode.default(" not in line
+                    and not line.strip().startswith(("del ", "#")) and "rand_strided" not in line
+                    and not line.strip().startswith(("return [", "args = [", "assert_size_stride"))]
+            # the wrapper's unpacking of its inputs and the benchmark harness's argument list
+            uses = [u for u in uses if not re.match(r"^[\w, ]+ = args$", u)
+                    and not re.match(r"^\w+ = \[\w+(, \w+)*\]$", u)]
+            assert not uses, f"state {name} is also used (copied?) by: {uses[:3]}"
+    return len(calls)
 
 
 def check_chain_replays(graph, x: torch.Tensor, out: torch.Tensor, weights: list, max_rel: float,

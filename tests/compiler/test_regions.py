@@ -2,14 +2,13 @@
 the calls of each body, and the whole graph where regions fail or lose a pass.
 
 A stack of three equal layers (a Linear block each, M = 2: one skinny GEMM a layer) covers the mechanics in seconds;
-the micro K3 (3 KDA + 1 MLA layers, 3 latent MoE) checks that every pass fires as often in the regions as in the
-whole graph, with the same tokens (one decode graph each, shared by the module's tests).
+the micro K3's decode step as regions (every pass as often as in the whole graph, the same tokens) is in
+tests/compiler/test_tiny_k3.py, beside the whole graph it is compared with.
 """
 from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 from torch import nn
 
@@ -176,58 +175,3 @@ def test_warm_start_report_keeps_the_weighed_counts(tmp_path, monkeypatch):
     assert [r.graphs[0].source for r in reports] == ["pass ran", "cache hit (sidecar)"]
     assert [r.matches["skinny_gemm"] for r in reports] == [LAYERS, LAYERS]
     assert reports[1].graphs[0].regions == f"1 region bodies for {LAYERS} calls"
-
-
-# --- the micro K3: every pass, regions against the whole graph -------------------------------------------------
-
-BATCH, PROMPT, NEW = 2, 6, 3
-
-
-@pytest.fixture(scope="module")
-def decoded():
-    """{regions: (tokens, report)} for the micro K3's decode step (the prefill eager), and eager's tokens."""
-    from k3compile.model import KimiK3Config, KimiK3ForConditionalGeneration
-
-    torch.manual_seed(0)
-    eager = KimiK3ForConditionalGeneration(KimiK3Config.micro()).eval()
-    ids = torch.randint(0, eager.config.text_config.vocab_size, (BATCH, PROMPT))
-
-    def decode(model, compile_=None):
-        cache = model.allocate_cache(BATCH, PROMPT + NEW)
-        with torch.no_grad():
-            token = model(ids, cache=cache, logits_to_keep=1).argmax(-1)
-            if compile_ is not None:
-                compile_(model)
-            tokens = [token]
-            for _ in range(NEW - 1):
-                tokens.append(model(tokens[-1], cache=cache, logits_to_keep=1).argmax(-1))
-        return torch.cat(tokens, 1)
-
-    out = {"eager": (decode(eager), None)}
-    with torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
-        for on in (True, False):
-            torch._dynamo.reset()
-            model = copy.deepcopy(eager)
-            tokens = decode(model, lambda m: k3compile.optimize(m, backend="reference", dynamic=False, regions=on,
-                                                                 strict=True))
-            out[on] = (tokens, k3compile.report(model))
-    return out
-
-
-@pytest.mark.slow
-def test_micro_k3_regions_decode_eager_tokens(decoded):
-    assert torch.equal(decoded[True][0], decoded["eager"][0])
-    assert torch.equal(decoded[False][0], decoded["eager"][0])
-
-
-@pytest.mark.slow
-def test_micro_k3_regions_match_as_often_as_the_whole_graph(decoded):
-    (with_regions,), (whole,) = decoded[True][1].graphs, decoded[False][1].graphs
-    assert with_regions.regions and "whole graph" not in with_regions.regions
-    assert whole.regions == ""
-    assert with_regions.record.matches == whole.record.matches
-    assert all(whole.record.matches[name] for name in ("kda_decode", "mla_decode", "moe_experts",
-                                                        "latent_moe_tail", "skinny_gemm"))
-    counted = {k: v for k, v in whole.record.facts.items() if isinstance(v, int) and not isinstance(v, bool)}
-    assert {k: with_regions.record.facts[k] for k in counted} == counted

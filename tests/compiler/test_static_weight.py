@@ -5,8 +5,8 @@
   reason, for every way that can fail; never an exception;
 - a small module compiled by ``k3compile.optimize`` (one compile for the module): each GEMM's verdict
   in the report, strict mode unaffected;
-- the tiny K3 (CPU, fp32, every pass): the decode graph's skinny GEMMs and latent-MoE tail proven,
-  tokens equal eager;
+- the micro K3 (CPU, fp32, every pass): the decode graph's skinny GEMMs and latent-MoE tail proven, in
+  tests/compiler/test_tiny_k3.py (sharing its compiled model);
 - on a GPU: the micro K3 in bf16, default mode and ``reduce-overhead``.
 """
 from __future__ import annotations
@@ -402,43 +402,6 @@ def test_compiled_outputs_equal_eager(compiled_cases):
 def test_static_weight_is_no_expected_pass_in_strict_mode(compiled_cases):
     _, _, rep = compiled_cases   # strict=True compiled without raising; the fact is no pass name
     assert STATIC_WEIGHT_FACT not in rep.passes and STATIC_WEIGHT_FACT not in rep.matches
-
-
-# --- the tiny K3 (CPU) ----------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def tiny_k3():
-    from k3compile.model import KimiK3Config, KimiK3ForConditionalGeneration
-
-    torch.manual_seed(0)
-    eager = KimiK3ForConditionalGeneration(KimiK3Config.micro()).eval()
-    model = copy.deepcopy(eager)
-    ids = torch.randint(0, eager.config.text_config.vocab_size, (2, 12))
-    ref = eager.generate(ids, 3)   # the prefill graph, then the decode graph twice
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
-        k3compile.optimize(model, dynamic=False)
-        out = model.generate(ids, 3)
-    return out, ref, k3compile.report(model)
-
-
-@pytest.mark.slow
-def test_tiny_k3_decode_graph_proves_its_gemms_and_tail(tiny_k3):
-    _, _, rep = tiny_k3
-    decode = rep.graphs[-1].record
-    static = decode.facts[STATIC_WEIGHT_FACT]
-    assert decode.matches["latent_moe_tail"] >= 1 and decode.matches["skinny_gemm"] > 0
-    # every skinny GEMM (after an RMSNorm, the KDA step, attention) and every tail (after the MoE combine)
-    assert static["latent_moe_tail"] == {"proven": decode.matches["latent_moe_tail"], "not proven": {}}, static
-    assert static["skinny_gemm"] == {"proven": decode.matches["skinny_gemm"], "not proven": {}}, static
-    assert "proven" in rep.format(verbose=True)
-
-
-@pytest.mark.slow
-def test_tiny_k3_tokens_unchanged(tiny_k3):
-    out, ref, _ = tiny_k3
-    assert torch.equal(out, ref)
 
 
 # --- GPU ------------------------------------------------------------------------------------------

@@ -1,104 +1,26 @@
-"""The KDA decode rewrite: fires on every KDA layer of a decode graph (none on prefill), leaves no state
-copy in the compiled code, equals eager; near misses do not fire. The micro K3 compiled here also runs the
-prefill pass (``kda_prefill``), whose micro-model checks live here to share the one compile.
+"""The KDA decode rewrite on a step function (the model's own functions, two layers in one graph): both gate forms
+fire, the compiled step equals eager with its states updated in place and no copy of them left in the output code
+(only the generated code can show that), and near misses do not fire. The whole micro K3 (every KDA layer of its
+decode graph, none of its prefill; the prefill pass beside it) is in tests/compiler/test_tiny_k3.py, sharing its
+compiled model.
 
-Caches are off (a hit would skip the pass). The micro K3 compiles once for the module (minutes on a
-shared 2-core CPU: marked slow); the other tests compile one small step function each through
-tests/conftest.py's PassHarness. The state-copy check reads the output code: the op mutates the states in place,
-and only the generated code can show that no copy of them remains.
+Caches are off (a hit would skip the pass); each test compiles one small step function through tests/conftest.py's
+PassHarness.
 """
 from __future__ import annotations
 
 import copy
-import re
 
 import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
-import k3compile
-from k3compile.model import KimiK3Config, KimiK3ForConditionalGeneration
 from k3compile.model.kda import (
     gated_rms_norm, kda_gate_lower_bound, kda_gate_softplus, kda_recurrent_step, l2_normalize, short_conv_decode,
 )
-from k3compile.testing import rel_err as rel
+from k3compile.testing import assert_kda_states_not_copied, rel_err as rel
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-KDA_CALL = re.compile(r"torch\.ops\.k3\.kda_decode\.default\(([^)]*)\)")
-MUTATED_POSITIONS = (3, 4, 5, 16)   # conv_state_q/k/v, state in the op's schema
-
-
-def assert_states_not_copied(code: str) -> int:
-    """Every state the op mutates is a graph input used by the op call alone (and ``del``): no copy."""
-    calls = KDA_CALL.findall(code)
-    for call in calls:
-        args = [a.strip() for a in call.split(",")]
-        for i in MUTATED_POSITIONS:
-            name = args[i]
-            assert re.fullmatch(r"arg\d+_1", name), f"mutated state {name} is not the graph input itself"
-            uses = [line.strip() for line in code.splitlines()
-                    if re.search(rf"\b{name}\b", line) and "kda_decode.default(" not in line
-                    and not line.strip().startswith(("del ", "#")) and "rand_strided" not in line
-                    and not line.strip().startswith(("return [", "args = [", "assert_size_stride"))]
-            # the wrapper's unpacking of its inputs and the benchmark harness's argument list
-            uses = [u for u in uses if not re.match(r"^[\w, ]+ = args$", u)
-                    and not re.match(r"^\w+ = \[\w+(, \w+)*\]$", u)]
-            assert not uses, f"state {name} is also used (copied?) by: {uses[:3]}"
-    return len(calls)
-
-
-# ---------------------------------------------------------------------------------------------------
-# The micro K3: every KDA layer of the decode graph, tokens equal eager
-
-@pytest.fixture(scope="module")
-def micro_generate():
-    torch.manual_seed(0)
-    model = KimiK3ForConditionalGeneration(KimiK3Config.micro()).eval()
-    eager = copy.deepcopy(model)
-    ids = torch.randint(0, 512, (2, 5))
-    torch._dynamo.reset()
-    from k3compile.ops.kda_prefill import KDA_PREFILL
-    KDA_PREFILL.clear()   # the report lists every recorded choice: only this model's prefill calls
-    with torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False), torch.no_grad():
-        k3compile.optimize(model, backend="triton", passes=["kda_decode", "kda_prefill"], fullgraph=True,
-                           dynamic=False)
-        tokens, codes = run_and_get_code(model.generate, ids, max_new_tokens=4)
-        ref = eager.generate(ids, max_new_tokens=4)
-    return dict(tokens=tokens, ref=ref, report=k3compile.report(model), codes=codes)
-
-
-@pytest.mark.slow
-def test_micro_k3_fires_on_every_kda_layer_of_decode_and_not_on_prefill(micro_generate):
-    rep = micro_generate["report"]
-    per_graph = [g.record.matches["kda_decode"] for g in rep.graphs]
-    assert per_graph == [0, 3], per_graph   # prefill [2, 5] graph, then the decode [2, 1] graph; 3 KDA layers
-    # the prefill graph is not one where the pass is expected (no warning / strict error there)
-    assert [g.record.facts["graph_kda_decode_convs"] for g in rep.graphs] == [0, 9]
-    assert any(c.op == "kda_decode" and c.impl == "triton" for c in rep.choices)
-
-
-@pytest.mark.slow
-def test_micro_k3_prefill_pass_fires_once_per_kda_layer(micro_generate):
-    """Prompt [2, 5]: one chunk (padded from 5 to 16) per layer; the decode graph holds no chunk solve."""
-    rep = micro_generate["report"]
-    assert [g.record.matches["kda_prefill"] for g in rep.graphs] == [3, 0]
-    assert [g.record.facts["graph_kda_prefill_solves"] for g in rep.graphs] == [6, 0]
-    # CPU: fla cannot run, so the forced Triton backend falls back to the reference, recorded with its reason
-    (choice,) = [c for c in rep.choices if c.op == "kda_prefill"]
-    assert choice.impl == "reference" and "fla" in choice.reason
-    assert choice.calls == 3
-
-
-@pytest.mark.slow
-def test_micro_k3_generated_tokens_equal_eager(micro_generate):
-    assert torch.equal(micro_generate["tokens"], micro_generate["ref"])
-
-
-@pytest.mark.slow
-def test_micro_k3_decode_code_holds_no_state_copy(micro_generate):
-    counts = [assert_states_not_copied(code) for code in micro_generate["codes"]]
-    assert sorted(counts) == [0, 3]   # one op call per KDA layer, in the decode graph
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -156,7 +78,7 @@ def compile_count_and_check(pass_harness, fn, inputs_a, inputs_b, dtype):
     assert rel(out, ref) < TOL[dtype]
     for got, want in zip(inputs_a + inputs_b, ref_a + ref_b):        # states updated in place, as eager
         assert rel(got, want) < TOL[dtype] or want.norm() == 0
-    assert_states_not_copied(code)
+    assert_kda_states_not_copied(code)
     assert harness.facts("graph_kda_decode_convs") == [6]     # two steps, three one-token conv windows each
     n = harness.matches("kda_decode")
     harness.check(added={torch.ops.k3.kda_decode.default: n})

@@ -1,7 +1,8 @@
 """The latent-MoE tail rewrite through Inductor: a small tail module with a symbolic M, the tensor-parallel tail's
-output code, the micro K3 decoding with only this pass (its tokens equal eager's), and the micro K3 with TP=2 in two
-gloo processes (one all-reduce per MoE layer instead of two). Caches off (tests/conftest.py). The graph-level
-rewrites: test_latent_moe_tail.py.
+output code, the micro K3's decode step in bf16 with only this pass (its tokens equal eager's; also on the graph
+torch 2.11 makes), and the micro K3 with TP=2 in two gloo processes (one all-reduce per MoE layer instead of two).
+Caches off (tests/conftest.py). The graph-level rewrites: test_latent_moe_tail.py; the fp32 micro K3 with every
+pass (one tail per MoE layer, tokens equal eager): tests/compiler/test_tiny_k3.py.
 """
 from __future__ import annotations
 
@@ -148,15 +149,6 @@ def decode_compiled(harness, model, n=4, batch=1):
         eager = greedy(model, model, ids, n)
         fused = greedy(model, step, ids, n)
     return eager, fused, seen(compiled)
-
-
-@pytest.mark.slow
-def test_micro_k3_decode_single_device(pass_harness):
-    model = micro_k3()
-    n_moe = sum(hasattr(layer, "block_sparse_moe") for layer in model.text_model.layers)
-    eager, fused, graphs = decode_compiled(pass_harness, model)
-    assert torch.equal(eager, fused), (eager, fused)
-    assert graphs == [dict(all_reduce_before=0, all_reduce_after=0, tails=n_moe)]
 
 
 def collapse_upcasts_like_torch_2_11(graph: torch.fx.Graph) -> None:
