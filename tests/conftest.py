@@ -10,9 +10,18 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    # Inductor's C++ kernels built without -O3: the suite compiles ~100 graphs on a cold CPU machine and tests what
-    # they compute, not how fast (a cold run of tests/compiler/test_tiny_k3.py: 171 s with -O3, 120 s without)
+    # Inductor's C++ kernels built without -O3 and without SIMD code: the suite compiles ~100 graphs on a cold CPU
+    # machine and tests what they compute, not how fast (a cold run of tests/compiler/test_tiny_k3.py: 171 s with
+    # -O3, 120 s without; the micro K3's prefill and decode graphs: 71 s with SIMD kernels, 54 s without, g++ ran
+    # 46 s and 32 s of it)
     os.environ.setdefault("TORCHINDUCTOR_DEBUG_COMPILE", "1")
+    os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+    # One thread a process: the README's run has a worker per core, and the tensors are small. Intra-op threads and
+    # Inductor's pool of compile processes only contend for the cores there (a cold run: 232 s of
+    # tests/compiler/test_tiny_k3.py with the pool, 192 s without). The environment reaches the tests' subprocesses.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
@@ -32,14 +41,31 @@ settings.load_profile(os.environ.get("K3_HYPOTHESIS_PROFILE", "ci"))
 DEEP = os.environ.get("K3_HYPOTHESIS_PROFILE") == "deep"
 
 
+def pytest_configure(config):
+    # pytest-xdist hands the files (--dist loadfile) to its workers in collection order, but first sorts them by
+    # their number of tests, which starts a file of one long test last and leaves the other worker idle while it
+    # runs; the order pytest_collection_modifyitems gives (long files first) is kept instead.
+    if getattr(config.option, "loadscopereorder", False):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
     skip_deep = pytest.mark.skip(reason="a long run another test covers in part; K3_HYPOTHESIS_PROFILE=deep runs it")
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    long_files = set()
     for item in items:
+        skipped = False
         if "deep" in item.keywords and not DEEP:
             item.add_marker(skip_deep)
+            skipped = True
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+            skipped = True
+        if "slow" in item.keywords and not skipped:
+            long_files.add(item.path)
+    # files with a slow test that runs first, each file's tests in their order: the workers share the long ones and
+    # end on the short ones
+    items.sort(key=lambda item: item.path not in long_files)
 
 
 @pytest.fixture(autouse=True)

@@ -43,7 +43,7 @@ def generated():
     counters.clear()
     with torch._inductor.config.patch(fx_graph_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False), torch.no_grad():
-        k3compile.optimize(model, passes=["skinny_gemm"], dynamic=False, fullgraph=True)
+        k3compile.optimize(model, backend="reference", passes=["skinny_gemm"], dynamic=False, fullgraph=True)
         out = model.generate(batch["input_ids"], NEW, **kw)
     stats = dict(unique_graphs=counters["stats"]["unique_graphs"], graph_breaks=sum(counters["graph_break"].values()))
     return out, ref, stats, k3compile.report(model), model, batch
