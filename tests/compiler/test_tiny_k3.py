@@ -173,6 +173,13 @@ def regions_decoded(micro):
     return torch.cat(tokens, 1), k3compile.report(model)
 
 
+def test_routing_tail_rewritten_in_decode_and_prefill_graphs(micro):
+    rep = micro.report
+    for graph in rep.graphs:          # one sigmoid top-k a MoE layer, whatever M
+        assert graph.record.matches["moe_route"] == MOE_LAYERS == graph.record.facts["graph_router_topks"]
+    assert rep.op_calls["moe_route"] == MOE_LAYERS * NEW
+
+
 def test_regions_decode_eager_tokens(micro, regions_decoded):
     assert torch.equal(regions_decoded[0], micro.ref)
 
@@ -182,7 +189,7 @@ def test_regions_match_as_often_as_the_whole_graph(micro, regions_decoded):
     assert with_regions.regions and "whole graph" not in with_regions.regions
     assert whole.regions == ""
     assert with_regions.record.matches == whole.record.matches
-    assert all(whole.record.matches[name] for name in ("kda_decode", "mla_decode", "moe_experts",
+    assert all(whole.record.matches[name] for name in ("kda_decode", "mla_decode", "moe_experts", "moe_route",
                                                         "latent_moe_tail", "skinny_gemm"))
     counted = {k: v for k, v in whole.record.facts.items() if isinstance(v, int) and not isinstance(v, bool)}
     assert {k: with_regions.record.facts[k] for k in counted} == counted
