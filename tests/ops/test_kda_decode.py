@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import example, given, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from k3compile.backends import BackendUnavailableError
 from k3compile.ops.kda_decode import KDA_DECODE, kda_decode
@@ -218,6 +218,9 @@ def fla_reference_step(inputs: dict) -> torch.Tensor:
     return o.reshape(B, HV * V)
 
 
+# the kernel against a second reference, fla's: a third of the profile's examples (against ours, every example:
+# test_kda_decode_op_matches_reference_property; the two references agree: the fp32 test below)
+@settings(max_examples=max(8, settings.default.max_examples // 3))
 @given(
     B=st.integers(1, 3), H=st.integers(1, 3), group=st.sampled_from([1, 2]),
     K=st.sampled_from([32, 64, 128]), dtype=st.sampled_from(["bf16", "fp32"]),
