@@ -14,7 +14,7 @@ float64 reference (NaN-poisoned output) before it is timed.
 Each kernel runs twice: with ``static_weight=False`` (the weight is read only after the PDL wait, but for
 L2 prefetches) and with ``static_weight=True`` ("+static": what compiled graphs run where the compiler
 proved the weight static). "dispatched" is the CuTe kernel with the table's configuration where the table tries
-CuTe first, else cuBLAS (a CuTe-or-cuBLAS dispatch, composed from the two timings); "op" is
+CuTe first, the Triton kernel where it tries Triton first, else cuBLAS (composed from those timings); "op" is
 ``k3::skinny_gemm`` itself, timed as a unit: its dispatch between CuTe, Triton and cuBLAS, the path compiled
 graphs take. The summary prints the issue's four figures for each: median % of the ceiling on weights >= 32 MB
 and on 8-32 MB, geomean speedup over cuBLAS, and the router (896×7168) ratio per M.
@@ -199,9 +199,12 @@ def main():
                 if name not in res:
                     continue
                 us, cfg = res[name]
-                use_cute = us < cub if args.sweep else dispatch.order(dtype, m, n, k, table())[:1] == ("cute",)
-                picked = us if use_cute else cub
-                tag = cfg.tag() if use_cute else "cuBLAS"
+                if args.sweep:
+                    first = "cute" if us < cub else None
+                else:
+                    first = (dispatch.order(dtype, m, n, k, table()) or (None,))[0]
+                tri = res.get(name.replace("cute", "triton")) if first == "triton" else None
+                picked, tag = (us, cfg.tag()) if first == "cute" else (tri[0], "triton") if tri else (cub, "cuBLAS")
                 rows.append(dict(provider=disp, m=m, n=n, k=k, us=picked, frac=floor_us / picked, cfg=tag))
                 line += f" | {disp} {picked:6.2f} µs {floor_us / picked:5.1%} x{cub / picked:4.2f} [{tag}]"
             print(line, flush=True)
