@@ -150,9 +150,15 @@ class Report:
 
 
 def _key_str(key) -> str:
-    # The skinny-GEMM key is (dtype, device, (M, K), N); other ops use readable strings.
-    if isinstance(key, tuple) and len(key) == 4 and isinstance(key[2], (tuple, list)):
-        return f"{str(key[0]).replace('torch.', '')} {key[1]} [M,K]={list(key[2])} N={key[3]}"
+    # The skinny-GEMM key is (dtype, device, (M, K), N, then the operands' layouts and the output dtype: see
+    # ops/skinny_gemm/dispatch.py ``key``); other ops use readable strings.
+    if isinstance(key, tuple) and len(key) >= 4 and isinstance(key[2], (tuple, list)):
+        head = f"{str(key[0]).replace('torch.', '')} {key[1]} [M,K]={list(key[2])} N={key[3]}"
+        rest = [f"{n} strides {tuple(layout[0])}" + ("" if layout[1] else " unaligned")
+                for n, layout in zip(("a", "w", "bias", "residual"), key[4:8]) if layout is not None]
+        if len(key) > 8 and key[8] is not None:
+            rest.append(f"out {str(key[8]).replace('torch.', '')}")
+        return ", ".join([head, *rest])
     return str(key)
 
 

@@ -265,6 +265,7 @@ def test_report_is_about_its_model_only():
     assert [(c.op, c.impl, c.calls) for c in rep.choices] == [("skinny_gemm", "reference", 1)]
     assert "PDL" not in str(rep) and "static weight" not in str(rep)    # GPU-only terms: not for a CPU graph
     assert rep.static_weight["skinny_gemm"]["proven"] == 0 and "PDL" in rep.format(verbose=True)
+    assert "float32 cpu [M,K]=[2, 16] N=16, a strides (16, 1), w strides (16, 1)" in rep.format(verbose=True)
     assert k3compile.report(idle).choices == []
 
 
