@@ -31,6 +31,7 @@ class Builder:
     directory: Callable[[], Optional[str]]          # where its files go (None: no disk cache)
     suffix: str = ".o"
     worker_env: Callable[[], dict] = _no_env        # environment a worker process building these needs
+    warm_up: Optional[Callable[[], None]] = None    # what every build imports: a worker started early runs it first
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,7 @@ torch's own Inductor wrapper (mode, options and CUDA graphs behave exactly as wi
 - under ``backend="auto"`` a graph whose tensors no k3 kernel can run on (CPU tensors without Triton's
   interpreter) is compiled exactly as plain ``torch.compile`` compiles it, without our pass
   (``passes.stand_down_reason``): the ops' PyTorch references would only be slower than Inductor's code;
-- the CuTe kernels a graph calls are built by worker processes while Inductor compiles it, and waited for before it
-  first runs (``precompile.py``; opt in: ``precompile=True``).
+- opt in (``precompile=True``): the CuTe kernels a graph calls are built by worker processes while it compiles.
 
 Each graph's compilation is announced on the ``k3compile`` logger (INFO, shown on stderr unless the
 application configures logging; ``logging.getLogger("k3compile").setLevel(logging.WARNING)`` hides it).
@@ -45,7 +44,7 @@ from .passes import (
     COMPILE_RECORD, GraphRecord, K3Options, K3PostGradPass, pattern_module, stand_down_reason, summarize_model,
 )
 from . import regions as compile_regions
-from .precompile import Batch, enabled as precompile_enabled, setting as precompile_setting
+from .precompile import Batch, enabled as precompile_enabled, setting as precompile_setting, should_prestart
 
 log = logging.getLogger("k3compile")
 
@@ -167,6 +166,8 @@ class K3Inductor(torch._TorchCompileInductorWrapper):
         key = graph_key(model_, inputs_, pass_.uuid())
         COMPILE_RECORD.take()  # drop records left by an unrelated compile in this thread
         batch = Batch(*precompile_enabled(state.precompile))
+        if should_prestart(devices, load_record(key)):
+            batch.prestart()   # the workers import while AOTAutograd, Inductor and our pass run
         before = cache_counters()
         t0 = time.perf_counter()
         try:
@@ -315,10 +316,9 @@ def optimize(model, *, backend: str = "auto", passes=None, strict: bool = False,
     regions: compile each distinct block of the decoder layers once (``k3compile/regions.py``); a graph whose
         regions fail or lose a pass is compiled whole (the reason in ``report``). Off by default: the
         static-weight proof does not yet see through a region's inputs (``regions.py`` says what that costs).
-    precompile: build the kernels each compiled graph will JIT-build at its first call (CuTe DSL's) in worker
-        processes while Inductor compiles it, into their disk cache, so that the first call only loads
-        (``k3compile/precompile.py``). None (default): ``K3_PRECOMPILE`` ("1" / "0") where set, else off (not yet
-        measured on a GPU). On, it builds for graphs on an NVIDIA GPU with CuTe DSL (backend "auto" or "cute").
+    precompile: build the CuTe kernels a graph calls in worker processes while it compiles, so that its first call
+        only loads them (``k3compile/precompile.py``). None (default): ``K3_PRECOMPILE`` ("1" / "0") where set, else
+        off (slower on the one GPU run that timed it: README). Builds for graphs on an NVIDIA GPU with CuTe DSL.
     torch_compile_kwargs: as ``torch.compile`` (mode, dynamic, fullgraph, options, ...). A
         ``post_grad_custom_post_pass`` given in ``options`` or installed in Inductor's config runs
         after ours.

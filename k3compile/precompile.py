@@ -21,8 +21,14 @@ build outside the launcher that missed one of them would be compiled again at th
 launchers themselves need real device tensors (a GPU context in each worker). Triton keeps what it compiles on disk,
 so a warm start does not compile them again; Inductor's own Triton kernels are built by Inductor's compile workers.
 
-On by default (``enabled``) where it helps: graphs on an NVIDIA GPU with CuTe DSL installed, under backend "auto" or
-"cute", with the CuTe disk cache on; ``optimize(precompile=True/False)`` or ``K3_PRECOMPILE=1/0`` decides otherwise.
+The workers start as the graph's compile starts (``Batch.prestart``, where no record of the graph is on disk: a cold
+compile) and import what a build needs (``Builder.warm_up``) while AOTAutograd, Inductor and our passes run: in a
+fresh process those imports cost about as much as two CuTe builds, and one H200 run that started the workers at the
+first build measured the whole build-ahead slower than building at the first call (a 4-layer slice: 47.1 s against
+41.2 s, ``benchmarks/results/compile_time_h200.json``).
+
+Opt in (``enabled``): ``optimize(precompile=True)`` or ``K3_PRECOMPILE=1``; it builds for graphs on an NVIDIA GPU
+with CuTe DSL installed, under backend "auto" or "cute", with the CuTe disk cache on.
 ``K3_PRECOMPILE_WORKERS`` sets the number of worker processes (default: half the CPU cores, shared among the
 ``LOCAL_WORLD_SIZE`` ranks of a host, at most 16).
 """
@@ -179,15 +185,26 @@ class Batch:
             if path is None:
                 self._unplanned(f"{b.kind} kernels: no disk cache to build into")
                 continue
-            self._futures[self._pool_for(b.kind).submit(kernel_cache.build_file, kernel_cache.BUILDERS[b.kind],
-                                                        b.key, path)] = kk
+            pool = self._pool_for(b.kind)
+            if self._first_submit is None:
+                self._first_submit = time.perf_counter()
+            self._futures[pool.submit(kernel_cache.build_file, kernel_cache.BUILDERS[b.kind], b.key, path)] = kk
 
     def _pool_for(self, kind: str) -> WorkerPool:
         if self._pool is None:
             timeout = float(os.environ.get(TIMEOUT_ENV, "") or 600)
             self._pool = WorkerPool(_workers(), kernel_cache.BUILDERS[kind].worker_env(), timeout)
-            self._first_submit = time.perf_counter()
         return self._pool
+
+    def prestart(self) -> None:
+        """Start the workers now, each importing what a build needs, so that they are ready when our pass finds the
+        graph's calls (the first kind of kernel whose builder names its imports: one pool a batch)."""
+        if not self.record.on:
+            return
+        for kind, builder in kernel_cache.BUILDERS.items():
+            if builder.warm_up is not None and builder.directory() is not None:
+                self._pool_for(kind).prestart(_workers(), builder.warm_up)
+                return
 
     def finish(self) -> PrecompileRecord:
         """Wait for every build (a failed one re-plans the calls that needed it); the pool is closed. Never raises:
@@ -211,6 +228,7 @@ class Batch:
         r.waited_seconds += time.perf_counter() - start
         if self._first_submit is not None:
             r.wall_seconds = (self._last_done or time.perf_counter()) - self._first_submit
+        if self._pool is not None:
             r.workers = self._pool.started
         if r.compiled or r.failed:
             log.info("k3compile: %d k3 kernel(s) built ahead of the first call in %d worker process(es): %.1f s of "
@@ -258,6 +276,14 @@ class Batch:
             self._pool.kill()
         else:
             self._pool.close()
+
+
+def should_prestart(devices, stored_record) -> bool:
+    """Start the workers with the compile: a graph on an NVIDIA GPU (where the CuTe kernels build) compiled cold (no
+    record of it on disk: with one, Inductor's cache will most likely serve it and its kernels are built)."""
+    import torch
+
+    return "cuda" in devices and torch.version.hip is None and stored_record is None
 
 
 def _workers() -> int:

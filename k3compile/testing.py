@@ -177,8 +177,9 @@ def fake_compile(key) -> FakeKernel:
 
 def fake_export(kernel: FakeKernel, path: str, name: str) -> None:
     import json
+    import os
 
-    text = json.dumps({"name": name, "m": kernel.m, "eps": kernel.eps})
+    text = json.dumps({"name": name, "m": kernel.m, "eps": kernel.eps, "pid": os.getpid()})
     with open(path, "w") as f:
         if _named_by(FAKE_TORN_ENV, name):
             f.write(text[:len(text) // 2])
@@ -203,9 +204,19 @@ def fake_directory():
     return None if root == "0" else os.path.join(root, "fake")
 
 
-def fake_cute_builder():
-    """The ``kernel_cache.Builder`` to register as the "cute" kind."""
+def fake_warm_up() -> None:
+    """Leaves a file named by this process's id in ``K3_CUTE_CACHE_DIR``/warm: which workers ran it."""
+    import os
+
+    folder = os.path.join(os.environ["K3_CUTE_CACHE_DIR"], "warm")
+    os.makedirs(folder, exist_ok=True)
+    open(os.path.join(folder, str(os.getpid())), "w").close()
+
+
+def fake_cute_builder(warm_up: bool = False):
+    """The ``kernel_cache.Builder`` to register as the "cute" kind (``warm_up``: with :func:`fake_warm_up`)."""
     from k3compile import kernel_cache
     from k3compile.kernels.cute.compile import variant_name
 
-    return kernel_cache.Builder(fake_compile, fake_export, fake_load, variant_name, fake_directory, suffix=".json")
+    return kernel_cache.Builder(fake_compile, fake_export, fake_load, variant_name, fake_directory, suffix=".json",
+                                warm_up=fake_warm_up if warm_up else None)

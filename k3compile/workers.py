@@ -89,14 +89,27 @@ class WorkerPool:
                 raise RuntimeError("the pool is closed")
             self._outstanding += 1
             if len(self._threads) < min(self.size, self._outstanding):
-                slot = _Slot()
-                thread = threading.Thread(target=self._serve, args=(slot,), daemon=True,
-                                          name=f"k3compile-worker-{len(self._threads)}")
-                self._slots.append(slot)
-                self._threads.append(thread)
-                thread.start()
+                self._add_worker(None)
         self._jobs.put((future, pickle.dumps((fn, args))))
         return future
+
+    def prestart(self, count: int, fn: Callable, *args: Any) -> None:
+        """Start up to ``count`` workers now, each running ``fn(*args)`` before its first job (the imports a build
+        needs), so that they are ready when the jobs come. What ``fn`` raises is ignored: the jobs then pay for it."""
+        warm_up = pickle.dumps((fn, args))
+        with self._lock:
+            if self._closed:
+                return
+            for _ in range(min(count, self.size) - len(self._threads)):
+                self._add_worker(warm_up)
+
+    def _add_worker(self, warm_up: Optional[bytes]) -> None:   # under self._lock
+        slot = _Slot()
+        thread = threading.Thread(target=self._serve, args=(slot, warm_up), daemon=True,
+                                  name=f"k3compile-worker-{len(self._threads)}")
+        self._slots.append(slot)
+        self._threads.append(thread)
+        thread.start()
 
     def enforce_limits(self) -> None:
         now = time.monotonic()
@@ -170,7 +183,9 @@ class WorkerPool:
                 pass
         return code
 
-    def _serve(self, slot: _Slot) -> None:
+    def _serve(self, slot: _Slot, warm_up: Optional[bytes]) -> None:
+        if warm_up is not None:
+            self._run(slot, warm_up)
         while True:
             job = self._jobs.get()
             if job is None:

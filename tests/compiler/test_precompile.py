@@ -7,6 +7,9 @@ the worker processes, the disk cache, the first call's loads.
 The model: four small-M products, each a different kernel variant (bias / residual / static weight), M = 4."""
 from __future__ import annotations
 
+import json
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -18,7 +21,8 @@ from k3compile.call_sites import stand_in
 from k3compile.ops.latent_moe_tail import dispatch as tail_dispatch
 from k3compile.ops.latent_moe_tail.reference import latent_moe_tail_unfused
 from k3compile.ops.skinny_gemm import dispatch as gemm_dispatch
-from k3compile.precompile import enabled, setting
+from k3compile.graph_records import GraphRecord
+from k3compile.precompile import enabled, setting, should_prestart
 from k3compile.testing import latent_moe_tail_inputs, rel_err
 
 D = 64
@@ -85,6 +89,25 @@ def test_precompile_builds_exactly_the_kernels_the_first_call_loads(fake_cute):
     model, _, _, first = _run(x)
     rep = k3compile.report(model)
     assert first == {"built": 0, "loaded": 4} and (rep.kernels_compiled, rep.kernel_cache_hits) == (0, 4)
+
+
+def test_a_cold_compile_starts_the_workers_which_import_before_they_build(fake_cute, monkeypatch):
+    monkeypatch.setitem(kernel_cache.BUILDERS, cute_kernels.KIND, testing.fake_cute_builder(warm_up=True))
+    monkeypatch.setattr(sys.modules["k3compile.optimize"], "should_prestart", lambda devices, record: True)
+    monkeypatch.setenv("K3_PRECOMPILE_WORKERS", "2")
+    x = torch.randn(4, D, dtype=torch.bfloat16)
+    model, ref, out, first = _run(x)
+    assert first == {"built": 0, "loaded": 4} and rel_err(out[0], ref[0]) < 1e-2
+    warmed = {int(p.name) for p in (fake_cute.parent / "warm").iterdir()}
+    built_by = {json.loads(p.read_text())["pid"] for p in fake_cute.iterdir()}
+    assert len(warmed) == 2 and built_by <= warmed    # both started early; every build in a warmed worker
+    (record,) = k3compile.report(model).precompiled
+    assert (record.workers, record.compiled, record.failed) == (2, 4, {})
+
+
+def test_workers_start_with_the_compile_only_when_it_is_cold_and_on_a_gpu():
+    assert should_prestart(("cuda",), None)
+    assert not should_prestart(("cuda",), GraphRecord()) and not should_prestart(("cpu",), None)
 
 
 def test_precompile_plans_a_symbolic_m_at_the_buckets_and_the_example(fake_cute):
