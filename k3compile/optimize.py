@@ -166,7 +166,7 @@ class K3Inductor(torch._TorchCompileInductorWrapper):
         key = graph_key(model_, inputs_, pass_.uuid())
         COMPILE_RECORD.take()  # drop records left by an unrelated compile in this thread
         batch = Batch(*precompile_enabled(state.precompile))
-        if should_prestart(devices, load_record(key)):
+        if batch.record.on and should_prestart(devices, load_record(key)):
             batch.prestart()   # the workers import while AOTAutograd, Inductor and our pass run
         before = cache_counters()
         t0 = time.perf_counter()
