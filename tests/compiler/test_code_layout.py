@@ -5,7 +5,8 @@
 - no file in ``k3compile/`` over 400 lines unless it holds one kernel (one CuTe kernel class, or one launched
   ``@triton.jit`` kernel with its helpers and launcher);
 - what ``ops.load_all()`` and every op's ``dispatch.py`` import runs without Triton, CuTe DSL and fla (they load
-  where their kernels run).
+  where their kernels run);
+- ``benchmarks/results/README.md`` indexes exactly the files in that folder.
 """
 from __future__ import annotations
 
@@ -136,3 +137,25 @@ def test_ops_and_dispatch_import_without_triton_cute_or_fla():
     run = subprocess.run([sys.executable, "-c", _WITHOUT_KERNEL_PACKAGES], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+
+
+def _index_names(cell: str) -> set[str]:
+    """The file names a row's first cell gives: ``a.{log,json}``, ``a_{x,y}_b.json`` and plain names."""
+    import itertools
+    import re
+
+    names = set()
+    for text in re.findall(r"`([^`]+)`", cell):
+        parts = re.split(r"\{([^}]*)\}", text)   # literal, choices, literal, ...
+        choices = [p.split(",") if i % 2 else [p] for i, p in enumerate(parts)]
+        names.update("".join(c) for c in itertools.product(*choices))
+    return names
+
+
+def test_the_results_index_names_exactly_the_files_in_results():
+    folder = os.path.join(ROOT, "benchmarks", "results")
+    rows = [line for line in open(os.path.join(folder, "README.md")).read().splitlines() if line.startswith("| `")]
+    named = set().union(*(_index_names(row.split("|")[1]) for row in rows))
+    present = set(os.listdir(folder)) - {"README.md"}
+    assert named - present == set(), "the index names files that are not there"
+    assert present - named == set(), "files in benchmarks/results/ without a row in its README.md"
