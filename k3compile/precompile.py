@@ -22,10 +22,10 @@ launchers themselves need real device tensors (a GPU context in each worker). Tr
 so a warm start does not compile them again; Inductor's own Triton kernels are built by Inductor's compile workers.
 
 The workers start as the graph's compile starts (``Batch.prestart``, where no record of the graph is on disk: a cold
-compile) and import what a build needs (``Builder.warm_up``) while AOTAutograd, Inductor and our passes run: in a
-fresh process those imports cost about as much as two CuTe builds, and one H200 run that started the workers at the
-first build measured the whole build-ahead slower than building at the first call (a 4-layer slice: 47.1 s against
-41.2 s, ``benchmarks/results/compile_time_h200.json``).
+compile) and import what a build needs (``Builder.warm_up``) while AOTAutograd, Inductor and our passes run. One H200
+run that started them at the first build measured the build-ahead slower than building at the first call (a 4-layer
+slice: 47.1 s against 41.2 s; the workers' 32.6 s for builds that take 5.1 s in the compiling process, the rest
+being, we take it, each fresh worker's imports: ``benchmarks/results/compile_time_h200.json``).
 
 Opt in (``enabled``): ``optimize(precompile=True)`` or ``K3_PRECOMPILE=1``; it builds for graphs on an NVIDIA GPU
 with CuTe DSL installed, under backend "auto" or "cute", with the CuTe disk cache on.
