@@ -35,9 +35,12 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from k3compile.patterns._common import LOW_PRECISION, match_val, pm, statically_known_true, trace_fn
+from k3compile.patterns._common import LOW_PRECISION, aten, match_val, pm, statically_known_true, trace_fn
 
 NAME = "kda_decode"
+# ops every pattern calls (the conv window, the state update, the decay): a graph without one of them is not
+# traced for (patterns/_common.py Group)
+REQUIRES = (aten.cat.default, aten.copy.default, aten.exp.default, aten.sigmoid.default)
 
 # traced in place of the gate's lower bound and the norm's eps, then turned into keywords (must be unique)
 LB_PLACEHOLDER = -4.321

@@ -46,6 +46,8 @@ import torch
 from k3compile.patterns._common import TRACE_DTYPES, aten, match_val, pm, statically_known_true, trace_fn, val
 
 NAME = "latent_moe_tail"
+# ops every pattern calls (the RMSNorm): a graph without one of them is not traced for (patterns/_common.py Group)
+REQUIRES = (aten.pow.Tensor_Scalar, aten.mean.dim, aten.rsqrt.default)
 log = logging.getLogger("k3compile")
 
 EPS_PLACEHOLDER = 1.2345e-4   # traced in place of eps and turned back into a keyword (must be unique)

@@ -42,6 +42,8 @@ from k3compile.patterns._common import (
 )
 
 NAME = "skinny_gemm"
+# ops every pattern calls (the weight's transpose): a graph without one is not traced for (patterns/_common.py Group)
+REQUIRES = (aten.permute.default,)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # example sizes: all distinct, so no two dimensions are confused while tracing
