@@ -43,6 +43,7 @@ import logging
 
 import torch
 
+import k3compile.ops.latent_moe_tail  # noqa: F401  (registers k3::latent_moe_tail: postprocess emits it too)
 from k3compile.patterns._common import TRACE_DTYPES, aten, match_val, pm, statically_known_true, trace_fn, val
 
 NAME = "latent_moe_tail"
@@ -143,8 +144,6 @@ def _can_fuse_tail(match: pm.Match, small_m_limit: int) -> bool:
 
 
 def register(pm_pass: pm.PatternMatcherPass, options) -> None:
-    import k3compile.ops.latent_moe_tail  # noqa: F401  (registers k3::latent_moe_tail)
-
     for dtype in TRACE_DTYPES:
         for search, make_replacement, shared_as_product in SEARCHES:
             pm.register_replacement(
