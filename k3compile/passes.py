@@ -180,7 +180,10 @@ def _register(options: K3Options, graph: Optional[torch.fx.Graph] = None
                         rank.setdefault(id(entry), i)
                     entries.sort(key=lambda entry: rank[id(entry)])
         REGISTRATIONS.extend(todo)
-        return state.passes, time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        log.debug("k3compile: traced %s in %.2f s", ", ".join(f"{n} ({state.groups[n][i].name})" for n, i in todo),
+                  seconds)
+        return state.passes, seconds
 
 
 _REGISTERED: dict[K3Options, _Registered] = {}
