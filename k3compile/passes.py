@@ -242,6 +242,12 @@ class K3PostGradPass(CustomGraphPass):
         self.chained = chained
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        from k3compile.patterns._common import search_traces_reused
+
+        with search_traces_reused():   # a search is traced once per distinct static shapes of this graph's matches
+            self._rewrite(graph)
+
+    def _rewrite(self, graph: torch.fx.Graph) -> None:
         t0 = time.perf_counter()
         passes, reg_s = _register(self.options, graph)
         record = GraphRecord(registration_seconds=reg_s)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -45,7 +46,7 @@ aten = torch.ops.aten
 __all__ = [
     "aten", "pm", "trace_fn", "fake_mode", "val", "match_val", "is_static_le", "guard_or_false",
     "statically_known_true", "LOW_PRECISION", "TRACE_DTYPES", "Group", "register_groups", "pattern_targets",
-    "GraphFacts",
+    "GraphFacts", "reusing_search_traces", "search_traces_reused",
 ]
 
 # Patterns ignore sizes but not dtypes (a 16-bit trace carries converts a fp32 trace lacks), so each
@@ -204,3 +205,68 @@ def pattern_targets(pattern: Any) -> set:
         if inner is not None:
             stack.append(inner)
     return out
+
+
+# --- one graph's matching: a search traced once per distinct static input metadata ---------------------------
+
+class _SearchTraces(threading.local):
+    def __init__(self):
+        self.memo: Optional[dict] = None   # (trace, search, decompositions, inputs' metadata) -> GraphModule
+
+
+_SEARCH_TRACES = _SearchTraces()
+
+
+@contextlib.contextmanager
+def search_traces_reused():
+    """While one graph's patterns are registered and matched (``k3compile/passes.py``): each search function's
+    trace at the same static input metadata is made once (see :func:`reusing_search_traces`)."""
+    outer, _SEARCH_TRACES.memo = _SEARCH_TRACES.memo, {}
+    try:
+        yield
+    finally:
+        _SEARCH_TRACES.memo = outer
+
+
+def _metadata(args) -> Optional[tuple]:
+    """What a trace of fake inputs depends on: each tensor's sizes, strides, offset, view-ness, dtype, device and
+    grad flag, each other input's type and value; None where a size is symbolic or an input is of another kind."""
+    import torch.utils._pytree as pytree
+
+    leaves, spec = pytree.tree_flatten(args)
+    out = [str(spec)]
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            dims = (*x.shape, *x.stride(), x.storage_offset())
+            if not all(type(d) is int for d in dims):
+                return None
+            out.append((tuple(x.shape), x.stride(), x.storage_offset(), x._is_view(), x.dtype, x.device,
+                        x.requires_grad))
+        elif x is None or type(x) in (int, float, bool, str) or isinstance(x, torch.dtype):
+            out.append((type(x), x))
+        else:
+            return None
+    return tuple(out)
+
+
+def reusing_search_traces(trace, searches):
+    """``trace`` for ``register_replacement``, whose trace of a function in ``searches`` is reused within
+    :func:`search_traces_reused` for the same static input metadata. The matcher re-traces the search at each
+    match's own values to check it (the layers of a model repeat the same ones) and only reads that trace (to make
+    a pattern of it); a replacement's trace, whose nodes the matcher edits, is always made anew."""
+    searches = tuple(searches)
+
+    def traced(fn, args, **kwargs):
+        memo = _SEARCH_TRACES.memo
+        key = None
+        if memo is not None and any(fn is s for s in searches):
+            meta = _metadata(args)
+            if meta is not None:
+                key = (trace, fn, tuple(sorted(kwargs.items())), meta)
+                if key in memo:
+                    return memo[key]
+        gm = trace(fn, args, **kwargs)
+        if key is not None:
+            memo[key] = gm
+        return gm
+    return traced

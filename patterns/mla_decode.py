@@ -44,8 +44,8 @@ from typing import Optional
 import torch
 
 from k3compile.patterns._common import (
-    TRACE_DTYPES, Group, aten, is_static_le, match_val, matched_scalar_ok, pm, register_groups, statically_known_true,
-    trace_fn, val,
+    TRACE_DTYPES, Group, aten, is_static_le, match_val, matched_scalar_ok, pm, register_groups, reusing_search_traces,
+    statically_known_true, trace_fn, val,
 )
 
 NAME = "mla_decode"
@@ -209,6 +209,7 @@ def _trace_online(online: pm.PatternMatcherPass, gpu_joint: Optional[pm.PatternM
 def _register_traces(pm_pass: pm.PatternMatcherPass, options, trace, shapes) -> None:
     forms = ((_search, _replacement(options.backend), False),
              (_search_padded, _replacement_padded(options.backend), True))
+    trace = reusing_search_traces(trace, (_search, _search_padded))
     for dtype in TRACE_DTYPES:
         for B, T in shapes:
             for search, replacement, padded in forms:

@@ -50,7 +50,7 @@ import functools
 import torch
 
 from k3compile.patterns._common import (LOW_PRECISION, Group, aten, match_val, matched_scalar_ok, pm,
-                                        register_groups, statically_known_true, val)
+                                        register_groups, reusing_search_traces, statically_known_true, val)
 
 NAME = "moe_experts"
 
@@ -320,7 +320,8 @@ FORMS = {
 
 def _register_form(pm_pass: pm.PatternMatcherPass, options, device: str, coordinate_descent: bool, form: str):
     searches = FORMS[form][1]
-    trace = functools.partial(_trace_as_inductor, coordinate_descent=coordinate_descent)
+    trace = reusing_search_traces(functools.partial(_trace_as_inductor, coordinate_descent=coordinate_descent),
+                                  searches)
     for dtype in (torch.float32, LOW_PRECISION):
         for search, keep_fp32, m, mxfp4 in SEARCHES:
             if search not in searches or (keep_fp32 and dtype == torch.float32):

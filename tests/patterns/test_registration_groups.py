@@ -11,7 +11,8 @@ from k3compile.patterns import PASS_ORDER
 from k3compile.patterns import moe_experts, moe_route, skinny_gemm
 from k3compile.patterns._common import fake_mode, pattern_targets, trace_fn, warm_inductor_patterns
 
-ALL_DEVICES = [("cpu", False), ("cuda", False), ("cuda", True)]   # moe_experts' spellings, CUDA's traced on fake tensors
+# moe_experts' spellings (the CUDA ones traced on fake tensors)
+ALL_DEVICES = [("cpu", False), ("cuda", False), ("cuda", True)]
 
 
 def _all_groups():
@@ -91,3 +92,29 @@ def test_groups_registered_one_graph_at_a_time_keep_the_all_at_once_order():
     assert lazily == _order(_register(eager)[0]["moe_experts"])
     assert lazily != dense_only
     assert skinny_gemm.REQUIRES   # every pass either declares what it needs or splits into groups that do
+
+
+def _three_linear_residuals(a, w1, w2, w3, r1, r2, r3):
+    return [torch.nn.functional.linear(a, w) + r for w, r in ((w1, r1), (w2, r2), (w3, r3))]
+
+
+def test_a_search_is_traced_once_for_matches_of_the_same_shapes(monkeypatch):
+    """Three products of the same shapes (as a model's layers repeat them): the matcher checks each match by
+    re-tracing the search at its values, once for all three."""
+    calls = []
+
+    def counting(fn, args, **kwargs):
+        calls.append((fn, tuple(a.shape for a in args if isinstance(a, torch.Tensor))))
+        return traced(fn, args, **kwargs)
+
+    traced = skinny_gemm.trace_literal_mm
+    monkeypatch.setattr(skinny_gemm, "trace_literal_mm", counting)
+    options = K3Options(backend="reference", passes=("skinny_gemm",), small_m_limit=12)   # registered anew here
+    graph = _graph(_three_linear_residuals, lambda: [torch.empty(4, 8)] + [torch.empty(6, 8)] * 3
+                   + [torch.empty(4, 6)] * 3)
+    matches, _ = _run(options, graph)
+    assert matches["skinny_gemm"] == 3
+    searches = {search for search, _ in skinny_gemm._PATTERNS}
+    at_graph_shapes = [fn for fn, shapes in calls if shapes[-1] == (4, 6)]
+    assert sum(fn in searches for fn in at_graph_shapes) == 1     # the check's trace, once
+    assert sum(fn not in searches for fn in at_graph_shapes) == 3  # each replacement traced anew
