@@ -144,6 +144,7 @@ def child(args) -> dict:
         plan, plan_in_pass = sum(r.plan_seconds for r in ahead), sum(r.plan_in_pass_seconds for r in ahead)
         waited = sum(r.waited_seconds for r in ahead)
         out.update(matches=rep.matches, sources=[g.source for g in rep.graphs], regions=rep.regions,
+                   registration_s=rep.registration_seconds,   # of "passes": tracing the patterns
                    graph_regions=[g.regions for g in rep.graphs], kernel_keys=sum(
                        1 for c in rep.choices if c.first_call_seconds is not None),
                    ahead=dict(compiled=rep.kernels_compiled, cached=rep.kernel_cache_hits,
@@ -219,7 +220,8 @@ def summarize(results: dict) -> dict:
                        split={k: median([r["split"][k] for r in ok]) for k in SPLIT},
                        wall_s=median([r["wall_s"] for r in ok]), regions=ok[-1].get("regions", ""),
                        kernel_keys=ok[-1].get("kernel_keys"), cute=ok[-1].get("cute"), ahead=ok[-1].get("ahead"),
-                       traced_groups=ok[-1].get("traced_groups"))
+                       traced_groups=ok[-1].get("traced_groups"),
+                       registration_s=median([r.get("registration_s", 0.0) for r in ok]))
         summary[f"{layers} layers, {variant}, {phase}"] = row
     return summary
 
@@ -361,7 +363,8 @@ def main() -> None:
         print(f"{name}: {value:.2f}x")
     for key, row in summary.items():
         if row.get("traced_groups"):
-            print(f"pattern groups traced ({key}): {'; '.join(row['traced_groups'])}")
+            print(f"pattern groups traced ({key}; {row['registration_s']:.1f} s of its passes): "
+                  f"{'; '.join(row['traced_groups'])}")
     if registration and "error" not in registration:
         print(f"pattern registration (all passes, fresh process): {registration['registration_s']:.2f} s")
     print(f"wrote {args.out} ({payload['total_wall_s']:.0f} s in all)")
