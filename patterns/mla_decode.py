@@ -230,7 +230,8 @@ def groups(options) -> list[Group]:
                                                     shapes=TRACE_SHAPES), requires=(aten.amax.default,))]
     online = online_softmax_pass()
     if online is not None:
-        requires = (torch.ops.prims.prepare_softmax_online.default,)
+        op = getattr(torch.ops.prims, "prepare_softmax_online", None)
+        requires = (op.default,) if op is not None else ()
         out += [Group("online softmax", functools.partial(_register_traces, options=options,
                                                           trace=_trace_online(online), shapes=TRACE_SHAPES),
                       requires=requires),
