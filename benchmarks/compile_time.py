@@ -144,6 +144,7 @@ def child(args) -> dict:
         plan, plan_in_pass = sum(r.plan_seconds for r in ahead), sum(r.plan_in_pass_seconds for r in ahead)
         waited = sum(r.waited_seconds for r in ahead)
         out.update(matches=rep.matches, sources=[g.source for g in rep.graphs], regions=rep.regions,
+                   registration_s=rep.registration_seconds,   # of "passes": tracing the patterns
                    graph_regions=[g.regions for g in rep.graphs], kernel_keys=sum(
                        1 for c in rep.choices if c.first_call_seconds is not None),
                    ahead=dict(compiled=rep.kernels_compiled, cached=rep.kernel_cache_hits,
@@ -151,6 +152,11 @@ def child(args) -> dict:
                               wall_s=sum(r.wall_seconds for r in ahead), workers=max([r.workers for r in ahead] or [0]),
                               calls=sum(r.calls for r in ahead), unplanned=[u for r in ahead for u in r.unplanned],
                               why=sorted({g.precompile.why for g in rep.graphs if g.precompile is not None})))
+        from k3compile.passes import _REGISTERED
+
+        # the pattern groups this process traced (a group is traced only for a graph that calls the ops it needs)
+        out["traced_groups"] = sorted({f"{name}: {state.groups[name][i].name}" for state in _REGISTERED.values()
+                                       for name, i in state.done})
         try:
             from k3compile.kernels.cute.compile import STATS
 
@@ -213,7 +219,9 @@ def summarize(results: dict) -> dict:
             row.update(compile_s=median([r["compile_s"] for r in ok]), fx_hit=median([r["fx_hit"] for r in ok]),
                        split={k: median([r["split"][k] for r in ok]) for k in SPLIT},
                        wall_s=median([r["wall_s"] for r in ok]), regions=ok[-1].get("regions", ""),
-                       kernel_keys=ok[-1].get("kernel_keys"), cute=ok[-1].get("cute"), ahead=ok[-1].get("ahead"))
+                       kernel_keys=ok[-1].get("kernel_keys"), cute=ok[-1].get("cute"), ahead=ok[-1].get("ahead"),
+                       traced_groups=ok[-1].get("traced_groups"),
+                       registration_s=median([r.get("registration_s", 0.0) for r in ok]))
         summary[f"{layers} layers, {variant}, {phase}"] = row
     return summary
 
@@ -353,6 +361,10 @@ def main() -> None:
     print(kernel_table(summary))
     for name, value in payload["ratios"].items():
         print(f"{name}: {value:.2f}x")
+    for key, row in summary.items():
+        if row.get("traced_groups"):
+            print(f"pattern groups traced ({key}; {row['registration_s']:.1f} s of its passes): "
+                  f"{'; '.join(row['traced_groups'])}")
     if registration and "error" not in registration:
         print(f"pattern registration (all passes, fresh process): {registration['registration_s']:.2f} s")
     print(f"wrote {args.out} ({payload['total_wall_s']:.0f} s in all)")

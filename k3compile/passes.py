@@ -3,7 +3,9 @@
 Inductor calls it as ``post_grad_custom_post_pass`` on each functional, normalized ATen graph it
 compiles (only on an FX-graph-cache miss). It
 
-1. registers each enabled pattern module once per options value (lazily, under fake tensors),
+1. registers each enabled pattern module's patterns once per options value, lazily, under fake tensors, and only
+   those a graph could match: a module's registration groups (``patterns/_common.py`` ``Group``) are traced at
+   the first graph that calls the ops they need (a graph without MoE never traces the MoE patterns),
 2. applies the passes in ``patterns.PASS_ORDER`` and records each pass's match count in
    :data:`COMPILE_RECORD` (per-thread, read by ``optimize``'s backend and by ``report``),
 3. runs the pass the user had installed before us (chained), if any,
@@ -129,26 +131,64 @@ STATIC_WEIGHT_FACT = "static_weight"
 _register_lock = threading.Lock()
 
 
-def _register(options: K3Options) -> tuple[dict[str, pm.PatternMatcherPass], float]:
-    with _register_lock:
-        cached = _REGISTERED.get(options)
-        if cached is not None:
-            return cached, 0.0
-        from k3compile.patterns._common import fake_mode, warm_inductor_patterns
+@dataclass
+class _Registered:
+    """One options value's pattern passes and which of their registration groups are in them."""
+    passes: dict        # pass name -> PatternMatcherPass
+    groups: dict        # pass name -> its modules' groups (patterns._common.Group), in order
+    done: set = field(default_factory=set)   # (pass name, group index) registered
+    rank: dict = field(default_factory=dict)  # pass name -> {id of a pattern entry: index of the group it came from}
 
+
+def _groups(name: str, options: K3Options) -> list:
+    from k3compile.patterns._common import Group
+
+    module = pattern_module(name)
+    if hasattr(module, "groups"):
+        return module.groups(options)
+    return [Group(name, lambda pm_pass: module.register(pm_pass, options), requires=getattr(module, "REQUIRES", ()))]
+
+
+def _register(options: K3Options, graph: Optional[torch.fx.Graph] = None
+              ) -> tuple[dict[str, pm.PatternMatcherPass], float]:
+    """The enabled passes with every registration group a graph could match registered (every group for None):
+    a group is traced at the first graph that needs it, never twice (``patterns/_common.py`` ``Group``). Each
+    target's entries stay in the order registering every group at once gives: by group, then as registered."""
+    from k3compile.patterns._common import GraphFacts, fake_mode, warm_inductor_patterns
+
+    with _register_lock:
+        state = _REGISTERED.get(options)
+        if state is None:
+            state = _REGISTERED[options] = _Registered(
+                {name: pm.PatternMatcherPass(pass_name=f"k3_{name}") for name in options.enabled},
+                {name: _groups(name, options) for name in options.enabled})
+        facts = GraphFacts.of(graph) if graph is not None else None
+        todo = [(name, i) for name, groups in state.groups.items() for i, group in enumerate(groups)
+                if (name, i) not in state.done and group.needed(facts)]
+        if not todo:
+            return state.passes, 0.0
         t0 = time.perf_counter()
-        passes = {}
         with fake_mode():
             warm_inductor_patterns()
-            for name in options.enabled:
-                pm_pass = pm.PatternMatcherPass(pass_name=f"k3_{name}")
-                pattern_module(name).register(pm_pass, options)
-                passes[name] = pm_pass
-        _REGISTERED[options] = passes
-        return passes, time.perf_counter() - t0
+            for name, i in todo:
+                pm_pass = state.passes[name]
+                state.groups[name][i].register(pm_pass)
+                state.done.add((name, i))
+                rank = state.rank.setdefault(name, {})
+                for entries in pm_pass.patterns.values():
+                    for entry in entries:
+                        rank.setdefault(id(entry), i)
+                    entries.sort(key=lambda entry: rank[id(entry)])
+        REGISTRATIONS.extend(todo)
+        seconds = time.perf_counter() - t0
+        log.debug("k3compile: traced %s in %.2f s", ", ".join(f"{n} ({state.groups[n][i].name})" for n, i in todo),
+                  seconds)
+        return state.passes, seconds
 
 
-_REGISTERED: dict[K3Options, dict[str, pm.PatternMatcherPass]] = {}
+_REGISTERED: dict[K3Options, _Registered] = {}
+# (pass name, group index) in the order they were registered, this process (tests count what a graph made us trace)
+REGISTRATIONS: list[tuple[str, int]] = []
 
 
 def _source_files() -> tuple[str, ...]:
@@ -202,8 +242,14 @@ class K3PostGradPass(CustomGraphPass):
         self.chained = chained
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        from k3compile.patterns._common import search_traces_reused
+
+        with search_traces_reused():   # a search is traced once per distinct static shapes of this graph's matches
+            self._rewrite(graph)
+
+    def _rewrite(self, graph: torch.fx.Graph) -> None:
         t0 = time.perf_counter()
-        passes, reg_s = _register(self.options)
+        passes, reg_s = _register(self.options, graph)
         record = GraphRecord(registration_seconds=reg_s)
         record.graph_id, record.calls = id(graph), region_calls(graph)   # merge_records weighs region bodies
         for name in passes:

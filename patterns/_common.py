@@ -6,6 +6,11 @@ Contract of a pattern module ``patterns/<name>.py`` (listed in ``patterns/__init
 - ``register(pm_pass: PatternMatcherPass, options: K3Options) -> None`` -- registers its
   search/replacement pairs into ``pm_pass``. Called once per (pass, options) under fake tensors,
   lazily, at the first compile that needs it.
+- Optionally ``REQUIRES: tuple`` -- ops every pattern ``register`` adds calls (checked in
+  ``tests/patterns/test_common.py``): a graph that lacks one of them is never traced for (:class:`Group`).
+- Optionally ``groups(options) -> list[Group]`` -- the same registrations split by what a graph must hold for
+  them to match (:class:`Group`); the pass manager then registers each group only at the first graph that could
+  hold one of its matches, and ``register`` is ``register_groups(pm_pass, groups(options))``.
 - ``expected(summary: dict) -> bool`` -- whether a graph of a model described by the summary
   (``k3compile.passes.summarize_model`` keys, plus every module's ``facts`` for this graph and
   ``small_m_limit``) should produce at least one match; used by ``strict=True`` and the warning
@@ -28,7 +33,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Optional
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 from torch._inductor import pattern_matcher as pm
@@ -38,7 +45,8 @@ aten = torch.ops.aten
 
 __all__ = [
     "aten", "pm", "trace_fn", "fake_mode", "val", "match_val", "is_static_le", "guard_or_false",
-    "statically_known_true", "LOW_PRECISION", "TRACE_DTYPES",
+    "statically_known_true", "LOW_PRECISION", "TRACE_DTYPES", "Group", "register_groups", "pattern_targets",
+    "GraphFacts", "reusing_search_traces", "search_traces_reused",
 ]
 
 # Patterns ignore sizes but not dtypes (a 16-bit trace carries converts a fp32 trace lacks), so each
@@ -112,3 +120,153 @@ def matched_scalar_ok(match: pm.Match, name: str) -> bool:
 def is_static_le(size: Any, limit: int) -> bool:
     """True only when ``size <= limit`` holds for every value a symbolic size may take."""
     return bool(statically_known_true(size <= limit))
+
+
+# --- registration groups: trace a pattern only for a graph that could hold its match ----------------------------
+
+@dataclass(frozen=True)
+class Group:
+    """Some of one pass's registrations, traced only where a graph could hold one of their matches.
+
+    ``requires``: ops every pattern of the group calls (``tests/patterns/test_common.py`` checks each pattern the
+    group registers): a pattern matches only nodes calling its ops, so a graph that calls none of one of them cannot
+    match. ``device``: the device type of the group's example inputs, where a pass traces one group per device
+    because the spelling differs (the matcher re-traces every match at its own device and checks that trace, so
+    a graph with no tensor on ``device`` gets its matches from the group traced on its own device)."""
+    name: str
+    register: Callable[[pm.PatternMatcherPass], None]
+    requires: tuple = ()
+    device: Optional[str] = None
+
+    def needed(self, facts: Optional["GraphFacts"]) -> bool:
+        """Whether a graph with these facts could hold a match (None: any graph, everything is registered)."""
+        if facts is None:
+            return True
+        return all(op in facts.targets for op in self.requires) and (
+            self.device is None or self.device in facts.devices)
+
+
+@dataclass(frozen=True)
+class GraphFacts:
+    """What :meth:`Group.needed` reads of a graph: the ops it calls and the device types of its tensors."""
+    targets: frozenset
+    devices: frozenset
+
+    @classmethod
+    def of(cls, graph: torch.fx.Graph) -> "GraphFacts":
+        targets, devices = set(), set()
+        for node in graph.nodes:
+            if node.op == "call_function":
+                targets.add(node.target)
+            for v in _flat_vals(node.meta.get("val")):
+                devices.add(v.device.type)
+        return cls(frozenset(targets), frozenset(devices))
+
+
+def _flat_vals(v) -> list:
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, (list, tuple)):
+        return [t for x in v for t in _flat_vals(x)]
+    return []
+
+
+def register_groups(pm_pass: pm.PatternMatcherPass, groups, facts: Optional[GraphFacts] = None) -> list[str]:
+    """Register each group of ``groups`` a graph with ``facts`` needs (all of them for None); their names."""
+    done = []
+    for group in groups:
+        if group.needed(facts):
+            group.register(pm_pass)
+            done.append(group.name)
+    return done
+
+
+def pattern_targets(pattern: Any) -> set:
+    """The ops a pattern's nodes call (each node of a match calls one of its pattern node's ``fns``)."""
+    out, stack, seen = set(), [pattern], set()
+    while stack:
+        p = stack.pop()
+        if id(p) in seen or not isinstance(p, pm.PatternExpr):
+            continue
+        seen.add(id(p))
+        if isinstance(p, pm.MultiOutputPattern):
+            stack.extend(p.outputs)
+            continue
+        fns = getattr(p, "fns", None)
+        if fns:
+            if len(fns) == 1:
+                out.add(fns[0])
+            else:
+                out.add(tuple(fns))   # any one of them
+        flat = getattr(p, "flat_args_kwargs", None)
+        if flat is not None:
+            stack.extend(flat[0])
+        inner = getattr(p, "pattern", None)
+        if inner is not None:
+            stack.append(inner)
+    return out
+
+
+# --- one graph's matching: a search traced once per distinct static input metadata ---------------------------
+
+class _SearchTraces(threading.local):
+    def __init__(self):
+        self.memo: Optional[dict] = None   # (trace, search, decompositions, inputs' metadata) -> GraphModule
+
+
+_SEARCH_TRACES = _SearchTraces()
+
+
+@contextlib.contextmanager
+def search_traces_reused():
+    """While one graph's patterns are registered and matched (``k3compile/passes.py``): each search function's
+    trace at the same static input metadata is made once (see :func:`reusing_search_traces`)."""
+    outer, _SEARCH_TRACES.memo = _SEARCH_TRACES.memo, {}
+    try:
+        yield
+    finally:
+        _SEARCH_TRACES.memo = outer
+
+
+def _metadata(args) -> Optional[tuple]:
+    """What a trace of fake inputs depends on: each tensor's sizes, strides, offset, view-ness, dtype, device and
+    grad flag, each other input's type and value; None where a size is symbolic or an input is of another kind."""
+    import torch.utils._pytree as pytree
+
+    leaves, spec = pytree.tree_flatten(args)
+    out = [str(spec)]
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            dims = (*x.shape, *x.stride(), x.storage_offset())
+            if not all(type(d) is int for d in dims):
+                return None
+            out.append((tuple(x.shape), x.stride(), x.storage_offset(), x._is_view(), x.dtype, x.device,
+                        x.requires_grad))
+        elif x is None or type(x) in (int, float, bool, str) or isinstance(x, torch.dtype):
+            out.append((type(x), x))
+        else:
+            return None
+    return tuple(out)
+
+
+def reusing_search_traces(trace, searches):
+    """``trace`` for ``register_replacement``, whose trace of a function in ``searches`` is reused within
+    :func:`search_traces_reused` for the same static input metadata. The matcher re-traces the search at each
+    match's own values to check it (the layers of a model repeat the same ones) and only reads that trace (to make
+    a pattern of it); a replacement's trace, whose nodes the matcher edits, is always made anew."""
+    searches = tuple(searches)
+
+    def traced(fn, args, **kwargs):
+        memo = _SEARCH_TRACES.memo
+        key = None
+        if memo is not None and any(fn is s for s in searches):
+            meta = _metadata(args)
+            if meta is not None:
+                key = (trace, fn, tuple(sorted(kwargs.items())), meta)
+                if key in memo:
+                    return memo[key]
+        gm = trace(fn, args, **kwargs)
+        if key is not None:
+            memo[key] = gm
+        return gm
+    return traced

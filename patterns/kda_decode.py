@@ -35,9 +35,14 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from k3compile.patterns._common import LOW_PRECISION, match_val, pm, statically_known_true, trace_fn
+from k3compile.patterns._common import (
+    LOW_PRECISION, aten, match_val, pm, reusing_search_traces, statically_known_true, trace_fn,
+)
 
 NAME = "kda_decode"
+# ops every pattern calls (the conv window, the state update, the decay): a graph without one of them is not
+# traced for (patterns/_common.py Group)
+REQUIRES = (aten.cat.default, aten.copy.default, aten.exp.default, aten.sigmoid.default)
 
 # traced in place of the gate's lower bound and the norm's eps, then turned into keywords (must be unique)
 LB_PLACEHOLDER = -4.321
@@ -188,15 +193,16 @@ def _can_fuse_kda_decode(match: pm.Match) -> bool:
 def register(pm_pass: pm.PatternMatcherPass, options) -> None:
     import k3compile.ops.kda_decode  # noqa: F401  (registers k3::kda_decode)
 
+    trace = reusing_search_traces(trace_fn, (_search_lower_bound, _search_softplus))
     for act_dtype, param_dtype in TRACES:
         inputs = get_inputs(act_dtype, param_dtype)
         pm.register_replacement(
-            _search_lower_bound, _replace_lower_bound(options.backend), inputs, trace_fn, pm_pass,
+            _search_lower_bound, _replace_lower_bound(options.backend), inputs, trace, pm_pass,
             extra_check=_can_fuse_kda_decode, skip_duplicates=True,
             scalar_workaround={"lower_bound": LB_PLACEHOLDER, "eps": EPS_PLACEHOLDER},
         )
         pm.register_replacement(
-            _search_softplus, _replace_softplus(options.backend), inputs, trace_fn, pm_pass,
+            _search_softplus, _replace_softplus(options.backend), inputs, trace, pm_pass,
             extra_check=_can_fuse_kda_decode, skip_duplicates=True,
             scalar_workaround={"eps": EPS_PLACEHOLDER},
         )

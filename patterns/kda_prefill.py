@@ -309,6 +309,11 @@ def register(pm_pass: pm.PatternMatcherPass, options) -> None:
     import k3compile.ops.kda_prefill  # noqa: F401
 
 
+def groups(options) -> list:
+    """No registration group (see :func:`register`)."""
+    return []
+
+
 def facts(graph: torch.fx.Graph, options) -> dict:
     """How many chunk solves of the model's chunk size the graph holds (two per KDA layer of a prefill)."""
     C = _chunk_size()

@@ -43,9 +43,13 @@ import logging
 
 import torch
 
-from k3compile.patterns._common import TRACE_DTYPES, aten, match_val, pm, statically_known_true, trace_fn, val
+import k3compile.ops.latent_moe_tail  # noqa: F401  (registers k3::latent_moe_tail: postprocess emits it too)
+from k3compile.patterns._common import (TRACE_DTYPES, aten, match_val, pm, reusing_search_traces, statically_known_true,
+                                        trace_fn, val)
 
 NAME = "latent_moe_tail"
+# ops every pattern calls (the RMSNorm): a graph without one of them is not traced for (patterns/_common.py Group)
+REQUIRES = (aten.pow.Tensor_Scalar, aten.mean.dim, aten.rsqrt.default)
 log = logging.getLogger("k3compile")
 
 EPS_PLACEHOLDER = 1.2345e-4   # traced in place of eps and turned back into a keyword (must be unique)
@@ -141,13 +145,12 @@ def _can_fuse_tail(match: pm.Match, small_m_limit: int) -> bool:
 
 
 def register(pm_pass: pm.PatternMatcherPass, options) -> None:
-    import k3compile.ops.latent_moe_tail  # noqa: F401  (registers k3::latent_moe_tail)
-
+    trace = reusing_search_traces(trace_fn, [search for search, _, _ in SEARCHES])
     for dtype in TRACE_DTYPES:
         for search, make_replacement, shared_as_product in SEARCHES:
             pm.register_replacement(
                 search, make_replacement(options.backend, options.small_m_limit),
-                get_inputs(dtype, shared_as_product), trace_fn, pm_pass,
+                get_inputs(dtype, shared_as_product), trace, pm_pass,
                 extra_check=functools.partial(_can_fuse_tail, small_m_limit=options.small_m_limit),
                 scalar_workaround={"eps": EPS_PLACEHOLDER}, skip_duplicates=True,
             )

@@ -37,13 +37,15 @@ size as an input; ``expected()`` still counts the step, so the miss is logged.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
 import torch
 
 from k3compile.patterns._common import (
-    TRACE_DTYPES, aten, is_static_le, match_val, matched_scalar_ok, pm, statically_known_true, trace_fn, val,
+    TRACE_DTYPES, Group, aten, is_static_le, match_val, matched_scalar_ok, pm, register_groups, reusing_search_traces,
+    statically_known_true, trace_fn, val,
 )
 
 NAME = "mla_decode"
@@ -204,25 +206,43 @@ def _trace_online(online: pm.PatternMatcherPass, gpu_joint: Optional[pm.PatternM
     return trace
 
 
-def register(pm_pass: pm.PatternMatcherPass, options) -> None:
-    import k3compile.ops.mla_decode  # noqa: F401  (registers k3::mla_decode)
-
-    online = online_softmax_pass()
-    traces = [(_trace, TRACE_SHAPES)]
-    if online is not None:
-        traces += [(_trace_online(online), TRACE_SHAPES),
-                   (_trace_online(online, gpu_joint=bmm_to_mm_pass()), GPU_BATCH_ONE_SHAPES)]
+def _register_traces(pm_pass: pm.PatternMatcherPass, options, trace, shapes) -> None:
     forms = ((_search, _replacement(options.backend), False),
              (_search_padded, _replacement_padded(options.backend), True))
-    for trace, shapes in traces:
-        for dtype in TRACE_DTYPES:
-            for B, T in shapes:
-                for search, replacement, padded in forms:
-                    pm.register_replacement(
-                        search, replacement, get_inputs(dtype, B, T, padded), trace, pm_pass,
-                        extra_check=_can_mla_decode, skip_duplicates=True,
-                        scalar_workaround={"scale": SCALE_PLACEHOLDER},
-                    )
+    trace = reusing_search_traces(trace, (_search, _search_padded))
+    for dtype in TRACE_DTYPES:
+        for B, T in shapes:
+            for search, replacement, padded in forms:
+                pm.register_replacement(
+                    search, replacement, get_inputs(dtype, B, T, padded), trace, pm_pass,
+                    extra_check=_can_mla_decode, skip_duplicates=True,
+                    scalar_workaround={"scale": SCALE_PLACEHOLDER},
+                )
+
+
+def groups(options) -> list[Group]:
+    """The softmax as the model writes it (a CPU graph: ``amax`` ... ``div``), and Inductor's online form (a GPU
+    graph: ``prims.prepare_softmax_online``), the latter also with batch-1 ``bmm``'s as ``mm``'s: each group only for
+    a graph that calls its softmax's op."""
+    import k3compile.ops.mla_decode  # noqa: F401  (registers k3::mla_decode)
+
+    out = [Group("plain softmax", functools.partial(_register_traces, options=options, trace=_trace,
+                                                    shapes=TRACE_SHAPES), requires=(aten.amax.default,))]
+    online = online_softmax_pass()
+    if online is not None:
+        op = getattr(torch.ops.prims, "prepare_softmax_online", None)
+        requires = (op.default,) if op is not None else ()
+        out += [Group("online softmax", functools.partial(_register_traces, options=options,
+                                                          trace=_trace_online(online), shapes=TRACE_SHAPES),
+                      requires=requires),
+                Group("online softmax, batch-1 mm", functools.partial(
+                    _register_traces, options=options, trace=_trace_online(online, gpu_joint=bmm_to_mm_pass()),
+                    shapes=GPU_BATCH_ONE_SHAPES), requires=requires)]
+    return out
+
+
+def register(pm_pass: pm.PatternMatcherPass, options) -> None:
+    register_groups(pm_pass, groups(options))
 
 
 def _is_decode_mask(node: torch.fx.Node) -> bool:

@@ -49,8 +49,8 @@ import functools
 
 import torch
 
-from k3compile.patterns._common import (LOW_PRECISION, aten, match_val, matched_scalar_ok, pm, statically_known_true,
-                                        val)
+from k3compile.patterns._common import (LOW_PRECISION, Group, aten, match_val, matched_scalar_ok, pm,
+                                        register_groups, reusing_search_traces, statically_known_true, val)
 
 NAME = "moe_experts"
 
@@ -306,22 +306,47 @@ def _trace_variants() -> list[tuple[str, bool]]:
     return variants
 
 
-def register(pm_pass: pm.PatternMatcherPass, options, variants=None) -> None:
+# The forms, each registered only for a graph that calls the ops every pattern of the form calls (Group): the
+# gathered forms index the experts' weights, the dense ones scatter the router weights into the combine, the MXFP4
+# ones unpack the codes with integer ops and view the scale's bits as floats.
+_UNPACK = (aten.bitwise_and.Scalar, aten.__rshift__.Scalar, aten.view.dtype)
+FORMS = {
+    "gathered": ((aten.index.Tensor,), (_gathered, _gathered_fp32)),
+    "dense": ((aten.scatter.src,), (_dense, _dense_fp32)),
+    "gathered_mxfp4": ((aten.index.Tensor, *_UNPACK), (_gathered_mxfp4, _gathered_mxfp4_fp32)),
+    "dense_mxfp4": ((aten.scatter.src, *_UNPACK), (_dense_mxfp4, _dense_mxfp4_fp32)),
+}
+
+
+def _register_form(pm_pass: pm.PatternMatcherPass, options, device: str, coordinate_descent: bool, form: str):
+    searches = FORMS[form][1]
+    trace = reusing_search_traces(functools.partial(_trace_as_inductor, coordinate_descent=coordinate_descent),
+                                  searches)
+    for dtype in (torch.float32, LOW_PRECISION):
+        for search, keep_fp32, m, mxfp4 in SEARCHES:
+            if search not in searches or (keep_fp32 and dtype == torch.float32):
+                continue   # an fp32 model's final cast is no cast: the first search is this one
+            replacement = (_replacement_mxfp4 if mxfp4 else _replacement)(options.backend, options.small_m_limit,
+                                                                         keep_fp32)
+            pm.register_replacement(
+                search, replacement, get_inputs(dtype, device, m, mxfp4), trace, pm_pass,
+                extra_check=_can_moe_experts_mxfp4 if mxfp4 else _can_moe_experts,
+                scalar_workaround=SCALARS, skip_duplicates=True,
+            )
+
+
+def groups(options, variants=None) -> list[Group]:
+    """One group per (device kind, coordinate-descent setting, form) (see ``FORMS``)."""
     import k3compile.ops.moe_experts  # noqa: F401  (registers k3::moe_experts)
 
-    for device, coordinate_descent in variants or _trace_variants():
-        trace = functools.partial(_trace_as_inductor, coordinate_descent=coordinate_descent)
-        for dtype in (torch.float32, LOW_PRECISION):
-            for search, keep_fp32, m, mxfp4 in SEARCHES:
-                if keep_fp32 and dtype == torch.float32:
-                    continue   # an fp32 model's final cast is no cast: the first search is this one
-                replacement = (_replacement_mxfp4 if mxfp4 else _replacement)(options.backend, options.small_m_limit,
-                                                                             keep_fp32)
-                pm.register_replacement(
-                    search, replacement, get_inputs(dtype, device, m, mxfp4), trace, pm_pass,
-                    extra_check=_can_moe_experts_mxfp4 if mxfp4 else _can_moe_experts,
-                    scalar_workaround=SCALARS, skip_duplicates=True,
-                )
+    return [Group(f"{form} {device}{' coordinate-descent' if cd else ''}",
+                  functools.partial(_register_form, options=options, device=device, coordinate_descent=cd, form=form),
+                  requires=FORMS[form][0], device=device)
+            for device, cd in variants or _trace_variants() for form in FORMS]
+
+
+def register(pm_pass: pm.PatternMatcherPass, options, variants=None) -> None:
+    register_groups(pm_pass, groups(options, variants))
 
 
 FACT = "graph_moe_experts_candidates"

@@ -29,6 +29,8 @@ import torch
 from k3compile.patterns._common import aten, guard_or_false, pm, trace_fn, val
 
 NAME = "moe_route"
+# ops every pattern calls: a graph without one of them is not traced for (patterns/_common.py Group)
+REQUIRES = (aten.sigmoid.default, aten.topk.default, aten.gather.default)
 
 _M, _E, _K = 3, 10, 4   # example sizes, all distinct
 

@@ -38,10 +38,12 @@ import torch
 
 import k3compile.ops.skinny_gemm  # noqa: F401  (registers k3::skinny_gemm)
 from k3compile.patterns._common import (
-    TRACE_DTYPES, aten, guard_or_false, pm, statically_known_true, trace_fn, val,
+    TRACE_DTYPES, aten, guard_or_false, pm, reusing_search_traces, statically_known_true, trace_fn, val,
 )
 
 NAME = "skinny_gemm"
+# ops every pattern calls (the weight's transpose): a graph without one is not traced for (patterns/_common.py Group)
+REQUIRES = (aten.permute.default,)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # example sizes: all distinct, so no two dimensions are confused while tracing
@@ -200,10 +202,11 @@ def trace_literal_mm(fn, args, **kwargs) -> torch.fx.GraphModule:
 def register(pm_pass: pm.PatternMatcherPass, options) -> None:
     replacements = _replacements(options.backend, options.small_m_limit)
     check = functools.partial(_can_skinny_gemm, limit=options.small_m_limit)
+    trace = reusing_search_traces(trace_literal_mm, [search for search, _ in _PATTERNS])
     for dtype in TRACE_DTYPES:
         for search, kind in _PATTERNS:
             pm.register_replacement(
-                search, replacements[kind], get_inputs(dtype, kind), trace_literal_mm, pm_pass,
+                search, replacements[kind], get_inputs(dtype, kind), trace, pm_pass,
                 extra_check=check, skip_duplicates=True,
             )
 

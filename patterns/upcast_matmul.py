@@ -35,6 +35,8 @@ from k3compile.patterns._common import LOW_PRECISION, aten, guard_or_false, pm, 
 from k3compile.patterns.skinny_gemm import decompositions, small_m, trace_literal_mm, transposed_weight
 
 NAME = "upcast_matmul"
+# ops every pattern calls (the upcast): a graph without one is not traced for (patterns/_common.py Group)
+REQUIRES = (torch.ops.prims.convert_element_type.default,)
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 _CONVERT = torch.ops.prims.convert_element_type.default
 
