@@ -27,10 +27,13 @@ with regions back into the whole graph (``optimize``'s fallback where a pass los
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
+import inspect
 import logging
 import operator
 import time
+import types
 from typing import Any, Callable, Optional
 
 import torch
@@ -50,12 +53,72 @@ def available() -> Optional[str]:
     return None
 
 
+def _reuse_options() -> dict:
+    """``nested_compile_region``'s keywords: where this torch's Dynamo reuses a traced body for later calls (torch
+    2.13; 2.11 traces every call), a cap on its entries that equal blocks never reach and that a guard failing on
+    every call cannot turn into an error (past the cap Dynamo raises instead of tracing the call)."""
+    params = inspect.signature(torch.compiler.nested_compile_region).parameters
+    return {"max_reuse_entries": 1 << 16} if "max_reuse_entries" in params else {}
+
+
+_STATE_TYPES: list[type] = []   # the state dataclasses flat block calls carry, by index (see _flat_args)
+
+
+def _state_fields(value) -> Optional[tuple[str, ...]]:
+    """The field names of a block argument that is a dataclass of tensors (K3: ``KDAState``, ``MLAState``), else
+    None."""
+    if isinstance(value, type) or not dataclasses.is_dataclass(value):
+        return None
+    names = tuple(f.name for f in dataclasses.fields(value))
+    return names if names and all(isinstance(getattr(value, n), torch.Tensor) for n in names) else None
+
+
+def _flat_args(args: tuple) -> tuple[tuple, list]:
+    """(spec, flat): each state dataclass among ``args`` replaced by its tensors. Dynamo reuses a traced body only
+    for calls whose inputs are tensors, numbers and modules (``torch/_dynamo/variables/invoke_subgraph.py``: "not
+    eligible -- unsupported input VT types"): a block given its layer's state object would be traced anew at every
+    call. spec: per argument None (one flat slot) or (index in _STATE_TYPES, its field count)."""
+    spec, flat = [], []
+    for value in args:
+        names = _state_fields(value)
+        if names is None:
+            spec.append(None)
+            flat.append(value)
+            continue
+        if type(value) not in _STATE_TYPES:
+            _STATE_TYPES.append(type(value))
+        spec.append((_STATE_TYPES.index(type(value)), len(names)))
+        flat.extend(getattr(value, n) for n in names)
+    return tuple(spec), flat
+
+
+def _body(module, spec, *flat, **kwargs):
+    """A region's body: the block's own ``forward`` on the arguments ``_flat_args`` flattened, the state objects
+    rebuilt around the same tensors (the blocks update their state in place, never rebind a field)."""
+    args, i = [], 0
+    for item in spec:
+        if item is None:
+            args.append(flat[i])
+            i += 1
+        else:
+            args.append(_STATE_TYPES[item[0]](*flat[i:i + item[1]]))
+            i += item[1]
+    return module._k3compile_block_forward(*args, **kwargs)
+
+
 @functools.cache
 def _region_class(cls: type) -> type:
-    """``cls`` with its ``forward`` as a nested compile region (one per class, so equal blocks share it)."""
-    forward = torch.compiler.nested_compile_region(cls.forward)
-    return type(cls.__name__, (cls,), {"forward": forward, REGION_OF: cls, "__module__": cls.__module__,
-                                       "__qualname__": cls.__qualname__})
+    """``cls`` whose ``forward`` calls its own through a nested compile region (one per class, so equal blocks share
+    it; the body's code is copied per class, so each class has its own Dynamo reuse entries)."""
+    code = _body.__code__.replace(co_name=f"{cls.__name__}_region")
+    region = torch.compiler.nested_compile_region(
+        types.FunctionType(code, _body.__globals__, code.co_name, _body.__defaults__), **_reuse_options())
+
+    def forward(self, *args, **kwargs):
+        spec, flat = _flat_args(args)
+        return region(self, spec, *flat, **kwargs)
+    return type(cls.__name__, (cls,), {"forward": forward, "_k3compile_block_forward": cls.forward, REGION_OF: cls,
+                                       "__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 
 def blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

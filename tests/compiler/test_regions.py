@@ -8,7 +8,9 @@ tests/compiler/test_tiny_k3.py, beside the whole graph it is compared with.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
+import pytest
 import torch
 from torch import nn
 
@@ -175,3 +177,74 @@ def test_warm_start_report_keeps_the_weighed_counts(tmp_path, monkeypatch):
     assert [r.graphs[0].source for r in reports] == ["pass ran", "cache hit (sidecar)"]
     assert [r.matches["skinny_gemm"] for r in reports] == [LAYERS, LAYERS]
     assert reports[1].graphs[0].regions == f"1 region bodies for {LAYERS} calls"
+
+
+@dataclasses.dataclass
+class State:
+    """A layer's state as K3's KDA and MLA blocks take it (``model/cache.py``): a dataclass of tensors, updated in
+    place."""
+    total: torch.Tensor
+    steps: torch.Tensor
+
+
+class StatefulBlock(Block):
+    def forward(self, x, state):
+        y = torch.relu(self.proj(x))
+        state.total.add_(y)
+        state.steps.add_(1)
+        return y
+
+
+class StatefulLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.attn = StatefulBlock()
+
+    def forward(self, x, state):
+        return x + self.attn(self.norm(x), state)
+
+
+class StatefulStack(Stack):
+    def __init__(self):
+        super().__init__(StatefulLayer)
+
+    def forward(self, x, states):
+        for layer, state in zip(self.layers, states):
+            x = layer(x, state)
+        return x
+
+
+def _states():
+    return [State(torch.zeros(2, D), torch.zeros((), dtype=torch.long)) for _ in range(LAYERS)]
+
+
+@pytest.mark.skipif(not regions._reuse_options(), reason="this torch's Dynamo traces every call of a region")
+def test_regions_trace_each_distinct_body_once():
+    """Dynamo traces a block taking its layer's state object once and reuses the body for the other layers (the state
+    reaches the body as its tensors): as many traces as distinct bodies, however many layers; the states are updated
+    as in eager."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    eager, model = StatefulStack().eval(), StatefulStack().eval()
+    model.load_state_dict(eager.state_dict())
+    regions.mark(model)
+    captured = []
+
+    def backend(gm, inputs):
+        captured.append(gm)
+        return gm.forward
+    torch._dynamo.reset()
+    x, want_states, got_states = torch.randn(2, D), _states(), _states()
+    traces = len(compilation_time_metrics.get("invoke_subgraph_trace", []))
+    with torch.no_grad():
+        got = torch.compile(model, backend=backend, fullgraph=True)(x, got_states)
+        want = eager(x, want_states)
+    assert len(compilation_time_metrics.get("invoke_subgraph_trace", [])) - traces == 1
+    (gm,) = captured
+    calls = gm.graph.find_nodes(op="call_function", target=regions.invoke_subgraph_op())
+    assert len(calls) == LAYERS and len({node.args[0].target for node in calls}) == 1
+    assert torch.equal(got, want)
+    for g, w in zip(got_states, want_states):
+        assert torch.equal(g.total, w.total) and int(g.steps) == int(w.steps) == 1
+    torch._dynamo.reset()
