@@ -85,11 +85,33 @@ def _flat_args(args: tuple) -> tuple[tuple, list]:
             spec.append(None)
             flat.append(value)
             continue
-        if type(value) not in _STATE_TYPES:
+        if type(value) not in _STATE_TYPES:   # not seen by register_states: Dynamo recompiles once it is added
             _STATE_TYPES.append(type(value))
         spec.append((_STATE_TYPES.index(type(value)), len(names)))
         flat.extend(getattr(value, n) for n in names)
     return tuple(spec), flat
+
+
+def register_states(value, depth: int = 5) -> None:
+    """Add the state dataclasses found in ``value`` (a call's arguments; K3: ``cache.layers``' states) to
+    ``_STATE_TYPES`` before Dynamo traces the call: a type first added during a trace changes a global Dynamo guards,
+    and the next call would compile the graph again."""
+    if _state_fields(value) is not None:
+        if type(value) not in _STATE_TYPES:
+            _STATE_TYPES.append(type(value))
+        return
+    if depth == 0 or isinstance(value, (torch.Tensor, torch.nn.Module, str, bytes, int, float, type)):
+        return
+    if isinstance(value, dict):
+        items = list(value.values())
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    elif hasattr(value, "__dict__") and not callable(value):
+        items = list(vars(value).values())
+    else:
+        return
+    for item in items:
+        register_states(item, depth - 1)
 
 
 def _body(module, spec, *flat, **kwargs):
@@ -252,8 +274,13 @@ def without_regions_on_error(call: Callable, model: torch.nn.Module, state) -> C
     """``call`` (the model's compiled call); where Dynamo cannot trace its regions (a torch whose
     ``invoke_subgraph`` refuses what a block does), the blocks are unmarked, the reason kept in ``state.regions``,
     and the call traced again without them."""
+    registered = []
+
     @functools.wraps(call)
     def traced(*args, **kwargs):
+        if not registered:   # the first call (it compiles): the states its blocks will take
+            register_states((args, kwargs))
+            registered.append(True)
         try:
             return call(*args, **kwargs)
         except _dynamo_errors() as e:
