@@ -14,6 +14,10 @@ k3 kernel builds at their first call, one run) minus a steady step, and splits t
   CuTe JIT builds or disk-cache loads; ``report(model).kernel_build_seconds``),
 - ``other``: the rest of the first step (guards, the run itself, cudagraph-free launch overheads).
 
+Each run's JSON also keeps ``phases``: every phase torch timed, how often it was entered and its seconds (how many
+region bodies Dynamo traced rather than reused, how many kernels Inductor built, ...): where the time per extra layer
+goes.
+
 The kernel table beside it: CuTe kernels built ahead by the worker processes (and their summed build time, which ran
 beside Inductor), found already built (cache hits), failed; and CuTe kernels the first step built or loaded itself.
 
@@ -135,7 +139,8 @@ def child(args) -> dict:
                                                              "inductor_compile"))
     out = {"compile_s": first - steady, "step_s": steady, "fx_hit": counters["inductor"]["fxgraph_cache_hit"],
            "fx_miss": counters["inductor"]["fxgraph_cache_miss"],
-           "aot_hit": counters["aot_autograd"]["autograd_cache_hit"], "torch": torch.__version__}
+           "aot_hit": counters["aot_autograd"]["autograd_cache_hit"], "torch": torch.__version__,
+           "phases": phases()}
     passes = first_calls = plan = plan_in_pass = waited = 0.0
     if args.variant != "torch.compile":
         rep = k3compile.report(model)
@@ -161,6 +166,16 @@ def child(args) -> dict:
                     "inductor": inductor - passes - plan_in_pass, "passes": passes,
                     "k3 kernels": plan + waited + first_calls, "other": first - steady - frame - first_calls}
     return out
+
+
+def phases() -> dict:
+    """{phase: [times entered, seconds]} of every phase torch times (``torch._dynamo.utils.compilation_time_metrics``:
+    e.g. ``invoke_subgraph_trace``, one entry a region body Dynamo traced rather than reused; ``compile_file``, one a
+    C++ kernel built; ``GraphLowering.run``, Inductor's lowering). A phase that nests in itself (the recursive graph
+    passes) counts its inner entries twice."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return {name: [len(times), round(sum(times), 3)] for name, times in sorted(compilation_time_metrics.items())}
 
 
 def _child_register(passes: str) -> dict:
@@ -213,7 +228,8 @@ def summarize(results: dict) -> dict:
             row.update(compile_s=median([r["compile_s"] for r in ok]), fx_hit=median([r["fx_hit"] for r in ok]),
                        split={k: median([r["split"][k] for r in ok]) for k in SPLIT},
                        wall_s=median([r["wall_s"] for r in ok]), regions=ok[-1].get("regions", ""),
-                       kernel_keys=ok[-1].get("kernel_keys"), cute=ok[-1].get("cute"), ahead=ok[-1].get("ahead"))
+                       kernel_keys=ok[-1].get("kernel_keys"), cute=ok[-1].get("cute"), ahead=ok[-1].get("ahead"),
+                       phases=ok[-1].get("phases"), graph_regions=ok[-1].get("graph_regions"))
         summary[f"{layers} layers, {variant}, {phase}"] = row
     return summary
 

@@ -54,8 +54,8 @@ def available() -> Optional[str]:
 
 
 def _reuse_options() -> dict:
-    """``nested_compile_region``'s keywords: where this torch's Dynamo reuses a traced body for later calls (torch
-    2.13; 2.11 traces every call), a cap on its entries that equal blocks never reach and that a guard failing on
+    """``nested_compile_region``'s keywords: where this torch's Dynamo reuses a traced body for later calls (it has
+    ``max_reuse_entries``: torch 2.13 does; a torch without it traces every call), a cap on its entries that equal blocks never reach and that a guard failing on
     every call cannot turn into an error (past the cap Dynamo raises instead of tracing the call)."""
     params = inspect.signature(torch.compiler.nested_compile_region).parameters
     return {"max_reuse_entries": 1 << 16} if "max_reuse_entries" in params else {}
@@ -69,8 +69,10 @@ def _state_fields(value) -> Optional[tuple[str, ...]]:
     None."""
     if isinstance(value, type) or not dataclasses.is_dataclass(value):
         return None
-    names = tuple(f.name for f in dataclasses.fields(value))
-    return names if names and all(isinstance(getattr(value, n), torch.Tensor) for n in names) else None
+    fields = dataclasses.fields(value)
+    if not fields or not all(f.init and isinstance(getattr(value, f.name), torch.Tensor) for f in fields):
+        return None
+    return tuple(f.name for f in fields)
 
 
 def _flat_args(args: tuple) -> tuple[tuple, list]:
@@ -131,7 +133,11 @@ def _body(module, spec, *flat, **kwargs):
 @functools.cache
 def _region_class(cls: type) -> type:
     """``cls`` whose ``forward`` calls its own through a nested compile region (one per class, so equal blocks share
-    it; the body's code is copied per class, so each class has its own Dynamo reuse entries)."""
+    it; the body's code is copied per class, so each class has its own Dynamo reuse entries). A torch whose Dynamo
+    traces every call anyway (no ``max_reuse_entries``) gets the block's own ``forward`` as the region, arguments as they are."""
+    attrs = {REGION_OF: cls, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    if not _reuse_options():
+        return type(cls.__name__, (cls,), {"forward": torch.compiler.nested_compile_region(cls.forward), **attrs})
     code = _body.__code__.replace(co_name=f"{cls.__name__}_region")
     region = torch.compiler.nested_compile_region(
         types.FunctionType(code, _body.__globals__, code.co_name, _body.__defaults__), **_reuse_options())
@@ -139,8 +145,7 @@ def _region_class(cls: type) -> type:
     def forward(self, *args, **kwargs):
         spec, flat = _flat_args(args)
         return region(self, spec, *flat, **kwargs)
-    return type(cls.__name__, (cls,), {"forward": forward, "_k3compile_block_forward": cls.forward, REGION_OF: cls,
-                                       "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    return type(cls.__name__, (cls,), {"forward": forward, "_k3compile_block_forward": cls.forward, **attrs})
 
 
 def blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
