@@ -61,7 +61,18 @@ def _reuse_options() -> dict:
     return {"max_reuse_entries": 1 << 16} if "max_reuse_entries" in params else {}
 
 
-_STATE_TYPES: list[type] = []   # the state dataclasses flat block calls carry, by index (see _flat_args)
+class _States:
+    """The state dataclasses flat block calls carry, as attributes ``t0``, ``t1``, ... (see :func:`_flat_args`).
+    Attributes, not a list: Dynamo guards only the attribute a body reads, so a type added later (another model's)
+    does not make the graphs compiled before it recompile, as a guarded list's new length would."""
+    types: list[type] = []
+
+    @classmethod
+    def index(cls, state_type: type) -> int:
+        if state_type not in cls.types:
+            setattr(cls, f"t{len(cls.types)}", state_type)
+            cls.types.append(state_type)
+        return cls.types.index(state_type)
 
 
 def _state_fields(value) -> Optional[tuple[str, ...]]:
@@ -79,7 +90,7 @@ def _flat_args(args: tuple) -> tuple[tuple, list]:
     """(spec, flat): each state dataclass among ``args`` replaced by its tensors. Dynamo reuses a traced body only
     for calls whose inputs are tensors, numbers and modules (``torch/_dynamo/variables/invoke_subgraph.py``: "not
     eligible -- unsupported input VT types"): a block given its layer's state object would be traced anew at every
-    call. spec: per argument None (one flat slot) or (index in _STATE_TYPES, its field count)."""
+    call. spec: per argument None (one flat slot) or (its type's index in _States, its field count)."""
     spec, flat = [], []
     for value in args:
         names = _state_fields(value)
@@ -87,20 +98,17 @@ def _flat_args(args: tuple) -> tuple[tuple, list]:
             spec.append(None)
             flat.append(value)
             continue
-        if type(value) not in _STATE_TYPES:   # not seen by register_states: Dynamo recompiles once it is added
-            _STATE_TYPES.append(type(value))
-        spec.append((_STATE_TYPES.index(type(value)), len(names)))
+        spec.append((_States.index(type(value)), len(names)))   # unseen by register_states: a recompile
         flat.extend(getattr(value, n) for n in names)
     return tuple(spec), flat
 
 
 def register_states(value, depth: int = 5) -> None:
     """Add the state dataclasses found in ``value`` (a call's arguments; K3: ``cache.layers``' states) to
-    ``_STATE_TYPES`` before Dynamo traces the call: a type first added during a trace changes a global Dynamo guards,
-    and the next call would compile the graph again."""
+    ``_States`` before Dynamo traces the call: a type first added during a trace changes what the trace guards, and
+    the next call would compile the graph again."""
     if _state_fields(value) is not None:
-        if type(value) not in _STATE_TYPES:
-            _STATE_TYPES.append(type(value))
+        _States.index(type(value))
         return
     if depth == 0 or isinstance(value, (torch.Tensor, torch.nn.Module, str, bytes, int, float, type)):
         return
@@ -125,7 +133,7 @@ def _body(module, spec, *flat, **kwargs):
             args.append(flat[i])
             i += 1
         else:
-            args.append(_STATE_TYPES[item[0]](*flat[i:i + item[1]]))
+            args.append(getattr(_States, f"t{item[0]}")(*flat[i:i + item[1]]))
             i += item[1]
     return module._k3compile_block_forward(*args, **kwargs)
 
