@@ -140,7 +140,7 @@ def child(args) -> dict:
     out = {"compile_s": first - steady, "step_s": steady, "fx_hit": counters["inductor"]["fxgraph_cache_hit"],
            "fx_miss": counters["inductor"]["fxgraph_cache_miss"],
            "aot_hit": counters["aot_autograd"]["autograd_cache_hit"], "torch": torch.__version__,
-           "phases": phases()}
+           "phases": phases(), "region_reuse": bool(k3compile.regions._reuse_options())}
     passes = first_calls = plan = plan_in_pass = waited = 0.0
     if args.variant != "torch.compile":
         rep = k3compile.report(model)

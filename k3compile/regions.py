@@ -2,12 +2,16 @@
 
 ``optimize(regions=True)`` marks the blocks of every layer stack (an ``nn.ModuleList`` named ``layers``): each
 child of a layer that has children of its own (K3: ``self_attn`` -- KDA or MLA --, ``block_sparse_moe`` or
-``mlp``) runs its ``forward`` as a ``torch.compiler.nested_compile_region``. Dynamo then traces each distinct block
-once into an ``invoke_subgraph`` body, and Inductor compiles each body once (its post-grad passes, ours included,
-run on every body, ``torch/_inductor/compile_fx.py: _recursive_post_grad_passes``): the 93-layer K3 compiles four
-bodies (KDA, MLA, latent MoE, dense MLP) instead of a graph 93 layers long. The norms, residual adds and AttnRes
-mixes between the blocks stay in the outer graph (small pointwise work; the layer itself cannot be the region:
-its output list aliases its input list, which ``invoke_subgraph`` refuses).
+``mlp``) runs its ``forward`` as a ``torch.compiler.nested_compile_region``. Inductor compiles each distinct body
+once (its post-grad passes, ours included, run on every body, ``torch/_inductor/compile_fx.py:
+_recursive_post_grad_passes``): the 93-layer K3 compiles four bodies (KDA, MLA, latent MoE, dense MLP) instead of a
+graph 93 layers long. Dynamo traces each distinct body once where it can reuse a traced body (a torch whose
+``nested_compile_region`` takes ``max_reuse_entries``: 2.13), and only for calls whose inputs are tensors, numbers
+and modules: a KDA or MLA block takes its layer's state object, so the region's body gets the state's tensors and
+rebuilds the object around them (:func:`_flat_args`); a torch without reuse traces every call (the block's own
+``forward`` is the region there). The norms, residual adds and AttnRes mixes between the blocks stay in the outer
+graph (the layer itself cannot be the region: its output list aliases its input list, which ``invoke_subgraph``
+refuses); they are what still grows with depth (``docs/design.md``, "Compile regions").
 
 Marking swaps the instance's class for a subclass whose ``forward`` is the region (one subclass per class): a
 region on a bound method (``module.forward = region.__get__(module)``) makes torch 2.13's Dynamo reuse the first
