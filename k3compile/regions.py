@@ -160,17 +160,31 @@ def _region_class(cls: type) -> type:
     return type(cls.__name__, (cls,), {"forward": forward, "_k3compile_block_forward": cls.forward, **attrs})
 
 
+MIX = "attn_res_mix"   # a layer's AttnRes mix (model/modeling.py: KimiDecoderLayer), a region of its own
+
+
+@functools.cache
+def _mix_class(cls: type) -> type:
+    """``cls`` (a layer) whose ``attn_res_mix`` runs as a nested compile region: one body per number of sources."""
+    region = torch.compiler.nested_compile_region(getattr(cls, MIX), **_reuse_options())
+    return type(cls.__name__, (cls,), {MIX: staticmethod(region), REGION_OF: cls, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__})
+
+
+def _layers(model: torch.nn.Module):
+    for name, stack in model.named_modules():
+        if isinstance(stack, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers":
+            yield from ((f"{name}.{i}", layer) for i, layer in enumerate(stack))
+
+
 def blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """(qualified name, module) of each block :func:`mark` makes a region: the children with children of each
     layer of every ``layers`` ModuleList."""
     found = []
-    for name, stack in model.named_modules():
-        if not (isinstance(stack, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers"):
-            continue
-        for i, layer in enumerate(stack):
-            for child_name, child in layer.named_children():
-                if next(child.children(), None) is not None:
-                    found.append((f"{name}.{i}.{child_name}", child))
+    for name, layer in _layers(model):
+        for child_name, child in layer.named_children():
+            if next(child.children(), None) is not None:
+                found.append((f"{name}.{child_name}", child))
     return found
 
 
@@ -181,6 +195,12 @@ def mark(model: torch.nn.Module) -> dict[str, int]:
         cls = getattr(type(block), REGION_OF, type(block))
         block.__class__ = _region_class(cls)
         marked[cls.__name__] = marked.get(cls.__name__, 0) + 1
+    if marked:
+        for _, layer in _layers(model):
+            cls = getattr(type(layer), REGION_OF, type(layer))
+            if callable(getattr(cls, MIX, None)):
+                layer.__class__ = _mix_class(cls)
+                marked[f"{cls.__name__}.{MIX}"] = marked.get(f"{cls.__name__}.{MIX}", 0) + 1
     return marked
 
 
