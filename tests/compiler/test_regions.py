@@ -251,3 +251,42 @@ def test_regions_trace_each_distinct_body_once():
     for g, w in zip(got_states, want_states):
         assert torch.equal(g.total, w.total) and int(g.steps) == int(w.steps) == 1
     torch._dynamo.reset()
+
+
+def test_regions_k3_outer_graph_keeps_no_attn_res_mix():
+    """The tiny K3's decode step (8 layers, AttnRes blocks of 5) as Dynamo hands it over: the blocks and every
+    AttnRes mix of a layer are region calls, one body per distinct block and per number of mix sources, and the outer
+    graph keeps only the model's own output mix: what is left between the regions is the same at every layer. Where
+    Dynamo reuses bodies, it traced each distinct one once (and the dense MLP, called once and so inlined)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    from k3compile.model import KimiK3Config, KimiK3ForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = KimiK3ForConditionalGeneration(KimiK3Config.tiny(num_hidden_layers=8)).eval()
+    cache = model.allocate_cache(2, 4)
+    marked = regions.mark(model)
+    assert marked["KimiDecoderLayer.attn_res_mix"] == 8
+    captured = []
+
+    def backend(gm, inputs):
+        captured.append(gm)
+        return gm.forward
+    torch._dynamo.reset()
+    regions.register_states(cache)
+    traces = len(compilation_time_metrics.get("invoke_subgraph_trace", []))
+    with torch.no_grad():
+        torch.compile(model, backend=backend, dynamic=False)(torch.zeros(2, 1, dtype=torch.long), cache=cache,
+                                                             logits_to_keep=1)
+    (gm,) = captured
+    calls = gm.graph.find_nodes(op="call_function", target=regions.invoke_subgraph_op())
+    bodies = {node.args[0].target for node in calls}
+    # KDA 6, latent MoE 7, MLA 2 calls (the dense MLP's one call is inlined on torch 2.13, a region on others) and
+    # 15 mixes (layer 0's first has no source): over 1 completed block in layers 0-4 and mostly 2 in layers 5-7
+    assert len(calls) in (30, 31) and len(bodies) == 3 + 2 + len(calls) - 30, (len(calls), sorted(bodies))
+    softmaxes = [node for node in gm.graph.nodes if node.op == "call_function" and "softmax" in str(node.target)]
+    assert len(softmaxes) == 1    # the output mix, once a model
+    if regions._reuse_options():
+        assert len(compilation_time_metrics.get("invoke_subgraph_trace", [])) - traces == len(bodies) + 1
+    regions.unmark(model)
+    torch._dynamo.reset()
