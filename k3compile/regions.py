@@ -9,14 +9,18 @@ graph 93 layers long. Dynamo traces each distinct body once where it can reuse a
 ``nested_compile_region`` takes ``max_reuse_entries``: 2.13), and only for calls whose inputs are tensors, numbers
 and modules: a KDA or MLA block takes its layer's state object, so the region's body gets the state's tensors and
 rebuilds the object around them (:func:`_flat_args`); a torch without reuse traces every call (the block's own
-``forward`` is the region there). The norms, residual adds and AttnRes mixes between the blocks stay in the outer
-graph (the layer itself cannot be the region: its output list aliases its input list, which ``invoke_subgraph``
-refuses); they are what still grows with depth (``docs/design.md``, "Compile regions").
+``forward`` is the region there). A layer's AttnRes mixes (its ``attn_res_mix``, ``model/modeling.py``) are
+regions too, one body per number of sources (K3: at most 8, one more every 12 layers): left in the outer graph,
+Inductor fused each with its neighbours into kernels that differ with depth and built more of them the deeper the
+model. The norms and residual adds between the regions stay in the outer graph, the same at every layer (the layer
+itself cannot be the region: its output list aliases its input list, which ``invoke_subgraph`` refuses). What a
+region boundary costs at run time: the kernels on either side do not fuse across it (``docs/design.md``, "Compile
+regions", has the figures).
 
-Marking swaps the instance's class for a subclass whose ``forward`` is the region (one subclass per class): a
-region on a bound method (``module.forward = region.__get__(module)``) makes torch 2.13's Dynamo reuse the first
-instance's parameters for every later call of the body (wrong results), a class-level region does not. The model's
-code is untouched; :func:`unmark` restores the classes. Outside ``torch.compile`` a region is a plain call.
+Marking swaps the instance's class for a subclass whose ``forward`` (a layer's: ``attn_res_mix``) is the region (one
+subclass per class): a region on a bound method (``module.forward = region.__get__(module)``) makes torch 2.13's
+Dynamo reuse the first instance's parameters for every later call of the body (wrong results), a class-level region
+does not. :func:`unmark` restores the classes. Outside ``torch.compile`` a region is a plain call.
 
 Cost (why ``optimize`` leaves regions off by default): ``static_weights.mark_static_weights`` runs on each body
 alone, where every GEMM that reads the block's input reads a body input, so it cannot prove that the kernel before it
@@ -189,7 +193,8 @@ def blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 
 def mark(model: torch.nn.Module) -> dict[str, int]:
-    """Make each of ``blocks(model)`` a compile region; returns {block class: how many} marked."""
+    """Make each of ``blocks(model)`` a compile region, and the AttnRes mixes of their layers; returns {block class
+    (a layer's mixes: "<layer class>.attn_res_mix"): how many} marked."""
     marked: dict[str, int] = {}
     for _, block in blocks(model):
         cls = getattr(type(block), REGION_OF, type(block))
