@@ -148,10 +148,11 @@ def child(args) -> dict:
     spent = calculate_time_spent()
     frame, backend, inductor = (spent.get(k, 0.0) for k in ("entire_frame_compile", "backend_compile",
                                                              "inductor_compile"))
-    out = {"compile_s": first - steady, "step_s": steady, "first_cpu_s": cpu, "fx_hit": counters["inductor"]["fxgraph_cache_hit"],
-           "fx_miss": counters["inductor"]["fxgraph_cache_miss"],
+    reuse = getattr(k3compile.regions, "_reuse_options", None)   # absent before regions reused bodies
+    out = {"compile_s": first - steady, "step_s": steady, "first_cpu_s": cpu,
+           "fx_hit": counters["inductor"]["fxgraph_cache_hit"], "fx_miss": counters["inductor"]["fxgraph_cache_miss"],
            "aot_hit": counters["aot_autograd"]["autograd_cache_hit"], "torch": torch.__version__,
-           "phases": phases(), "region_reuse": bool(k3compile.regions._reuse_options())}
+           "phases": phases(), "region_reuse": bool(reuse and reuse())}
     passes = first_calls = plan = plan_in_pass = waited = 0.0
     if args.variant != "torch.compile":
         rep = k3compile.report(model)

@@ -63,8 +63,9 @@ def available() -> Optional[str]:
 
 def _reuse_options() -> dict:
     """``nested_compile_region``'s keywords: where this torch's Dynamo reuses a traced body for later calls (it has
-    ``max_reuse_entries``: torch 2.13 does; a torch without it traces every call), a cap on its entries that equal blocks never reach and that a guard failing on
-    every call cannot turn into an error (past the cap Dynamo raises instead of tracing the call)."""
+    ``max_reuse_entries``: torch 2.13 does; a torch without it traces every call), a cap on its entries that equal
+    blocks never reach and that a guard failing on every call cannot turn into an error (past the cap Dynamo raises
+    instead of tracing the call)."""
     params = inspect.signature(torch.compiler.nested_compile_region).parameters
     return {"max_reuse_entries": 1 << 16} if "max_reuse_entries" in params else {}
 
@@ -150,7 +151,8 @@ def _body(module, spec, *flat, **kwargs):
 def _region_class(cls: type) -> type:
     """``cls`` whose ``forward`` calls its own through a nested compile region (one per class, so equal blocks share
     it; the body's code is copied per class, so each class has its own Dynamo reuse entries). A torch whose Dynamo
-    traces every call anyway (no ``max_reuse_entries``) gets the block's own ``forward`` as the region, arguments as they are."""
+    traces every call anyway (no ``max_reuse_entries``) gets the block's own ``forward`` as the region, arguments as
+    they are."""
     attrs = {REGION_OF: cls, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
     if not _reuse_options():
         return type(cls.__name__, (cls,), {"forward": torch.compiler.nested_compile_region(cls.forward), **attrs})
