@@ -25,8 +25,8 @@ does not. :func:`unmark` restores the classes. Outside ``torch.compile`` a regio
 Cost (why ``optimize`` leaves regions off by default): ``static_weights.mark_static_weights`` runs on each body
 alone, where every GEMM that reads the block's input reads a body input, so it cannot prove that the kernel before it
 belongs to the compiled graph; those GEMMs do not stream their weights before the PDL wait (the micro K3's decode
-step: 30 of its 48 skinny GEMMs unproven, none in the whole graph). Proving them needs the call sites' view (each operand made by a kernel of the outer graph, the weight
-written by none), which the proof does not take yet.
+step: 30 of its 48 skinny GEMMs unproven, none in the whole graph). Proving them needs the call sites' view (each
+operand made by a kernel of the outer graph, the weight written by none), which the proof does not take yet.
 
 What the passes did in a body counts once per call of it (``graph_records.merge_records`` weights each record by
 :func:`calls`), so a report over regions reads as one over the whole graph. :func:`inline` turns a Dynamo graph
