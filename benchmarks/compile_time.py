@@ -14,6 +14,10 @@ k3 kernel builds at their first call, one run) minus a steady step, and splits t
   CuTe JIT builds or disk-cache loads; ``report(model).kernel_build_seconds``),
 - ``other``: the rest of the first step (guards, the run itself, cudagraph-free launch overheads).
 
+Each run's JSON also keeps ``phases``: every phase torch timed, how often it was entered and its seconds (how many
+region bodies Dynamo traced rather than reused, how many kernels Inductor built, ...): where the time per extra layer
+goes.
+
 The kernel table beside it: CuTe kernels built ahead by the worker processes (and their summed build time, which ran
 beside Inductor), found already built (cache hits), failed; and CuTe kernels the first step built or loaded itself.
 
@@ -101,6 +105,15 @@ def _build(args, group_name):
     return model, cache, token
 
 
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and its finished children (the C++ compiler, Inductor's workers): on a shared
+    machine a compile's CPU time moves less with the other users' load than its wall time does."""
+    import resource
+
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def _sync():
     import torch
 
@@ -122,10 +135,12 @@ def child(args) -> dict:
             k3compile.optimize(model, backend=args.backend, dynamic=False, regions=args.variant == "optimize-regions",
                                precompile=False if args.variant.endswith("-noprecompile") else None)
         _sync()
+        cpu0 = _cpu_seconds()
         t0 = time.perf_counter()
         token = model(token, cache=cache, logits_to_keep=1).argmax(-1)   # compiles the decode step
         _sync()
         first = time.perf_counter() - t0
+        cpu = _cpu_seconds() - cpu0
         t0 = time.perf_counter()
         model(token, cache=cache, logits_to_keep=1)
         _sync()
@@ -133,9 +148,11 @@ def child(args) -> dict:
     spent = calculate_time_spent()
     frame, backend, inductor = (spent.get(k, 0.0) for k in ("entire_frame_compile", "backend_compile",
                                                              "inductor_compile"))
-    out = {"compile_s": first - steady, "step_s": steady, "fx_hit": counters["inductor"]["fxgraph_cache_hit"],
-           "fx_miss": counters["inductor"]["fxgraph_cache_miss"],
-           "aot_hit": counters["aot_autograd"]["autograd_cache_hit"], "torch": torch.__version__}
+    reuse = getattr(k3compile.regions, "_reuse_options", None)   # absent before regions reused bodies
+    out = {"compile_s": first - steady, "step_s": steady, "first_cpu_s": cpu,
+           "fx_hit": counters["inductor"]["fxgraph_cache_hit"], "fx_miss": counters["inductor"]["fxgraph_cache_miss"],
+           "aot_hit": counters["aot_autograd"]["autograd_cache_hit"], "torch": torch.__version__,
+           "phases": phases(), "region_reuse": bool(reuse and reuse())}
     passes = first_calls = plan = plan_in_pass = waited = 0.0
     if args.variant != "torch.compile":
         rep = k3compile.report(model)
@@ -167,6 +184,16 @@ def child(args) -> dict:
                     "inductor": inductor - passes - plan_in_pass, "passes": passes,
                     "k3 kernels": plan + waited + first_calls, "other": first - steady - frame - first_calls}
     return out
+
+
+def phases() -> dict:
+    """{phase: [times entered, seconds]} of every phase torch times (``torch._dynamo.utils.compilation_time_metrics``:
+    e.g. ``invoke_subgraph_trace``, one entry a region body Dynamo traced rather than reused; ``compile_file``, one a
+    C++ kernel built; ``GraphLowering.run``, Inductor's lowering). A phase that nests in itself (the recursive graph
+    passes) counts its inner entries twice."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return {name: [len(times), round(sum(times), 3)] for name, times in sorted(compilation_time_metrics.items())}
 
 
 def _child_register(passes: str) -> dict:
@@ -221,7 +248,9 @@ def summarize(results: dict) -> dict:
                        wall_s=median([r["wall_s"] for r in ok]), regions=ok[-1].get("regions", ""),
                        kernel_keys=ok[-1].get("kernel_keys"), cute=ok[-1].get("cute"), ahead=ok[-1].get("ahead"),
                        traced_groups=ok[-1].get("traced_groups"),
-                       registration_s=median([r.get("registration_s", 0.0) for r in ok]))
+                       registration_s=median([r.get("registration_s", 0.0) for r in ok]),
+                       phases=ok[-1].get("phases"), graph_regions=ok[-1].get("graph_regions"),
+                       first_cpu_s=median([r.get("first_cpu_s", float("nan")) for r in ok]))
         summary[f"{layers} layers, {variant}, {phase}"] = row
     return summary
 

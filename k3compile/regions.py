@@ -2,23 +2,31 @@
 
 ``optimize(regions=True)`` marks the blocks of every layer stack (an ``nn.ModuleList`` named ``layers``): each
 child of a layer that has children of its own (K3: ``self_attn`` -- KDA or MLA --, ``block_sparse_moe`` or
-``mlp``) runs its ``forward`` as a ``torch.compiler.nested_compile_region``. Dynamo then traces each distinct block
-once into an ``invoke_subgraph`` body, and Inductor compiles each body once (its post-grad passes, ours included,
-run on every body, ``torch/_inductor/compile_fx.py: _recursive_post_grad_passes``): the 93-layer K3 compiles four
-bodies (KDA, MLA, latent MoE, dense MLP) instead of a graph 93 layers long. The norms, residual adds and AttnRes
-mixes between the blocks stay in the outer graph (small pointwise work; the layer itself cannot be the region:
-its output list aliases its input list, which ``invoke_subgraph`` refuses).
+``mlp``) runs its ``forward`` as a ``torch.compiler.nested_compile_region``. Inductor compiles each distinct body
+once (its post-grad passes, ours included, run on every body, ``torch/_inductor/compile_fx.py:
+_recursive_post_grad_passes``): the 93-layer K3 compiles four bodies (KDA, MLA, latent MoE, dense MLP) instead of a
+graph 93 layers long. Dynamo traces each distinct body once where it can reuse a traced body (a torch whose
+``nested_compile_region`` takes ``max_reuse_entries``: 2.13), and only for calls whose inputs are tensors, numbers
+and modules: a KDA or MLA block takes its layer's state object, so the region's body gets the state's tensors and
+rebuilds the object around them (:func:`_flat_args`); a torch without reuse traces every call (the block's own
+``forward`` is the region there). A layer's AttnRes mixes (its ``attn_res_mix``, ``model/modeling.py``) are
+regions too, one body per number of sources (K3: at most 8, one more every 12 layers): left in the outer graph,
+Inductor fused each with its neighbours into kernels that differ with depth and built more of them the deeper the
+model. The norms and residual adds between the regions stay in the outer graph, the same at every layer (the layer
+itself cannot be the region: its output list aliases its input list, which ``invoke_subgraph`` refuses). What a
+region boundary costs at run time: the kernels on either side do not fuse across it (``docs/design.md``, "Compile
+regions", has the figures).
 
-Marking swaps the instance's class for a subclass whose ``forward`` is the region (one subclass per class): a
-region on a bound method (``module.forward = region.__get__(module)``) makes torch 2.13's Dynamo reuse the first
-instance's parameters for every later call of the body (wrong results), a class-level region does not. The model's
-code is untouched; :func:`unmark` restores the classes. Outside ``torch.compile`` a region is a plain call.
+Marking swaps the instance's class for a subclass whose ``forward`` (a layer's: ``attn_res_mix``) is the region (one
+subclass per class): a region on a bound method (``module.forward = region.__get__(module)``) makes torch 2.13's
+Dynamo reuse the first instance's parameters for every later call of the body (wrong results), a class-level region
+does not. :func:`unmark` restores the classes. Outside ``torch.compile`` a region is a plain call.
 
 Cost (why ``optimize`` leaves regions off by default): ``static_weights.mark_static_weights`` runs on each body
 alone, where every GEMM that reads the block's input reads a body input, so it cannot prove that the kernel before it
 belongs to the compiled graph; those GEMMs do not stream their weights before the PDL wait (the micro K3's decode
-step: 30 of its 48 skinny GEMMs unproven, none in the whole graph). Proving them needs the call sites' view (each operand made by a kernel of the outer graph, the weight
-written by none), which the proof does not take yet.
+step: 30 of its 48 skinny GEMMs unproven, none in the whole graph). Proving them needs the call sites' view (each
+operand made by a kernel of the outer graph, the weight written by none), which the proof does not take yet.
 
 What the passes did in a body counts once per call of it (``graph_records.merge_records`` weights each record by
 :func:`calls`), so a report over regions reads as one over the whole graph. :func:`inline` turns a Dynamo graph
@@ -27,10 +35,13 @@ with regions back into the whole graph (``optimize``'s fallback where a pass los
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
+import inspect
 import logging
 import operator
 import time
+import types
 from typing import Any, Callable, Optional
 
 import torch
@@ -50,35 +61,153 @@ def available() -> Optional[str]:
     return None
 
 
+def _reuse_options() -> dict:
+    """``nested_compile_region``'s keywords: where this torch's Dynamo reuses a traced body for later calls (it has
+    ``max_reuse_entries``: torch 2.13 does; a torch without it traces every call), a cap on its entries that equal
+    blocks never reach and that a guard failing on every call cannot turn into an error (past the cap Dynamo raises
+    instead of tracing the call)."""
+    params = inspect.signature(torch.compiler.nested_compile_region).parameters
+    return {"max_reuse_entries": 1 << 16} if "max_reuse_entries" in params else {}
+
+
+class _States:
+    """The state dataclasses flat block calls carry, as attributes ``t0``, ``t1``, ... (see :func:`_flat_args`).
+    Attributes, not a list: Dynamo guards only the attribute a body reads, so a type added later (another model's)
+    does not make the graphs compiled before it recompile, as a guarded list's new length would."""
+    types: list[type] = []
+
+    @classmethod
+    def index(cls, state_type: type) -> int:
+        if state_type not in cls.types:
+            setattr(cls, f"t{len(cls.types)}", state_type)
+            cls.types.append(state_type)
+        return cls.types.index(state_type)
+
+
+def _state_fields(value) -> Optional[tuple[str, ...]]:
+    """The field names of a block argument that is a dataclass of tensors (K3: ``KDAState``, ``MLAState``), else
+    None."""
+    if isinstance(value, type) or not dataclasses.is_dataclass(value):
+        return None
+    fields = dataclasses.fields(value)
+    if not fields or not all(f.init and isinstance(getattr(value, f.name), torch.Tensor) for f in fields):
+        return None
+    return tuple(f.name for f in fields)
+
+
+def _flat_args(args: tuple) -> tuple[tuple, list]:
+    """(spec, flat): each state dataclass among ``args`` replaced by its tensors. Dynamo reuses a traced body only
+    for calls whose inputs are tensors, numbers and modules (``torch/_dynamo/variables/invoke_subgraph.py``: "not
+    eligible -- unsupported input VT types"): a block given its layer's state object would be traced anew at every
+    call. spec: per argument None (one flat slot) or (its type's index in _States, its field count)."""
+    spec, flat = [], []
+    for value in args:
+        names = _state_fields(value)
+        if names is None:
+            spec.append(None)
+            flat.append(value)
+            continue
+        spec.append((_States.index(type(value)), len(names)))   # unseen by register_states: a recompile
+        flat.extend(getattr(value, n) for n in names)
+    return tuple(spec), flat
+
+
+def register_states(value, depth: int = 5) -> None:
+    """Add the state dataclasses found in ``value`` (a call's arguments; K3: ``cache.layers``' states) to
+    ``_States`` before Dynamo traces the call: a type first added during a trace changes what the trace guards, and
+    the next call would compile the graph again."""
+    if _state_fields(value) is not None:
+        _States.index(type(value))
+        return
+    if depth == 0 or isinstance(value, (torch.Tensor, torch.nn.Module, str, bytes, int, float, type)):
+        return
+    if isinstance(value, dict):
+        items = list(value.values())
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    elif hasattr(value, "__dict__") and not callable(value):
+        items = list(vars(value).values())
+    else:
+        return
+    for item in items:
+        register_states(item, depth - 1)
+
+
+def _body(module, spec, *flat, **kwargs):
+    """A region's body: the block's own ``forward`` on the arguments ``_flat_args`` flattened, the state objects
+    rebuilt around the same tensors (the blocks update their state in place, never rebind a field)."""
+    args, i = [], 0
+    for item in spec:
+        if item is None:
+            args.append(flat[i])
+            i += 1
+        else:
+            args.append(getattr(_States, f"t{item[0]}")(*flat[i:i + item[1]]))
+            i += item[1]
+    return module._k3compile_block_forward(*args, **kwargs)
+
+
 @functools.cache
 def _region_class(cls: type) -> type:
-    """``cls`` with its ``forward`` as a nested compile region (one per class, so equal blocks share it)."""
-    forward = torch.compiler.nested_compile_region(cls.forward)
-    return type(cls.__name__, (cls,), {"forward": forward, REGION_OF: cls, "__module__": cls.__module__,
+    """``cls`` whose ``forward`` calls its own through a nested compile region (one per class, so equal blocks share
+    it; the body's code is copied per class, so each class has its own Dynamo reuse entries). A torch whose Dynamo
+    traces every call anyway (no ``max_reuse_entries``) gets the block's own ``forward`` as the region, arguments as
+    they are."""
+    attrs = {REGION_OF: cls, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    if not _reuse_options():
+        return type(cls.__name__, (cls,), {"forward": torch.compiler.nested_compile_region(cls.forward), **attrs})
+    code = _body.__code__.replace(co_name=f"{cls.__name__}_region")
+    region = torch.compiler.nested_compile_region(
+        types.FunctionType(code, _body.__globals__, code.co_name, _body.__defaults__), **_reuse_options())
+
+    def forward(self, *args, **kwargs):
+        spec, flat = _flat_args(args)
+        return region(self, spec, *flat, **kwargs)
+    return type(cls.__name__, (cls,), {"forward": forward, "_k3compile_block_forward": cls.forward, **attrs})
+
+
+MIX = "attn_res_mix"   # a layer's AttnRes mix (model/modeling.py: KimiDecoderLayer), a region of its own
+
+
+@functools.cache
+def _mix_class(cls: type) -> type:
+    """``cls`` (a layer) whose ``attn_res_mix`` runs as a nested compile region: one body per number of sources."""
+    region = torch.compiler.nested_compile_region(getattr(cls, MIX), **_reuse_options())
+    return type(cls.__name__, (cls,), {MIX: staticmethod(region), REGION_OF: cls, "__module__": cls.__module__,
                                        "__qualname__": cls.__qualname__})
+
+
+def _layers(model: torch.nn.Module):
+    for name, stack in model.named_modules():
+        if isinstance(stack, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers":
+            yield from ((f"{name}.{i}", layer) for i, layer in enumerate(stack))
 
 
 def blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """(qualified name, module) of each block :func:`mark` makes a region: the children with children of each
     layer of every ``layers`` ModuleList."""
     found = []
-    for name, stack in model.named_modules():
-        if not (isinstance(stack, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers"):
-            continue
-        for i, layer in enumerate(stack):
-            for child_name, child in layer.named_children():
-                if next(child.children(), None) is not None:
-                    found.append((f"{name}.{i}.{child_name}", child))
+    for name, layer in _layers(model):
+        for child_name, child in layer.named_children():
+            if next(child.children(), None) is not None:
+                found.append((f"{name}.{child_name}", child))
     return found
 
 
 def mark(model: torch.nn.Module) -> dict[str, int]:
-    """Make each of ``blocks(model)`` a compile region; returns {block class: how many} marked."""
+    """Make each of ``blocks(model)`` a compile region, and the AttnRes mixes of their layers; returns {block class
+    (a layer's mixes: "<layer class>.attn_res_mix"): how many} marked."""
     marked: dict[str, int] = {}
     for _, block in blocks(model):
         cls = getattr(type(block), REGION_OF, type(block))
         block.__class__ = _region_class(cls)
         marked[cls.__name__] = marked.get(cls.__name__, 0) + 1
+    if marked:
+        for _, layer in _layers(model):
+            cls = getattr(type(layer), REGION_OF, type(layer))
+            if callable(getattr(cls, MIX, None)):
+                layer.__class__ = _mix_class(cls)
+                marked[f"{cls.__name__}.{MIX}"] = marked.get(f"{cls.__name__}.{MIX}", 0) + 1
     return marked
 
 
@@ -189,8 +318,13 @@ def without_regions_on_error(call: Callable, model: torch.nn.Module, state) -> C
     """``call`` (the model's compiled call); where Dynamo cannot trace its regions (a torch whose
     ``invoke_subgraph`` refuses what a block does), the blocks are unmarked, the reason kept in ``state.regions``,
     and the call traced again without them."""
+    registered = []
+
     @functools.wraps(call)
     def traced(*args, **kwargs):
+        if not registered:   # the first call (it compiles): the states its blocks will take
+            register_states((args, kwargs))
+            registered.append(True)
         try:
             return call(*args, **kwargs)
         except _dynamo_errors() as e:

@@ -70,6 +70,9 @@ class KimiDecoderLayer(nn.Module):
     """One decoder layer. attn_res_block_size: -1 = the config's, 0 = plain pre-norm residual (MTP);
     is_mla: None = the config's 1-based ``full_attn_layers`` rule (MTP layers past the last index pass True)."""
 
+    # The AttnRes mix, as an attribute so that a compiler can compile it apart (k3compile/regions.py does).
+    attn_res_mix = staticmethod(attn_res)
+
     def __init__(self, config: KimiK3TextConfig, layer_idx: int, tp: TPContext = SINGLE,
                  attn_res_block_size: Optional[int] = -1, is_mla: Optional[bool] = None):
         super().__init__()
@@ -106,14 +109,14 @@ class KimiDecoderLayer(nn.Module):
         if not self.block_size:  # plain pre-norm residual (MTP / draft layers)
             h = prefix + self.attention(self.input_layernorm(prefix), state, pos, start, valid)
             return h + self.ffn(self.post_attention_layernorm(h)), blocks
-        h = attn_res(prefix, blocks, self.self_attention_res_proj.weight, self.self_attention_res_norm.weight,
-                     self.eps) if blocks else prefix
+        h = self.attn_res_mix(prefix, blocks, self.self_attention_res_proj.weight,
+                              self.self_attention_res_norm.weight, self.eps) if blocks else prefix
         starts_block = self.layer_idx % self.block_size == 0
         if starts_block:  # the finished block becomes a source; a new partial sum starts
             blocks = blocks + [prefix]
         a = self.attention(self.input_layernorm(h), state, pos, start, valid)
         prefix = a if starts_block else prefix + a
-        h = attn_res(prefix, blocks, self.mlp_res_proj.weight, self.mlp_res_norm.weight, self.eps)
+        h = self.attn_res_mix(prefix, blocks, self.mlp_res_proj.weight, self.mlp_res_norm.weight, self.eps)
         prefix = prefix + self.ffn(self.post_attention_layernorm(h))
         return prefix, blocks
 

@@ -8,7 +8,9 @@ tests/compiler/test_tiny_k3.py, beside the whole graph it is compared with.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
+import pytest
 import torch
 from torch import nn
 
@@ -175,3 +177,116 @@ def test_warm_start_report_keeps_the_weighed_counts(tmp_path, monkeypatch):
     assert [r.graphs[0].source for r in reports] == ["pass ran", "cache hit (sidecar)"]
     assert [r.matches["skinny_gemm"] for r in reports] == [LAYERS, LAYERS]
     assert reports[1].graphs[0].regions == f"1 region bodies for {LAYERS} calls"
+
+
+@dataclasses.dataclass
+class State:
+    """A layer's state as K3's KDA and MLA blocks take it (``model/cache.py``): a dataclass of tensors, updated in
+    place."""
+    total: torch.Tensor
+    steps: torch.Tensor
+
+
+class StatefulBlock(Block):
+    def forward(self, x, state):
+        y = torch.relu(self.proj(x))
+        state.total.add_(y)
+        state.steps.add_(1)
+        return y
+
+
+class StatefulLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.attn = StatefulBlock()
+
+    def forward(self, x, state):
+        return x + self.attn(self.norm(x), state)
+
+
+class StatefulStack(Stack):
+    def __init__(self):
+        super().__init__(StatefulLayer)
+
+    def forward(self, x, states):
+        for layer, state in zip(self.layers, states):
+            x = layer(x, state)
+        return x
+
+
+def _states():
+    return [State(torch.zeros(2, D), torch.zeros((), dtype=torch.long)) for _ in range(LAYERS)]
+
+
+@pytest.mark.skipif(not regions._reuse_options(), reason="this torch's Dynamo traces every call of a region")
+def test_regions_trace_each_distinct_body_once():
+    """Dynamo traces a block taking its layer's state object once and reuses the body for the other layers (the state
+    reaches the body as its tensors): as many traces as distinct bodies, however many layers; the states are updated
+    as in eager."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    eager, model = StatefulStack().eval(), StatefulStack().eval()
+    model.load_state_dict(eager.state_dict())
+    regions.mark(model)
+    captured = []
+
+    def backend(gm, inputs):
+        captured.append(gm)
+        return gm.forward
+    torch._dynamo.reset()
+    x, want_states, got_states = torch.randn(2, D), _states(), _states()
+    traces = len(compilation_time_metrics.get("invoke_subgraph_trace", []))
+    regions.register_states(got_states)     # as optimize() does at the first call
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    with torch.no_grad():
+        got = compiled(x, got_states)
+        want = eager(x, want_states)
+        compiled(x, _states())                # no recompile: no guard on what the first trace registered
+    assert len(compilation_time_metrics.get("invoke_subgraph_trace", [])) - traces == 1
+    (gm,) = captured
+    calls = gm.graph.find_nodes(op="call_function", target=regions.invoke_subgraph_op())
+    assert len(calls) == LAYERS and len({node.args[0].target for node in calls}) == 1
+    assert torch.equal(got, want)
+    for g, w in zip(got_states, want_states):
+        assert torch.equal(g.total, w.total) and int(g.steps) == int(w.steps) == 1
+    torch._dynamo.reset()
+
+
+def test_regions_k3_outer_graph_keeps_no_attn_res_mix():
+    """The tiny K3's decode step (8 layers, AttnRes blocks of 5) as Dynamo hands it over: the blocks and every
+    AttnRes mix of a layer are region calls, one body per distinct block and per number of mix sources, and the outer
+    graph keeps only the model's own output mix: what is left between the regions is the same at every layer. Where
+    Dynamo reuses bodies, it traced each distinct one once (and the dense MLP, called once and so inlined)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    from k3compile.model import KimiK3Config, KimiK3ForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = KimiK3ForConditionalGeneration(KimiK3Config.tiny(num_hidden_layers=8)).eval()
+    cache = model.allocate_cache(2, 4)
+    marked = regions.mark(model)
+    assert marked["KimiDecoderLayer.attn_res_mix"] == 8
+    captured = []
+
+    def backend(gm, inputs):
+        captured.append(gm)
+        return gm.forward
+    torch._dynamo.reset()
+    regions.register_states(cache)
+    traces = len(compilation_time_metrics.get("invoke_subgraph_trace", []))
+    with torch.no_grad():
+        torch.compile(model, backend=backend, dynamic=False)(torch.zeros(2, 1, dtype=torch.long), cache=cache,
+                                                             logits_to_keep=1)
+    (gm,) = captured
+    calls = gm.graph.find_nodes(op="call_function", target=regions.invoke_subgraph_op())
+    bodies = {node.args[0].target for node in calls}
+    # KDA 6, latent MoE 7, MLA 2 calls (the dense MLP's one call is inlined on torch 2.13, a region on others) and
+    # 15 mixes (layer 0's first has no source): over 1 completed block in layers 0-4 and mostly 2 in layers 5-7
+    assert len(calls) in (30, 31) and len(bodies) == 3 + 2 + len(calls) - 30, (len(calls), sorted(bodies))
+    softmaxes = [node for node in gm.graph.nodes if node.op == "call_function" and "softmax" in str(node.target)]
+    assert len(softmaxes) == 1    # the output mix, once a model
+    if regions._reuse_options():
+        assert len(compilation_time_metrics.get("invoke_subgraph_trace", [])) - traces == len(bodies) + 1
+    regions.unmark(model)
+    torch._dynamo.reset()
