@@ -63,9 +63,9 @@ class _Slot:
 
 
 class WorkerPool:
-    """Up to ``size`` worker processes, started as jobs arrive, each with ``env`` added to this process's
-    environment and this process's ``sys.path``. ``submit`` returns a future of ``(ok, detail, seconds)``;
-    ``enforce_limits`` (call it while waiting) kills a worker whose job ran past ``timeout`` seconds."""
+    """Up to ``size`` worker processes, started as jobs arrive (or ahead of them: ``prestart``), each with ``env``
+    added to this process's environment and this process's ``sys.path``. ``submit`` returns a future of ``(ok, detail,
+    seconds)``; ``enforce_limits`` (call it while waiting) kills a worker whose job ran past ``timeout`` seconds."""
 
     def __init__(self, size: int, env: dict, timeout: float):
         self.size, self.timeout = max(1, size), timeout
