@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
+import torch.utils._pytree as pytree
 from torch._inductor import pattern_matcher as pm
 from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 
@@ -158,27 +159,15 @@ class GraphFacts:
         for node in graph.nodes:
             if node.op == "call_function":
                 targets.add(node.target)
-            for v in _flat_vals(node.meta.get("val")):
-                devices.add(v.device.type)
+            devices.update(v.device.type for v in pytree.tree_leaves(node.meta.get("val"))
+                           if isinstance(v, torch.Tensor))
         return cls(frozenset(targets), frozenset(devices))
 
 
-def _flat_vals(v) -> list:
-    if isinstance(v, torch.Tensor):
-        return [v]
-    if isinstance(v, (list, tuple)):
-        return [t for x in v for t in _flat_vals(x)]
-    return []
-
-
-def register_groups(pm_pass: pm.PatternMatcherPass, groups, facts: Optional[GraphFacts] = None) -> list[str]:
-    """Register each group of ``groups`` a graph with ``facts`` needs (all of them for None); their names."""
-    done = []
+def register_groups(pm_pass: pm.PatternMatcherPass, groups) -> None:
+    """Register every group of ``groups`` (a module's ``register``; the pass manager registers them one by one)."""
     for group in groups:
-        if group.needed(facts):
-            group.register(pm_pass)
-            done.append(group.name)
-    return done
+        group.register(pm_pass)
 
 
 def pattern_targets(pattern: Any) -> set:
@@ -231,8 +220,6 @@ def search_traces_reused():
 def _metadata(args) -> Optional[tuple]:
     """What a trace of fake inputs depends on: each tensor's sizes, strides, offset, view-ness, dtype, device and
     grad flag, each other input's type and value; None where a size is symbolic or an input is of another kind."""
-    import torch.utils._pytree as pytree
-
     leaves, spec = pytree.tree_flatten(args)
     out = [str(spec)]
     for x in leaves:
