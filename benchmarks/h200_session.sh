@@ -40,7 +40,7 @@ step decode_step  ${T_STEP:-460}  python3 benchmarks/decode_step.py --tp 8 --lay
                                   --providers eager,compile,optimize --json "$OUT/decode_step.json" \
                                   --plot "$OUT/decode_step.svg"
 # not in the default STEPS (about 5 minutes, fresh caches in each child): STEPS=compile_time
-step compile_time ${T_COMPILE:-560} env K3_PRECOMPILE=1 python3 benchmarks/compile_time.py --device cuda --layers 4 \
+step compile_time ${T_COMPILE:-560} python3 benchmarks/compile_time.py --device cuda --layers 4 \
                                   --variants torch.compile,optimize-whole,optimize-whole-noprecompile,optimize-regions \
                                   --warm-variants torch.compile,optimize-whole --budget $(( ${T_COMPILE:-560} - 20 )) \
                                   --child-timeout 220 --out "$OUT/compile_time_h200.json"

@@ -13,7 +13,7 @@ torch's own Inductor wrapper (mode, options and CUDA graphs behave exactly as wi
 - under ``backend="auto"`` a graph whose tensors no k3 kernel can run on (CPU tensors without Triton's
   interpreter) is compiled exactly as plain ``torch.compile`` compiles it, without our pass
   (``passes.stand_down_reason``): the ops' PyTorch references would only be slower than Inductor's code;
-- opt in (``precompile=True``): the CuTe kernels a graph calls are built by worker processes while it compiles.
+- by default the CuTe kernels a graph calls are built by worker processes while it compiles (``precompile``).
 
 Each graph's compilation is announced on the ``k3compile`` logger (INFO, shown on stderr unless the
 application configures logging; ``logging.getLogger("k3compile").setLevel(logging.WARNING)`` hides it).
@@ -69,7 +69,7 @@ class K3State:
     choices: dict = field(default_factory=dict)   # this model's kernel choices (choices.recording_choices)
     told: set = field(default_factory=set)        # one-time notices already logged
     regions: str = ""                             # which blocks optimize() made compile regions, or why none
-    precompile: Optional[bool] = None             # build kernels ahead: True / False, None: K3_PRECOMPILE or off
+    precompile: Optional[bool] = None             # build kernels ahead: True / False, None: K3_PRECOMPILE or on
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def tell_once(self, what: str, level: int, msg: str, *args) -> None:
@@ -165,7 +165,7 @@ class K3Inductor(torch._TorchCompileInductorWrapper):
         pass_ = self.config["post_grad_custom_post_pass"]
         key = graph_key(model_, inputs_, pass_.uuid())
         COMPILE_RECORD.take()  # drop records left by an unrelated compile in this thread
-        batch = Batch(*precompile_enabled(state.precompile))
+        batch = Batch(*precompile_enabled(state.precompile, regions=not state.regions.startswith("off")))
         if batch.record.on and should_prestart(devices, load_record(key)):
             batch.prestart()   # the workers import while AOTAutograd, Inductor and our pass run
         before = cache_counters()
@@ -318,7 +318,7 @@ def optimize(model, *, backend: str = "auto", passes=None, strict: bool = False,
         static-weight proof does not yet see through a region's inputs (``regions.py`` says what that costs).
     precompile: build the CuTe kernels a graph calls in worker processes while it compiles, so that its first call
         only loads them (``k3compile/precompile.py``). None (default): ``K3_PRECOMPILE`` ("1" / "0") where set, else
-        off (slower on the one GPU run that timed it: README). Builds for graphs on an NVIDIA GPU with CuTe DSL.
+        on, except with ``regions=True``. Builds for graphs on an NVIDIA GPU with CuTe DSL.
     torch_compile_kwargs: as ``torch.compile`` (mode, dynamic, fullgraph, options, ...). A
         ``post_grad_custom_post_pass`` given in ``options`` or installed in Inductor's config runs
         after ours.

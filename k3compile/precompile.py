@@ -22,13 +22,14 @@ launchers themselves need real device tensors (a GPU context in each worker). Tr
 so a warm start does not compile them again; Inductor's own Triton kernels are built by Inductor's compile workers.
 
 The workers start as the graph's compile starts (``Batch.prestart``, where no record of the graph is on disk: a cold
-compile) and import what a build needs (``Builder.warm_up``) while AOTAutograd, Inductor and our passes run. One H200
-run that started them at the first build measured the build-ahead slower than building at the first call (a 4-layer
-slice: 47.1 s against 41.2 s; the workers' 32.6 s for builds that take 5.1 s in the compiling process, the rest
-being, we take it, each fresh worker's imports: ``benchmarks/results/compile_time_h200.json``).
+compile) and import what a build needs (``Builder.warm_up``) while AOTAutograd, Inductor and our passes run: a fresh
+worker's imports of CuTe DSL cost more than a build, so workers started at the first build made a compile slower.
 
-Opt in (``enabled``): ``optimize(precompile=True)`` or ``K3_PRECOMPILE=1``; it builds for graphs on an NVIDIA GPU
-with CuTe DSL installed, under backend "auto" or "cute", with the CuTe disk cache on.
+On by default (``enabled``; off with ``optimize(precompile=False)`` or ``K3_PRECOMPILE=0``, and by default with
+``regions=True``); it builds for graphs on an NVIDIA GPU with CuTe DSL installed, under backend "auto" or "cute",
+with the CuTe disk cache on. One H200, a 4-layer slice's cold
+compile 34.3 s against 38.1 s without (the 10 CuTe builds 5.2 s of wall time in 8 workers, off the critical path;
+our passes 8.4 s against 5.6 s beside the importing workers; ``benchmarks/results/compile_time_h200.json``).
 ``K3_PRECOMPILE_WORKERS`` sets the number of worker processes (default: half the CPU cores, shared among the
 ``LOCAL_WORLD_SIZE`` ranks of a host, at most 16).
 """
@@ -67,12 +68,14 @@ def setting(precompile: Optional[bool]) -> Optional[bool]:
     return None if env == "" else env not in ("0", "false", "no")
 
 
-def enabled(choice: Optional[bool]) -> tuple[bool, str]:
-    """Whether to build a graph's kernels ahead (``choice``: ``setting``'s), and why."""
-    if not choice:   # opt in until a GPU run has measured it (its CPU tests use a stand-in builder)
-        return False, ("off: precompile=False (or K3_PRECOMPILE=0)" if choice is False else
-                       "off by default: precompile=True (or K3_PRECOMPILE=1) builds the CuTe kernels ahead")
-    return True, "precompile=True"
+def enabled(choice: Optional[bool], regions: bool = False) -> tuple[bool, str]:
+    """Whether to build a graph's kernels ahead (``choice``: ``setting``'s), and why. On by default, except with
+    regions: each region's compile would start workers of its own (one pool a compiled graph)."""
+    if choice is False:
+        return False, "off: precompile=False (or K3_PRECOMPILE=0)"
+    if choice is None and regions:
+        return False, "off by default with regions=True (each region would start its own workers): precompile=True"
+    return True, "precompile=True" if choice else "on by default (precompile=False or K3_PRECOMPILE=0 turns it off)"
 
 
 # --------------------------------------------------------------------------------------------------

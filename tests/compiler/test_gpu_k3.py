@@ -3,7 +3,7 @@
 - decode runs our kernels (the report names the implementation of each op, CuTe for the skinny GEMM
   where cutlass is installed) and, teacher-forced on eager's tokens, every step's logits are within bf16 noise of
   the same bf16 weights computed in fp32, or where eager bf16 or plain torch.compile is itself further off (an
-  ill-conditioned row), no more than twice as far as the further of the two;
+  ill-conditioned step), no more than twice as far as the further of the two;
 - ``mode="reduce-overhead"`` keeps its CUDA graphs: the cache is mutated in place by the compiled
   step, which cudagraph trees accept only for inputs with static addresses (``KimiK3Cache`` marks
   them); no graph may be skipped, and the tokens equal the default mode's.
@@ -76,22 +76,26 @@ def test_decode_runs_our_kernels_and_matches_eager():
     del truth
     errs = step_errors(teacher_forced_logits(model, ids, ref), want)
     # the noise of a correct bf16 computation: eager's and plain torch.compile's. Where it is itself above the
-    # tolerance the row is ill-conditioned in 16 bits, and only "no further off than they are" can be asked there.
+    # tolerance the step is ill-conditioned in 16 bits, and only "no further off than they are" can be asked there.
     # A rounding can also flip a near-tie in a router's top-k, a jump no tolerance covers. On the CPU (reference
     # kernels) the kda_prefill rewrite alone moves the first layer's KDA inputs by 1.5e-3 (Inductor keeps fp32
     # where eager rounds); noise of that size flips the experts of 2-3 tokens a MoE layer (top-k margins down to
     # 5e-4), and the rewritten model was 0.08 and 0.46 off at two of its twelve steps where eager and
-    # torch.compile were 0.02. So most steps must be within the allowance and the median within the tolerance; a
-    # wrong kernel is off at most steps
+    # torch.compile were 0.02. On the H200 one of the two sequences is ill-conditioned at every step (eager bf16
+    # 0.03-0.57 off the fp32 computation). So: most steps within the allowance, and most of the well-conditioned
+    # steps (enough of them to tell) within the tolerance itself; a wrong kernel is off at most steps
     control = copy.deepcopy(eager)
     torch._dynamo.reset()
     control_errs = step_errors(teacher_forced_logits(torch.compile(control, dynamic=False), ids, ref), want)
     noise = torch.maximum(step_errors(teacher_forced_logits(eager, ids, ref), want), control_errs)
     allowed = torch.maximum(torch.full_like(noise, LOGITS_TOL), 2 * noise)
-    assert (noise < LOGITS_TOL).float().mean() >= 0.5, f"ill-conditioned prompt:\n{noise}"
-    assert torch.isfinite(errs).all() and (errs < allowed).float().mean() >= 0.75 and errs.median() < LOGITS_TOL, (
-        f"logits off the fp32 computation's (rows x steps):\n{errs}\neager's and plain torch.compile's, the "
-        f"further:\n{noise}\ntokens {out}\neager  {ref}")
+    calm = noise < LOGITS_TOL
+    seen = (f"logits off the fp32 computation's (rows x steps):\n{errs}\neager's and plain torch.compile's, the "
+            f"further:\n{noise}\ntokens {out}\neager  {ref}")
+    assert calm.sum() >= 4, f"too few well-conditioned steps to tell a wrong kernel from bf16 noise\n{seen}"
+    assert torch.isfinite(errs).all(), seen
+    assert (errs < allowed).float().mean() >= 0.75, seen
+    assert (errs[calm] < LOGITS_TOL).float().mean() >= 2 / 3, seen
     decode = rep.graphs[-1].record.matches
     assert decode["kda_decode"] == 3 and decode["latent_moe_tail"] >= 1 and decode["skinny_gemm"] > 0
     assert decode["mla_decode"] == 1                              # the micro K3's one MLA layer
