@@ -319,14 +319,15 @@ class OpImpls:
             impl = self._decided[(backend, key)] = self.decide(backend, args, key)[0]
         return impl
 
-    def kernels(self, backend: str, key: Hashable, args: tuple, static_weight: bool = False) -> list[Build]:
-        """The kernels the implementation ``decide`` picks for these arguments builds at its first call."""
+    def kernels(self, backend: str, key: Hashable, args: tuple, **launch) -> list[Build]:
+        """The kernels the implementation ``decide`` picks for these arguments builds at its first call (``launch``:
+        the call's launch details, ``static_weight`` and the like, which never change the choice)."""
         impl_name, _ = self.decide(backend, args, key)
         found = self.impl(impl_name).kernels
         if found is None:
             return []
         return [b if isinstance(b, Build) else Build(*b, self.name, key, impl_name)
-                for b in found(*args, static_weight=static_weight)]
+                for b in found(*args, **launch)]
 
     def mark_broken(self, key: Hashable, impl_name: str, why: str) -> None:
         """``impl_name`` may not run for ``key`` (its kernel failed to build): ``decide`` passes over it, saying why;

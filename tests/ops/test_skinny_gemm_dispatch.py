@@ -119,6 +119,24 @@ def test_a_wgmma_pick_is_what_the_cute_implementation_compiles(monkeypatch, on_h
     assert out.shape == (12, 640) and calls == [(12, wg, False, False, True)]
 
 
+def test_trigger_first_false_keeps_the_tiles_and_drops_the_early_trigger(monkeypatch, on_h200):
+    """Under Inductor's PDL codegen the proof passes ``trigger_first=False``: the table's static pick runs with the
+    same tiles, launching the next kernel only after its wait; the kernel key (and so precompile's plan) follows."""
+    (dt, m, n, k, _), pick = next((key, p) for key, p in H200.picks.items()
+                                  if key[4] and getattr(p.configs.get("cute"), "trigger_first", False))
+    tf = pick.configs["cute"]
+    calls = []
+    monkeypatch.setattr(cute, "compile_kernel",
+                        lambda dtype, m_, cfg, *flags: calls.append(cfg) or (lambda *args: None))
+    mode, a, w = _cuda(m, n, k, getattr(torch, dt))
+    with mode:
+        dispatch._cute(a, w, None, None, static_weight=True)
+        dispatch._cute(a, w, None, None, static_weight=True, trigger_first=False)
+    assert calls == [tf, dataclasses.replace(tf, trigger_first=False)]
+    keys = [dispatch._cute_kernels(a, w, None, None, static_weight=True, trigger_first=t)[0][1] for t in (True, False)]
+    assert keys[0] != keys[1] and [c.trigger_first for k_ in keys for c in k_ if c in (tf, calls[1])] == [True, False]
+
+
 def test_run_auto_decides_as_the_op_and_records_nothing(monkeypatch):
     dispatch.SKINNY_GEMM.clear()
     a, w, r = torch.randn(3, 40), torch.randn(20, 40), torch.randn(3, 20)

@@ -29,6 +29,8 @@ not import, the implementation's ``available`` says why (recorded as the fallbac
 """
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import os
 from typing import Any, Callable, NamedTuple, Optional
@@ -176,31 +178,35 @@ def _triton_profitable(a, w, bias, residual, out_dtype=None) -> Reason:
     return _measured("triton", a, w)
 
 
-def _cute_config(a, w, static_weight: bool) -> KernelConfig:
+def _cute_config(a, w, static_weight: bool, trigger_first: bool = True) -> KernelConfig:
     m, k = a.shape
-    return cute_config_for(a.dtype, m, w.shape[0], k, static_weight, gpu_of(a.device).table)
+    cfg = cute_config_for(a.dtype, m, w.shape[0], k, static_weight, gpu_of(a.device).table)
+    if not trigger_first and cfg.trigger_first:   # the same tiles, the next kernel launched after our wait
+        cfg = dataclasses.replace(cfg, trigger_first=False)
+    return cfg
 
 
-def _cute(a, w, bias, residual, out_dtype=None, static_weight=False):
-    return cute.skinny_gemm_cute(a, w, bias, residual, _cute_config(a, w, static_weight), static_weight=static_weight)
+def _cute(a, w, bias, residual, out_dtype=None, static_weight=False, trigger_first=True):
+    return cute.skinny_gemm_cute(a, w, bias, residual, _cute_config(a, w, static_weight, trigger_first),
+                                 static_weight=static_weight)
 
 
-def _cute_kernels(a, w, bias, residual, out_dtype=None, static_weight=False) -> list:
-    return cute.kernels(a, w, bias, residual, _cute_config(a, w, static_weight), static_weight)
+def _cute_kernels(a, w, bias, residual, out_dtype=None, static_weight=False, trigger_first=True) -> list:
+    return cute.kernels(a, w, bias, residual, _cute_config(a, w, static_weight, trigger_first), static_weight)
 
 
-def _triton(a, w, bias, residual, out_dtype=None, static_weight=False):
+def _triton(a, w, bias, residual, out_dtype=None, static_weight=False, trigger_first=True):
     m, k = a.shape
     cfg = triton_config_for(a.dtype, m, w.shape[0], k, gpu_of(a.device))
     return _TRITON.skinny_gemm_triton(a, w, bias, residual, config=cfg, static_weight=static_weight,
                                       out_dtype=out_dtype)
 
 
-def _reference(a, w, bias, residual, out_dtype=None, static_weight=False):
+def _reference(a, w, bias, residual, out_dtype=None, static_weight=False, trigger_first=True):
     return skinny_gemm_reference(a, w, bias, residual, out_dtype)   # no PDL: nothing to stream early
 
 
-def _cublas(a, w, bias, residual, out_dtype=None, static_weight=False):
+def _cublas(a, w, bias, residual, out_dtype=None, static_weight=False, trigger_first=True):
     """cuBLAS on a GPU, rounded as eager ``linear`` + ``add``; a fp32 output of 16-bit operands as the graph had
     it before the rewrite: the operands upcast, then the fp32 product."""
     if out_dtype is not None:
@@ -210,7 +216,7 @@ def _cublas(a, w, bias, residual, out_dtype=None, static_weight=False):
 
 
 def kernels(a, w, bias=None, residual=None, backend: str = "auto", m_limit: int = 16, static_weight: bool = False,
-            out_dtype: Optional[torch.dtype] = None) -> list:
+            out_dtype: Optional[torch.dtype] = None, trigger_first: bool = True) -> list:
     """The kernels a call of ``k3::skinny_gemm`` with these arguments (``op.py``'s) builds at its first call: those of
     the implementation ``select`` picks, at the configuration it runs (``k3compile/precompile.py`` builds them
     ahead)."""
@@ -218,7 +224,7 @@ def kernels(a, w, bias=None, residual=None, backend: str = "auto", m_limit: int 
     if a.shape[0] > m_limit:
         return []
     return SKINNY_GEMM.kernels(backend, key(a, w, bias, residual, out_dtype), (a, w, bias, residual, out_dtype),
-                               static_weight=static_weight and a.shape[0] > 0)
+                               static_weight=static_weight and a.shape[0] > 0, trigger_first=trigger_first)
 
 
 SKINNY_GEMM = register_op_impls(OpImpls(

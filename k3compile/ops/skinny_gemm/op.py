@@ -3,10 +3,12 @@
 The pattern pass bakes ``backend`` and ``m_limit`` into the graph. ``static_weight`` (set by
 ``k3compile.static_weights`` where the graph proves that no kernel which may still run writes ``w``) lets the CuTe
 and Triton kernels stream ``w`` before their PDL wait, and the CuTe configurations with ``trigger_first`` let the
-next kernel launch before their own wait. A caller passing it by hand vouches for what that proof shows: no kernel
-still running writes ``w``, counting back through every static call before this one to the last kernel that was
-not one, and this call's ``a`` is made by a kernel launched after that kernel (static_weights.py, step 1). It is a
-launch detail: the choice of implementation is the same either way; the reference and cuBLAS ignore it.
+next kernel launch before their own wait, unless ``trigger_first=False`` (set by the proof under Inductor's PDL
+codegen, whose kernels read before their wait what a kernel two back wrote). A caller passing ``static_weight`` by
+hand vouches for what that proof shows: no kernel still running writes ``w``, counting back through every static
+call before this one to the last kernel that was not one, and this call's ``a`` is made by a kernel launched after
+that kernel (static_weights.py, step 1). Both are launch details: the choice of implementation is the same either
+way; the reference and cuBLAS ignore them.
 
 ``out_dtype``: None (the output in ``a.dtype``) or ``torch.float32`` with 16-bit ``a`` and ``w``: the fp32 sums of
 the exact products, never rounded to 16 bits -- ``linear(a.float(), w.float())`` without the cast of ``w`` (the
@@ -48,18 +50,19 @@ def _check(a, w, bias, residual, out_dtype=None) -> None:
 def skinny_gemm_op(
     a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
     residual: Optional[torch.Tensor] = None, backend: str = "auto", m_limit: int = 16,
-    static_weight: bool = False, out_dtype: Optional[torch.dtype] = None,
+    static_weight: bool = False, out_dtype: Optional[torch.dtype] = None, trigger_first: bool = True,
 ) -> torch.Tensor:
     _check(a, w, bias, residual, out_dtype)
     out_dtype = None if out_dtype == a.dtype else out_dtype
     fn = dispatch.select(backend, m_limit, a, w, bias, residual, out_dtype)
     # the proof leans on a's producer having run in this graph: an empty a may have launched nothing
     if static_weight and a.shape[0] > 0:
-        return fn(a, w, bias, residual, out_dtype, static_weight=True)
+        return fn(a, w, bias, residual, out_dtype, static_weight=True, trigger_first=trigger_first)
     return fn(a, w, bias, residual, out_dtype)
 
 
 @skinny_gemm_op.register_fake
-def _(a, w, bias=None, residual=None, backend="auto", m_limit=16, static_weight=False, out_dtype=None):
+def _(a, w, bias=None, residual=None, backend="auto", m_limit=16, static_weight=False, out_dtype=None,
+      trigger_first=True):
     _check(a, w, bias, residual, out_dtype)
     return a.new_empty((a.shape[0], w.shape[0]), dtype=out_dtype or a.dtype)
