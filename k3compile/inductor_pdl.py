@@ -64,8 +64,9 @@ def _tensor_val(node: Node) -> Optional[torch.Tensor]:
 
 
 def _value_inputs(node: Node) -> list[Node]:
-    """The inputs whose values ``node``'s output is computed from: its tensor inputs, less those it reads only the
-    shape of (``copy``'s destination) and those statically empty."""
+    """The inputs whose values ``node``'s output is computed from, read from memory by its kernel: its tensor
+    inputs, less those it reads only the shape of (``copy``'s destination), those statically empty, and a CPU
+    scalar feeding a GPU op (Inductor passes its value as a kernel argument)."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     packet = _packet(node.target)
@@ -74,8 +75,10 @@ def _value_inputs(node: Node) -> list[Node]:
     inputs = node.all_input_nodes
     if packet == "aten.copy":
         inputs = [node.args[1]] if len(node.args) > 1 and isinstance(node.args[1], Node) else []
-    return [a for a in inputs
-            if (val := _tensor_val(a)) is not None and not statically_known_true(val.numel() == 0)]
+    out = _tensor_val(node)
+    on_cpu = out is not None and out.device.type == "cpu"
+    return [a for a in inputs if (val := _tensor_val(a)) is not None and not statically_known_true(val.numel() == 0)
+            and (on_cpu or val.device.type != "cpu" or val.dim() > 0)]
 
 
 def read_from_memory(graph: torch.fx.Graph) -> set:

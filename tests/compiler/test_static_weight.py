@@ -304,6 +304,18 @@ def test_activation_from_constants_only_is_not_proven():
     assert "constants only" in _verdict(_graph_by_hand(build))[1][0]
 
 
+def test_a_cpu_scalar_is_read_from_no_memory_under_inductor_pdl():
+    """A 0-d CPU tensor feeding a GPU op reaches its kernel as an argument: ``fill * s`` loads nothing."""
+    def fn(x, s, w):
+        return GEMM(torch.ones(M, K, device=x.device) * s, w), GEMM(x * s, w)
+
+    x, w = torch.empty(M, K, device="meta"), torch.empty(N, K, device="meta")
+    graph = make_fx(fn, tracing_mode="fake")(x, torch.tensor(2.0), w).graph
+    with torch._inductor.config.patch({"triton.enable_pdl": True}):
+        proven, reasons = _verdict(graph)
+    assert proven == 1 and "read from no graph input or k3 op" in reasons[0], reasons
+
+
 def test_collective_of_a_kernel_output_is_proven_under_inductor_pdl():   # the TP all-reduce before a GEMM
     c10d = torch.ops._c10d_functional
 
