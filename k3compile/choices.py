@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -36,6 +37,15 @@ def recording_choices(into: dict):
         yield
     finally:
         _MODEL_CHOICES.reset(token)
+
+
+def recorded_into(into: dict, call: Callable) -> Callable:
+    """``call`` with every dispatch it makes also recorded in ``into`` (``recording_choices``)."""
+    @functools.wraps(call)
+    def recorded(*args, **kwargs):
+        with recording_choices(into):
+            return call(*args, **kwargs)
+    return recorded
 
 
 def record_for_model(ck: tuple, choice: "Choice") -> Optional["Choice"]:

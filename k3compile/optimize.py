@@ -13,14 +13,14 @@ torch's own Inductor wrapper (mode, options and CUDA graphs behave exactly as wi
 - under ``backend="auto"`` a graph whose tensors no k3 kernel can run on (CPU tensors without Triton's
   interpreter) is compiled exactly as plain ``torch.compile`` compiles it, without our pass
   (``passes.stand_down_reason``): the ops' PyTorch references would only be slower than Inductor's code;
-- by default the CuTe kernels a graph calls are built by worker processes while it compiles (``precompile``).
+- by default the CuTe kernels a graph calls are built by worker processes while it compiles (``precompile``);
+- Inductor's own PDL codegen is on for these compiles only unless ``inductor_pdl=False`` (``inductor_pdl.py``).
 
 Each graph's compilation is announced on the ``k3compile`` logger (INFO, shown on stderr unless the
 application configures logging; ``logging.getLogger("k3compile").setLevel(logging.WARNING)`` hides it).
 """
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 import threading
@@ -34,11 +34,12 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .backends import BackendUnavailableError, REGISTRY, forced_backend_reason
-from .choices import recording_choices
+from .choices import recorded_into
 from .graph_records import (
     STOOD_DOWN, CompiledGraph, cache_counters, device_types, graph_key, graph_label, load_record, merge_records,
     save_record,
 )
+from .inductor_pdl import option as inductor_pdl_option
 from .logs import show_progress
 from .passes import (
     COMPILE_RECORD, GraphRecord, K3Options, K3PostGradPass, pattern_module, stand_down_reason, summarize_model,
@@ -70,6 +71,7 @@ class K3State:
     told: set = field(default_factory=set)        # one-time notices already logged
     regions: str = ""                             # which blocks optimize() made compile regions, or why none
     precompile: Optional[bool] = None             # build kernels ahead: True / False, None: K3_PRECOMPILE or on
+    inductor_pdl: str = ""                        # whether Inductor's own kernels launch with PDL, and why
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def tell_once(self, what: str, level: int, msg: str, *args) -> None:
@@ -163,7 +165,8 @@ class K3Inductor(torch._TorchCompileInductorWrapper):
     def _compile_with_passes(self, model_, inputs_, label, devices, kwargs) -> tuple[Any, CompiledGraph]:
         state = self.k3_state
         pass_ = self.config["post_grad_custom_post_pass"]
-        key = graph_key(model_, inputs_, pass_.uuid())
+        with torch._inductor.config.patch(self.config):   # the uuid reads this compile's config, as Inductor's does
+            key = graph_key(model_, inputs_, pass_.uuid())
         COMPILE_RECORD.take()  # drop records left by an unrelated compile in this thread
         batch = Batch(*precompile_enabled(state.precompile, regions=not state.regions.startswith("off")))
         if batch.record.on and should_prestart(devices, load_record(key)):
@@ -288,18 +291,9 @@ def _skipped_by_dynamo(model: torch.nn.Module) -> bool:
         return type(model).forward.__module__.startswith("torch.")
 
 
-def _recording(call, state: K3State):
-    """``call`` with this model's kernel choices recorded in ``state.choices`` (``report`` reads them)."""
-    @functools.wraps(call)
-    def recorded(*args, **kwargs):
-        with recording_choices(state.choices):
-            return call(*args, **kwargs)
-    return recorded
-
-
 def optimize(model, *, backend: str = "auto", passes=None, strict: bool = False,
              small_m_limit: int = 16, regions: bool = False, precompile: Optional[bool] = None,
-             **torch_compile_kwargs):
+             inductor_pdl: Optional[bool] = None, **torch_compile_kwargs):
     """Compile ``model`` with Inductor and the k3 passes; returns the same (now compiled) module.
 
     backend: "auto" | "cute" | "triton" | "reference" -- which kernel implementation the k3 ops use.
@@ -319,6 +313,9 @@ def optimize(model, *, backend: str = "auto", passes=None, strict: bool = False,
     precompile: build the CuTe kernels a graph calls in worker processes while it compiles, so that its first call
         only loads them (``k3compile/precompile.py``). None (default): ``K3_PRECOMPILE`` ("1" / "0") where set, else
         on, except with ``regions=True``. Builds for graphs on an NVIDIA GPU with CuTe DSL.
+    inductor_pdl: Inductor's own kernels launch with PDL in these compiles only (``triton.enable_pdl``; CUDA sm_90+).
+        None (default): ``K3_INDUCTOR_PDL`` ("1" / "0") where set, else on; False leaves Inductor's config as it is;
+        ``options={"triton.enable_pdl": ...}`` wins over both. The static-weight proof holds either way.
     torch_compile_kwargs: as ``torch.compile`` (mode, dynamic, fullgraph, options, ...). A
         ``post_grad_custom_post_pass`` given in ``options`` or installed in Inductor's config runs
         after ours.
@@ -346,6 +343,7 @@ def optimize(model, *, backend: str = "auto", passes=None, strict: bool = False,
     _check_backend(options, model, strict)
     inductor_options = dict(torch_compile_kwargs.pop("options", None) or {})
     plain_options = dict(inductor_options)
+    pdl = inductor_pdl_option(inductor_pdl, inductor_options)   # this model's compiles only
     mode = torch_compile_kwargs.pop("mode", None)
     chained = inductor_options.pop("post_grad_custom_post_pass", None)
     if chained is None:
@@ -367,7 +365,7 @@ def optimize(model, *, backend: str = "auto", passes=None, strict: bool = False,
         inductor_options.setdefault("shape_padding", False)
     state = K3State(options, strict, summarize_model(model), model_name=type(model).__name__
                     if isinstance(model, torch.nn.Module) else getattr(model, "__name__", "the function"),
-                    precompile=precompile_setting(precompile))
+                    precompile=precompile_setting(precompile), inductor_pdl=pdl)
     types = {d.type for d in _model_devices(model)}
     state.regions = compile_regions.mark_model(model, types and stand_down_reason(options, types)) if regions else \
         "off (regions=False)"
@@ -383,11 +381,11 @@ def optimize(model, *, backend: str = "auto", passes=None, strict: bool = False,
             def frame(*args, **kwargs):
                 return call(*args, **kwargs)
             model._compiled_call_impl = torch.compile(frame, backend=compiler, **torch_compile_kwargs)
-        model._compiled_call_impl = _recording(  # where Dynamo cannot trace the regions: traced without them
-            compile_regions.without_regions_on_error(model._compiled_call_impl, model, state), state)
+        model._compiled_call_impl = recorded_into(  # where Dynamo cannot trace the regions: traced without them
+            state.choices, compile_regions.without_regions_on_error(model._compiled_call_impl, model, state))
         compiled = model
     else:
-        compiled = _recording(torch.compile(model, backend=compiler, **torch_compile_kwargs), state)
+        compiled = recorded_into(state.choices, torch.compile(model, backend=compiler, **torch_compile_kwargs))
     setattr(compiled, STATE_ATTR, state)
     weakref.finalize(compiled, warn_if_nothing_done, state)
     return compiled

@@ -16,8 +16,9 @@ compiles (only on an FX-graph-cache miss). It
    hands them to the build-ahead batch ``optimize`` runs, if any (``precompile.found``).
 
 Its ``uuid()`` hashes our version, the torch version, the source of every pass and pattern file and
-op schema, the options, whether the static-weight proof is on, and the chained pass's uuid, so the FX graph and AOTAutograd caches stay
-valid -- and are invalidated by any edit that could change the rewritten graph.
+op schema, the options, whether the static-weight proof is on and whether Inductor's PDL codegen is (the proof
+reads both), and the chained pass's uuid, so the FX graph and AOTAutograd caches stay valid -- and are
+invalidated by any edit that could change the rewritten graph.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from .backends import check_backend, triton_importable, triton_interpret
 from .call_sites import call_sites
+from .inductor_pdl import on as inductor_pdl_on
 from .precompile import found as precompile_found
 from .regions import calls as region_calls
 from .static_weights import enabled as static_weights_enabled
@@ -194,7 +196,7 @@ REGISTRATIONS: list[tuple[str, int]] = []
 def _source_files() -> tuple[str, ...]:
     """Every file whose edit could change the rewritten graph: passes, the static-weight proof, patterns, op schemas."""
     root = Path(__file__).resolve().parent
-    files = [root / "passes.py", root / "backends.py", root / "static_weights.py"]
+    files = [root / "passes.py", root / "backends.py", root / "static_weights.py", root / "inductor_pdl.py"]
     files += sorted((root / "ops").rglob("op.py"))
     import k3compile.patterns as patterns_pkg
     files += sorted(Path(patterns_pkg.__file__).resolve().parent.glob("*.py"))
@@ -285,7 +287,8 @@ class K3PostGradPass(CustomGraphPass):
         h.update(torch.__version__.encode())
         h.update(get_hash_for_files(_source_files()))
         h.update(repr(dataclasses.astuple(self.options)).encode())
-        h.update(f"static_weight={static_weights_enabled()}".encode())
+        # the proof reads both; Inductor calls this inside its config patch (optimize() keys its records likewise)
+        h.update(f"static_weight={static_weights_enabled()} inductor_pdl={inductor_pdl_on()}".encode())
         if self.chained is not None:
             other = self.chained.uuid() if hasattr(self.chained, "uuid") else None
             if other is None:

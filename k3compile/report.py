@@ -26,6 +26,7 @@ class Report:
     model_name: str = "model"
     notice: str = ""                               # where the model compiled or rewrote nothing: why
     regions: str = ""                              # which blocks optimize() made compile regions, or why none
+    inductor_pdl: str = ""                         # whether Inductor's own kernels launch with PDL (optimize.py)
 
     @property
     def kernel_build_seconds(self) -> float:
@@ -91,7 +92,10 @@ class Report:
                 lines.append(f"    {name:<20} {self.matches.get(name, 0):>5}   per graph: {', '.join(per_graph)}")
         if self.unknown_graphs:
             lines.append(f"  ({self.unknown_graphs} cached graph(s) had no stored record: counts incomplete)")
-        show_static = self.static_weight and (verbose or any(g.on_gpu for g in self.graphs))
+        gpu_details = verbose or any(g.on_gpu for g in self.graphs)   # launch details, shown for GPU graphs
+        if gpu_details and self.inductor_pdl:
+            lines.append(f"  Inductor's own kernels with PDL (inductor_pdl): {self.inductor_pdl}")
+        show_static = self.static_weight and gpu_details
         if show_static:
             lines.append("  static weight (weight streamed before the PDL wait), per op node:")
         for op, r in (self.static_weight if show_static else {}).items():
@@ -199,4 +203,5 @@ def report(model) -> Report:
         compile_seconds=sum(g.compile_seconds for g in graphs), backend=state.options.backend,
         unknown_graphs=sum(1 for g in graphs if g.record is None), op_calls=op_calls, static_weight=static,
         model_name=state.model_name, notice=nothing_done(state) or "", regions=state.regions,
+        inductor_pdl=state.inductor_pdl,
     )

@@ -2,28 +2,42 @@
 the PDL wait (``static_weight=True`` on ``k3::skinny_gemm`` / ``k3::latent_moe_tail``).
 
 Our CuTe and Triton GEMMs are launched with programmatic dependent launch (PDL): kernel C may start once
-the kernel P before it in the stream triggers (``griddepcontrol.launch_dependents``, or implicitly when
-P's blocks exit). C must then ``griddepcontrol.wait`` before reading anything P may write. With
-``static_weight`` C issues its first weight loads before that wait. Why that is safe:
+the kernel before it in the stream triggers (``griddepcontrol.launch_dependents`` in each of its blocks, or
+its blocks exiting). C must then ``griddepcontrol.wait`` before reading anything an earlier kernel may write.
+With ``static_weight`` C issues its first weight loads before that wait. Why that is safe:
 
-1. Every PDL kernel triggers only after its own wait (ours: after the K loop), except a k3 GEMM called
-   with ``static_weight`` whose configuration has ``trigger_first`` (it triggers as its blocks start, so that
-   several products' weights stream at once), and a kernel launched without PDL starts only once everything
-   before it has completed. So when C starts, the kernels that may still be writing are P and, where P
-   triggers first, the unbroken run of trigger-first kernels before it back to the first kernel Q of the
-   run that does not: every kernel before Q has completed and its writes are visible. Each trigger-first
-   kernel is a static call proven by this same proof, so by 2 (a) below its activation, and with it Q, comes
-   from its own graph; and by induction that is C's graph (the run cannot reach back past the first kernel
-   of C's graph, which no static call can be). Q..P are then kernels of C's graph.
+1. A kernel of our streams is one of three kinds. (W) It triggers only after its own wait: every k3 kernel
+   but (T); every Inductor kernel that loads from memory (its PDL codegen writes the wait no later than just
+   after the first load, ``launch_dependents`` after it; Inductor's templates launch without PDL); any kernel
+   launched without PDL (it starts once everything before it has completed). (T) A k3 GEMM called with
+   ``static_weight`` whose configuration has ``trigger_first``: it triggers as its blocks start, so that
+   several products' weights stream at once. (F) Only under Inductor's own PDL codegen
+   (``triton.enable_pdl``): an Inductor kernel that loads nothing (a fill, an ``arange``) may never wait, and
+   triggers by exiting.
+   We rely on (P): a wait returns once every earlier kernel of the stream has completed, not only the one
+   right before it (PTX ISA: "wait until all prerequisite grids in flight have completed"; it follows if a
+   kernel that never waits does not complete before the kernel before it). Inductor's PDL codegen needs more:
+   after an (F) kernel the next one reads, before its wait, what the kernel before the (F) wrote.
+   ``tests/compiler/test_pdl_ordering.py`` checks both on a GPU. So when C starts, the last (W) kernel Q
+   before C has passed its wait: every kernel before Q has completed and its writes are visible; only Q and
+   the (T) and (F) kernels after it may still run.
 2. (a) C's activation (skinny_gemm ``a``, the tail's ``latent``), walked back through views and through
    ops Inductor may drop or turn into aliases (clone, ``_to_copy``, its registered no-ops), comes from a
    node of this graph that launches a kernel (an ATen/prims compute op, a k3 op, a collective whose own
-   input does). That kernel is launched before C in the same graph run, so P -- launched after it, or
-   it -- is a kernel of this graph, not the user's optimizer step, ``load_state_dict`` or another graph.
+   input does), launched before C in the same graph run. Without Inductor's PDL codegen every Inductor
+   kernel is (W): that kernel is (W), or a (T) GEMM whose own activation passed this test. Under
+   that codegen the activation must also be read from memory: through ops that read their inputs' values,
+   from a graph input or a k3 op's output. The kernel that reads the graph input loads it (W); a k3 op's
+   kernels are (W) or (T) as above. Either way a (W) kernel of this graph runs before C, so Q is a kernel of
+   this graph and so is everything from Q to C: not the user's optimizer step, ``load_state_dict`` or
+   another graph. Refused under that codegen: a value made without reading memory, by a factory (``full``,
+   ``arange``/``iota``, ``scalar_tensor``, ``empty``, random), a ``*_like`` / ``new_*`` fill,
+   ``fill``/``zero``, or an op whose inputs are only such values or are statically empty (Inductor fuses
+   them into one kernel that loads nothing).
    (b) The weight, walked back through views that never copy, is a placeholder or ``get_attr``,
    and no node of this graph writes it or any view of it: no schema argument marked written
    (``Tensor(a!)``: in-place ops, ``copy_`` into an input), no higher-order or unknown op taking it.
-   Then none of Q..P (kernels of this graph) writes the weight. Residual, shared, bias and the norm
+   Then none of the kernels that may still run writes the weight. Residual, shared, bias and the norm
    weight are read after the wait.
 
 The graph is functional at our pass time (input mutations are ``copy_`` into placeholders, mutating
@@ -31,14 +45,11 @@ custom ops are ``auto_functionalized``), and Inductor's later passes add no writ
 The proof runs last, after a chained user pass too. At run time the ops pass the flag on only for a
 non-empty activation (an empty one may have been made by no kernel at all).
 
-Assumptions left: a vendor kernel inside the graph (cuBLAS, NCCL, fla) launched with PDL that triggers
-before its own wait would break step 1; none does by default. Inductor's own PDL codegen
-(``torch._inductor.config.triton.enable_pdl``, off by default) emits wait before launch_dependents in
-every kernel that loads (``_handle_pdl_after_load``), but a kernel that loads nothing (a fill) may
-have no wait at all (torch 2.13 adds one only before a store that touches the previous kernel's buffers)
-and then triggers by exiting without it: we prove nothing while that codegen is on.
-``tests/compiler/test_static_weight.py`` checks Inductor's wait-before-launch ordering, which lifting
-that refusal would rest on.
+Assumptions left: (P); a vendor kernel in the graph (cuBLAS, NCCL, fla) launched with PDL that triggers
+before its own wait would not be (W), against step 2 (a); none does by default. Whether Inductor's PDL
+codegen is on is read from Inductor's config as the graph compiles (``optimize()`` turns it on for its own
+compiles, ``inductor_pdl``). ``tests/compiler/test_static_weight.py`` checks Inductor's PDL codegen: the
+wait before ``launch_dependents`` in every kernel that loads, no ``launch_dependents`` in one that does not.
 
 ``mark_static_weights(graph)`` runs after every pattern pass (``passes.K3PostGradPass``); it never
 raises: whatever it cannot analyse is "not proven", with the reason recorded for ``k3compile.report``.
@@ -54,6 +65,8 @@ from typing import Any, Optional
 import torch
 from torch.fx import Node
 
+from .inductor_pdl import on as inductor_pdl_on, read_from_memory
+
 # op name -> (activation argument, weight argument)
 STATIC_OPS: dict[str, tuple[str, str]] = {
     "skinny_gemm": ("a", "w"),
@@ -66,6 +79,7 @@ ENV = "K3_STATIC_WEIGHT"
 def enabled() -> bool:
     """Whether the proof runs (``K3_STATIC_WEIGHT=0`` turns it off)."""
     return os.environ.get(ENV, "1") != "0"
+
 
 # ops that may leave no kernel behind (Inductor turns them into aliases or removes them): walked
 # through like views; and ops that are views in Inductor though their schema says otherwise
@@ -199,6 +213,13 @@ class _Prover:
     def __init__(self, graph: torch.fx.Graph):
         self.graph = graph
         self._from_input: Optional[set] = None
+        self._from_memory: Optional[set] = None
+
+    def read_from_memory(self, node: Node) -> bool:
+        """Whether ``node``'s value is read from memory (``inductor_pdl.read_from_memory``)."""
+        if self._from_memory is None:
+            self._from_memory = read_from_memory(self.graph)
+        return node in self._from_memory
 
     def depends_on_input(self, node: Node) -> bool:
         """Whether ``node`` reads, transitively, a placeholder (else Inductor could fold it to a constant)."""
@@ -249,6 +270,10 @@ class _Prover:
             return f"activation comes from {_name(t)}, which may launch no kernel"
         if t.namespace != "k3" and not self.depends_on_input(root):
             return f"activation comes from {_name(t)} of constants only (may be folded)"
+        if inductor_pdl_on() and not self.read_from_memory(root):
+            return (f"activation comes from {_name(t)}, whose value is read from no graph input or k3 op (a fill, "
+                    "or computed only from fills): under Inductor's PDL codegen its kernel may trigger without "
+                    "waiting")
         return None
 
     def weight_reason(self, w: Any) -> Optional[str]:
@@ -292,9 +317,6 @@ class _Prover:
         act_name, w_name = STATIC_OPS[op]
         if not enabled():
             return f"turned off ({ENV}=0)"
-        if getattr(torch._inductor.config.triton, "enable_pdl", False):
-            return ("Inductor's own PDL codegen is on (triton.enable_pdl): its kernels that load nothing may "
-                    "trigger without ever waiting")
         return self.weight_reason(_arg(node, w_name)) or self.activation_reason(_arg(node, act_name))
 
 

@@ -175,6 +175,51 @@ def test_shape_padding_is_off_unless_the_caller_sets_it():
     assert "shape_padding" not in state_of(kda_only).compiler.config
 
 
+class ConfigProbe(CustomGraphPass):
+    """Records Inductor's PDL setting as each graph it sees compiles."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, graph):
+        self.seen.append(torch._inductor.config.triton.enable_pdl)
+
+    def uuid(self):
+        return None
+
+
+def test_inductor_pdl_is_on_for_our_compiles_only():
+    """optimize() turns Inductor's PDL codegen on in its own compiles' config: a plain torch.compile after it,
+    and the process's config, keep theirs."""
+    ours, plain = ConfigProbe(), ConfigProbe()
+    model = k3compile.optimize(Decoder(), passes=["skinny_gemm"], backend="reference",
+                               options={"post_grad_custom_post_pass": ours})
+    assert state_of(model).compiler.config["triton.enable_pdl"] is True
+    with torch.no_grad():
+        model(torch.randn(2, 16))
+        torch.compile(lambda x: x.sin() + 1, options={"post_grad_custom_post_pass": plain})(torch.randn(4))
+    assert ours.seen == [True] and plain.seen == [False] and torch._inductor.config.triton.enable_pdl is False
+    assert "kernels with PDL (inductor_pdl): on" in k3compile.report(model).format(verbose=True)
+
+
+def test_inductor_pdl_opt_out(monkeypatch):
+    assert "triton.enable_pdl" not in state_of(k3compile.optimize(Decoder(), inductor_pdl=False)).compiler.config
+    kept = k3compile.optimize(Decoder(), options={"triton.enable_pdl": False})   # the caller's option wins
+    assert state_of(kept).compiler.config["triton.enable_pdl"] is False
+    monkeypatch.setenv("K3_INDUCTOR_PDL", "0")
+    assert "triton.enable_pdl" not in state_of(k3compile.optimize(Decoder())).compiler.config
+    forced = k3compile.optimize(Decoder(), inductor_pdl=True)   # the keyword wins over the environment
+    assert state_of(forced).compiler.config["triton.enable_pdl"] is True
+
+
+def test_uuid_follows_inductor_pdl():
+    """The static-weight proof reads the setting, so the pass's uuid (read within the compile's config) follows it."""
+    pass_ = K3PostGradPass(K3Options())
+    with torch._inductor.config.patch({"triton.enable_pdl": True}):
+        on = pass_.uuid()
+    assert on != pass_.uuid()
+
+
 def test_uuid_changes_with_every_option():
     uuids = {K3PostGradPass(o).uuid() for o in (
         K3Options(), K3Options(backend="triton"), K3Options(small_m_limit=8), K3Options(passes=("skinny_gemm",)))}

@@ -2,9 +2,11 @@
 
 - hand-built graphs (``make_fx`` on fake tensors, or nodes placed by hand): proven where the weight is a
   parameter nothing writes and the activation comes from a kernel of the graph; not proven, with the
-  reason, for every way that can fail; never an exception;
-- a small module compiled by ``k3compile.optimize`` (one compile for the module): each GEMM's verdict
-  in the report, strict mode unaffected;
+  reason, for every way that can fail; never an exception; under Inductor's PDL codegen the same verdicts, but
+  for activations read from no memory (fills);
+- Inductor's PDL codegen as our proof reads it: its source, and the Triton code it writes (on the CPU);
+- a small module compiled by ``k3compile.optimize``, with and without Inductor's PDL codegen (one compile each):
+  each GEMM's verdict in the report, strict mode unaffected;
 - the micro K3 (CPU, fp32, every pass): the decode graph's skinny GEMMs and latent-MoE tail proven, in
   tests/compiler/test_tiny_k3.py (sharing its compiled model);
 - on a GPU: the micro K3 in bf16, default mode and ``reduce-overhead``.
@@ -14,6 +16,7 @@ from __future__ import annotations
 import copy
 import inspect
 import operator
+from unittest import mock
 
 import pytest
 import torch
@@ -140,18 +143,50 @@ ACTIVATION_STEPS = {
 }
 
 
-@given(steps=st.lists(st.sampled_from(sorted(ACTIVATION_STEPS)), max_size=4))
-@example(steps=[])
-@example(steps=["norm", "reshape"])
-@example(steps=["clone", "transpose-twice"])
-def test_activation_chains_proven_iff_a_kernel_made_it(steps):
+@given(steps=st.lists(st.sampled_from(sorted(ACTIVATION_STEPS)), max_size=4), pdl=st.booleans())
+@example(steps=[], pdl=False)
+@example(steps=["norm", "reshape"], pdl=True)
+@example(steps=["clone", "transpose-twice"], pdl=True)
+def test_activation_chains_proven_iff_a_kernel_made_it(steps, pdl):
     def fn(x, w):
         for name in steps:
             x = ACTIVATION_STEPS[name][0](x)
         return GEMM(x, w)
 
-    proven, reasons = _verdict(_trace(fn, (M, K), (N, K)))
+    graph = _trace(fn, (M, K), (N, K))
+    with torch._inductor.config.patch({"triton.enable_pdl": pdl}):   # each step reads x: the same verdicts
+        proven, reasons = _verdict(graph)
     assert proven == any(ACTIVATION_STEPS[name][1] for name in steps), (steps, reasons)
+
+
+# activations whose kernel reads no memory: proven while Inductor's kernels launch without PDL (each then waits
+# for everything before it), not under its PDL codegen (such a kernel may trigger without waiting)
+LOAD_FREE = {
+    "full_like": lambda x: torch.full_like(x, 2.0),
+    "zeros_like-plus-1": lambda x: torch.zeros_like(x) + 1,
+    "new_ones-times-2": lambda x: x.new_ones(M, K) * 2,
+    "sum-of-empty-slice": lambda x: x[:, :0].sum(-1, keepdim=True).expand(M, K) + 1,
+    "fill-then-copy-into-x": lambda x: x.clone().fill_(3.0) * 2,
+}
+READS_MEMORY = {
+    "x-times-fill": lambda x: x * torch.ones(M, K),
+    "fill-plus-norm": lambda x: torch.zeros_like(x) + _norm(x),
+    "scatter-into-fill": lambda x: torch.zeros_like(x).index_copy(0, torch.tensor([0, 2]), x[:2]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOAD_FREE) + sorted(READS_MEMORY))
+def test_load_free_activation_not_proven_under_inductor_pdl(name):
+    make_a = LOAD_FREE.get(name) or READS_MEMORY[name]
+    graph = _trace(_gemm_on(make_a), (M, K), (N, K))
+    assert _verdict(graph) == (1, [])
+    with torch._inductor.config.patch({"triton.enable_pdl": True}):
+        proven, reasons = _verdict(graph)
+    if name in READS_MEMORY:
+        assert (proven, reasons) == (1, []), reasons
+    else:
+        assert proven == 0 and "read from no graph input or k3 op" in reasons[0], reasons
+        assert _static_flags(graph) == [False]
 
 
 # steps applied to the weight [N, K] before the GEMM: (function, keeps it provably the parameter)
@@ -244,6 +279,8 @@ def test_activation_from_a_mutating_k3_op_is_proven():  # KDA decode's output fe
     graph = _graph_by_hand(
         lambda g, x, w: (_auto_functionalized(g, k3_op, g.call_function(aten.mul.Tensor, (x, 2))), w))
     assert _verdict(graph) == (1, [])
+    with torch._inductor.config.patch({"triton.enable_pdl": True}):   # a k3 op's kernels wait before they trigger
+        assert _verdict(graph) == (1, [])
     graph = _graph_by_hand(lambda g, x, w: (_auto_functionalized(g, aten.add_.Tensor, x), w))
     assert "higher-order op auto_functionalized" in _verdict(graph)[1][0]
 
@@ -267,10 +304,27 @@ def test_activation_from_constants_only_is_not_proven():
     assert "constants only" in _verdict(_graph_by_hand(build))[1][0]
 
 
-def test_inductor_pdl_codegen_on_is_not_proven():
-    graph = _trace(lambda x, w: GEMM(_norm(x), w), (M, K), (N, K))
+def test_a_cpu_scalar_is_read_from_no_memory_under_inductor_pdl():
+    """A 0-d CPU tensor feeding a GPU op reaches its kernel as an argument: ``fill * s`` loads nothing."""
+    def fn(x, s, w):
+        return GEMM(torch.ones(M, K, device=x.device) * s, w), GEMM(x * s, w)
+
+    x, w = torch.empty(M, K, device="meta"), torch.empty(N, K, device="meta")
+    graph = make_fx(fn, tracing_mode="fake")(x, torch.tensor(2.0), w).graph
     with torch._inductor.config.patch({"triton.enable_pdl": True}):
-        assert "enable_pdl" in _verdict(graph)[1][0]
+        proven, reasons = _verdict(graph)
+    assert proven == 1 and "read from no graph input or k3 op" in reasons[0], reasons
+
+
+def test_collective_of_a_kernel_output_is_proven_under_inductor_pdl():   # the TP all-reduce before a GEMM
+    c10d = torch.ops._c10d_functional
+
+    def fn(x, w):
+        return GEMM(c10d.wait_tensor(c10d.all_reduce(x * 2, "sum", "0")), w)
+
+    graph = _trace(fn, (M, K), (N, K))
+    with torch._inductor.config.patch({"triton.enable_pdl": True}):
+        assert _verdict(graph) == (1, [])
 
 
 def test_turned_off_by_the_environment_and_in_the_cache_key(monkeypatch):
@@ -320,12 +374,14 @@ def test_proof_runs_after_the_chained_user_pass():
 
 
 def test_pass_uuid_covers_the_proof():
-    assert str(inspect.getfile(static_weights)) in _source_files()
+    from k3compile import inductor_pdl
+
+    assert {inspect.getfile(static_weights), inspect.getfile(inductor_pdl)} <= set(_source_files())
 
 
 def test_inductor_pdl_codegen_orders_wait_before_launch():
-    """What lifting the ``enable_pdl`` refusal would rest on: each Inductor kernel that loads emits
-    ``gdc_wait`` before ``gdc_launch_dependents``, and the filter keeps the first wait and the last launch."""
+    """What step 1 of the proof takes of Inductor's PDL codegen, in its source: each Inductor kernel that loads
+    emits ``gdc_wait`` before ``gdc_launch_dependents``, and the filter keeps the first wait and the last launch."""
     from torch._inductor.codegen.triton import TritonKernel
     from torch._inductor.codegen.common import IndentedBuffer
 
@@ -343,6 +399,69 @@ def test_inductor_pdl_codegen_orders_wait_before_launch():
     assert lines.index(TritonKernel.GDC_WAIT) < lines.index(TritonKernel.GDC_LAUNCH)
 
 
+def _inductor_pdl_kernels(fn, *args) -> dict[str, list[str]]:
+    """The Triton kernels Inductor writes for ``fn`` under its PDL codegen, each as its body's lines. On the CPU:
+    Inductor's Triton backend for CPU tensors, its CUDA sm_90 check bypassed; the code is taken as Inductor saves
+    it, and the compile stopped there (nothing runs)."""
+    from torch._inductor.codegen.triton import TritonKernel
+    from torch._inductor.graph import GraphLowering
+
+    class Written(Exception):
+        pass
+
+    codes = []
+
+    def save(code):
+        codes.append(code)
+        raise Written
+
+    torch._dynamo.reset()
+    with mock.patch.object(GraphLowering, "save_output_code", staticmethod(save)), \
+            mock.patch.object(TritonKernel, "_enable_pdl_codegen", staticmethod(lambda: True)), \
+            mock.patch("torch.utils._triton.triton_hash_with_backend", lambda: "0" * 64), \
+            torch._inductor.config.patch({"cpu_backend": "triton", "triton.enable_pdl": True, "fx_graph_cache": False}):
+        try:
+            torch.compile(fn)(*args)
+        except Exception as e:   # Written, as Dynamo wraps it
+            if not codes:
+                pytest.skip(f"Inductor's Triton code for CPU tensors is not written here: {type(e).__name__}: {e}")
+    torch._dynamo.reset()
+    kernels, lines = {}, None
+    for line in codes[0].splitlines():
+        if line.startswith("def triton_"):
+            kernels[line[4:line.index("(")]] = lines = []
+        elif lines is not None and (line.startswith(" ") or not line):
+            lines.append(line.strip())
+        else:
+            lines = None
+    return kernels
+
+
+def test_inductor_pdl_code_waits_before_launch_in_every_kernel_that_loads():
+    """Step 1's (W) in the code Inductor writes: a kernel that loads calls ``gdc_wait`` once, before
+    ``gdc_launch_dependents`` (after its first loads where the kernel before it wrote none of what it loads:
+    here the looped reduction after a fill); one that loads nothing never calls ``gdc_launch_dependents`` (it
+    triggers by exiting, and may never wait: (F))."""
+    from torch._inductor.codegen.triton import TritonKernel
+
+    if not hasattr(TritonKernel, "_enable_pdl_codegen"):
+        pytest.skip("this torch's Inductor has no PDL codegen")
+
+    def fn(x, y):   # a persistent reduction, a fill, a looped reduction, a fill
+        return x.sin(), torch.full((8, 8), 3.0), y.cos().sum(-1), torch.arange(16) * 2, x.sum()
+
+    kernels = _inductor_pdl_kernels(fn, torch.randn(4, 64), torch.randn(4, 4096))
+    wait, launch = "tl.extra.cuda.gdc_wait()", "tl.extra.cuda.gdc_launch_dependents()"
+    loads = {k: lines for k, lines in kernels.items() if any("tl.load(" in line for line in lines)}
+    assert loads and len(loads) < len(kernels), kernels
+    for name, lines in kernels.items():
+        assert lines.count(wait) <= 1 and lines.count(launch) <= 1, (name, lines)
+        if name in loads:
+            assert wait in lines and lines.index(wait) < lines.index(launch), (name, lines)
+        else:
+            assert launch not in lines, (name, lines)
+
+
 # --- a small compiled module --------------------------------------------------------------------
 
 class Cases(torch.nn.Module):
@@ -355,17 +474,19 @@ class Cases(torch.nn.Module):
         self.on_clone = torch.nn.Linear(K, N, bias=False)
         self.mutated_first = torch.nn.Linear(K, N, bias=False)
         self.mutated_after = torch.nn.Linear(K, N, bias=False)
+        self.on_fill = torch.nn.Linear(K, N, bias=False)
 
     def forward(self, x, x3):
         self.mutated_first.weight.add_(1)                 # in-graph writes to parameters: before the GEMM
         y = self.mutated_first(_norm(x)) + self.mutated_after(_norm(x) * 2)
         self.mutated_after.weight.mul_(0.5)               # and after it
         y = y + self.after_norm(_norm(x)) + self.on_input(x) + self.on_clone(x.clone())
+        y = y + self.on_fill(x[:, :0].sum(-1, keepdim=True).expand(M, K) + 1)   # a kernel that reads nothing
         return y, self.on_input(x3)                       # x3 [2, 2, K]: a view of the input reaches the GEMM
 
 
-@pytest.fixture(scope="module")
-def compiled_cases():
+@pytest.fixture(scope="module", params=[False, True], ids=["inductor-pdl-off", "inductor-pdl-on"])
+def compiled_cases(request):
     torch.manual_seed(0)
     eager = Cases().eval()
     model = copy.deepcopy(eager)
@@ -373,34 +494,37 @@ def compiled_cases():
     torch._dynamo.reset()
     with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False):
-        k3compile.optimize(model, passes=["skinny_gemm"], strict=True, dynamic=False)
+        # on the CPU Inductor writes no PDL code; the proof reads the setting all the same
+        k3compile.optimize(model, passes=["skinny_gemm"], strict=True, dynamic=False, inductor_pdl=request.param)
         out = model(x, x3)
         ref = eager(x, x3)
-    return out, ref, k3compile.report(model)
+    return out, ref, k3compile.report(model), request.param
 
 
 def test_compiled_verdicts_and_reasons(compiled_cases):
-    _, _, rep = compiled_cases
+    _, _, rep, pdl = compiled_cases
     r = rep.static_weight["skinny_gemm"]
     why_not = "\n".join(r["not proven"])
-    assert r["proven"] == 1, rep.format()
-    assert sum(r["not proven"].values()) == 5, why_not
+    assert r["proven"] == (1 if pdl else 2), rep.format()          # after_norm, and on_fill without PDL
+    assert sum(r["not proven"].values()) == (6 if pdl else 5), why_not
     assert "computed (or may be copied) in the graph" in why_not   # mutated_first reads the new value
     assert "written in the graph by aten.copy_" in why_not         # mutated_after's weight is written back
     assert "activation is a graph input" in why_not                # x (and its clone: Inductor dropped it)
     assert "a view or copy of a graph input" in why_not            # x3 reshaped
-    text = rep.format(verbose=True)   # a GPU launch detail: listed for CPU graphs only when verbose
-    assert "static weight" in text and "proven 1 of 6" in text and "static weight" not in str(rep)
+    assert ("read from no graph input or k3 op" in why_not) == pdl  # on_fill: its kernel loads nothing
+    text = rep.format(verbose=True)   # GPU launch details: listed for CPU graphs only when verbose
+    assert "static weight" in text and f"proven {1 if pdl else 2} of 7" in text and "static weight" not in str(rep)
+    assert f"Inductor's own kernels with PDL (inductor_pdl): {'on' if pdl else 'as Inductor'}" in text
 
 
 def test_compiled_outputs_equal_eager(compiled_cases):
-    out, ref, _ = compiled_cases
+    out, ref, _, _ = compiled_cases
     for o, r in zip(out, ref):
         torch.testing.assert_close(o, r)
 
 
 def test_static_weight_is_no_expected_pass_in_strict_mode(compiled_cases):
-    _, _, rep = compiled_cases   # strict=True compiled without raising; the fact is no pass name
+    _, _, rep, _ = compiled_cases   # strict=True compiled without raising; the fact is no pass name
     assert STATIC_WEIGHT_FACT not in rep.passes and STATIC_WEIGHT_FACT not in rep.matches
 
 

@@ -25,9 +25,9 @@ launch's latency hides under the previous kernel's tail. Before the wait a kerne
   its ``w_k`` slice, the split kernel the first keys of its split, the read-back its ``w_v`` slice;
 - and, in the kernels after the first (``early``), read the op's inputs (``pos``, ``start``, ``w_kv_b``) through L2:
   these were written before the op's first kernel began, and every kernel of ours lets the next one launch only
-  after its own wait, so by the time the second starts, every kernel before the first has completed -- provided
-  every PDL kernel before ours also waits before it triggers, as k3compile/static_weights.py assumes: not while
-  Inductor's own PDL codegen is on (``early_reads_safe``).
+  after its own wait, so by the time the second starts, the first has passed its wait and every kernel before it
+  has completed -- Inductor's kernels that load nothing and never wait included, by (P) in step 1 of
+  k3compile/static_weights.py.
 Runs on CUDA/ROCm, and on CPU tensors under ``TRITON_INTERPRET=1``.
 """
 from __future__ import annotations
@@ -265,17 +265,6 @@ def pdl_capable(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
-def early_reads_safe() -> bool:
-    """Whether the kernels after the first may read the op's inputs before their PDL wait: every PDL kernel in the
-    stream must let the next launch only after its own wait. Inductor's own PDL codegen breaks that (a kernel that
-    loads nothing may trigger without waiting; k3compile/static_weights.py), so not while it is on."""
-    try:
-        from torch._inductor import config as inductor_config
-    except ImportError:  # pragma: no cover
-        return True
-    return not getattr(inductor_config.triton, "enable_pdl", False)
-
-
 def _launch(pdl: bool) -> dict:
     return dict(PDL=pdl, launch_pdl=True) if pdl else dict(PDL=False)
 
@@ -313,7 +302,7 @@ def mla_decode_triton(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tens
     config = fit_local_memory(config or default_config(TH, B), TH, LK, R, c_kv.element_size(),
                               local_memory_budget(c_kv.device))
     pdl = config.pdl and pdl_capable(c_kv.device)
-    early = pdl and early_reads_safe()
+    early = pdl   # the op's inputs read before the later kernels' waits (module docstring)
     sms = sm_count(c_kv.device)
     # Triton launches on the current device: make it the tensors' (TP ranks, a model on cuda:1)
     on_device = torch.cuda.device(c_kv.device) if c_kv.device.type == "cuda" else contextlib.nullcontext()

@@ -1,0 +1,106 @@
+"""Inductor's own PDL codegen (``torch._inductor.config.triton.enable_pdl``) in k3compile's compiles.
+
+``optimize()`` turns it on for its own compiles (``option``): each Inductor kernel's launch then hides under the
+kernel before it, and the k3 kernel after an Inductor kernel may start early. Under it an Inductor kernel that
+loads nothing may trigger without ever waiting, so the static-weight proof asks more of a GEMM's activation
+(``static_weights.py``, step 2 (a)): that its value be read from memory (``read_from_memory``).
+"""
+from __future__ import annotations
+
+import os
+import operator
+from typing import Optional
+
+import torch
+from torch.fx import Node
+
+from .backends import is_rocm
+
+ENV = "K3_INDUCTOR_PDL"
+OPTION = "triton.enable_pdl"
+
+# ops whose output takes its values from none of their tensor arguments (a fill or random draw of their shape):
+# their kernels may load nothing. Ops without a tensor argument (full, arange, iota, scalar_tensor, empty, rand,
+# ...) need no entry; fill and the random ops are listed whole, overloads that read a value tensor included.
+READS_NO_VALUES = {"aten.full_like", "aten.zeros_like", "aten.ones_like", "aten.empty_like", "aten.rand_like",
+                   "aten.randn_like", "aten.randint_like", "aten.new_full", "aten.new_zeros", "aten.new_ones",
+                   "aten.new_empty", "aten.new_empty_strided", "aten.fill", "aten.zero", "aten.bernoulli",
+                   "aten.uniform", "aten.normal", "aten.exponential", "aten.random", "aten.geometric",
+                   "aten.log_normal", "aten.cauchy", "prims.fill", "prims.full_like", "prims.empty_like"}
+
+
+def on() -> bool:
+    """Whether Inductor's PDL codegen is on for the graph compiling now (its config as patched for this compile)."""
+    return bool(getattr(torch._inductor.config.triton, "enable_pdl", False))
+
+
+def option(choice: Optional[bool], inductor_options: dict) -> str:
+    """Turn the codegen on in ``inductor_options`` (one model's compiles, not the process's config) unless
+    ``choice`` (``optimize(inductor_pdl=...)``, else ``K3_INDUCTOR_PDL`` "1" / "0", default on) is off, the
+    caller's options set it, this torch's Inductor lacks it, or this is ROCm (Inductor emits it for CUDA sm_90+
+    only). Returns the setting in words, for the report."""
+    if OPTION in inductor_options:
+        return f"{'on' if inductor_options[OPTION] else 'off'} (options={{{OPTION!r}: ...}})"
+    if choice is None:
+        choice = os.environ.get(ENV, "1") not in ("0", "false", "no")
+    if not choice:
+        return f"as Inductor's config has it (inductor_pdl=False or {ENV}=0)"
+    if not hasattr(torch._inductor.config.triton, "enable_pdl"):
+        return "off (this torch's Inductor has no PDL codegen)"
+    if is_rocm():
+        return "off (ROCm: Inductor's PDL codegen is CUDA's)"
+    inductor_options[OPTION] = True
+    return "on"
+
+
+def _packet(target) -> str:
+    # "aten.copy" for aten.copy.default, and for the in-place aten.copy_ of a graph not yet functional
+    return f"{target.namespace}.{target._schema.name.split('::')[-1].removesuffix('_')}"
+
+
+def _tensor_val(node: Node) -> Optional[torch.Tensor]:
+    val = node.meta.get("val")
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _value_inputs(node: Node) -> list[Node]:
+    """The inputs whose values ``node``'s output is computed from, read from memory by its kernel: its tensor
+    inputs, less those it reads only the shape of (``copy``'s destination), those statically empty, and a CPU
+    scalar feeding a GPU op (Inductor passes its value as a kernel argument)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    packet = _packet(node.target)
+    if packet in READS_NO_VALUES:
+        return []
+    inputs = node.all_input_nodes
+    if packet == "aten.copy":
+        inputs = [node.args[1]] if len(node.args) > 1 and isinstance(node.args[1], Node) else []
+    out = _tensor_val(node)
+    on_cpu = out is not None and out.device.type == "cpu"
+    return [a for a in inputs if (val := _tensor_val(a)) is not None and not statically_known_true(val.numel() == 0)
+            and (on_cpu or val.device.type != "cpu" or val.dim() > 0)]
+
+
+def read_from_memory(graph: torch.fx.Graph) -> set:
+    """The nodes whose values are read, through ops that read their inputs' values, from a graph input tensor or a
+    k3 op's output: some kernel that loads (or a k3 kernel) runs before their consumers. Unknown ops, and
+    higher-order ops other than a wrapped k3 op, count as not."""
+    found: set = set()
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            yes = _tensor_val(n) is not None
+        elif n.op != "call_function":
+            yes = False
+        elif n.target is operator.getitem:
+            yes = isinstance(n.args[0], Node) and n.args[0] in found
+        elif isinstance(n.target, torch._ops.HigherOrderOperator):
+            wrapped = n.args[0] if n.args else None
+            yes = (n.target.__name__.startswith("auto_functionalized")
+                   and isinstance(wrapped, torch._ops.OpOverload) and wrapped.namespace == "k3")
+        elif isinstance(n.target, torch._ops.OpOverload):
+            yes = n.target.namespace == "k3" or any(a in found for a in _value_inputs(n))
+        else:
+            yes = False
+        if yes:
+            found.add(n)
+    return found
