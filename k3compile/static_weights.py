@@ -11,7 +11,12 @@ With ``static_weight`` C issues its first weight loads before that wait. Why tha
    after the first load, ``launch_dependents`` after it; Inductor's templates launch without PDL); any kernel
    launched without PDL (it starts once everything before it has completed). (T) A k3 GEMM called with
    ``static_weight`` whose configuration has ``trigger_first``: it triggers as its blocks start, so that
-   several products' weights stream at once. (F) Only under Inductor's own PDL codegen
+   several products' weights stream at once; never under Inductor's own PDL codegen, whose kernels wait only
+   before loading their stream predecessor's outputs and so read, before their wait, what the kernel two back
+   wrote, which is safe only behind a predecessor that triggered after its own wait: the proof then sets
+   ``trigger_first=False`` on the ``k3::skinny_gemm`` calls it marks (the latent tail's inner GEMM triggers
+   first only behind the op's own norm kernel, whose one output only that GEMM reads). (F) Only under
+   Inductor's own PDL codegen
    (``triton.enable_pdl``): an Inductor kernel that loads nothing (a fill, an ``arange``) may never wait, and
    triggers by exiting.
    We rely on (P): a wait returns once every earlier kernel of the stream has completed, not only the one
@@ -73,6 +78,7 @@ STATIC_OPS: dict[str, tuple[str, str]] = {
     "latent_moe_tail": ("latent", "up_weight"),
 }
 KEYWORD = "static_weight"
+TRIGGER_FIRST = "trigger_first"   # k3::skinny_gemm only (step 1)
 ENV = "K3_STATIC_WEIGHT"
 
 
@@ -339,7 +345,8 @@ def _mentions(value: Any, nodes: set) -> bool:
 
 
 def mark_static_weights(graph: torch.fx.Graph) -> dict:
-    """Set ``static_weight=True`` on every k3 GEMM node whose weight is proven static.
+    """Set ``static_weight=True`` on every k3 GEMM node whose weight is proven static (and, under Inductor's PDL
+    codegen, ``trigger_first=False`` on the skinny GEMMs among them: step 1).
 
     Returns ``{op: {"proven": n, "not proven": {reason: count}}}`` for the ops present (the compile
     record). Never raises: a failed analysis counts as not proven, with the error as its reason.
@@ -358,6 +365,8 @@ def mark_static_weights(graph: torch.fx.Graph) -> dict:
         try:
             if reason is None:
                 _set_arg(node, KEYWORD, True)
+                if op == "skinny_gemm" and (inductor_pdl_on() or _arg(node, TRIGGER_FIRST, True) is not True):
+                    _set_arg(node, TRIGGER_FIRST, not inductor_pdl_on())   # step 1: no (T) under that codegen
             elif _arg(node, KEYWORD, False) is not False:
                 _set_arg(node, KEYWORD, False)   # a flag that came with the graph is not a proof
         except Exception as e:

@@ -66,6 +66,16 @@ def test_proven_after_a_norm_and_the_flag_is_set():
     graph.lint()
 
 
+@pytest.mark.parametrize("pdl", [False, True])
+def test_no_trigger_first_under_inductor_pdl(pdl):
+    """Under Inductor's PDL codegen a proven skinny GEMM may not let the next kernel in before its wait (step 1)."""
+    graph = _trace(lambda x, w: GEMM(_norm(x), w), (M, K), (N, K))
+    with torch._inductor.config.patch({"triton.enable_pdl": pdl}):
+        assert _verdict(graph) == (1, [])
+    (node,) = [n for n in graph.nodes if n.target is GEMM]
+    assert static_weights._arg(node, "trigger_first", True) is (not pdl)
+
+
 def test_weight_through_views_is_proven():
     graph = _trace(lambda x, w: GEMM(x * 2, w.t().t()), (M, K), (N, K))
     assert _verdict(graph) == (1, [])
