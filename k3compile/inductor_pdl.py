@@ -7,8 +7,8 @@ loads nothing may trigger without ever waiting, so the static-weight proof asks 
 """
 from __future__ import annotations
 
-import os
 import operator
+import os
 from typing import Optional
 
 import torch
