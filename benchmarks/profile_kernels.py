@@ -26,9 +26,10 @@ import sys
 import tempfile
 
 DEFAULT_CASES = ("moe:mxfp4:1", "moe:mxfp4:16", "moe:bf16:1", "mla:1:1024", "mla:8:8192")
-METRICS = {   # column name -> ncu raw metric
+METRICS = {   # column name -> ncu raw metric (the first of a tuple that ncu reports)
     "µs": "gpu__time_duration.sum",
-    "dram %": "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    "dram %": ("gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
+               "dram__throughput.avg.pct_of_peak_sustained_elapsed"),
     "issued ipc": "sm__inst_issued.avg.per_cycle_active",
     "warps/sched": "smsp__warps_active.avg.per_cycle_active",
     "eligible": "smsp__warps_eligible.avg.per_cycle_active",
@@ -111,8 +112,8 @@ def profile(case: str, ncu: str, workdir: str, timeout: float) -> list[dict]:
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if run.returncode != 0 or not os.path.exists(rep + ".ncu-rep"):
         raise RuntimeError(f"ncu failed (rc {run.returncode}): {(run.stdout + run.stderr)[-1500:]}")
-    raw = subprocess.run([ncu, "--import", rep + ".ncu-rep", "--page", "raw", "--csv"], capture_output=True,
-                         text=True, check=True).stdout
+    raw = subprocess.run([ncu, "--import", rep + ".ncu-rep", "--page", "raw", "--csv", "--print-units", "base"],
+                         capture_output=True, text=True, check=True).stdout
     rows = list(csv.reader(io.StringIO(raw)))
     header, body = rows[0], rows[2:]   # rows[1]: units
     kernels = []
@@ -120,7 +121,8 @@ def profile(case: str, ncu: str, workdir: str, timeout: float) -> list[dict]:
         rec = dict(zip(header, row))
         k = {"kernel": rec.get("Kernel Name", "?").split("(")[0]}
         for name, metric in METRICS.items():
-            k[name] = _num(rec.get(metric))
+            found = [_num(rec.get(m)) for m in ((metric,) if isinstance(metric, str) else metric)]
+            k[name] = next((v for v in found if v is not None), None)
         if k["µs"] is not None:
             k["µs"] /= 1e3   # ns
         if k["issued ipc"] is not None and k["sm active cyc"] is not None:   # warp instructions an SM issued

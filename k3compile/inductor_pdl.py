@@ -1,12 +1,16 @@
 """Inductor's own PDL codegen (``torch._inductor.config.triton.enable_pdl``) in k3compile's compiles.
 
-``optimize()`` turns it on for its own compiles (``option``): each Inductor kernel's launch then hides under the
-kernel before it, and the k3 kernel after an Inductor kernel may start early. Under it an Inductor kernel that
-loads nothing may trigger without ever waiting, so the static-weight proof asks more of a GEMM's activation
-(``static_weights.py``, step 2 (a)): that its value be read from memory (``read_from_memory``).
+``optimize(inductor_pdl=True)`` turns it on for that model's compiles (``option``): each Inductor kernel's launch
+then hides under the kernel before it, and the k3 kernel after an Inductor kernel may start early. Off by default
+(``RACE``): Inductor's kernels load, before their wait, every buffer their stream predecessor did not write, and a
+kernel that loads nothing (a fill: no wait, it triggers by exiting) lets the next one in while the kernel before it
+still writes; on one H200 such a read saw the old value 64 times in 64 (``tests/compiler/test_pdl_ordering.py``).
+Under it the static-weight proof asks more of a GEMM's activation (``static_weights.py``, step 2 (a)): that its
+value be read from memory (``read_from_memory``).
 """
 from __future__ import annotations
 
+import logging
 import operator
 import os
 from typing import Optional
@@ -15,6 +19,8 @@ import torch
 from torch.fx import Node
 
 from .backends import is_rocm
+
+log = logging.getLogger("k3compile")
 
 ENV = "K3_INDUCTOR_PDL"
 OPTION = "triton.enable_pdl"
@@ -34,22 +40,27 @@ def on() -> bool:
     return bool(getattr(torch._inductor.config.triton, "enable_pdl", False))
 
 
+RACE = ("an Inductor kernel reads before its wait what the kernel two back wrote, and a fill between them does not "
+        "hold it back (tests/compiler/test_pdl_ordering.py)")
+
+
 def option(choice: Optional[bool], inductor_options: dict) -> str:
-    """Turn the codegen on in ``inductor_options`` (one model's compiles, not the process's config) unless
-    ``choice`` (``optimize(inductor_pdl=...)``, else ``K3_INDUCTOR_PDL`` "1" / "0", default on) is off, the
-    caller's options set it, this torch's Inductor lacks it, or this is ROCm (Inductor emits it for CUDA sm_90+
-    only). Returns the setting in words, for the report."""
+    """Turn the codegen on in ``inductor_options`` (one model's compiles, not the process's config) where
+    ``choice`` (``optimize(inductor_pdl=...)``, else ``K3_INDUCTOR_PDL`` "1" / "0", default off: ``RACE``) asks,
+    unless the caller's options set it, this torch's Inductor lacks it, or this is ROCm (Inductor emits it for
+    CUDA sm_90+ only). Returns the setting in words, for the report."""
     if OPTION in inductor_options:
         return f"{'on' if inductor_options[OPTION] else 'off'} (options={{{OPTION!r}: ...}})"
     if choice is None:
-        choice = os.environ.get(ENV, "1") not in ("0", "false", "no")
+        choice = os.environ.get(ENV, "") not in ("", "0", "false", "no")
     if not choice:
-        return f"as Inductor's config has it (inductor_pdl=False or {ENV}=0)"
+        return f"as Inductor's config has it (inductor_pdl=True or {ENV}=1 turns it on, at a risk: {RACE})"
     if not hasattr(torch._inductor.config.triton, "enable_pdl"):
         return "off (this torch's Inductor has no PDL codegen)"
     if is_rocm():
         return "off (ROCm: Inductor's PDL codegen is CUDA's)"
     inductor_options[OPTION] = True
+    log.warning("k3compile: Inductor's PDL codegen on (inductor_pdl=True): %s", RACE)
     return "on"
 
 

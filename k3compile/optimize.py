@@ -14,7 +14,7 @@ torch's own Inductor wrapper (mode, options and CUDA graphs behave exactly as wi
   interpreter) is compiled exactly as plain ``torch.compile`` compiles it, without our pass
   (``passes.stand_down_reason``): the ops' PyTorch references would only be slower than Inductor's code;
 - by default the CuTe kernels a graph calls are built by worker processes while it compiles (``precompile``);
-- Inductor's own PDL codegen is on for these compiles only unless ``inductor_pdl=False`` (``inductor_pdl.py``).
+- ``inductor_pdl=True`` turns Inductor's own PDL codegen on for these compiles only (``inductor_pdl.py``).
 
 Each graph's compilation is announced on the ``k3compile`` logger (INFO, shown on stderr unless the
 application configures logging; ``logging.getLogger("k3compile").setLevel(logging.WARNING)`` hides it).
@@ -313,9 +313,9 @@ def optimize(model, *, backend: str = "auto", passes=None, strict: bool = False,
     precompile: build the CuTe kernels a graph calls in worker processes while it compiles, so that its first call
         only loads them (``k3compile/precompile.py``). None (default): ``K3_PRECOMPILE`` ("1" / "0") where set, else
         on, except with ``regions=True``. Builds for graphs on an NVIDIA GPU with CuTe DSL.
-    inductor_pdl: Inductor's own kernels launch with PDL in these compiles only (``triton.enable_pdl``; CUDA sm_90+).
-        None (default): ``K3_INDUCTOR_PDL`` ("1" / "0") where set, else on; False leaves Inductor's config as it is;
-        ``options={"triton.enable_pdl": ...}`` wins over both. The static-weight proof holds either way.
+    inductor_pdl: True: Inductor's own kernels launch with PDL in these compiles only (``triton.enable_pdl``; CUDA
+        sm_90+). None (default): ``K3_INDUCTOR_PDL`` ("1" / "0") where set, else off: Inductor's codegen races after
+        a kernel that loads nothing (``inductor_pdl.py``). ``options={"triton.enable_pdl": ...}`` wins over both.
     torch_compile_kwargs: as ``torch.compile`` (mode, dynamic, fullgraph, options, ...). A
         ``post_grad_custom_post_pass`` given in ``options`` or installed in Inductor's config runs
         after ours.
