@@ -21,9 +21,10 @@ With ``static_weight`` C issues its first weight loads before that wait. Why tha
    triggers by exiting.
    We rely on (P): a wait returns once every earlier kernel of the stream has completed, not only the one
    right before it (PTX ISA: "wait until all prerequisite grids in flight have completed"; it follows if a
-   kernel that never waits does not complete before the kernel before it). Inductor's PDL codegen needs more:
-   after an (F) kernel the next one reads, before its wait, what the kernel before the (F) wrote.
-   ``tests/compiler/test_pdl_ordering.py`` checks both on a GPU. So when C starts, the last (W) kernel Q
+   kernel that never waits does not complete before the kernel before it); ``tests/compiler/test_pdl_ordering.py``
+   checks it on a GPU. Inductor's PDL codegen would need more, and does not get it on an H200 (the same file):
+   after an (F) kernel the next one reads, before its wait, what the kernel before the (F) may still be writing,
+   a race of Inductor's own kernels, outside what this proof covers (``inductor_pdl``: off by default). So when C starts, the last (W) kernel Q
    before C has passed its wait: every kernel before Q has completed and its writes are visible; only Q and
    the (T) and (F) kernels after it may still run.
 2. (a) C's activation (skinny_gemm ``a``, the tail's ``latent``), walked back through views and through
