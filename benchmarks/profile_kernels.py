@@ -114,6 +114,11 @@ def profile(case: str, ncu: str, workdir: str, timeout: float) -> list[dict]:
         raise RuntimeError(f"ncu failed (rc {run.returncode}): {(run.stdout + run.stderr)[-1500:]}")
     raw = subprocess.run([ncu, "--import", rep + ".ncu-rep", "--page", "raw", "--csv", "--print-units", "base"],
                          capture_output=True, text=True, check=True).stdout
+    return parse_raw(raw)
+
+
+def parse_raw(raw: str) -> list[dict]:
+    """``ncu --page raw --csv --print-units base`` output: a header of metric names, a row of units, a row a kernel."""
     rows = list(csv.reader(io.StringIO(raw)))
     header, body = rows[0], rows[2:]   # rows[1]: units
     kernels = []
