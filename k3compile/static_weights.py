@@ -16,17 +16,16 @@ With ``static_weight`` C issues its first weight loads before that wait. Why tha
    wrote, which is safe only behind a predecessor that triggered after its own wait: the proof then sets
    ``trigger_first=False`` on the ``k3::skinny_gemm`` calls it marks (the latent tail's inner GEMM triggers
    first only behind the op's own norm kernel, whose one output only that GEMM reads). (F) Only under
-   Inductor's own PDL codegen
-   (``triton.enable_pdl``): an Inductor kernel that loads nothing (a fill, an ``arange``) may never wait, and
-   triggers by exiting.
+   Inductor's own PDL codegen (``triton.enable_pdl``): an Inductor kernel that loads nothing (a fill, an
+   ``arange``) may never wait, and triggers by exiting.
    We rely on (P): a wait returns once every earlier kernel of the stream has completed, not only the one
    right before it (PTX ISA: "wait until all prerequisite grids in flight have completed"; it follows if a
    kernel that never waits does not complete before the kernel before it); ``tests/compiler/test_pdl_ordering.py``
    checks it on a GPU. Inductor's PDL codegen would need more, and does not get it on an H200 (the same file):
    after an (F) kernel the next one reads, before its wait, what the kernel before the (F) may still be writing,
-   a race of Inductor's own kernels, outside what this proof covers (``inductor_pdl``: off by default). So when C starts, the last (W) kernel Q
-   before C has passed its wait: every kernel before Q has completed and its writes are visible; only Q and
-   the (T) and (F) kernels after it may still run.
+   a race of Inductor's own kernels, outside what this proof covers (``inductor_pdl``: off by default).
+   So when C starts, the last (W) kernel Q before C has passed its wait: every kernel before Q has completed
+   and its writes are visible; only Q and the (T) and (F) kernels after it may still run.
 2. (a) C's activation (skinny_gemm ``a``, the tail's ``latent``), walked back through views and through
    ops Inductor may drop or turn into aliases (clone, ``_to_copy``, its registered no-ops), comes from a
    node of this graph that launches a kernel (an ATen/prims compute op, a k3 op, a collective whose own
@@ -53,8 +52,8 @@ non-empty activation (an empty one may have been made by no kernel at all).
 
 Assumptions left: (P); a vendor kernel in the graph (cuBLAS, NCCL, fla) launched with PDL that triggers
 before its own wait would not be (W), against step 2 (a); none does by default. Whether Inductor's PDL
-codegen is on is read from Inductor's config as the graph compiles (``optimize()`` turns it on for its own
-compiles, ``inductor_pdl``). ``tests/compiler/test_static_weight.py`` checks Inductor's PDL codegen: the
+codegen is on is read from Inductor's config as the graph compiles (``optimize(inductor_pdl=True)`` turns it on
+for its own compiles). ``tests/compiler/test_static_weight.py`` checks Inductor's PDL codegen: the
 wait before ``launch_dependents`` in every kernel that loads, no ``launch_dependents`` in one that does not.
 
 ``mark_static_weights(graph)`` runs after every pattern pass (``passes.K3PostGradPass``); it never
@@ -366,8 +365,9 @@ def mark_static_weights(graph: torch.fx.Graph) -> dict:
         try:
             if reason is None:
                 _set_arg(node, KEYWORD, True)
-                if op == "skinny_gemm" and (inductor_pdl_on() or _arg(node, TRIGGER_FIRST, True) is not True):
-                    _set_arg(node, TRIGGER_FIRST, not inductor_pdl_on())   # step 1: no (T) under that codegen
+                trigger_first = not inductor_pdl_on()   # step 1: no (T) under Inductor's PDL codegen
+                if op == "skinny_gemm" and _arg(node, TRIGGER_FIRST, True) is not trigger_first:
+                    _set_arg(node, TRIGGER_FIRST, trigger_first)
             elif _arg(node, KEYWORD, False) is not False:
                 _set_arg(node, KEYWORD, False)   # a flag that came with the graph is not a proof
         except Exception as e:
