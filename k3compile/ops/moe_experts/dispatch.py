@@ -1,7 +1,8 @@
 """Which implementation of ``k3::moe_experts`` runs, in one place: the order and the profitability rule.
 
-Order (``k3compile.backends``): ``triton`` on a GPU (or CPU tensors under ``TRITON_INTERPRET=1``), else the
-``reference``. The Triton implementation has two forms, picked by M (``config.decode_form``): up to
+Order (``k3compile.backends``): ``cute`` for MXFP4 weights, bf16 activations and at most 8 tokens on sm_90+
+(``cute.py``: the decode form's products as mma.sync kernels), then ``triton`` on a GPU (or CPU tensors under
+``TRITON_INTERPRET=1``), else the ``reference``. The Triton implementation has two forms, picked by M (``config.decode_form``): up to
 ``small_m_limit`` rows (at most 16) the decode kernels, which find their expert's tokens themselves; above, the
 same kernels over pairs sorted by expert (prefill).
 
@@ -19,8 +20,10 @@ from typing import Optional
 
 import torch
 
-from k3compile.backends import Impl, OpImpls, Reason, register_op_impls, triton_can_run_on
+from k3compile.backends import Impl, OpImpls, Reason, cute_can_run_on, register_op_impls, triton_can_run_on
 from k3compile.kernel_module import KernelModule
+
+from . import cute
 
 from .config import decode_form, table
 from .reference import moe_experts_ref
@@ -66,6 +69,18 @@ def _triton_profitable(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_s
     return dense_faster(z, experts, w1, w1_scale, small_m_limit)
 
 
+def _cute_available(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, small_m_limit) -> Reason:
+    return cute_can_run_on(z, w1, w3, w2) or cute.unavailable()
+
+
+def _cute_supports(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, small_m_limit) -> Reason:
+    return cute.supports(z, experts, weights, w1, w3, w2, w1_scale, small_m_limit)
+
+
+def _run_cute(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, beta, linear_beta, small_m_limit):
+    return cute.moe_experts_cute(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, beta, linear_beta)
+
+
 def _run_triton(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, beta, linear_beta, small_m_limit):
     return _TRITON.moe_experts_triton(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, beta,
                                       linear_beta, small_m_limit=small_m_limit)
@@ -101,6 +116,7 @@ MOE_EXPERTS = register_op_impls(OpImpls(
     "moe_experts",
     reference=Impl(_run_reference),
     triton=Impl(_run_triton, _triton_available, _triton_supports, _triton_profitable),
+    cute=Impl(_run_cute, _cute_available, _cute_supports),
     aten=Impl(_run_dense),   # the dense form through cuBLAS, where the table measured it faster
 ))
 

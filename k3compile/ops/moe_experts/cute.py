@@ -1,0 +1,202 @@
+"""The routed experts' CuTe implementation (NVIDIA sm_90+): MXFP4 weights, bf16 activations, the decode form (M <= 8).
+
+Three launches, back to back with PDL: the gate/up and the down products of ``cute_kernels.py`` (mma.sync, the codes
+read straight into registers), then the Triton combine (``triton_down._combine_kernel``: each token's slots summed in
+order, fp32). Everything else (float weights, more tokens, other dtypes) stays with the Triton kernels
+(``dispatch.py``).
+
+The kernels are compiled per variant (product, M, A, configuration, SiTU-GLU's constants, the ids' dtype) with
+symbolic E, widths and strides, and cached in memory and on disk as the skinny GEMM's are (``KIND`` of
+``k3compile/kernel_cache.py``; ``k3compile/kernels/cute/compile.py`` says how). Nothing here imports cutlass at its
+top.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import os
+import struct
+from typing import Optional
+
+import torch
+
+from k3compile import kernel_cache
+from k3compile.backends import Reason, cute_importable
+from k3compile.kernel_module import KernelModule
+from k3compile.kernels.cute import compile as cute_compile
+
+KIND = "cute_moe"
+MAX_M = 8   # the tokens are the MMA's N
+_KERNELS = KernelModule(f"{__package__}.cute_kernels", cute_importable)
+_SOURCES = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "cute_kernels.py"),
+            os.path.abspath(__file__),
+            os.path.join(os.path.dirname(os.path.abspath(cute_compile.__file__)), "asm.py"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Mxfp4MmaConfig:
+    """One product's work division: ``warps_k`` warps a block over slices of K, ``row_groups`` groups of 16 weight
+    rows a block, ``unroll`` K steps of loads in flight a warp."""
+    warps_k: int = 4
+    row_groups: int = 1
+    unroll: int = 2
+
+    def tag(self) -> str:
+        return f"k{self.warps_k}r{self.row_groups}u{self.unroll}"
+
+
+# gate/up: K = L (3584 at K3) split over 4 warps; down: K = I (384 / 192), one warp a block, 2 row groups
+GATE_UP_CONFIG = Mxfp4MmaConfig(warps_k=4, row_groups=1, unroll=2)
+DOWN_CONFIG = Mxfp4MmaConfig(warps_k=1, row_groups=2, unroll=3)
+
+
+def unavailable() -> Reason:
+    return _KERNELS.reason()
+
+
+def supports(z, experts, weights, w1, w3, w2, w1_scale, small_m_limit) -> Reason:
+    """None where the CuTe kernels take this call, else why not."""
+    m, l = z.shape
+    if w1_scale is None:
+        return "float weights (the CuTe kernels take MXFP4 codes)"
+    if z.dtype != torch.bfloat16:
+        return f"{z.dtype} activations (the CuTe kernels take bf16)"
+    if not 1 <= m <= min(MAX_M, small_m_limit):
+        return f"M={m} outside 1..{min(MAX_M, small_m_limit)} (the decode form's tokens are the MMA's N)"
+    if experts.shape[1] < 1:
+        return "no experts per token"
+    if z.stride(1) != 1 or z.stride(0) % 8 or z.data_ptr() % 16:
+        return f"z must be row-major with 16-byte aligned rows (strides {z.stride()})"
+    for name, t in (("w1", w1), ("w3", w3), ("w2", w2)):
+        if t.stride(2) != 1 or t.stride(1) % 16 or t.stride(0) % 16 or t.data_ptr() % 16:
+            return f"{name} codes must be row-major with 16-byte aligned rows (strides {t.stride()})"
+    return None
+
+
+def variant(mode: str, m: int, a: int, cfg: Mxfp4MmaConfig, beta, linear_beta, ids_dtype: torch.dtype) -> tuple:
+    return (mode, m, a, cfg, None if beta is None else float(beta),
+            None if linear_beta is None else float(linear_beta), ids_dtype)
+
+
+def _exact(x) -> str:
+    return "n" if x is None else struct.pack(">d", x).hex()
+
+
+def variant_name(key) -> str:
+    mode, m, a, cfg, beta, linear_beta, ids_dtype = key
+    return (f"k3_moe_mxfp4_{mode}_m{m}_a{a}_{cfg.tag()}_b{_exact(beta)}_lb{_exact(linear_beta)}"
+            f"_{str(ids_dtype).split('.')[-1]}")
+
+
+@functools.cache
+def fingerprint() -> str:
+    h = hashlib.sha256()
+    for path in _SOURCES:
+        with open(path, "rb") as f:
+            h.update(f.read())
+    h.update(cute_compile.dsl_and_arch().encode())
+    return h.hexdigest()[:16]
+
+
+def directory() -> Optional[str]:
+    root = cute_compile.directory()
+    return None if root is None else os.path.join(os.path.dirname(root), "moe-" + fingerprint())
+
+
+def fake_args(mode: str, m: int, a: int, ids_dtype: torch.dtype):
+    """(x, ids, weights, w0, w1, s0, s1, out, stream) with symbolic E, rows, widths and strides, as ``moe_experts_cute``
+    calls them."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    p = m * a
+    ids_t = {torch.int64: cutlass.Int64, torch.int32: cutlass.Int32}[ids_dtype]
+    k = cute.sym_int(divisibility=32)
+    x = make_fake_tensor(cutlass.BFloat16, (m if mode == "gate_up" else p, k), (cute.sym_int64(divisibility=8), 1),
+                         assumed_align=16)
+    ids = make_fake_tensor(ids_t, (p,), (1,), assumed_align=4)
+    wts = make_fake_tensor(cutlass.Float32, (p,), (1,), assumed_align=4)
+    e, n = cute.sym_int(), cute.sym_int()
+
+    def codes():
+        return make_fake_tensor(cutlass.Uint8, (e, n, cute.sym_int(divisibility=16)),
+                                (cute.sym_int64(divisibility=16), cute.sym_int64(divisibility=16), 1),
+                                assumed_align=16)
+
+    def scales():
+        return make_fake_tensor(cutlass.Uint8, (e, n, cute.sym_int()), (cute.sym_int64(), cute.sym_int64(), 1),
+                                assumed_align=1)
+
+    w0, w1, s0, s1 = codes(), codes(), scales(), scales()
+    out_t = cutlass.BFloat16 if mode == "gate_up" else cutlass.Float32
+    out = make_fake_tensor(out_t, (p, n), (cute.sym_int64(), 1), assumed_align=4)
+    return x, ids, wts, w0, w1, s0, s1, out, make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+def build(key):
+    import cutlass.cute as cute
+
+    mode, m, a, cfg, beta, linear_beta, ids_dtype = key
+    kernel = _KERNELS.Mxfp4ExpertsMma(mode, m, a, cfg.warps_k, cfg.row_groups, cfg.unroll, beta, linear_beta)
+    return cute.compile(kernel, *fake_args(mode, m, a, ids_dtype), options="--enable-tvm-ffi")
+
+
+def warm_up() -> None:
+    _KERNELS.module()
+
+
+STATS = kernel_cache.register(KIND, kernel_cache.Builder(
+    build, cute_compile.export, cute_compile.load, variant_name, directory,
+    worker_env=cute_compile.worker_env, warm_up=warm_up))
+
+
+def _ids_dtype(experts: torch.Tensor) -> torch.dtype:
+    return torch.int32 if experts.dtype == torch.int32 else torch.int64
+
+
+def kernels(z, experts, beta, linear_beta) -> list:
+    """[(kind, key)] of the two products a call with these arguments builds at its first call."""
+    m, a = experts.shape
+    ids = _ids_dtype(experts)
+    return [(KIND, variant("gate_up", m, a, GATE_UP_CONFIG, beta, linear_beta, ids)),
+            (KIND, variant("down", m, a, DOWN_CONFIG, beta, linear_beta, ids))]
+
+
+def moe_experts_cute(z: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
+                     w3: torch.Tensor, w2: torch.Tensor, w1_scale: torch.Tensor, w3_scale: torch.Tensor,
+                     w2_scale: torch.Tensor, beta: Optional[float] = None, linear_beta: Optional[float] = None, *,
+                     out: Optional[torch.Tensor] = None, only: Optional[str] = None) -> torch.Tensor:
+    """The routed experts by the CuTe kernels (shapes as ``k3::moe_experts``, ``supports`` holds). ``out`` [M, L] is
+    allocated unless given; ``only`` ("gate_up", "down", "combine") launches that kernel alone (timing)."""
+    from .triton import pdl_capable
+    from .triton_down import _combine_kernel
+
+    m, l = z.shape
+    a = experts.shape[1]
+    i_width = w1.shape[1]
+    if out is None:
+        out = torch.empty((m, l), dtype=z.dtype, device=z.device)
+    ids = experts.reshape(-1)
+    if ids.dtype not in (torch.int32, torch.int64):
+        ids = ids.long()
+    ids = ids.contiguous()
+    wts = weights.reshape(-1).float().contiguous()
+    h = torch.empty((m * a, i_width), dtype=z.dtype, device=z.device)
+    part = torch.empty((m * a, l), dtype=torch.float32, device=z.device)
+    up_fn = kernel_cache.get(KIND, variant("gate_up", m, a, GATE_UP_CONFIG, beta, linear_beta, ids.dtype))
+    down_fn = kernel_cache.get(KIND, variant("down", m, a, DOWN_CONFIG, beta, linear_beta, ids.dtype))
+    with torch.cuda.device(z.device):
+        if only in (None, "gate_up"):
+            up_fn(z, ids, wts, w1, w3, w1_scale, w3_scale, h)
+        if only in (None, "down"):
+            down_fn(h, ids, wts, w2, w2, w2_scale, w2_scale, part)
+        if only in (None, "combine"):
+            block_n = 128
+            pdl = pdl_capable(z.device)
+            _combine_kernel[(m, (l + block_n - 1) // block_n)](
+                part, ids, out, m, a, w1.shape[0], l, out.stride(0), out.stride(1),
+                BLOCK_N=block_n, BLOCK_A=1 << (a - 1).bit_length(), PDL=pdl, num_warps=4,
+                **(dict(launch_pdl=True) if pdl else {}))
+    return out

@@ -1,0 +1,365 @@
+"""The MXFP4 routed experts' decode-form products as mma.sync kernels (NVIDIA sm_90+), the codes read straight into
+registers.
+
+One kernel class, two products (``MODE``): the gate/up product ``h = SiTU-GLU(w1[e] z, w3[e] z)`` and the down product
+``partial = round(w2[e] h) · router weight``. A block is ``warps_k`` warps over one K slice each of the same
+``row_groups`` groups of 16 weight rows; block ``(p, r)`` runs for pair ``p`` only if ``p`` is the first (token, slot)
+pair holding its expert, and then serves every token that chose that expert at once (at most 8: the MMA's N).
+
+Weights are the MMA's A operand (16 rows: gate/up stacks 8 rows of w1 over the same 8 rows of w3, so a lane holds
+both halves of its SiTU-GLU; down takes 16 rows of w2), tokens its B operand (one column a token). A lane owns 16
+contiguous code bytes (32 values, one E8M0 group) of each of its two rows per 128-wide K step: one 16-byte load a
+row, no shared memory. A dot product may sum its K in any order, so the MMA's K slots are mapped onto those 32
+values in the order the conversion produces them (``e2m1x8_bf16``: register k of a word holds elements k and k + 4)
+and the activations are loaded contiguous and permuted the same way (``prmt``), once for all row groups.
+
+Conversion (~2.4 instructions a value): each E2M1 code's sign and magnitude bits are moved into a bf16 bit pattern
+worth value · 2^-126 (the magnitude's two exponent bits at the bottom of bf16's exponent, its mantissa bit on top of
+bf16's mantissa: zero and 0.5 come out subnormal), then one bf16x2 multiply by 2^(scale - 1) makes them
+value · 2^(scale - 127) exactly, as ``reference.dequantize_mxfp4`` rounds them. A scale above 2^1 (byte > 128: never
+in a real checkpoint) takes a second multiply, a scale byte of 255 gives NaN.
+
+PDL: both products wait before reading z / h or the ids. The gate/up kernel lets the down kernel launch right after
+its wait; the down kernel finds its expert and prefetches its w2 rows into L2 before its own wait (the ids were
+written before the gate/up kernel began: the argument of step 1 of k3compile/static_weights.py), so the w2 stream
+overlaps the gate/up tail.
+
+A kernel module: it imports cutlass at its top and is loaded only when a kernel is built (``cute.py``).
+"""
+# no `from __future__ import annotations`: the DSL evaluates the kernels' annotations
+import cutlass
+import cutlass.cute as cute
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from k3compile.kernels.cute.asm import mma_16816, prefetch_bulk_l2
+from k3compile.ops.moe_experts import e2m1_bits
+
+GATE_UP, DOWN = "gate_up", "down"
+STEP = 128   # K values a warp takes per step: 4 lanes x 32
+
+
+_E2M1X8_PTX = e2m1_bits.e2m1x8_ptx()
+
+
+@dsl_user_op
+def e2m1x8_bf16(word, factor, *, loc=None, ip=None):
+    """Eight E2M1 codes (element j in bits 4j..4j+3 of ``word``) -> four bf16x2, register k = (element k,
+    element k + 4), each times the bf16x2 ``factor`` (see the module doc). The -0.0 addend keeps fma's result the
+    product's."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        [word.ir_value(loc=loc, ip=ip), factor.ir_value(loc=loc, ip=ip)],
+        _E2M1X8_PTX, "=r,=r,=r,=r,r,r",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
+    )
+    return [cutlass.Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def mul_bf16x2(x, factor, *, loc=None, ip=None):
+    """x · factor, both bf16x2 in 32-bit registers."""
+    return cutlass.Int32(llvm.inline_asm(
+        T.i32(), [x.ir_value(loc=loc, ip=ip), factor.ir_value(loc=loc, ip=ip)],
+        "{ .reg .b32 nz; mov.b32 nz, 0x80008000; fma.rn.bf16x2 $0, $1, $2, nz; }", "=r,r,r",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
+    ))
+
+
+@dsl_user_op
+def prmt(a, b, selector: int, *, loc=None, ip=None):
+    """The bytes of {b, a} that ``selector`` picks (PTX prmt)."""
+    return cutlass.Int32(llvm.inline_asm(
+        T.i32(), [a.ir_value(loc=loc, ip=ip), b.ir_value(loc=loc, ip=ip)],
+        f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
+    ))
+
+
+class Mxfp4ExpertsMma:
+    """One product of the decode form (``MODE``), M <= 8 tokens, bf16 activations, MXFP4 weights.
+
+    Gate/up: ``fn(z [M, L], ids [M·A], weights (unused), w1, w3 [E, I, L/2], s1, s3 [E, I, L/32], h [M·A, I])``.
+    Down: ``fn(h [M·A, I], ids, weights [M·A] fp32, w2, w2, s2, s2, partial [M·A, L] fp32)``.
+    """
+
+    def __init__(self, mode: str, m: int, a: int, warps_k: int, row_groups: int, unroll: int,
+                 beta, linear_beta):
+        assert mode in (GATE_UP, DOWN) and 1 <= m <= 8
+        self.mode, self.m, self.a = mode, m, a
+        self.wk, self.rg, self.unroll = warps_k, row_groups, unroll
+        self.threads = 32 * warps_k
+        # rows a block produces: gate/up 8 of w1 (and the same of w3) a row group, down 16 of w2
+        self.rows_per_group = 8 if mode == GATE_UP else 16
+        self.beta, self.linear_beta = beta, linear_beta
+        self.smem = 4 * 4 * 32 * row_groups * warps_k   # the K-warps' accumulators, fp32
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor, mW0: cute.Tensor, mW1: cute.Tensor,
+                 mS0: cute.Tensor, mS1: cute.Tensor, mOut: cute.Tensor, stream):
+        n = mW0.shape[1]
+        per_block = self.rows_per_group * self.rg
+        self.kernel(mX, mIds, mWts, mW0, mW1, mS0, mS1, mOut).launch(
+            grid=[mIds.shape[0], (n + per_block - 1) // per_block, 1],
+            block=[self.threads, 1, 1],
+            smem=self.smem,
+            stream=stream,
+            use_pdl=True,
+        )
+
+    @cute.jit
+    def first_of_expert(self, mIds: cute.Tensor, p, e, lane):
+        """Whether no pair before ``p`` holds expert ``e`` (the warp's lanes split the scan)."""
+        seen = cutlass.Int32(0)
+        for q in cutlass.range(lane, p, 32, unroll=1):
+            if mIds[q].to(cutlass.Int32) == e:
+                seen = cutlass.Int32(1)
+        return cute.arch.vote_any_sync(seen != 0) == cutlass.Boolean(False)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor, mW0: cute.Tensor, mW1: cute.Tensor,
+               mS0: cute.Tensor, mS1: cute.Tensor, mOut: cute.Tensor):
+        M: cutlass.Constexpr = self.m
+        A: cutlass.Constexpr = self.a
+        RG: cutlass.Constexpr = self.rg
+        U: cutlass.Constexpr = self.unroll
+        WK: cutlass.Constexpr = self.wk
+        DOWNP: cutlass.Constexpr = self.mode == DOWN
+        tidx, _, _ = cute.arch.thread_idx()
+        p, rb, _ = cute.arch.block_idx()
+        wk = tidx // 32
+        lane = tidx % 32
+        g = lane // 4
+        t = lane % 4
+        E = mW0.shape[0]
+        N = mW0.shape[1]
+        K = mX.shape[1]
+        n0 = rb * (self.rows_per_group * RG)
+
+        e = mIds[p].to(cutlass.Int32)   # the ids were written before the op's first kernel began (module doc)
+        valid = (e >= 0) & (e < E)
+        ec = cutlass.max(cutlass.min(e, E - 1), 0)
+
+        if cutlass.const_expr(DOWNP):
+            # before the wait: warm L2 with this block's w2 rows, one bulk prefetch a row (coherent with the previous
+            # kernels' stores, so any weight may take it)
+            if valid:
+                if tidx < self.rows_per_group * RG:
+                    row = cutlass.min(n0 + tidx, N - 1)
+                    prefetch_bulk_l2(mW0[ec, row, None].iterator.toint(), cutlass.Int32(K // 2))
+        cute.arch.griddepcontrol_wait()
+        if cutlass.const_expr(not DOWNP):
+            cute.arch.griddepcontrol_launch_dependents()   # the down kernel settles and warms L2 (module doc)
+
+        run = valid
+        if valid:
+            run = self.first_of_expert(mIds, p, e, lane)
+        if run:
+            self.product(mX, mIds, mWts, mW0, mW1, mS0, mS1, mOut, p, ec, n0, wk, lane, g, t, N, K)
+        if cutlass.const_expr(DOWNP):
+            cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def x_row(self, mIds: cute.Tensor, p, e, tok):
+        """The row of the B operand for token ``tok``: z's row (gate/up), or h's row of the token's first pair
+        holding ``e`` (down; ``p`` where the token holds none: its column is never stored)."""
+        row = cutlass.min(tok, self.m - 1)
+        if cutlass.const_expr(self.mode == DOWN):
+            row = p
+            for a in cutlass.range_constexpr(self.a - 1, -1, -1):
+                if tok < self.m:
+                    if mIds[tok * self.a + a].to(cutlass.Int32) == e:
+                        row = tok * self.a + a
+        return row
+
+    @cute.jit
+    def product(self, mX: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor, mW0: cute.Tensor, mW1: cute.Tensor,
+                mS0: cute.Tensor, mS1: cute.Tensor, mOut: cute.Tensor, p, e, n0, wk, lane, g, t, N, K):
+        RG: cutlass.Constexpr = self.rg
+        U: cutlass.Constexpr = self.unroll
+        WK: cutlass.Constexpr = self.wk
+        GATE: cutlass.Constexpr = self.mode == GATE_UP
+
+        # the A rows of row group r: 0..7 from W0, 8..15 from W1 (gate/up: the same rows of w1 and w3; down: two
+        # blocks of 8 rows of w2); rows past N are clamped and never stored
+        rows0 = []
+        rows1 = []
+        for r in cutlass.range_constexpr(RG):
+            if cutlass.const_expr(GATE):
+                rows0.append(cutlass.min(n0 + r * 8 + g, N - 1))
+                rows1.append(cutlass.min(n0 + r * 8 + g, N - 1))
+            else:
+                rows0.append(cutlass.min(n0 + r * 16 + g, N - 1))
+                rows1.append(cutlass.min(n0 + r * 16 + 8 + g, N - 1))
+        xrow = self.x_row(mIds, p, e, g)
+
+        # the rows this lane reads, as [(16 bytes / 8 values), vector] tensors: their addresses computed once
+        gW0 = cute.logical_divide(mW0, (None, None, 16))   # [E, rows, (16 bytes, K/32)]
+        gW1 = cute.logical_divide(mW1, (None, None, 16))
+        codes = []
+        scales = []
+        for r in cutlass.range_constexpr(RG):
+            codes.append(gW0[e, rows0[r], None])
+            codes.append(gW1[e, rows1[r], None])
+            scales.append(mS0[e, rows0[r], None])
+            scales.append(mS1[e, rows1[r], None])
+        xs = cute.logical_divide(mX, (None, 8))[xrow, None]   # [(8 values, K/8)]
+
+        acc = cute.make_rmem_tensor((4, RG, U), cutlass.Float32)
+        acc.fill(0.0)
+        rW = cute.make_rmem_tensor((16, 2 * RG * U), cutlass.Uint8)    # codes: [bytes, (row half, group, step)]
+        rW32 = cute.recast_tensor(rW, cutlass.Int32)                    # [4 words, ...]
+        rX = cute.make_rmem_tensor((8, 4 * U), mX.element_type)        # activations: 4 vectors of 8 a step
+        rX32 = cute.recast_tensor(rX, cutlass.Int32)                    # [4 pairs, ...]
+        rS = cute.make_rmem_tensor((2 * RG * U,), cutlass.Int32)        # scale bytes
+        rD = cute.make_rmem_tensor((16, 2), cutlass.Int32)              # one row group's dequantised step
+
+        # whole chunks of U steps inside K: every load of a chunk issued before its first conversion
+        n_full = K // (128 * U)
+        for c in cutlass.range(wk, n_full, WK, unroll=1):
+            for u in cutlass.range_constexpr(U):
+                self.load_step(codes, scales, xs, (c * U + u) * 128 + 32 * t, u, rW, rX, rS)
+            self.mma_steps(rW32, rX32, rS, rD, acc, U)
+        # the steps after them one at a time, lanes past K reading nothing (zero codes and activations)
+        for st in cutlass.range(n_full * U + wk, (K + 127) // 128, WK, unroll=1):
+            k0 = st * 128 + 32 * t
+            rW32.fill(0)
+            rX32.fill(0)
+            rS.fill(127)
+            if k0 < K:
+                self.load_step(codes, scales, xs, k0, 0, rW, rX, rS)
+            self.mma_steps(rW32, rX32, rS, rD, acc, 1)
+
+        # the K-warps' sums meet in shared memory: red[warp, row group, value, lane]
+        smem = cutlass.memory.SmemAllocator()
+        red = smem.allocate_tensor(cutlass.Float32, cute.make_layout((WK, RG, 4, 32)), byte_alignment=16)
+        for r in cutlass.range_constexpr(RG):
+            for i in cutlass.range_constexpr(4):
+                s = acc[i, r, 0]
+                for u in cutlass.range_constexpr(1, U):
+                    s = s + acc[i, r, u]
+                red[wk, r, i, lane] = s
+        cute.arch.sync_threads()
+        if wk == 0:
+            for r in cutlass.range_constexpr(RG):
+                c = []
+                for i in cutlass.range_constexpr(4):
+                    s = red[0, r, i, lane]
+                    for q in cutlass.range_constexpr(1, WK):
+                        s = s + red[q, r, i, lane]
+                    c.append(s)
+                # lane (g, t) holds rows g (c0, c1) and g + 8 (c2, c3) for tokens 2t and 2t + 1
+                for x in cutlass.range_constexpr(2):
+                    tok = 2 * t + x
+                    if cutlass.const_expr(GATE):
+                        self.store_h(mIds, mOut, e, tok, n0 + r * 8 + g, N, c[x], c[2 + x])
+                    else:
+                        self.store_partial(mIds, mWts, mOut, e, tok, n0 + r * 16 + g, N, c[x])
+                        self.store_partial(mIds, mWts, mOut, e, tok, n0 + r * 16 + 8 + g, N, c[2 + x])
+
+    @cute.jit
+    def load_step(self, codes: list, scales: list, xs: cute.Tensor, k0, u: cutlass.Constexpr, rW: cute.Tensor,
+                  rX: cute.Tensor, rS: cute.Tensor):
+        """This lane's step at K = k0 into slot u: 16 code bytes and the scale of each of its rows, 32 activations."""
+        for q in cutlass.range_constexpr(2 * self.rg):
+            slot = u * 2 * self.rg + q
+            v = codes[q][((None, k0 // 32),)]
+            cute.autovec_copy(cute.make_tensor(v.iterator.align(16), v.layout), rW[None, slot])
+            rS[slot] = scales[q][k0 // 32].to(cutlass.Int32)
+        for j in cutlass.range_constexpr(4):
+            v = xs[((None, k0 // 8 + j),)]
+            cute.autovec_copy(cute.make_tensor(v.iterator.align(16), v.layout), rX[None, u * 4 + j])
+
+    @cute.jit
+    def mma_steps(self, rW32: cute.Tensor, rX32: cute.Tensor, rS: cute.Tensor, rD: cute.Tensor, acc: cute.Tensor,
+                  n: cutlass.Constexpr):
+        """Slots 0..n-1. Every step takes the exact path's second multiply (a warp-uniform branch around it was
+        predicated by ptxas into both paths, costing more than the multiply)."""
+        for u in cutlass.range_constexpr(n):
+            self.mma_step(rW32, rX32, rS, rD, acc, u, True)
+
+    @cute.jit
+    def mma_step(self, rW32: cute.Tensor, rX32: cute.Tensor, rS: cute.Tensor, rD: cute.Tensor, acc: cute.Tensor,
+                 u: cutlass.Constexpr, exact: cutlass.Constexpr):
+        """The 8 MMAs of slot u for each row group: activations permuted as the codes convert (pair k of a vector =
+        elements k and k + 4), the A fragment's rows g / g + 8 from row halves 0 / 1."""
+        xp = []
+        for j in cutlass.range_constexpr(4):
+            x0 = rX32[0, u * 4 + j]
+            x1 = rX32[1, u * 4 + j]
+            x2 = rX32[2, u * 4 + j]
+            x3 = rX32[3, u * 4 + j]
+            xp.append(prmt(x0, x2, 0x5410))
+            xp.append(prmt(x0, x2, 0x7632))
+            xp.append(prmt(x1, x3, 0x5410))
+            xp.append(prmt(x1, x3, 0x7632))
+        for r in cutlass.range_constexpr(self.rg):
+            for h in cutlass.range_constexpr(2):   # rD[:, h]: row half h's 16 bf16x2
+                slot = (u * self.rg + r) * 2 + h
+                self.dequantize(rW32, rS[slot], slot, rD, h, exact)
+            for j in cutlass.range_constexpr(8):
+                a = (rD[2 * j, 0], rD[2 * j, 1], rD[2 * j + 1, 0], rD[2 * j + 1, 1])
+                b = (xp[2 * j], xp[2 * j + 1])
+                cc = (acc[0, r, u], acc[1, r, u], acc[2, r, u], acc[3, r, u])
+                d = mma_16816(a, b, cc, False)
+                for i in cutlass.range_constexpr(4):
+                    acc[i, r, u] = d[i]
+
+    @cute.jit
+    def dequantize(self, rW32: cute.Tensor, s, slot: cutlass.Constexpr, rD: cute.Tensor, h: cutlass.Constexpr,
+                   exact: cutlass.Constexpr):
+        """The 32 values of one row's step slot as 16 bf16x2 into rD[:, h] (word by word, ``e2m1x8_bf16``'s
+        order), times 2^(s - 127): 2^(min(s, 128) - 1) with the conversion, and with ``exact`` 2^(max(s, 128) - 128)
+        after it (255: NaN)."""
+        lo = (cutlass.min(s, 128) + 126) << 7          # bf16 bits of 2^(min(s, 128) - 1)
+        f = lo | (lo << 16)
+        for q in cutlass.range_constexpr(4):
+            four = e2m1x8_bf16(rW32[q, slot], f)
+            for k in cutlass.range_constexpr(4):
+                rD[4 * q + k, h] = four[k]
+        if cutlass.const_expr(exact):
+            lo2 = (cutlass.max(s, 128) - 1) << 7
+            if s == 255:
+                lo2 = cutlass.Int32(0x7FC0)
+            f2 = lo2 | (lo2 << 16)
+            for q in cutlass.range_constexpr(16):
+                rD[q, h] = mul_bf16x2(rD[q, h], f2)
+
+    @cute.jit
+    def store_h(self, mIds: cute.Tensor, mH: cute.Tensor, e, tok, i, N, gate, up):
+        """h = SiTU-GLU(gate, up) of token ``tok`` at column ``i``, into every pair of the token holding ``e``; the
+        model rounds gate, up and h to the activations' dtype (reference.py)."""
+        if tok < self.m:
+            if i < N:
+                dt = mH.element_type
+                gt = gate.to(dt).to(cutlass.Float32)
+                upv = up.to(dt).to(cutlass.Float32)
+                act = gt * self.sigmoid(gt)
+                if cutlass.const_expr(self.beta is not None):
+                    act = cutlass.Float32(self.beta) * self.tanh(gt / cutlass.Float32(self.beta)) * self.sigmoid(gt)
+                if cutlass.const_expr(self.linear_beta is not None):
+                    upv = cutlass.Float32(self.linear_beta) * self.tanh(upv / cutlass.Float32(self.linear_beta))
+                hv = (act * upv).to(dt)
+                for a in cutlass.range_constexpr(self.a):
+                    if mIds[tok * self.a + a].to(cutlass.Int32) == e:
+                        mH[tok * self.a + a, i] = hv
+
+    @cute.jit
+    def store_partial(self, mIds: cute.Tensor, mWts: cute.Tensor, mPart: cute.Tensor, e, tok, n, N, y):
+        """partial = y rounded to the activations' dtype (the model rounds the down product), times the router
+        weight of each pair of token ``tok`` holding ``e``."""
+        if tok < self.m:
+            if n < N:
+                yr = y.to(cutlass.BFloat16).to(cutlass.Float32)
+                for a in cutlass.range_constexpr(self.a):
+                    q = tok * self.a + a
+                    if mIds[q].to(cutlass.Int32) == e:
+                        mPart[q, n] = yr * mWts[q].to(cutlass.Float32)
+
+    @cute.jit
+    def sigmoid(self, x):
+        return cutlass.Float32(1.0) / (cutlass.Float32(1.0) + cute.math.exp(-x))
+
+    @cute.jit
+    def tanh(self, x):
+        return cute.math.tanh(x)

@@ -1,0 +1,160 @@
+"""k3::moe_experts' CuTe kernels (MXFP4 weights, bf16 activations, M <= 8: ``cute.py``, ``cute_kernels.py``).
+
+On the CPU: the conversion's bit recipe (``e2m1_bits.py``, the PTX is generated from it) against the reference
+dequantisation for every code, byte position and scale byte, and the dispatch rules. On an sm_90 GPU: the op against
+the reference (random and skewed routing, duplicates, K tails, scales above 2^1, ids out of range), NaN-poisoned
+outputs, and a CUDA graph replayed on fresh inputs.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3compile.ops.moe_experts import cute, e2m1_bits
+from k3compile.ops.moe_experts.dispatch import MOE_EXPERTS
+from k3compile.ops.moe_experts.op import moe_experts_op
+from k3compile.ops.moe_experts.reference import dequantize_mxfp4, moe_experts_ref
+from k3compile.testing import moe_experts_inputs, rel_err
+
+K3_BETAS = (4.0, 25.0)
+
+
+def _emulate(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """What the kernel's conversion yields for rows of 16 code bytes and their scale byte: [N, 32] bf16, elements in
+    the reference's order (register k of word q holds elements 8q + k and 8q + k + 4)."""
+    words = codes.contiguous().view(torch.int32).long() & 0xFFFFFFFF            # [N, 4], little-endian
+    regs = e2m1_bits.e2m1x8_bits(words)                                         # [N, 4 words, 4 registers]
+    halves = torch.stack([regs & 0xFFFF, regs >> 16], dim=-1)                   # [N, q, k, lo / hi]
+    values = halves.to(torch.int16).view(torch.bfloat16).float()               # value · 2^-126
+    s = scales.long().view(-1, 1, 1, 1)
+    f1 = torch.exp2(torch.minimum(s, torch.tensor(128)) - 1.0)
+    f2 = torch.where(s == 255, torch.nan, torch.exp2(torch.maximum(s, torch.tensor(128)) - 128.0))
+    # two bf16 multiplies, each rounded (the kernel's fma.rn.bf16x2 with a -0.0 addend)
+    out = ((values * f1).to(torch.bfloat16).float() * f2).to(torch.bfloat16)   # [N, q, k, lo/hi]
+    # element 8q + k (lo) and 8q + k + 4 (hi) -> [N, q, (lo/hi), k] -> [N, 32]
+    return out.permute(0, 1, 3, 2).reshape(codes.shape[0], 32)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")   # 6·2^127 is inf, in the reference too
+def test_bit_recipe_every_code_position_and_scale():
+    g = torch.Generator().manual_seed(0)
+    n = 256 * 64
+    codes = torch.randint(0, 256, (n, 16), dtype=torch.uint8, generator=g)
+    codes[:256, :] = torch.arange(256, dtype=torch.uint8)[:, None]   # every byte in every position
+    scales = torch.arange(n, dtype=torch.int64).remainder(256).to(torch.uint8)   # every scale byte, 64 times
+    got = _emulate(codes, scales)
+    want = dequantize_mxfp4(codes, scales[:, None], torch.bfloat16)
+    same = (got.view(torch.int16) == want.view(torch.int16)) | (got.isnan() & want.isnan())
+    assert bool(same.all()), f"{int((~same).sum())} values differ, first at {(~same).nonzero()[0].tolist()}"
+
+
+def test_ptx_spells_the_recipe():
+    ptx = e2m1_bits.e2m1x8_ptx()
+    for k in range(2):
+        assert f"{e2m1_bits.MASK[k]:#x}" in ptx and f"{e2m1_bits.MUL[k]:#x}" in ptx
+    assert ptx.count("fma.rn.bf16x2") == 4 and f"{e2m1_bits.BF16_BITS:#x}" in ptx
+
+
+@pytest.mark.parametrize("case,why", [
+    (dict(mxfp4=False), "float weights"),
+    (dict(dtype=torch.float16), "float16 activations"),
+    (dict(m=9), "M=9 outside"),
+])
+def test_supports_names_what_it_lacks(case, why):
+    m = case.get("m", 2)
+    args = moe_experts_inputs(m, 4, 8, 64, 64, case.get("dtype", torch.bfloat16), mxfp4=case.get("mxfp4", True))
+    z, experts, weights, w1, w3, w2, s1, s3, s2 = args
+    assert why in cute.supports(z, experts, weights, w1, w3, w2, s1, 16)
+
+
+def test_cpu_tensors_never_reach_the_cute_kernels():
+    args = moe_experts_inputs(2, 4, 8, 64, 64, torch.bfloat16, mxfp4=True)
+    impl, why = MOE_EXPERTS.decide("auto", (*args, 16))
+    assert impl != "cute" and "cute:" in why
+
+
+def test_variant_names_are_distinct_and_exact():
+    a = cute.variant_name(cute.variant("gate_up", 1, 16, cute.GATE_UP_CONFIG, 4.0, 25.0, torch.int64))
+    b = cute.variant_name(cute.variant("gate_up", 1, 16, cute.GATE_UP_CONFIG, 4.0 + 1e-12, 25.0, torch.int64))
+    c = cute.variant_name(cute.variant("down", 1, 16, cute.DOWN_CONFIG, 4.0, 25.0, torch.int32))
+    assert len({a, b, c}) == 3 and all(n.isidentifier() for n in (a, b, c))
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU (sm_90+ with CuTe DSL)
+
+def _cute_ready() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9 and cute.unavailable() is None
+
+
+def _run(args, betas=K3_BETAS):
+    z = args[0]
+    out = torch.full_like(z, float("nan"))
+    cute.moe_experts_cute(*args, *betas, out=out)
+    return out
+
+
+CASES = [  # m, a, e, i, l, routing
+    (1, 16, 896, 384, 3584, "random"), (8, 16, 896, 384, 3584, "random"), (4, 16, 896, 192, 3584, "skewed"),
+    (3, 4, 16, 96, 160, "repeat"), (8, 2, 3, 32, 32, "one"), (5, 6, 40, 224, 416, "random"), (2, 1, 1, 64, 96, "one"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,a,e,i,l,routing", CASES, ids=lambda v: str(v))
+def test_gpu_matches_reference(m, a, e, i, l, routing):
+    if not _cute_ready():
+        pytest.skip("needs sm_90+ and CuTe DSL")
+    args = moe_experts_inputs(m, a, e, i, l, torch.bfloat16, routing, mxfp4=True, seed=m * 7 + a, device="cuda")
+    args = list(args)
+    for s in args[6:]:   # a few scales above 2^1 (the exact path) and at the smallest byte
+        s.view(-1)[::97] = 129
+        s.view(-1)[5::131] = 0
+    out = _run(args)
+    torch.cuda.synchronize()
+    want = moe_experts_ref(*args, *K3_BETAS)
+    assert not out.isnan().any()
+    assert rel_err(out, want) < 1e-2, rel_err(out, want)
+
+
+@pytest.mark.gpu
+def test_gpu_other_activations_and_bad_ids():
+    if not _cute_ready():
+        pytest.skip("needs sm_90+ and CuTe DSL")
+    for betas in [(None, None), (2.5, None)]:
+        args = moe_experts_inputs(3, 4, 16, 64, 128, torch.bfloat16, mxfp4=True, seed=1, device="cuda")
+        assert rel_err(_run(args, betas), moe_experts_ref(*args, *betas)) < 1e-2, betas
+    args = list(moe_experts_inputs(4, 4, 16, 64, 128, torch.bfloat16, mxfp4=True, seed=2, device="cuda"))
+    experts = args[1].clone()
+    experts[1, 2] = 16
+    experts[3, 0] = -1
+    args[1] = experts
+    out = _run(args)
+    good = torch.tensor([True, False, True, False], device="cuda")
+    assert out[~good].isnan().all()
+    fixed = experts.clamp(0, 15)
+    want = moe_experts_ref(args[0], fixed, *args[2:], *K3_BETAS)
+    assert rel_err(out[good], want[good]) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_op_picks_cute_and_replays_in_a_graph():
+    if not _cute_ready():
+        pytest.skip("needs sm_90+ and CuTe DSL")
+    args = moe_experts_inputs(2, 8, 64, 96, 256, torch.bfloat16, mxfp4=True, seed=3, device="cuda")
+    z, experts, weights = args[:3]
+    impl, _ = MOE_EXPERTS.decide("auto", (*args, 16))
+    assert impl == "cute"
+    moe_experts_op(*args, *K3_BETAS)   # builds outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_experts_op(*args, *K3_BETAS)
+    for seed in range(3):
+        fresh = moe_experts_inputs(2, 8, 64, 96, 256, torch.bfloat16, mxfp4=True, seed=10 + seed, device="cuda")
+        z.copy_(fresh[0])
+        experts.copy_(fresh[1])
+        weights.copy_(fresh[2])
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, moe_experts_ref(*args, *K3_BETAS)) < 1e-2, seed
