@@ -59,10 +59,12 @@ def test_ptx_spells_the_recipe():
     (dict(mxfp4=False), "float weights"),
     (dict(dtype=torch.float16), "float16 activations"),
     (dict(m=9), "M=9 outside"),
+    (dict(i=544), "I=544 above"),
 ])
 def test_supports_names_what_it_lacks(case, why):
     m = case.get("m", 2)
-    args = moe_experts_inputs(m, 4, 8, 64, 64, case.get("dtype", torch.bfloat16), mxfp4=case.get("mxfp4", True))
+    args = moe_experts_inputs(m, 4, 8, case.get("i", 64), 64, case.get("dtype", torch.bfloat16),
+                              mxfp4=case.get("mxfp4", True))
     z, experts, weights, w1, w3, w2, s1, s3, s2 = args
     assert why in cute.supports(z, experts, weights, w1, w3, w2, s1, 16)
 
@@ -76,7 +78,9 @@ def test_cpu_tensors_never_reach_the_cute_kernels():
 def test_variant_names_are_distinct_and_exact():
     a = cute.variant_name(cute.variant("gate_up", 1, 16, cute.GATE_UP_CONFIG, 4.0, 25.0, torch.int64))
     b = cute.variant_name(cute.variant("gate_up", 1, 16, cute.GATE_UP_CONFIG, 4.0 + 1e-12, 25.0, torch.int64))
-    c = cute.variant_name(cute.variant("down", 1, 16, cute.DOWN_CONFIG, 4.0, 25.0, torch.int32))
+    c = cute.variant_name(cute.variant("down", 1, 16, cute.DOWN_CONFIG, 4.0, 25.0, torch.int32, 3))
+    d = cute.variant_name(cute.variant("down", 1, 16, cute.DOWN_CONFIG, None, None, torch.int32, 2))
+    assert c != d and c == cute.variant_name(cute.variant("down", 1, 16, cute.DOWN_CONFIG, None, None, torch.int32, 3))
     assert len({a, b, c}) == 3 and all(n.isidentifier() for n in (a, b, c))
 
 
@@ -100,16 +104,30 @@ CASES = [  # m, a, e, i, l, routing
 ]
 
 
+def test_big_scales_read_once_a_version():
+    s = torch.full((2, 3, 4), 128, dtype=torch.uint8)
+    other = torch.full((5,), 127, dtype=torch.uint8)
+    assert not cute.big_scales(s, other)
+    s[1, 2, 3] = 129                       # in place: a new version, read again
+    assert cute.big_scales(s, other) and cute.big_scales(other, s)
+    assert not cute.big_scales(other)
+    s.fill_(0)
+    assert not cute.big_scales(s)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("big", [False, True], ids=["scales<=2", "scales>2"])
 @pytest.mark.parametrize("m,a,e,i,l,routing", CASES, ids=lambda v: str(v))
-def test_gpu_matches_reference(m, a, e, i, l, routing):
+def test_gpu_matches_reference(m, a, e, i, l, routing, big):
     if not _cute_ready():
         pytest.skip("needs sm_90+ and CuTe DSL")
     args = moe_experts_inputs(m, a, e, i, l, torch.bfloat16, routing, mxfp4=True, seed=m * 7 + a, device="cuda")
     args = list(args)
-    for s in args[6:]:   # a few scales above 2^1 (the exact path) and at the smallest byte
-        s.view(-1)[::97] = 129
+    for s in args[6:]:   # scales at the smallest byte, and (big) a few above 2^1: the exact variants
         s.view(-1)[5::131] = 0
+        if big:
+            s.view(-1)[::97] = 129
+    assert cute.big_scales(*args[6:]) == big
     out = _run(args)
     torch.cuda.synchronize()
     want = moe_experts_ref(*args, *K3_BETAS)

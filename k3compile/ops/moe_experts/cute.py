@@ -17,6 +17,7 @@ import functools
 import hashlib
 import os
 import struct
+import weakref
 from typing import Optional
 
 import torch
@@ -28,6 +29,7 @@ from k3compile.kernels.cute import compile as cute_compile
 
 KIND = "cute_moe"
 MAX_M = 8   # the tokens are the MMA's N
+MAX_I = 512   # the down kernel holds each token's h row in registers
 _KERNELS = KernelModule(f"{__package__}.cute_kernels", cute_importable)
 _SOURCES = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "cute_kernels.py"),
             os.path.abspath(__file__),
@@ -46,9 +48,21 @@ class Mxfp4MmaConfig:
         return f"k{self.warps_k}r{self.row_groups}u{self.unroll}"
 
 
-# gate/up: K = L (3584 at K3) split over 4 warps; down: K = I (384 / 192), one warp a block, 2 row groups
+@dataclasses.dataclass(frozen=True)
+class Mxfp4DownConfig:
+    """The down product's work division (``cute_kernels.Mxfp4DownMma``): ``warps`` a block, each taking
+    ``row_groups`` groups of 16 rows at a time, ``groups`` times."""
+    warps: int = 4
+    row_groups: int = 2
+    groups: int = 2
+
+    def tag(self) -> str:
+        return f"w{self.warps}r{self.row_groups}g{self.groups}"
+
+
+# gate/up: K = L (3584 at K3) split over 4 warps; down: K = I (384 / 192) held whole, 256 rows a block
 GATE_UP_CONFIG = Mxfp4MmaConfig(warps_k=4, row_groups=1, unroll=2)
-DOWN_CONFIG = Mxfp4MmaConfig(warps_k=1, row_groups=2, unroll=3)
+DOWN_CONFIG = Mxfp4DownConfig()
 
 
 def unavailable() -> Reason:
@@ -66,6 +80,8 @@ def supports(z, experts, weights, w1, w3, w2, w1_scale, small_m_limit) -> Reason
         return f"M={m} outside 1..{min(MAX_M, small_m_limit)} (the decode form's tokens are the MMA's N)"
     if experts.shape[1] < 1:
         return "no experts per token"
+    if w1.shape[1] > MAX_I:
+        return f"I={w1.shape[1]} above {MAX_I} (the down kernel holds h's rows whole in registers)"
     if z.stride(1) != 1 or z.stride(0) % 8 or z.data_ptr() % 16:
         return f"z must be row-major with 16-byte aligned rows (strides {z.stride()})"
     for name, t in (("w1", w1), ("w3", w3), ("w2", w2)):
@@ -74,9 +90,14 @@ def supports(z, experts, weights, w1, w3, w2, w1_scale, small_m_limit) -> Reason
     return None
 
 
-def variant(mode: str, m: int, a: int, cfg: Mxfp4MmaConfig, beta, linear_beta, ids_dtype: torch.dtype) -> tuple:
+def variant(mode: str, m: int, a: int, cfg, beta, linear_beta, ids_dtype: torch.dtype, n_steps: int = 0,
+            big_scales: bool = True) -> tuple:
+    """The key of one compiled kernel. Down: no SiTU-GLU constants, and the steps of 128 its K (I) takes.
+    ``big_scales``: the variant exact for scale bytes above 128 too (``cute_kernels.py``)."""
+    if mode == "down":
+        return (mode, m, a, cfg, None, None, ids_dtype, n_steps, big_scales)
     return (mode, m, a, cfg, None if beta is None else float(beta),
-            None if linear_beta is None else float(linear_beta), ids_dtype)
+            None if linear_beta is None else float(linear_beta), ids_dtype, 0, big_scales)
 
 
 def _exact(x) -> str:
@@ -84,9 +105,9 @@ def _exact(x) -> str:
 
 
 def variant_name(key) -> str:
-    mode, m, a, cfg, beta, linear_beta, ids_dtype = key
+    mode, m, a, cfg, beta, linear_beta, ids_dtype, n_steps, big = key
     return (f"k3_moe_mxfp4_{mode}_m{m}_a{a}_{cfg.tag()}_b{_exact(beta)}_lb{_exact(linear_beta)}"
-            f"_{str(ids_dtype).split('.')[-1]}")
+            f"_{str(ids_dtype).split('.')[-1]}_s{n_steps}_x{int(big)}")
 
 
 @functools.cache
@@ -138,8 +159,12 @@ def fake_args(mode: str, m: int, a: int, ids_dtype: torch.dtype):
 def build(key):
     import cutlass.cute as cute
 
-    mode, m, a, cfg, beta, linear_beta, ids_dtype = key
-    kernel = _KERNELS.Mxfp4ExpertsMma(mode, m, a, cfg.warps_k, cfg.row_groups, cfg.unroll, beta, linear_beta)
+    mode, m, a, cfg, beta, linear_beta, ids_dtype, n_steps, big = key
+    if mode == "down":
+        kernel = _KERNELS.Mxfp4DownMma(m, a, cfg.warps, cfg.row_groups, cfg.groups, n_steps, big)
+    else:
+        kernel = _KERNELS.Mxfp4ExpertsMma(mode, m, a, cfg.warps_k, cfg.row_groups, cfg.unroll, beta, linear_beta,
+                                          big)
     return cute.compile(kernel, *fake_args(mode, m, a, ids_dtype), options="--enable-tvm-ffi")
 
 
@@ -156,12 +181,39 @@ def _ids_dtype(experts: torch.Tensor) -> torch.dtype:
     return torch.int32 if experts.dtype == torch.int32 else torch.int64
 
 
-def kernels(z, experts, beta, linear_beta) -> list:
+def down_steps(i_width: int) -> int:
+    """Steps of 128 the down kernel holds h for: its K is I."""
+    return (i_width + 127) // 128
+
+
+# scale tensors seen, by id: (a weak reference, the version and address then, whether a byte was above 128)
+_SEEN: dict = {}
+
+
+def big_scales(*scales: torch.Tensor) -> bool:
+    """Whether the calls on these E8M0 scales need the variants exact above a scale of 2^1 (byte 128): True unless
+    every byte of each was read at most 128 at its current version (read once a tensor, outside CUDA-graph capture;
+    inside a capture, where the device may not be read, an unseen tensor takes the exact variants)."""
+    big = False
+    for s in scales:
+        hit = _SEEN.get(id(s))
+        if hit is not None and hit[0]() is s and hit[1:3] == (s._version, s.data_ptr()):
+            big = big or hit[3]
+            continue
+        if s.is_cuda and torch.cuda.is_current_stream_capturing():
+            return True
+        seen = bool((s > 128).any())
+        _SEEN[id(s)] = (weakref.ref(s), s._version, s.data_ptr(), seen)
+        big = big or seen
+    return big
+
+
+def kernels(z, experts, w1, beta, linear_beta, big: bool = True) -> list:
     """[(kind, key)] of the two products a call with these arguments builds at its first call."""
     m, a = experts.shape
     ids = _ids_dtype(experts)
-    return [(KIND, variant("gate_up", m, a, GATE_UP_CONFIG, beta, linear_beta, ids)),
-            (KIND, variant("down", m, a, DOWN_CONFIG, beta, linear_beta, ids))]
+    return [(KIND, variant("gate_up", m, a, GATE_UP_CONFIG, beta, linear_beta, ids, 0, big)),
+            (KIND, variant("down", m, a, DOWN_CONFIG, None, None, ids, down_steps(w1.shape[1]), big))]
 
 
 def moe_experts_cute(z: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
@@ -185,8 +237,10 @@ def moe_experts_cute(z: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     wts = weights.reshape(-1).float().contiguous()
     h = torch.empty((m * a, i_width), dtype=z.dtype, device=z.device)
     part = torch.empty((m * a, l), dtype=torch.float32, device=z.device)
-    up_fn = kernel_cache.get(KIND, variant("gate_up", m, a, GATE_UP_CONFIG, beta, linear_beta, ids.dtype))
-    down_fn = kernel_cache.get(KIND, variant("down", m, a, DOWN_CONFIG, beta, linear_beta, ids.dtype))
+    big = big_scales(w1_scale, w3_scale, w2_scale)
+    up_fn = kernel_cache.get(KIND, variant("gate_up", m, a, GATE_UP_CONFIG, beta, linear_beta, ids.dtype, 0, big))
+    down_fn = kernel_cache.get(KIND, variant("down", m, a, DOWN_CONFIG, None, None, ids.dtype, down_steps(i_width),
+                                             big))
     with torch.cuda.device(z.device):
         if only in (None, "gate_up"):
             up_fn(z, ids, wts, w1, w3, w1_scale, w3_scale, h)
