@@ -283,6 +283,45 @@ def test_table_picks_by_length_apply_to_allocations_within_it():
     assert dispatch.table_pick(table, torch.bfloat16, 12, 8, 1024) == default_config(12, 8)
 
 
+def test_tuner_stage3_picks_by_length_and_for_the_batch():
+    """benchmarks/tune_mla_decode.py's stage 3 rule on made-up times: the fastest of each length where it beats the
+    batch's pick by the margin (a split cap included), the batch's pick only by one no slower at any length; a
+    candidate that failed (inf) never."""
+    import importlib.util
+    import math
+    import os
+    import sys
+    import types
+
+    bench_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
+    sys.path.insert(0, bench_dir)
+    try:
+        spec = importlib.util.spec_from_file_location("tune_mla_decode", os.path.join(bench_dir, "tune_mla_decode.py"))
+        tune = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(tune)
+    finally:
+        sys.path.remove(bench_dir)
+    from k3compile.ops.mla_decode.dispatch import table_key
+
+    pick = TritonConfig(block_s=64, programs_per_sm=1, min_split_tiles=2)
+    capped = TritonConfig(block_s=32, num_warps=8, static_strides=True, max_splits=16)
+    whole = TritonConfig(block_s=64, num_warps=8, static_strides=True)
+    broken = TritonConfig(block_s=16, num_warps=8, num_stages=6)
+    us = {(pick, 1024): 10.0, (pick, 65536): 50.0, (capped, 1024): 7.0, (capped, 65536): 200.0,
+          (whole, 1024): 9.0, (whole, 65536): 45.0, (broken, 1024): math.inf, (broken, 65536): math.inf}
+    key = table_key(torch.bfloat16, 12, 1)
+    picks = {key: pick}
+    report = tune._length_picks(types.SimpleNamespace(min_gain=0.02), 1, (1024, 65536),
+                                [pick, capped, whole, broken], us, picks, key)
+    assert picks == {key: whole, table_key(torch.bfloat16, 12, 1, 1024): capped,
+                     table_key(torch.bfloat16, 12, 1, 65536): whole}
+    assert report["pick"] == tune.tag(whole) and [r["us"] for r in report["rows"]][1] == [7.0, 200.0]
+    us[whole, 1024] = 10.2                       # slower than the pick at one length: the batch keeps its pick
+    picks = {key: pick}
+    tune._length_picks(types.SimpleNamespace(min_gain=0.02), 1, (1024, 65536), [pick, capped, whole], us, picks, key)
+    assert picks[key] == pick
+
+
 @pytest.mark.parametrize("what", ["q_pe heads", "cache batch", "w_kv_b width", "pos shape", "start shape", "int q"])
 def test_bad_inputs_raise(what):
     inputs = make_inputs(2, 1, 3, *DIMS[0], S=9, pos=3, dtype=torch.float32, start=[0, 1])
