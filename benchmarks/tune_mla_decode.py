@@ -267,6 +267,13 @@ def by_length(args, bench, pool_for, w, alloc: int, most: int, log: list) -> int
     picks = {k: TritonConfig(**v) for k, v in table["picks"].items()}
     lengths_of = {1: (1, 40, 96), 8: (40, 96)} if args.dry_run else LENGTHS_OF
     report, t0 = {}, time.time()
+    if args.dry_run:
+        bw = 1e12
+    else:   # the floor's 100% line, measured in this run
+        from _common import copy_ceiling_tbps
+
+        bw = copy_ceiling_tbps() * 1e12
+    print(f"copy ceiling {bw / 1e12:.2f} TB/s", flush=True)
     for B, lengths in lengths_of.items():
         key = table_key(torch.bfloat16, 16, B)
         base = picks.get(key, default_config(16, B))
@@ -294,7 +301,8 @@ def by_length(args, bench, pool_for, w, alloc: int, most: int, log: list) -> int
                     print(f"  B {B} L {L} {tag(c)}: {type(e).__name__}: {str(e)[:200]}", flush=True)
         del pool
         _free(args.dry_run)
-        report[B] = _length_picks(args, B, lengths, candidates, us, picks, key)
+        floors = {L: bench.latent_bytes(B, L, w) / bw * 1e6 for L in lengths}
+        report[B] = _length_picks(args, B, lengths, candidates, us, picks, key, floors)
         print(f"  ({time.time() - t0:.0f} s)", flush=True)
         # after every batch: a run stopped by its time limit keeps what it measured
         table.update(picks={k: c.to_json() for k, c in picks.items()}, by_length=report,
@@ -311,7 +319,7 @@ def by_length(args, bench, pool_for, w, alloc: int, most: int, log: list) -> int
     return 0
 
 
-def _length_picks(args, B: int, lengths, candidates, us: dict, picks: dict, key: str) -> dict:
+def _length_picks(args, B: int, lengths, candidates, us: dict, picks: dict, key: str, floors=None) -> dict:
     """Print batch ``B``'s table and update ``picks``: by length where the fastest beats the batch's pick (the first
     candidate) by ``--min-gain``; the batch's pick where a candidate without a split cap is no slower at any length
     (1%) and faster on the geometric mean by ``--min-gain``. Returns the table as JSON."""
@@ -326,6 +334,9 @@ def _length_picks(args, B: int, lengths, candidates, us: dict, picks: dict, key:
         print(f"{tag(c):<30}" + "".join(f"{us[c, L]:>9.2f}{'*' if fastest[L] == c else ' '}" for L in lengths)
               + f"{gm[c]:>10.2f}")
     print(f"{'pick / fastest':<30}" + "".join(f"{us[base, L] / us[fastest[L], L]:>10.2f}" for L in lengths))
+    if floors:   # the valid prefix's bytes at the copy ceiling
+        print(f"{'floor µs':<30}" + "".join(f"{floors[L]:>10.2f}" for L in lengths))
+        print(f"{'fastest % floor':<30}" + "".join(f"{100 * floors[L] / us[fastest[L], L]:>9.1f}%" for L in lengths))
     for L in lengths:
         best = fastest[L]
         gain = us[base, L] / us[best, L] - 1
@@ -342,6 +353,7 @@ def _length_picks(args, B: int, lengths, candidates, us: dict, picks: dict, key:
     else:
         print(f"{key}: {tag(base)} kept (no candidate faster on the geomean and no slower at every length)")
     return dict(lengths=list(lengths), pick=tag(picks.get(key, base)),
+                floor_us=[(floors or {}).get(L) for L in lengths],
                 rows=[dict(layout=tag(c), config=c.to_json(), us=[us[c, L] for L in lengths]) for c in candidates])
 
 
