@@ -51,7 +51,7 @@ def build(config, rows: int = 16, n_split: int = 132) -> dict:
                 m_part="*fp32", l_part="*fp32")
     consts = dict(LK=512, R=64, BM=row_block(rows), BL=512, BR=64, BS=config.block_s,
                   PREFETCH=config.prefetch_tiles * config.block_s, EARLY=True, HAS_START=False, UPCAST=False,
-                  PDL=True, stride_cl=1, stride_kr=1, stride_pr=1)
+                  PDL=True, FULL_TILES=config.full_tiles, stride_cl=1, stride_kr=1, stride_pr=1)
     if config.static_strides:   # K3 at TP 8, T 1: q [B, 1, 12, 192], c_kv [B, S, 512], k_pe [B, S, 64]
         consts.update(T=1, H=rows if rows < 16 else 12, N_SPLIT=n_split, min_tiles=config.min_split_tiles,
                       qk_scale=0.1041, stride_pb=12 * 192, stride_pt=12 * 192, stride_ph=192, stride_cs=512,
@@ -83,18 +83,17 @@ def build(config, rows: int = 16, n_split: int = 132) -> dict:
 
 
 def tile_loop(sass: str) -> int:
-    """SASS instructions a warp issues per tile: the longest loop (a backward branch to a label) holding tensor-core
-    instructions (HMMA), counted once."""
+    """SASS instructions a warp issues per tile: the first loop (a backward branch to a label) holding tensor-core
+    instructions (HMMA), counted once (with ``full_tiles`` the unmasked one; the partial last tile's runs once)."""
     lines = sass.splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line))}
-    best = 0
     for i, line in enumerate(lines):
         m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
         if m and labels.get(m.group(1), i) < i:
             body = [x for x in lines[labels[m.group(1)]:i + 1] if re.match(r"\s*/\*[0-9a-f]{4,}\*/", x)]
             if any("HMMA" in x for x in body):
-                best = max(best, len(body))
-    return best
+                return len(body)
+    return 0
 
 
 def main(argv=None) -> int:
@@ -115,7 +114,7 @@ def main(argv=None) -> int:
           f"{'loop':>5} {'/key':>5}")
     for batch in (1, 8):
         for c in length_candidates(batch, table.get(table_key(torch.bfloat16, 16, batch))):
-            key = (c.block_s, c.num_warps, c.num_stages, c.static_strides, c.maxnreg)
+            key = (c.block_s, c.num_warps, c.num_stages, c.static_strides, c.maxnreg, c.full_tiles)
             if key in seen:
                 continue
             seen.add(key)

@@ -17,8 +17,8 @@ logged and dropped). A pick goes into the table only where it beats ``config.def
 default; the log says so). The table is written after every bucket.
 
 ``--by-length`` runs a third stage alone, against the table in the tree: the split kernel's layouts for short
-lengths and for the stream (``length_candidates``: 8 warps, the shapes and strides compiled in, 32-key tiles, a grid
-capped at the splits a short length keeps active, two programs an SM under a register cap) at batch 1 over 1K, 2K,
+lengths and for the stream (``length_candidates``: 8 warps, the shapes and strides compiled in, whole tiles
+unmasked, 32-key tiles, a grid capped at the splits a short length keeps active, two programs an SM) at batch 1 over 1K, 2K,
 4K and 64K, and at batch 8 over 8K and 64K, each output checked against the pick's at every length. Per (batch,
 length) the fastest candidate becomes a pick keyed by length (``dispatch.table_key(..., length)``: it applies to
 caches allocated for at most that length) where it beats the batch's pick by more than ``--min-gain``; the batch's
@@ -86,17 +86,20 @@ SHORT_SPLITS = 16          # a grid capped at the splits 1K keeps active with 64
 
 
 def length_candidates(batch: int, base=None):
-    """Stage 3's layouts at ``batch`` (1: short lengths, 8: the stream), ``base`` (the batch's pick) first; sm_90a
-    registers and shared memory of each: ``benchmarks/mla_split_occupancy.py``."""
+    """Stage 3's layouts at ``batch`` (1: short lengths, 8: the stream), ``base`` (the batch's pick) first, then it
+    with the shapes compiled in, and with whole tiles unmasked; sm_90a registers, shared memory and instructions a
+    tile of each: ``benchmarks/mla_split_occupancy.py``."""
     from k3compile.ops.mla_decode.config import TritonConfig, default_config
 
     base = base or default_config(16, batch)
     yield base
     yield dataclasses.replace(base, static_strides=True)
-    c = functools.partial(TritonConfig, static_strides=True, programs_per_sm=1, min_split_tiles=base.min_split_tiles,
-                          fused_readback=base.fused_readback)
+    yield dataclasses.replace(base, static_strides=True, full_tiles=True)
+    c = functools.partial(TritonConfig, static_strides=True, full_tiles=True, programs_per_sm=1,
+                          min_split_tiles=base.min_split_tiles, fused_readback=base.fused_readback)
     if batch <= 2:      # the serial work of a few programs: more warps on a tile, smaller tiles over more splits
-        yield dataclasses.replace(c(block_s=64, num_warps=8, num_stages=3), static_strides=False)
+        yield c(block_s=64, num_warps=8, num_stages=3, static_strides=False, full_tiles=False)
+        yield c(block_s=64, num_warps=8, num_stages=3, full_tiles=False)
         yield c(block_s=64, num_warps=8, num_stages=3)
         yield c(block_s=32, num_warps=8, num_stages=3, min_split_tiles=2)
         yield c(block_s=32, num_warps=8, num_stages=3, min_split_tiles=1)
@@ -110,17 +113,18 @@ def length_candidates(batch: int, base=None):
         yield c(block_s=32, num_warps=4, num_stages=3, programs_per_sm=2)
         yield c(block_s=16, num_warps=4, num_stages=6, programs_per_sm=2)
         yield c(block_s=16, num_warps=8, num_stages=6, programs_per_sm=2)
-        yield c(block_s=32, num_warps=8, num_stages=3, programs_per_sm=2, maxnreg=128)
+        yield c(block_s=32, num_warps=8, num_stages=3, programs_per_sm=2)     # 128 registers without a cap
         yield c(block_s=64, num_warps=8, num_stages=2, programs_per_sm=2, maxnreg=128)
 
 
 def tag(c) -> str:
     """A layout in a few characters: keys/warps/stages, programs an SM, fewest tiles a split, fused read-back,
-    L2 prefetch tiles (where not 2), PDL off, shapes compiled in, register cap, split cap: "32/4/3p2 t4 fused",
-    "32/4/3p2 t4 pf0", "32/4/3p2 t4 nopdl", "32/8/3p2 t1 st r128", "32/8/3p1 t2 st s16"."""
+    L2 prefetch tiles (where not 2), PDL off, shapes compiled in, whole tiles unmasked, register cap, split cap:
+    "32/4/3p2 t4 fused", "32/4/3p2 t4 pf0", "32/4/3p2 t4 nopdl", "32/8/3p2 t1 st full r128", "32/8/3p1 t2 st s16"."""
     return (f"{c.block_s}/{c.num_warps}/{c.num_stages}p{c.programs_per_sm} t{c.min_split_tiles}"
             f"{' fused' if c.fused_readback else ''}{'' if c.prefetch_tiles == 2 else f' pf{c.prefetch_tiles}'}"
-            f"{'' if c.pdl else ' nopdl'}{' st' if c.static_strides else ''}{f' r{c.maxnreg}' if c.maxnreg else ''}"
+            f"{'' if c.pdl else ' nopdl'}{' st' if c.static_strides else ''}{' full' if c.full_tiles else ''}"
+            f"{f' r{c.maxnreg}' if c.maxnreg else ''}"
             f"{f' s{c.max_splits}' if c.max_splits else ''}")
 
 

@@ -89,19 +89,20 @@ def case_id(B, T, H, dims, S, pos, dtype, start) -> str:
     B=st.integers(1, 3), T=st.integers(1, 3), H=st.integers(1, 6), dims=st.sampled_from(DIMS),
     S=st.integers(3, 80), where=st.floats(0, 1), padded=st.booleans(), data=st.data(),
     dtype=st.sampled_from(list(DTYPES)), block_s=st.sampled_from([16, 32]), min_tiles=st.sampled_from([1, 2, 4]),
-    fused=st.booleans(), static=st.booleans(), max_splits=st.sampled_from([0, 1, 3]), seed=st.integers(0, 2**16),
+    fused=st.booleans(), static=st.booleans(), max_splits=st.sampled_from([0, 1, 3]), full_tiles=st.booleans(),
+    seed=st.integers(0, 2**16),
 )
 @example(B=1, T=1, H=3, dims=DIMS[0], S=40, where=0.0, padded=False, data=None, dtype="bf16", block_s=16,
-         min_tiles=1, fused=True, static=False, max_splits=0, seed=0)               # valid length 1
+         min_tiles=1, fused=True, static=False, max_splits=0, full_tiles=True, seed=0)   # valid length 1
 @example(B=2, T=1, H=6, dims=DIMS[1], S=67, where=1.0, padded=False, data=None, dtype="bf16", block_s=16,
-         min_tiles=1, fused=False, static=True, max_splits=0, seed=1)               # the full allocation
+         min_tiles=1, fused=False, static=True, max_splits=0, full_tiles=True, seed=1)   # the full allocation
 @example(B=3, T=3, H=2, dims=DIMS[2], S=50, where=1.0, padded=True, data=None, dtype="fp32", block_s=16,
-         min_tiles=1, fused=True, static=True, max_splits=1, seed=2)                # full, left-padded, one split
+         min_tiles=1, fused=True, static=True, max_splits=1, full_tiles=False, seed=2)   # left-padded, one split
 def test_triton_matches_reference_property(B, T, H, dims, S, where, padded, data, dtype, block_s, min_tiles, fused,
-                                           static, max_splits, seed):
+                                           static, max_splits, full_tiles, seed):
     """Heads, batch, T, valid lengths from 1 to the allocation, per-row starts, split layouts, both read-backs
     (the combine kernel and a per-head product, or both in one kernel), the split kernel with its shapes and
-    strides compiled in or not, the split count capped or not."""
+    strides compiled in or not, the split count capped or not, whole tiles unmasked or not."""
     N, R, Vd, Lk = dims
     pos = round(where * (S - T))                                   # valid length pos + T: from T to S
     start = None
@@ -110,7 +111,7 @@ def test_triton_matches_reference_property(B, T, H, dims, S, where, padded, data
         start = data.draw(starts) if data is not None else [b * 7 for b in range(B)]
     inputs = make_inputs(B, T, H, N, R, Vd, Lk, S, pos, DTYPES[dtype], start, seed)
     check_kernel(inputs, TritonConfig(block_s=block_s, min_split_tiles=min_tiles, fused_readback=fused,
-                                      static_strides=static, max_splits=max_splits))
+                                      static_strides=static, max_splits=max_splits, full_tiles=full_tiles))
 
 
 def test_static_strides_fall_back_where_cache_rows_are_strided():
@@ -161,9 +162,11 @@ def test_combine_in_several_steps(B, T, start, fused):
                          ids=["T1-H6", "T2-H12-start", "T2-H6-start-fused", "T1-H12-start-static"])
 def test_triton_k3_widths_read_only_the_valid_prefix(T, H, start, fused, static):
     """K3's widths (N 128, R 64, Vd 128, Lk 512; 6 or 12 heads a rank): the rows outside [start_b, pos + T) are NaN,
-    the output is finite and equals the reference, with either read-back, the shapes compiled in or not."""
+    the output is finite and equals the reference, with either read-back, the shapes compiled in and whole tiles
+    unmasked or not."""
     inputs = make_inputs(2, T, H, *K3_DIMS, S=96, pos=41, dtype=torch.bfloat16, start=start, seed=3)
-    check_kernel(inputs, TritonConfig(block_s=16, min_split_tiles=1, fused_readback=fused, static_strides=static))
+    check_kernel(inputs, TritonConfig(block_s=16, min_split_tiles=1, fused_readback=fused, static_strides=static,
+                                      full_tiles=static))
 
 
 @pytest.mark.parametrize("B,fused,max_splits", [(1, True, 0), (2, False, 0), (1, False, 4)],
@@ -175,7 +178,7 @@ def test_triton_grid_sized_for_an_h200(B, fused, max_splits):
     inputs = make_inputs(B, 1, 12, *K3_DIMS, S=160, pos=150, dtype=torch.bfloat16, start=[0, 40][:B], seed=5)
     with mock.patch.object(mla_triton, "sm_count", lambda device: 132):
         check_kernel(inputs, TritonConfig(block_s=16, min_split_tiles=1, fused_readback=fused, max_splits=max_splits,
-                                          static_strides=max_splits > 0))
+                                          static_strides=max_splits > 0, full_tiles=max_splits > 0))
 
 
 def test_query_before_its_row_start_sees_its_own_key():
@@ -208,7 +211,7 @@ def test_length_is_read_on_the_device(static):
                 mock.patch.object(torch.Tensor, "__bool__", no_host_read), \
                 mock.patch.object(torch.Tensor, "__int__", no_host_read), nan_buffers():
             out = mla_triton.mla_decode_triton(**inputs, config=TritonConfig(block_s=16, min_split_tiles=1,
-                                                                             static_strides=static))
+                                                                             static_strides=static, full_tiles=static))
         assert rel_err(out, ref) < TOL[torch.float32]
 
 
@@ -391,20 +394,23 @@ for rows in json.loads(sys.argv[1]):      # T x H: 12 and 6 heads a rank at T = 
     for has_start in (False, True):
         consts = dict(LK=512, R=64, BM=row_block(rows), BL=512, BR=64, BS=cfg.block_s,
                       PREFETCH=cfg.prefetch_tiles * cfg.block_s, EARLY=True, HAS_START=has_start, UPCAST=False,
-                      PDL=True, stride_cl=1, stride_kr=1, stride_pr=1)
+                      PDL=True, FULL_TILES=False, stride_cl=1, stride_kr=1, stride_pr=1)
         out[f"split-rows{rows}-{'start' if has_start else 'nostart'}"] = build(
             mt._mla_split, split_ptrs, consts, cfg.num_warps, cfg.num_stages)
-for name, cfg in (("split-static", default_config(12)),      # the shapes and strides compiled in, 4 and 8 warps
-                  ("split-static-8w", TritonConfig(block_s=64, num_warps=8, num_stages=3, programs_per_sm=1))):
+# the shapes and strides compiled in; 4 warps, and 8 with whole tiles unmasked
+for name, cfg in (("split-static", default_config(12)),
+                  ("split-static-8w-full", TritonConfig(block_s=64, num_warps=8, num_stages=3, programs_per_sm=1,
+                                                        full_tiles=True))):
     out[name] = build(mt._mla_split_static, split_ptrs, dict(
         LK=512, R=64, BM=16, BL=512, BR=64, BS=cfg.block_s, PREFETCH=cfg.prefetch_tiles * cfg.block_s, EARLY=True,
-        HAS_START=True, UPCAST=False, PDL=True, T=1, H=12, N_SPLIT=132, min_tiles=2, qk_scale=0.104,
+        HAS_START=True, UPCAST=False, PDL=True, FULL_TILES=cfg.full_tiles, T=1, H=12, N_SPLIT=132, min_tiles=2,
+        qk_scale=0.104,
         stride_pb=2304, stride_pt=2304, stride_ph=192, stride_pr=1, stride_cs=512, stride_cl=1, stride_ks=64,
         stride_kr=1), cfg.num_warps, cfg.num_stages)
 cfg = default_config(12)
 out["split-late"] = build(mt._mla_split, split_ptrs, dict(
     LK=512, R=64, BM=16, BL=512, BR=64, BS=cfg.block_s, PREFETCH=0, EARLY=False, HAS_START=True, UPCAST=False,
-    PDL=True, stride_cl=1, stride_kr=1, stride_pr=1), cfg.num_warps, cfg.num_stages)
+    PDL=True, FULL_TILES=False, stride_cl=1, stride_kr=1, stride_pr=1), cfg.num_warps, cfg.num_stages)
 for brw, bsp in ((1, mt.COMBINE_TILE), (mt.COMBINE_TILE // 4, 4)):     # B 1-8 (many splits), B 64 (4 splits)
     out[f"combine-{brw}x{bsp}"] = build(mt._mla_combine, dict(parts, o_lat=bf16), dict(
         LK=512, BRW=brw, BSP=bsp, BLC=mt.COMBINE_CHUNK, BS=cfg.block_s, EARLY=True, HAS_START=True, PDL=True), 4, 3)
@@ -497,13 +503,13 @@ def test_gpu_cuda_graph_replays_follow_the_length(B, H, T):
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,config", [
     (1, TritonConfig(block_s=32, num_warps=8, num_stages=3, programs_per_sm=1, min_split_tiles=2,
-                     static_strides=True, max_splits=16)),
-    (8, TritonConfig(block_s=32, num_warps=8, num_stages=3, programs_per_sm=2, min_split_tiles=1,
-                     static_strides=True, maxnreg=128)),
-], ids=["B1-32-8-3-static-16-splits", "B8-32-8-3-static-r128"])
+                     static_strides=True, full_tiles=True, max_splits=16)),
+    (8, TritonConfig(block_s=64, num_warps=8, num_stages=2, programs_per_sm=2, min_split_tiles=1,
+                     static_strides=True, full_tiles=True, maxnreg=128)),
+], ids=["B1-32-8-3-static-full-16-splits", "B8-64-8-2-static-full-r128"])
 def test_gpu_layout_options_cuda_graph(B, config):
-    """The layout options stage 3 of the tuner times (shapes compiled in, a split cap, a register cap), under the
-    same replays: 12 heads, T 1."""
+    """The layout options stage 3 of the tuner times (shapes compiled in, whole tiles unmasked, a split cap, a
+    register cap), under the same replays: 12 heads, T 1."""
     inputs = _gpu_inputs(B, 12, 1, K3_ALLOC)
     _check_graph_replays(inputs, 1, lambda: mla_triton.mla_decode_triton(**inputs, config=config))
 

@@ -27,7 +27,9 @@ class TritonConfig:
     contiguous, the split kernel with its shapes, split count and strides compiled in, the batch strides aside (fewer
     kernel parameters to fetch; one build per batch size and layout). maxnreg: a register cap a thread of the split
     kernel (NVIDIA only; 0: none): 8 warps under 128 registers fit two programs an SM. max_splits: at most this many
-    splits a (sequence, row block) (0: no cap): a grid no wider than the splits a short valid length keeps active."""
+    splits a (sequence, row block) (0: no cap): a grid no wider than the splits a short valid length keeps active.
+    full_tiles: the split kernel streams its split's whole tiles without masks, at per-thread offsets fixed for
+    every tile, and its partial last tile apart (fewer address and predicate instructions a tile)."""
     block_s: int = 32
     min_split_tiles: int = 4
     programs_per_sm: int = 2
@@ -39,6 +41,7 @@ class TritonConfig:
     static_strides: bool = False
     maxnreg: int = 0
     max_splits: int = 0
+    full_tiles: bool = False
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
