@@ -368,9 +368,9 @@ def mla_decode_triton(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tens
         start_arg = start if has_start else pos
         BL = triton.next_power_of_2(LK)
         shared = dict(BS=config.block_s, EARLY=early, HAS_START=has_start)
+        regs = dict(maxnreg=config.maxnreg) if config.maxnreg and c_kv.device.type == "cuda" and not is_rocm() else {}
         # the compiled-in shapes only where the cache rows are contiguous (K3's layout): any other layout runs the
         # general kernel rather than a build per stride
-        regs = dict(maxnreg=config.maxnreg) if config.maxnreg and c_kv.device.type == "cuda" and not is_rocm() else {}
         split = _mla_split_static if config.static_strides and _rows_contiguous(c_kv, k_pe) else _mla_split
         split[(B, n_split, row_blocks)](
             q_lat, q_pe, c_kv, k_pe, pos, start_arg, o_part, m_part, l_part, T, H, n_split, config.min_split_tiles,

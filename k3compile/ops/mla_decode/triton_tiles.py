@@ -51,8 +51,9 @@ def _prefetch_rows(p, o_row, m_row, stride_row, stride_col, width, BW: tl.conste
 
 @triton.jit
 def _load_rows(p, r, stride_r, o_col, stride_col, width, BW: tl.constexpr):
-    """Rows ``r`` of ``p``, columns ``o_col`` (``[BW]``), masked to ``[0, width)`` only where ``width`` < ``BW``."""
-    p_rows = p + r[:, None] * stride_r + o_col[None, :] * stride_col
+    """Rows ``r`` of ``p``, columns ``o_col`` (``[BW]``), masked to ``[0, width)`` only where ``width`` < ``BW``.
+    Offsets in 64 bits (a strided cache's may pass 2**31; the loop they serve keeps them in registers)."""
+    p_rows = p + r.to(tl.int64)[:, None] * stride_r + o_col.to(tl.int64)[None, :] * stride_col
     if width == BW:
         return tl.load(p_rows)
     else:
