@@ -99,7 +99,6 @@ def length_candidates(batch: int, base=None):
                           min_split_tiles=base.min_split_tiles, fused_readback=base.fused_readback)
     if batch <= 2:      # the serial work of a few programs: more warps on a tile, smaller tiles over more splits
         yield c(block_s=64, num_warps=8, num_stages=3, static_strides=False, full_tiles=False)
-        yield c(block_s=64, num_warps=8, num_stages=3, full_tiles=False)
         yield c(block_s=64, num_warps=8, num_stages=3)
         yield c(block_s=32, num_warps=8, num_stages=3, min_split_tiles=2)
         yield c(block_s=32, num_warps=8, num_stages=3, min_split_tiles=1)
