@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || tail -5 "$OUT/install.log"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.device_count(), 'x', torch.cuda.get_device_name())"
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
-STEPS=${STEPS:-gpu_tests gpu_model kda_decode kda_prefill moe_tail moe_tail_tp2 skinny decode_tp1 mla_tune mla_decode}
+STEPS=${STEPS:-gpu_tests gpu_model kda_decode kda_prefill moe_tail moe_tail_tp2 skinny decode_tp1 mla_tune mla_tune_len mla_decode}
 step() {  # step NAME SECONDS CMD...
     local name=$1 secs=$2; shift 2
     case " $STEPS " in *" $name "*) ;; *) return ;; esac
@@ -34,6 +34,10 @@ step decode_tp1   ${T_DECODE:-120} python3 benchmarks/tp_decode.py --world-size 
 # the MLA decode layout table first (written into the tree, so the benchmark's dispatch reads it), then the sweep
 step mla_tune     ${T_MLA_TUNE:-150} python3 benchmarks/tune_mla_decode.py --out "$OUT/mla_decode_table_h200.json" \
                                   --log "$OUT/mla_tune_log.json"
+# stage 3 on the table stage 1-2 just wrote: layouts by length at batch 1 and 8 (it rewrites the table in the tree)
+step mla_tune_len ${T_MLA_TUNE_LEN:-200} python3 benchmarks/tune_mla_decode.py --by-length \
+                                  --out "$OUT/mla_decode_table_h200.json" --log "$OUT/mla_tune_len_log.json" \
+                                  --length-json "$OUT/mla_by_length_h200.json"
 step mla_decode   ${T_MLA:-240}   python3 benchmarks/mla_decode.py ${MLA_ARGS:-} --out "$OUT/mla_decode_h200.json"
 # not in the default STEPS (about 6 minutes): STEPS=decode_step
 step decode_step  ${T_STEP:-460}  python3 benchmarks/decode_step.py --tp 8 --layers 4 --batch 1,8 --context 1024 \

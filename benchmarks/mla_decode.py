@@ -120,9 +120,12 @@ def k3_config(pool) -> dict:
 
 
 def _layout_tag(c: dict) -> str:
-    """keys/warps/stages, programs an SM, fewest tiles a split, read-back form: "32/4/3 p2 t4 fused"."""
+    """keys/warps/stages, programs an SM, fewest tiles a split, read-back form, shapes compiled in, whole tiles
+    unmasked, register cap, split cap: "32/4/3 p2 t4 fused", "64/8/3 p1 t2 st full"."""
     return (f"{c['block_s']}/{c['num_warps']}/{c['num_stages']} p{c['programs_per_sm']} t{c['min_split_tiles']}"
-            f"{' fused' if c['fused_readback'] else ''}")
+            f"{' fused' if c['fused_readback'] else ''}{' st' if c.get('static_strides') else ''}"
+            f"{' full' if c.get('full_tiles') else ''}{' r%d' % c['maxnreg'] if c.get('maxnreg') else ''}"
+            f"{' s%d' % c['max_splits'] if c.get('max_splits') else ''}")
 
 
 _COMPILED = []

@@ -16,14 +16,26 @@ logged and dropped). A pick goes into the table only where it beats ``config.def
 ``--min-gain``. Batch buckets run 1, 8, 64 first; past ``--budget-s`` the remaining ones are skipped (they keep the
 default; the log says so). The table is written after every bucket.
 
+``--by-length`` runs a third stage alone, against the table in the tree: the split kernel's layouts for short
+lengths and for the stream (``length_candidates``: 8 warps, the shapes and strides compiled in, whole tiles
+unmasked, 32-key tiles, a grid capped at the splits a short length keeps active, two programs an SM) at batch 1 over 1K, 2K,
+4K and 64K, and at batch 8 over 8K and 64K, each output checked against the pick's at every length. Per (batch,
+length) the fastest candidate becomes a pick keyed by length (``dispatch.table_key(..., length)``: it applies to
+caches allocated for at most that length) where it beats the batch's pick by more than ``--min-gain``; the batch's
+own pick is replaced only by a candidate without a split cap that is no slower at any length and faster on the
+geometric mean. It prints a table a batch (µs, a row a candidate, ``*``
+on the fastest of each length) and writes it as JSON (``--length-json``).
+
     python benchmarks/tune_mla_decode.py                       # rows 16 (12 or 6 heads, T = 1), batch 1-64
     python benchmarks/tune_mla_decode.py --rows 16 64          # also T x H = 48 (12 heads, T = 4)
+    python benchmarks/tune_mla_decode.py --by-length           # stage 3 alone (about 2 minutes on an H200)
     python benchmarks/tune_mla_decode.py --dry-run             # CPU, interpreter, tiny widths: the code only
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -69,12 +81,50 @@ def split_rules(layout, batch: int):
         yield dataclasses.replace(layout, min_split_tiles=tiles, fused_readback=fuse)
 
 
+LENGTHS_OF = {1: (K, 2 * K, 4 * K, 64 * K), 8: (8 * K, 64 * K)}    # --by-length: batch -> valid lengths
+SHORT_SPLITS = 16          # a grid capped at the splits 1K keeps active with 64-key splits
+
+
+def length_candidates(batch: int, base=None):
+    """Stage 3's layouts at ``batch`` (1: short lengths, 8: the stream), ``base`` (the batch's pick) first, then it
+    with the shapes compiled in, and with whole tiles unmasked; sm_90a registers, shared memory and instructions a
+    tile of each: ``benchmarks/mla_split_occupancy.py``."""
+    from k3compile.ops.mla_decode.config import TritonConfig, default_config
+
+    base = base or default_config(16, batch)
+    yield base
+    yield dataclasses.replace(base, static_strides=True)
+    yield dataclasses.replace(base, static_strides=True, full_tiles=True)
+    c = functools.partial(TritonConfig, static_strides=True, full_tiles=True, programs_per_sm=1,
+                          min_split_tiles=base.min_split_tiles, fused_readback=base.fused_readback)
+    if batch <= 2:      # the serial work of a few programs: more warps on a tile, smaller tiles over more splits
+        yield c(block_s=64, num_warps=8, num_stages=3, static_strides=False, full_tiles=False)
+        yield c(block_s=64, num_warps=8, num_stages=3)
+        yield c(block_s=32, num_warps=8, num_stages=3, min_split_tiles=2)
+        yield c(block_s=32, num_warps=8, num_stages=3, min_split_tiles=1)
+        yield c(block_s=32, num_warps=4, num_stages=3, min_split_tiles=2)
+        yield c(block_s=32, num_warps=8, num_stages=3, min_split_tiles=2, max_splits=SHORT_SPLITS)
+        yield c(block_s=64, num_warps=8, num_stages=3, min_split_tiles=1, max_splits=SHORT_SPLITS)
+    else:               # bytes in flight: more tiles a program, or two programs an SM
+        yield c(block_s=64, num_warps=8, num_stages=3)
+        yield c(block_s=32, num_warps=8, num_stages=5)
+        yield c(block_s=64, num_warps=4, num_stages=2, programs_per_sm=2)
+        yield c(block_s=32, num_warps=4, num_stages=3, programs_per_sm=2)
+        yield c(block_s=16, num_warps=4, num_stages=6, programs_per_sm=2)
+        yield c(block_s=16, num_warps=8, num_stages=6, programs_per_sm=2)
+        yield c(block_s=32, num_warps=8, num_stages=3, programs_per_sm=2)     # 128 registers without a cap
+        yield c(block_s=64, num_warps=8, num_stages=2, programs_per_sm=2, maxnreg=128)
+
+
 def tag(c) -> str:
     """A layout in a few characters: keys/warps/stages, programs an SM, fewest tiles a split, fused read-back,
-    L2 prefetch tiles (where not 2), PDL off: "32/4/3p2 t4 fused", "32/4/3p2 t4 pf0", "32/4/3p2 t4 nopdl"."""
+    L2 prefetch tiles (where not 2), PDL off, shapes compiled in, whole tiles unmasked, register cap, split cap:
+    "32/4/3p2 t4 fused", "32/4/3p2 t4 pf0", "32/4/3p2 t4 nopdl", "32/8/3p2 t1 st full r128", "32/8/3p1 t2 st s16"."""
     return (f"{c.block_s}/{c.num_warps}/{c.num_stages}p{c.programs_per_sm} t{c.min_split_tiles}"
             f"{' fused' if c.fused_readback else ''}{'' if c.prefetch_tiles == 2 else f' pf{c.prefetch_tiles}'}"
-            f"{'' if c.pdl else ' nopdl'}")
+            f"{'' if c.pdl else ' nopdl'}{' st' if c.static_strides else ''}{' full' if c.full_tiles else ''}"
+            f"{f' r{c.maxnreg}' if c.maxnreg else ''}"
+            f"{f' s{c.max_splits}' if c.max_splits else ''}")
 
 
 def gpu_name() -> str:
@@ -92,6 +142,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=110, help="skip the batch buckets left after this many seconds")
     ap.add_argument("--out", default="", help="also write the table here (default: only under tables/)")
     ap.add_argument("--log", default="", help="every candidate's times as JSON")
+    ap.add_argument("--by-length", action="store_true", help="stage 3 alone: layouts by length, at batch 1 and 8")
+    ap.add_argument("--length-json", default="", help="--by-length: its µs tables as JSON")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
     if args.dry_run:
@@ -168,6 +220,8 @@ def main(argv=None) -> int:
         _with_tokens(pool, T, w, device)
         return pool
 
+    if args.by_length:
+        return by_length(args, bench, pool_for, w, alloc, most, log)
     t0 = time.time()
     for rows in args.rows:
         H, T = max(1, w.heads // 8), 1 if rows <= 16 else 4          # TP 8's heads; 4 tokens for 48 rows
@@ -203,6 +257,107 @@ def main(argv=None) -> int:
     write()
     print(f"wrote {'' if args.dry_run else TABLES / (gpu_name() + '.json')} {args.out} in {time.time() - t0:.0f} s")
     return 0
+
+
+def by_length(args, bench, pool_for, w, alloc: int, most: int, log: list) -> int:
+    """Stage 3 (module docstring): each candidate's µs at each (batch, length), checked against the batch's pick at
+    every length; picks keyed by length, and the batch's pick where one candidate wins at every length."""
+    from k3compile.ops.mla_decode.config import TritonConfig, default_config
+    from k3compile.ops.mla_decode.dispatch import table_key
+
+    path = TABLES / f"{gpu_name()}.json" if not args.dry_run else None
+    table = json.loads(path.read_text()) if path is not None and path.exists() else dict(picks={}, measured={})
+    picks = {k: TritonConfig(**v) for k, v in table["picks"].items()}
+    lengths_of = {1: (1, 40, 96), 8: (40, 96)} if args.dry_run else LENGTHS_OF
+    report, t0 = {}, time.time()
+    if args.dry_run:
+        bw = 1e12
+    else:   # the floor's 100% line, measured in this run
+        from _common import copy_ceiling_tbps
+
+        bw = copy_ceiling_tbps() * 1e12
+    print(f"copy ceiling {bw / 1e12:.2f} TB/s", flush=True)
+    for B, lengths in lengths_of.items():
+        key = table_key(torch.bfloat16, 16, B)
+        base = picks.get(key, default_config(16, B))
+        candidates = list(dict.fromkeys(length_candidates(B, base)))
+        pool = pool_for(B, max(1, w.heads // 8), 1, lengths)
+        expect = {}
+        for L in lengths:
+            pool.set_length(L)
+            expect[L] = bench.k3_call(pool.args(0), base)().clone()
+        us = {}
+        for c in candidates:
+            for L in lengths:
+                pool.set_length(L)
+                where = dict(B=B, L=L, config=c.to_json())
+                try:
+                    err = bench.rel(bench.k3_call(pool.args(0), c)(), expect[L])
+                    if not err < 1e-2:   # NaN (an unwritten element, a read past the prefix) fails too
+                        raise ValueError(f"output off the pick's by {err:.2e}")
+                    view = bench._Prefix(pool, bench.rotation_for(B, L, alloc, w, most))
+                    us[c, L] = bench.time_rotation(view, lambda a: bench.k3_call(a, c), args.replays, args.dry_run)
+                    log.append(dict(where, us=us[c, L]))
+                except Exception as e:   # over the shared memory, a failed build, a wrong output: not a candidate
+                    us[c, L] = math.inf
+                    log.append(dict(where, error=f"{type(e).__name__}: {str(e)[:300]}"))
+                    print(f"  B {B} L {L} {tag(c)}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        del pool
+        _free(args.dry_run)
+        floors = {L: bench.latent_bytes(B, L, w) / bw * 1e6 for L in lengths}
+        report[B] = _length_picks(args, B, lengths, candidates, us, picks, key, floors)
+        print(f"  ({time.time() - t0:.0f} s)", flush=True)
+        # after every batch: a run stopped by its time limit keeps what it measured
+        table.update(picks={k: c.to_json() for k, c in picks.items()}, by_length=report,
+                     by_length_command=" ".join(["python", "benchmarks/tune_mla_decode.py"] + sys.argv[1:]),
+                     by_length_time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        text = json.dumps(table, indent=1)
+        for out in ([path] if path is not None else []) + ([Path(args.out)] if args.out else []):
+            out.write_text(text)
+        if args.length_json:
+            Path(args.length_json).write_text(json.dumps(report, indent=1))
+        if args.log:
+            Path(args.log).write_text(json.dumps(log, indent=0))
+    print(f"wrote {path or ''} {args.out} in {time.time() - t0:.0f} s")
+    return 0
+
+
+def _length_picks(args, B: int, lengths, candidates, us: dict, picks: dict, key: str, floors=None) -> dict:
+    """Print batch ``B``'s table and update ``picks``: by length where the fastest beats the batch's pick (the first
+    candidate) by ``--min-gain``; the batch's pick where a candidate without a split cap is no slower at any length
+    (1%) and faster on the geometric mean by ``--min-gain``. Returns the table as JSON."""
+    from k3compile.ops.mla_decode.dispatch import table_key
+
+    base = candidates[0]
+    fastest = {L: min(candidates, key=lambda c: us[c, L]) for L in lengths}
+    print(f"\nB {B}, µs (* fastest at the length; first row: the table's pick for batch {B})")
+    print(f"{'layout':<30}" + "".join(f"{L:>10}" for L in lengths) + f"{'geomean':>10}")
+    gm = {c: math.exp(sum(math.log(us[c, L]) for L in lengths) / len(lengths)) for c in candidates}
+    for c in candidates:
+        print(f"{tag(c):<30}" + "".join(f"{us[c, L]:>9.2f}{'*' if fastest[L] == c else ' '}" for L in lengths)
+              + f"{gm[c]:>10.2f}")
+    print(f"{'pick / fastest':<30}" + "".join(f"{us[base, L] / us[fastest[L], L]:>10.2f}" for L in lengths))
+    if floors:   # the valid prefix's bytes at the copy ceiling
+        print(f"{'floor µs':<30}" + "".join(f"{floors[L]:>10.2f}" for L in lengths))
+        print(f"{'fastest % floor':<30}" + "".join(f"{100 * floors[L] / us[fastest[L], L]:>9.1f}%" for L in lengths))
+    for L in lengths:
+        best = fastest[L]
+        gain = us[base, L] / us[best, L] - 1
+        if gain > args.min_gain:
+            picks[table_key(torch.bfloat16, 16, B, L)] = best
+        print(f"{table_key(torch.bfloat16, 16, B, L)}: {tag(best)} {us[best, L]:.2f} µs ({100 * gain:+.1f}% on the "
+              f"pick){'' if gain > args.min_gain else ' -> no length pick'}")
+    whole = [c for c in candidates[1:] if not c.max_splits and all(us[c, L] <= 1.01 * us[base, L] for L in lengths)
+             and gm[base] / gm[c] - 1 > args.min_gain]
+    if whole:
+        picks[key] = min(whole, key=gm.get)
+        print(f"{key}: {tag(base)} -> {tag(picks[key])} ({100 * (gm[base] / gm[picks[key]] - 1):+.1f}% geomean, "
+              "no slower at any length)")
+    else:
+        print(f"{key}: {tag(base)} kept (no candidate faster on the geomean and no slower at every length)")
+    return dict(lengths=list(lengths), pick=tag(picks.get(key, base)),
+                floor_us=[(floors or {}).get(L) for L in lengths],
+                rows=[dict(layout=tag(c), config=c.to_json(), us=[us[c, L] for L in lengths]) for c in candidates])
 
 
 def _free(dry_run: bool) -> None:

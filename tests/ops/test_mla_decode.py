@@ -89,18 +89,20 @@ def case_id(B, T, H, dims, S, pos, dtype, start) -> str:
     B=st.integers(1, 3), T=st.integers(1, 3), H=st.integers(1, 6), dims=st.sampled_from(DIMS),
     S=st.integers(3, 80), where=st.floats(0, 1), padded=st.booleans(), data=st.data(),
     dtype=st.sampled_from(list(DTYPES)), block_s=st.sampled_from([16, 32]), min_tiles=st.sampled_from([1, 2, 4]),
-    fused=st.booleans(), seed=st.integers(0, 2**16),
+    fused=st.booleans(), static=st.booleans(), max_splits=st.sampled_from([0, 1, 3]), full_tiles=st.booleans(),
+    seed=st.integers(0, 2**16),
 )
 @example(B=1, T=1, H=3, dims=DIMS[0], S=40, where=0.0, padded=False, data=None, dtype="bf16", block_s=16,
-         min_tiles=1, fused=True, seed=0)                                           # valid length 1
+         min_tiles=1, fused=True, static=False, max_splits=0, full_tiles=True, seed=0)   # valid length 1
 @example(B=2, T=1, H=6, dims=DIMS[1], S=67, where=1.0, padded=False, data=None, dtype="bf16", block_s=16,
-         min_tiles=1, fused=False, seed=1)                                          # the full allocation
+         min_tiles=1, fused=False, static=True, max_splits=0, full_tiles=True, seed=1)   # the full allocation
 @example(B=3, T=3, H=2, dims=DIMS[2], S=50, where=1.0, padded=True, data=None, dtype="fp32", block_s=16,
-         min_tiles=1, fused=True, seed=2)                                           # full, left-padded rows
+         min_tiles=1, fused=True, static=True, max_splits=1, full_tiles=False, seed=2)   # left-padded, one split
 def test_triton_matches_reference_property(B, T, H, dims, S, where, padded, data, dtype, block_s, min_tiles, fused,
-                                           seed):
+                                           static, max_splits, full_tiles, seed):
     """Heads, batch, T, valid lengths from 1 to the allocation, per-row starts, split layouts, both read-backs
-    (the combine kernel and a per-head product, or both in one kernel)."""
+    (the combine kernel and a per-head product, or both in one kernel), the split kernel with its shapes and
+    strides compiled in or not, the split count capped or not, whole tiles unmasked or not."""
     N, R, Vd, Lk = dims
     pos = round(where * (S - T))                                   # valid length pos + T: from T to S
     start = None
@@ -108,7 +110,40 @@ def test_triton_matches_reference_property(B, T, H, dims, S, where, padded, data
         starts = st.lists(st.integers(0, pos + T + 1), min_size=B, max_size=B)   # past pos: padding queries
         start = data.draw(starts) if data is not None else [b * 7 for b in range(B)]
     inputs = make_inputs(B, T, H, N, R, Vd, Lk, S, pos, DTYPES[dtype], start, seed)
-    check_kernel(inputs, TritonConfig(block_s=block_s, min_split_tiles=min_tiles, fused_readback=fused))
+    check_kernel(inputs, TritonConfig(block_s=block_s, min_split_tiles=min_tiles, fused_readback=fused,
+                                      static_strides=static, max_splits=max_splits, full_tiles=full_tiles))
+
+
+def test_static_strides_fall_back_where_cache_rows_are_strided():
+    """``static_strides`` compiles the shapes in only where the cache rows are contiguous: a cache whose rows are
+    strided (here c_kv [B, S, Lk] a transposed view) runs the general kernel, and correctly."""
+    inputs = make_inputs(2, 1, 3, *DIMS[1], S=40, pos=30, dtype=torch.float32, start=[0, 4], seed=6)
+    ref = mla_decode_ref(**inputs)
+    poisoned = poison_outside_valid(inputs)
+    config = TritonConfig(block_s=16, min_split_tiles=1, static_strides=True)
+    launched = []
+    with contextlib.ExitStack() as stack:
+        for name in ("_mla_split", "_mla_split_static"):
+            stack.enter_context(mock.patch.object(mla_triton, name,
+                                                  _Recording(getattr(mla_triton, name), name, launched)))
+        stack.enter_context(nan_buffers())
+        for c_kv, kernel in ((poisoned["c_kv"].transpose(1, 2).contiguous().transpose(1, 2), "_mla_split"),
+                             (poisoned["c_kv"].contiguous(), "_mla_split_static")):
+            launched.clear()
+            out = mla_triton.mla_decode_triton(**{**poisoned, "c_kv": c_kv}, config=config)
+            assert launched == [kernel]
+            assert torch.isfinite(out).all() and rel_err(out, ref) < TOL[torch.float32]
+
+
+class _Recording:
+    """A kernel whose launches are recorded by name."""
+
+    def __init__(self, kernel, name, launched):
+        self.kernel, self.name, self.launched = kernel, name, launched
+
+    def __getitem__(self, grid):
+        self.launched.append(self.name)
+        return self.kernel[grid]
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["combine", "fused"])
@@ -122,23 +157,28 @@ def test_combine_in_several_steps(B, T, start, fused):
         check_kernel(inputs, TritonConfig(block_s=16, min_split_tiles=1, fused_readback=fused))
 
 
-@pytest.mark.parametrize("T,H,start,fused", [(1, 6, None, False), (2, 12, [0, 23], False), (2, 6, [0, 23], True)],
-                         ids=["T1-H6", "T2-H12-start", "T2-H6-start-fused"])
-def test_triton_k3_widths_read_only_the_valid_prefix(T, H, start, fused):
+@pytest.mark.parametrize("T,H,start,fused,static", [(1, 6, None, False, False), (2, 12, [0, 23], False, False),
+                                                    (2, 6, [0, 23], True, False), (1, 12, [0, 23], False, True)],
+                         ids=["T1-H6", "T2-H12-start", "T2-H6-start-fused", "T1-H12-start-static"])
+def test_triton_k3_widths_read_only_the_valid_prefix(T, H, start, fused, static):
     """K3's widths (N 128, R 64, Vd 128, Lk 512; 6 or 12 heads a rank): the rows outside [start_b, pos + T) are NaN,
-    the output is finite and equals the reference, with either read-back."""
+    the output is finite and equals the reference, with either read-back, the shapes compiled in and whole tiles
+    unmasked or not."""
     inputs = make_inputs(2, T, H, *K3_DIMS, S=96, pos=41, dtype=torch.bfloat16, start=start, seed=3)
-    check_kernel(inputs, TritonConfig(block_s=16, min_split_tiles=1, fused_readback=fused))
+    check_kernel(inputs, TritonConfig(block_s=16, min_split_tiles=1, fused_readback=fused, static_strides=static,
+                                      full_tiles=static))
 
 
-@pytest.mark.parametrize("B,fused", [(1, True), (2, False)], ids=["B1-fused", "B2-combine"])
-def test_triton_grid_sized_for_an_h200(B, fused):
+@pytest.mark.parametrize("B,fused,max_splits", [(1, True, 0), (2, False, 0), (1, False, 4)],
+                         ids=["B1-fused", "B2-combine", "B1-combine-4-splits"])
+def test_triton_grid_sized_for_an_h200(B, fused, max_splits):
     """The grids the host lays out for 132 SMs (on the interpreter, which counts none): as many splits as two
-    programs an SM allow, the per-head products narrowed to 16 or 32 output columns, the combine's tiles shaped by
-    the split count; K3's widths, left-padded rows."""
+    programs an SM allow (or ``max_splits``), the per-head products narrowed to 16 or 32 output columns, the
+    combine's tiles shaped by the split count; K3's widths, left-padded rows."""
     inputs = make_inputs(B, 1, 12, *K3_DIMS, S=160, pos=150, dtype=torch.bfloat16, start=[0, 40][:B], seed=5)
     with mock.patch.object(mla_triton, "sm_count", lambda device: 132):
-        check_kernel(inputs, TritonConfig(block_s=16, min_split_tiles=1, fused_readback=fused))
+        check_kernel(inputs, TritonConfig(block_s=16, min_split_tiles=1, fused_readback=fused, max_splits=max_splits,
+                                          static_strides=max_splits > 0, full_tiles=max_splits > 0))
 
 
 def test_query_before_its_row_start_sees_its_own_key():
@@ -152,7 +192,8 @@ def test_query_before_its_row_start_sees_its_own_key():
         assert rel_err(out[1, t], own) < TOL[torch.float32]
 
 
-def test_length_is_read_on_the_device():
+@pytest.mark.parametrize("static", [False, True], ids=["general", "static"])
+def test_length_is_read_on_the_device(static):
     """The host never reads pos or start (a CUDA graph replays one launch for every length): every host read of a
     tensor's value raises during the call, and one set of buffers serves lengths set in place."""
     inputs = make_inputs(2, 1, 3, *DIMS[1], S=70, pos=0, dtype=torch.float32, start=[0, 0])
@@ -169,7 +210,8 @@ def test_length_is_read_on_the_device():
                 mock.patch.object(torch.Tensor, "tolist", no_host_read), \
                 mock.patch.object(torch.Tensor, "__bool__", no_host_read), \
                 mock.patch.object(torch.Tensor, "__int__", no_host_read), nan_buffers():
-            out = mla_triton.mla_decode_triton(**inputs, config=TritonConfig(block_s=16, min_split_tiles=1))
+            out = mla_triton.mla_decode_triton(**inputs, config=TritonConfig(block_s=16, min_split_tiles=1,
+                                                                             static_strides=static, full_tiles=static))
         assert rel_err(out, ref) < TOL[torch.float32]
 
 
@@ -226,6 +268,63 @@ def test_table_picks_are_read_by_gpu_name(tmp_path, monkeypatch):
         dispatch.load_table.cache_clear()
 
 
+def test_table_picks_by_length_apply_to_allocations_within_it():
+    """A pick keyed by length serves caches allocated for at most that many keys (the host knows the allocation, not
+    the valid length); a larger allocation, or a batch without one, takes the batch's pick, then the default."""
+    from k3compile.ops.mla_decode import dispatch
+    from k3compile.ops.mla_decode.config import TritonConfig, default_config
+
+    short = TritonConfig(block_s=32, num_warps=8, static_strides=True, max_splits=16)
+    whole = TritonConfig(block_s=64, num_warps=8, programs_per_sm=1)
+    table = {dispatch.table_key(torch.bfloat16, 12, 1, 1024): short, dispatch.table_key(torch.bfloat16, 12, 1): whole}
+    assert dispatch.table_key(torch.bfloat16, 12, 1, 1000) == "bfloat16 rows=16 batch=1 len=1024"
+    assert [dispatch.length_bucket(n) for n in (1, 2, 1000, 1024, 1025, 131072)] == [1, 2, 1024, 1024, 2048, 131072]
+    assert dispatch.table_pick(table, torch.bfloat16, 12, 1, 700) == short
+    assert dispatch.table_pick(table, torch.bfloat16, 12, 1, 1024) == short
+    assert dispatch.table_pick(table, torch.bfloat16, 12, 1, 1025) == whole
+    assert dispatch.table_pick(table, torch.bfloat16, 12, 1, 131072) == whole
+    assert dispatch.table_pick(table, torch.bfloat16, 12, 8, 1024) == default_config(12, 8)
+
+
+def test_tuner_stage3_picks_by_length_and_for_the_batch():
+    """benchmarks/tune_mla_decode.py's stage 3 rule on made-up times: the fastest of each length where it beats the
+    batch's pick by the margin (a split cap included), the batch's pick only by one no slower at any length; a
+    candidate that failed (inf) never."""
+    import importlib.util
+    import math
+    import os
+    import sys
+    import types
+
+    bench_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
+    sys.path.insert(0, bench_dir)
+    try:
+        spec = importlib.util.spec_from_file_location("tune_mla_decode", os.path.join(bench_dir, "tune_mla_decode.py"))
+        tune = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(tune)
+    finally:
+        sys.path.remove(bench_dir)
+    from k3compile.ops.mla_decode.dispatch import table_key
+
+    pick = TritonConfig(block_s=64, programs_per_sm=1, min_split_tiles=2)
+    capped = TritonConfig(block_s=32, num_warps=8, static_strides=True, max_splits=16)
+    whole = TritonConfig(block_s=64, num_warps=8, static_strides=True)
+    broken = TritonConfig(block_s=16, num_warps=8, num_stages=6)
+    us = {(pick, 1024): 10.0, (pick, 65536): 50.0, (capped, 1024): 7.0, (capped, 65536): 200.0,
+          (whole, 1024): 9.0, (whole, 65536): 45.0, (broken, 1024): math.inf, (broken, 65536): math.inf}
+    key = table_key(torch.bfloat16, 12, 1)
+    picks = {key: pick}
+    report = tune._length_picks(types.SimpleNamespace(min_gain=0.02), 1, (1024, 65536),
+                                [pick, capped, whole, broken], us, picks, key)
+    assert picks == {key: whole, table_key(torch.bfloat16, 12, 1, 1024): capped,
+                     table_key(torch.bfloat16, 12, 1, 65536): whole}
+    assert report["pick"] == tune.tag(whole) and [r["us"] for r in report["rows"]][1] == [7.0, 200.0]
+    us[whole, 1024] = 10.2                       # slower than the pick at one length: the batch keeps its pick
+    picks = {key: pick}
+    tune._length_picks(types.SimpleNamespace(min_gain=0.02), 1, (1024, 65536), [pick, capped, whole], us, picks, key)
+    assert picks[key] == pick
+
+
 @pytest.mark.parametrize("what", ["q_pe heads", "cache batch", "w_kv_b width", "pos shape", "start shape", "int q"])
 def test_bad_inputs_raise(what):
     inputs = make_inputs(2, 1, 3, *DIMS[0], S=9, pos=3, dtype=torch.float32, start=[0, 1])
@@ -253,7 +352,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from k3compile.ops.mla_decode import triton as mt
-from k3compile.ops.mla_decode.config import default_config, row_block
+from k3compile.ops.mla_decode.config import TritonConfig, default_config, row_block
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 MEMORY = ("ld.global", "cp.async", "st.global", "atom.global", "red.global", "prefetch.global")
@@ -295,13 +394,23 @@ for rows in json.loads(sys.argv[1]):      # T x H: 12 and 6 heads a rank at T = 
     for has_start in (False, True):
         consts = dict(LK=512, R=64, BM=row_block(rows), BL=512, BR=64, BS=cfg.block_s,
                       PREFETCH=cfg.prefetch_tiles * cfg.block_s, EARLY=True, HAS_START=has_start, UPCAST=False,
-                      PDL=True, stride_cl=1, stride_kr=1, stride_pr=1)
+                      PDL=True, FULL_TILES=False, stride_cl=1, stride_kr=1, stride_pr=1)
         out[f"split-rows{rows}-{'start' if has_start else 'nostart'}"] = build(
             mt._mla_split, split_ptrs, consts, cfg.num_warps, cfg.num_stages)
+# the shapes and strides compiled in; 4 warps, and 8 with whole tiles unmasked
+for name, cfg in (("split-static", default_config(12)),
+                  ("split-static-8w-full", TritonConfig(block_s=64, num_warps=8, num_stages=3, programs_per_sm=1,
+                                                        full_tiles=True))):
+    out[name] = build(mt._mla_split_static, split_ptrs, dict(
+        LK=512, R=64, BM=16, BL=512, BR=64, BS=cfg.block_s, PREFETCH=cfg.prefetch_tiles * cfg.block_s, EARLY=True,
+        HAS_START=True, UPCAST=False, PDL=True, FULL_TILES=cfg.full_tiles, T=1, H=12, N_SPLIT=132, min_tiles=2,
+        qk_scale=0.104,
+        stride_pb=2304, stride_pt=2304, stride_ph=192, stride_pr=1, stride_cs=512, stride_cl=1, stride_ks=64,
+        stride_kr=1), cfg.num_warps, cfg.num_stages)
 cfg = default_config(12)
 out["split-late"] = build(mt._mla_split, split_ptrs, dict(
     LK=512, R=64, BM=16, BL=512, BR=64, BS=cfg.block_s, PREFETCH=0, EARLY=False, HAS_START=True, UPCAST=False,
-    PDL=True, stride_cl=1, stride_kr=1, stride_pr=1), cfg.num_warps, cfg.num_stages)
+    PDL=True, FULL_TILES=False, stride_cl=1, stride_kr=1, stride_pr=1), cfg.num_warps, cfg.num_stages)
 for brw, bsp in ((1, mt.COMBINE_TILE), (mt.COMBINE_TILE // 4, 4)):     # B 1-8 (many splits), B 64 (4 splits)
     out[f"combine-{brw}x{bsp}"] = build(mt._mla_combine, dict(parts, o_lat=bf16), dict(
         LK=512, BRW=brw, BSP=bsp, BLC=mt.COMBINE_CHUNK, BS=cfg.block_s, EARLY=True, HAS_START=True, PDL=True), 4, 3)
@@ -331,7 +440,7 @@ def test_kernels_compile_for_sm90_without_spills():
 
     pytest.importorskip("triton.backends.nvidia")
     report = ptx_in_a_fresh_process(_AOT_SCRIPT, [12, 6, 48])
-    assert len(report) == 14, report
+    assert len(report) == 16, report
     for name, r in report.items():
         assert r["ok"] and r["spills"] == 0 and r["pdl_order"], (name, r)
         allowed = ("prefetch.global.L2",) if name.startswith("absorb") else ("prefetch.global.L2", "ld.global.cg.")
@@ -385,16 +494,36 @@ def test_gpu_cuda_graph_replays_follow_the_length(B, H, T):
     """One captured step, replayed at lengths 1 .. the whole 128K allocation with per-row starts set in place; each
     replay equals the reference, the rows past each length are NaN, the output buffer is NaN before each replay."""
     inputs = _gpu_inputs(B, H, T, K3_ALLOC)
-    c_kv, k_pe, pos, start = inputs["c_kv"], inputs["k_pe"], inputs["pos"], inputs["start"]
-    clean_c, clean_k = c_kv.clone(), k_pe.clone()
-    mla_decode(**inputs, backend="triton")                 # compile before capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = mla_decode(**inputs, backend="triton")
+    _check_graph_replays(inputs, T, lambda: mla_decode(**inputs, backend="triton"))
     key = dispatch_key(*(inputs[n] for n in ("q_nope", "q_pe", "c_kv", "k_pe", "w_kv_b", "pos", "scale", "start")))
     (choice,) = [c for c in MLA_DECODE.choices() if c.backend == "triton" and c.key == key]
     assert choice.impl == "triton", choice.reason
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,config", [
+    (1, TritonConfig(block_s=32, num_warps=8, num_stages=3, programs_per_sm=1, min_split_tiles=2,
+                     static_strides=True, full_tiles=True, max_splits=16)),
+    (8, TritonConfig(block_s=64, num_warps=8, num_stages=2, programs_per_sm=2, min_split_tiles=1,
+                     static_strides=True, full_tiles=True, maxnreg=128)),
+], ids=["B1-32-8-3-static-full-16-splits", "B8-64-8-2-static-full-r128"])
+def test_gpu_layout_options_cuda_graph(B, config):
+    """The layout options stage 3 of the tuner times (shapes compiled in, whole tiles unmasked, a split cap, a
+    register cap), under the same replays: 12 heads, T 1."""
+    inputs = _gpu_inputs(B, 12, 1, K3_ALLOC)
+    _check_graph_replays(inputs, 1, lambda: mla_triton.mla_decode_triton(**inputs, config=config))
+
+
+def _check_graph_replays(inputs: dict, T: int, step) -> None:
+    """``step()`` captured once and replayed at lengths T .. the allocation, starts set in place, NaN past them."""
+    c_kv, k_pe, pos, start = inputs["c_kv"], inputs["k_pe"], inputs["pos"], inputs["start"]
+    B = c_kv.shape[0]
+    clean_c, clean_k = c_kv.clone(), k_pe.clone()
+    step()                                                 # compile before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
     for length, first in ((T, 0), (1024, 0), (5000, 17), (K3_ALLOC, 0), (K3_ALLOC - 3, 1000)):
         end = length if length >= T else T
         pos.fill_(end - T)

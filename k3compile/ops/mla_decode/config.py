@@ -23,7 +23,13 @@ class TritonConfig:
     (``num_stages - 1`` tiles in flight a program). prefetch_tiles: tiles of its split a program pulls into L2 before
     its PDL wait. fused_readback: the combine and the read-back through w_v in one kernel (a program per query row
     and 16 output columns, each combining its row over the whole Lk: one launch fewer, partials read Vd/16 times).
-    pdl: the kernels launch with PDL where the GPU has it (sm_90+)."""
+    pdl: the kernels launch with PDL where the GPU has it (sm_90+). static_strides: where the cache rows are
+    contiguous, the split kernel with its shapes, split count and strides compiled in, the batch strides aside (fewer
+    kernel parameters to fetch; one build per batch size and layout). maxnreg: a register cap a thread of the split
+    kernel (NVIDIA only; 0: none): 8 warps under 128 registers fit two programs an SM. max_splits: at most this many
+    splits a (sequence, row block) (0: no cap): a grid no wider than the splits a short valid length keeps active.
+    full_tiles: the split kernel streams its split's whole tiles without masks, at per-thread offsets fixed for
+    every tile, and its partial last tile apart (fewer address and predicate instructions a tile)."""
     block_s: int = 32
     min_split_tiles: int = 4
     programs_per_sm: int = 2
@@ -32,6 +38,10 @@ class TritonConfig:
     prefetch_tiles: int = 2
     fused_readback: bool = False
     pdl: bool = True
+    static_strides: bool = False
+    maxnreg: int = 0
+    max_splits: int = 0
+    full_tiles: bool = False
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -48,6 +58,8 @@ def split_count(batch: int, row_blocks: int, alloc: int, sms: int, config: Trito
     of the minimum length."""
     target = config.programs_per_sm * sms if sms else INTERPRETER_PROGRAMS
     most = -(-alloc // (config.block_s * config.min_split_tiles))
+    if config.max_splits:
+        most = min(most, config.max_splits)
     return max(1, min(most, target // (batch * row_blocks)))
 
 

@@ -6,7 +6,10 @@ twice, the kernel the valid prefix once, so the kernel is never the slower one w
 
 The Triton layout (``config.TritonConfig``) is data: ``tables/<gpu>.json``, written by
 ``benchmarks/tune_mla_decode.py``, maps (cache dtype, query rows T*H bucket, batch bucket) to the configuration that
-measured fastest there; without a table, or for a key it lacks, ``config.default_config``.
+measured fastest there, and optionally also by length bucket; without a table, or for a key it lacks,
+``config.default_config``. The length the host knows is the allocation's (the valid length is read on the device, so
+a CUDA graph replays one launch for all): a pick keyed by length applies to caches allocated for at most that many
+keys, whatever they hold; a larger allocation takes its batch's pick.
 
 Nothing here imports Triton: the kernel module loads on first use (``KernelModule``; where it does not import,
 ``available`` says why).
@@ -16,6 +19,7 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -36,8 +40,14 @@ def batch_bucket(batch: int) -> int:
     return min(64, 1 << (max(1, batch).bit_length() - 1))
 
 
-def table_key(dtype: torch.dtype, rows: int, batch: int) -> str:
-    return f"{str(dtype).removeprefix('torch.')} rows={row_block(rows)} batch={batch_bucket(batch)}"
+def length_bucket(length: int) -> int:
+    """The power of two at or above ``length``: the tables' length key."""
+    return 1 << max(0, length - 1).bit_length()
+
+
+def table_key(dtype: torch.dtype, rows: int, batch: int, length: Optional[int] = None) -> str:
+    key = f"{str(dtype).removeprefix('torch.')} rows={row_block(rows)} batch={batch_bucket(batch)}"
+    return key if length is None else f"{key} len={length_bucket(length)}"
 
 
 @functools.cache
@@ -52,11 +62,17 @@ def load_table(device_name: str) -> dict[str, TritonConfig]:
 
 
 def triton_config(c_kv: torch.Tensor, rows: int, batch: int) -> TritonConfig:
-    """The measured pick for this GPU and shape class, else ``config.default_config``."""
+    """The measured pick for this GPU and shape class (by the allocation's length bucket where the table has one, else
+    by batch), else ``config.default_config``."""
     if c_kv.device.type != "cuda":
         return default_config(rows, batch)
-    table = load_table(torch.cuda.get_device_name(c_kv.device))
-    return table.get(table_key(c_kv.dtype, rows, batch), default_config(rows, batch))
+    return table_pick(load_table(torch.cuda.get_device_name(c_kv.device)), c_kv.dtype, rows, batch, c_kv.shape[1])
+
+
+def table_pick(table: dict[str, TritonConfig], dtype: torch.dtype, rows: int, batch: int, alloc: int) -> TritonConfig:
+    """The pick for caches of ``alloc`` keys (its length bucket), else the batch's, else ``config.default_config``."""
+    by_length = table.get(table_key(dtype, rows, batch, alloc))
+    return by_length or table.get(table_key(dtype, rows, batch), default_config(rows, batch))
 
 
 # The predicates and implementations get the op's arguments: (q_nope, q_pe, c_kv, k_pe, w_kv_b, pos, scale, start).

@@ -10,7 +10,8 @@ device):
    device from ``pos`` and ``start``: programs past the valid length exit at once). It walks its split in tiles of
    ``block_s`` keys; each ``c_kv`` / ``k_pe`` tile is loaded once and serves every row twice: the scores
    ``q_lat c_kvᵀ + q_pe k_peᵀ`` and the latent output ``p c_kv``. Online softmax in fp32 (base 2, the scale folded
-   in); the split's unnormalised output, running max and sum go to fp32 scratch.
+   in); the split's unnormalised output, running max and sum go to fp32 scratch. ``_mla_split_static`` is the same
+   program with its shapes and strides compiled in (``TritonConfig.static_strides``).
 3. Either ``_mla_combine`` (one program per block of rows x Lk chunk: the active splits' partials rescaled to their
    common max in one pass, the normalised latent output ``o_lat`` written) and ``_per_head_matmul`` again,
    ``out[b, t, h] = o_lat[b, t, h] @ w_v[h]ᵀ``; or, with ``TritonConfig.fused_readback`` (few query rows: one launch
@@ -48,7 +49,7 @@ from k3compile.backends import is_rocm, local_memory_budget, sm_count, triton_in
 
 from .config import TritonConfig, default_config, fit_local_memory, row_block, split_count
 from .triton_tiles import (  # noqa: F401  (the kernels' device helpers)
-    _combine_step, _dot, _pdl_enter, _prefetch_rows, _split_len, _split_range, _valid_range,
+    _attend_tile, _combine_step, _dot, _load_rows, _pdl_enter, _prefetch_rows, _split_len, _split_range, _valid_range,
 )
 
 LOG2E = 1.4426950408889634
@@ -100,14 +101,14 @@ def _per_head_matmul(x, w, y, M, T, H, K, NOUT,
 
 
 @triton.jit
-def _mla_split(q_lat, q_pe, c_kv, k_pe, pos, start, o_part, m_part, l_part,
-               T, H, N_SPLIT, min_tiles, qk_scale,
-               stride_pb, stride_pt, stride_ph, stride_pr,
-               stride_cb, stride_cs, stride_cl,
-               stride_kb, stride_ks, stride_kr,
-               LK: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr,
-               BS: tl.constexpr, PREFETCH: tl.constexpr, EARLY: tl.constexpr, HAS_START: tl.constexpr,
-               UPCAST: tl.constexpr, PDL: tl.constexpr):
+def _split_program(q_lat, q_pe, c_kv, k_pe, pos, start, o_part, m_part, l_part,
+                   T, H, N_SPLIT, min_tiles, qk_scale,
+                   stride_pb, stride_pt, stride_ph, stride_pr,
+                   stride_cb, stride_cs, stride_cl,
+                   stride_kb, stride_ks, stride_kr,
+                   LK: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr,
+                   BS: tl.constexpr, PREFETCH: tl.constexpr, EARLY: tl.constexpr, HAS_START: tl.constexpr,
+                   UPCAST: tl.constexpr, PDL: tl.constexpr, FULL_TILES: tl.constexpr):
     """Split ``i_sp`` of sequence ``i_b``'s valid keys against query rows ``i_m*BM ..`` (row = t*H + h). ``EARLY``:
     the valid range is read, and the split's first ``PREFETCH`` keys pulled into L2, before the PDL wait."""
     i_b, i_sp, i_m = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
@@ -146,27 +147,68 @@ def _mla_split(q_lat, q_pe, c_kv, k_pe, pos, start, o_part, m_part, l_part,
         b_m = tl.full([BM], float("-inf"), tl.float32)
         b_l = tl.zeros([BM], dtype=tl.float32)
         b_acc = tl.zeros([BM, BL], dtype=tl.float32)
-        for s in range(s0, s1, BS):
+        s_tail = s0
+        if FULL_TILES:   # the split's whole tiles unmasked, at offsets a thread keeps for every tile
+            o_t = tl.arange(0, BS)
+            s_tail = s0 + (s1 - s0) // BS * BS
+            p_tc = p_c + s0.to(tl.int64) * stride_cs
+            p_tk = p_k + s0.to(tl.int64) * stride_ks
+            for s in range(s0, s_tail, BS):
+                b_kv = _load_rows(p_tc, o_t, stride_cs, o_l, stride_cl, LK, BL)
+                b_kp = _load_rows(p_tk, o_t, stride_ks, o_r, stride_kr, R, BR)
+                b_m, b_l, b_acc = _attend_tile(b_q, b_qpe, b_kv, b_kp, s + o_t, s1, last, lo, b_m, b_l, b_acc,
+                                               qk_scale, UPCAST)
+                p_tc += BS * stride_cs
+                p_tk += BS * stride_ks
+        for s in range(s_tail, s1, BS):   # masked: the whole split, or (FULL_TILES) its partial last tile
             o_s = s + tl.arange(0, BS)
             m_s = o_s < s1
             b_kv = tl.load(p_c + o_s.to(tl.int64)[:, None] * stride_cs + o_l[None, :] * stride_cl,
                            mask=m_s[:, None] & m_l[None, :], other=0)
             b_kp = tl.load(p_k + o_s.to(tl.int64)[:, None] * stride_ks + o_r[None, :] * stride_kr,
                            mask=m_s[:, None] & m_r[None, :], other=0)
-            b_qk = _dot(b_q, tl.trans(b_kv), b_kv.dtype, UPCAST) + _dot(b_qpe, tl.trans(b_kp), b_kv.dtype, UPCAST)
-            m_vis = m_s[None, :] & (o_s[None, :] <= last[:, None]) & (o_s[None, :] >= lo[:, None])
-            b_qk = tl.where(m_vis, b_qk * qk_scale, float("-inf"))
-            b_m_new = tl.maximum(b_m, tl.max(b_qk, 1))
-            b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)   # no key seen yet: no -inf - -inf
-            b_alpha = tl.exp2(b_m - b_m_use)
-            b_p = tl.exp2(b_qk - b_m_use[:, None])
-            b_l = b_l * b_alpha + tl.sum(b_p, 1)
-            b_acc = b_acc * b_alpha[:, None] + _dot(b_p, b_kv, b_kv.dtype, UPCAST)
-            b_m = b_m_new
+            b_m, b_l, b_acc = _attend_tile(b_q, b_qpe, b_kv, b_kp, o_s, s1, last, lo, b_m, b_l, b_acc, qk_scale,
+                                           UPCAST)
         o_row = (i_b * N_SPLIT + i_sp) * TH + o_m
         tl.store(o_part + o_row[:, None] * LK + o_l[None, :], b_acc, mask=m_m[:, None] & m_l[None, :])
         tl.store(m_part + o_row, b_m, mask=m_m)
         tl.store(l_part + o_row, b_l, mask=m_m)
+
+
+@triton.jit
+def _mla_split(q_lat, q_pe, c_kv, k_pe, pos, start, o_part, m_part, l_part,
+               T, H, N_SPLIT, min_tiles, qk_scale,
+               stride_pb, stride_pt, stride_ph, stride_pr,
+               stride_cb, stride_cs, stride_cl,
+               stride_kb, stride_ks, stride_kr,
+               LK: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr,
+               BS: tl.constexpr, PREFETCH: tl.constexpr, EARLY: tl.constexpr, HAS_START: tl.constexpr,
+               UPCAST: tl.constexpr, PDL: tl.constexpr, FULL_TILES: tl.constexpr):
+    """``_split_program`` with shapes and strides as run-time arguments: one build serves every layout."""
+    _split_program(q_lat, q_pe, c_kv, k_pe, pos, start, o_part, m_part, l_part, T, H, N_SPLIT, min_tiles, qk_scale,
+                   stride_pb, stride_pt, stride_ph, stride_pr, stride_cb, stride_cs, stride_cl,
+                   stride_kb, stride_ks, stride_kr, LK, R, BM, BL, BR, BS, PREFETCH, EARLY, HAS_START, UPCAST, PDL,
+                   FULL_TILES)
+
+
+@triton.jit
+def _mla_split_static(q_lat, q_pe, c_kv, k_pe, pos, start, o_part, m_part, l_part,
+                      T: tl.constexpr, H: tl.constexpr, N_SPLIT: tl.constexpr, min_tiles: tl.constexpr,
+                      qk_scale: tl.constexpr,
+                      stride_pb: tl.constexpr, stride_pt: tl.constexpr, stride_ph: tl.constexpr,
+                      stride_pr: tl.constexpr,
+                      stride_cb, stride_cs: tl.constexpr, stride_cl: tl.constexpr,
+                      stride_kb, stride_ks: tl.constexpr, stride_kr: tl.constexpr,
+                      LK: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr,
+                      BS: tl.constexpr, PREFETCH: tl.constexpr, EARLY: tl.constexpr, HAS_START: tl.constexpr,
+                      UPCAST: tl.constexpr, PDL: tl.constexpr, FULL_TILES: tl.constexpr):
+    """``_split_program`` with every shape and stride but the batch strides (which follow the allocation) compiled
+    in: a kernel parameter is a constant-memory load, and in a program that runs a few tiles each first use is a
+    miss on its critical path. One build per layout of the cache and the query."""
+    _split_program(q_lat, q_pe, c_kv, k_pe, pos, start, o_part, m_part, l_part, T, H, N_SPLIT, min_tiles, qk_scale,
+                   stride_pb, stride_pt, stride_ph, stride_pr, stride_cb, stride_cs, stride_cl,
+                   stride_kb, stride_ks, stride_kr, LK, R, BM, BL, BR, BS, PREFETCH, EARLY, HAS_START, UPCAST, PDL,
+                   FULL_TILES)
 
 
 @triton.jit
@@ -255,6 +297,10 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
     return torch.empty(*shape, dtype=dtype, device=device)
 
 
+def _rows_contiguous(c_kv: torch.Tensor, k_pe: torch.Tensor) -> bool:
+    return c_kv.stride(-1) == 1 and k_pe.stride(-1) == 1
+
+
 def _upcast(dtype: torch.dtype) -> bool:
     return dtype != torch.float32 and triton_interpret()
 
@@ -322,12 +368,17 @@ def mla_decode_triton(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tens
         start_arg = start if has_start else pos
         BL = triton.next_power_of_2(LK)
         shared = dict(BS=config.block_s, EARLY=early, HAS_START=has_start)
-        _mla_split[(B, n_split, row_blocks)](
+        regs = dict(maxnreg=config.maxnreg) if config.maxnreg and c_kv.device.type == "cuda" and not is_rocm() else {}
+        # the compiled-in shapes only where the cache rows are contiguous (K3's layout): any other layout runs the
+        # general kernel rather than a build per stride
+        split = _mla_split_static if config.static_strides and _rows_contiguous(c_kv, k_pe) else _mla_split
+        split[(B, n_split, row_blocks)](
             q_lat, q_pe, c_kv, k_pe, pos, start_arg, o_part, m_part, l_part, T, H, n_split, config.min_split_tiles,
             scale * LOG2E, *q_pe.stride(), *c_kv.stride(), *k_pe.stride(),
             LK=LK, R=R, BM=BM, BL=BL, BR=max(16, triton.next_power_of_2(R)),
             PREFETCH=config.prefetch_tiles * config.block_s if early else 0, UPCAST=_upcast(dtype),
-            num_warps=config.num_warps, num_stages=config.num_stages, **shared, **_launch(pdl))
+            FULL_TILES=config.full_tiles, num_warps=config.num_warps, num_stages=config.num_stages, **regs, **shared,
+            **_launch(pdl))
 
         out = _empty(B, T, H, VD, dtype=q_nope.dtype, device=c_kv.device)
         if config.fused_readback:

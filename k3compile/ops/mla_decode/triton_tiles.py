@@ -50,6 +50,33 @@ def _prefetch_rows(p, o_row, m_row, stride_row, stride_col, width, BW: tl.conste
 
 
 @triton.jit
+def _load_rows(p, r, stride_r, o_col, stride_col, width, BW: tl.constexpr):
+    """Rows ``r`` of ``p``, columns ``o_col`` (``[BW]``), masked to ``[0, width)`` only where ``width`` < ``BW``.
+    Offsets in 64 bits (a strided cache's may pass 2**31; the loop they serve keeps them in registers)."""
+    p_rows = p + r.to(tl.int64)[:, None] * stride_r + o_col.to(tl.int64)[None, :] * stride_col
+    if width == BW:
+        return tl.load(p_rows)
+    else:
+        return tl.load(p_rows, mask=(o_col < width)[None, :], other=0)
+
+
+@triton.jit
+def _attend_tile(b_q, b_qpe, b_kv, b_kp, o_s, s1, last, lo, b_m, b_l, b_acc, qk_scale, UPCAST: tl.constexpr):
+    """One tile of keys ``o_s`` (``< s1``: in the split; ``b_kv`` / ``b_kp`` their c_kv / k_pe rows) folded into a
+    split's online softmax (base 2, the scale folded in): each query row sees the keys in ``[lo, last]``."""
+    b_qk = _dot(b_q, tl.trans(b_kv), b_kv.dtype, UPCAST) + _dot(b_qpe, tl.trans(b_kp), b_kv.dtype, UPCAST)
+    m_vis = (o_s < s1)[None, :] & (o_s[None, :] <= last[:, None]) & (o_s[None, :] >= lo[:, None])
+    b_qk = tl.where(m_vis, b_qk * qk_scale, float("-inf"))
+    b_m_new = tl.maximum(b_m, tl.max(b_qk, 1))
+    b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)   # no key seen yet: no -inf - -inf
+    b_alpha = tl.exp2(b_m - b_m_use)
+    b_p = tl.exp2(b_qk - b_m_use[:, None])
+    b_l = b_l * b_alpha + tl.sum(b_p, 1)
+    b_acc = b_acc * b_alpha[:, None] + _dot(b_p, b_kv, b_kv.dtype, UPCAST)
+    return b_m_new, b_l, b_acc
+
+
+@triton.jit
 def _split_len(n, N_SPLIT, BS: tl.constexpr, min_tiles):
     """Keys per split for a valid length ``n`` >= 0: an equal share of ``N_SPLIT`` splits, in whole tiles, at least
     ``min_tiles`` tiles. Splits ``[0, cdiv(n, len))`` are active; the split and combine kernels agree through this."""
