@@ -313,17 +313,16 @@ class Mxfp4ExpertsMma:
         """The 32 values of one row's step slot as 16 bf16x2 into rD[:, h] (word by word, ``e2m1x8_bf16``'s
         order), times 2^(s - 127): 2^(min(s, 128) - 1) with the conversion, and with ``exact`` 2^(max(s, 128) - 128)
         after it (255: NaN)."""
-        lo = (cutlass.min(s, 128) + 126) << 7          # bf16 bits of 2^(min(s, 128) - 1)
-        f = lo | (lo << 16)
+        # bf16x2 bits of 2^(min(s, 128) - 1): the biased exponent min(s, 128) + 126 in both halves (one imad)
+        f = cutlass.min(s, 128) * 0x00800080 + 126 * 0x00800080
         for q in cutlass.range_constexpr(4):
             four = e2m1x8_bf16(rW32[q, slot], f)
             for k in cutlass.range_constexpr(4):
                 rD[4 * q + k, h] = four[k]
         if cutlass.const_expr(exact):
-            lo2 = (cutlass.max(s, 128) - 1) << 7
+            f2 = cutlass.max(s, 128) * 0x00800080 - 0x00800080     # 2^(s - 128), 1 where s <= 128
             if s == 255:
-                lo2 = cutlass.Int32(0x7FC0)
-            f2 = lo2 | (lo2 << 16)
+                f2 = cutlass.Int32(0x7FC07FC0)
             for q in cutlass.range_constexpr(16):
                 rD[q, h] = mul_bf16x2(rD[q, h], f2)
 
