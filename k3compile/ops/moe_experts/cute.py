@@ -38,8 +38,8 @@ _SOURCES = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "cute_kerne
 
 @dataclasses.dataclass(frozen=True)
 class Mxfp4MmaConfig:
-    """One product's work division: ``warps_k`` warps a block over slices of K, ``row_groups`` groups of 16 weight
-    rows a block, ``unroll`` K steps of loads in flight a warp."""
+    """The gate/up product's work division (``cute_kernels.Mxfp4GateUpMma``): ``warps_k`` warps a block over slices of
+    K, ``row_groups`` groups of 8 rows of w1 and w3 a block, ``unroll`` K steps of loads in flight a warp."""
     warps_k: int = 4
     row_groups: int = 1
     unroll: int = 2
@@ -60,9 +60,16 @@ class Mxfp4DownConfig:
         return f"w{self.warps}r{self.row_groups}g{self.groups}"
 
 
-# gate/up: K = L (3584 at K3) split over 4 warps; down: K = I (384 / 192) held whole, 256 rows a block
+# Measured at K3 TP 8 on the H200 (docs/tuning/moe_experts.md run 8): gate/up's K = L (3584) over 4 warps a block at
+# M <= 2, over 2 from M 4 (the blocks' prologue reads every pair's id: fewer, longer warps amortise it; 80 against
+# 100 µs at M 8); down's K = I held whole, 128 rows a block
 GATE_UP_CONFIG = Mxfp4MmaConfig(warps_k=4, row_groups=1, unroll=2)
-DOWN_CONFIG = Mxfp4DownConfig()
+GATE_UP_CONFIG_MANY = Mxfp4MmaConfig(warps_k=2, row_groups=1, unroll=2)
+DOWN_CONFIG = Mxfp4DownConfig(warps=4, row_groups=1, groups=2)
+
+
+def gate_up_config(m: int) -> Mxfp4MmaConfig:
+    return GATE_UP_CONFIG if m <= 2 else GATE_UP_CONFIG_MANY
 
 
 def unavailable() -> Reason:
@@ -163,8 +170,7 @@ def build(key):
     if mode == "down":
         kernel = _KERNELS.Mxfp4DownMma(m, a, cfg.warps, cfg.row_groups, cfg.groups, n_steps, big)
     else:
-        kernel = _KERNELS.Mxfp4ExpertsMma(mode, m, a, cfg.warps_k, cfg.row_groups, cfg.unroll, beta, linear_beta,
-                                          big)
+        kernel = _KERNELS.Mxfp4GateUpMma(m, a, cfg.warps_k, cfg.row_groups, cfg.unroll, beta, linear_beta, big)
     return cute.compile(kernel, *fake_args(mode, m, a, ids_dtype), options="--enable-tvm-ffi")
 
 
@@ -212,7 +218,7 @@ def kernels(z, experts, w1, beta, linear_beta, big: bool = True) -> list:
     """[(kind, key)] of the two products a call with these arguments builds at its first call."""
     m, a = experts.shape
     ids = _ids_dtype(experts)
-    return [(KIND, variant("gate_up", m, a, GATE_UP_CONFIG, beta, linear_beta, ids, 0, big)),
+    return [(KIND, variant("gate_up", m, a, gate_up_config(m), beta, linear_beta, ids, 0, big)),
             (KIND, variant("down", m, a, DOWN_CONFIG, None, None, ids, down_steps(w1.shape[1]), big))]
 
 
@@ -238,7 +244,7 @@ def moe_experts_cute(z: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     h = torch.empty((m * a, i_width), dtype=z.dtype, device=z.device)
     part = torch.empty((m * a, l), dtype=torch.float32, device=z.device)
     big = big_scales(w1_scale, w3_scale, w2_scale)
-    up_fn = kernel_cache.get(KIND, variant("gate_up", m, a, GATE_UP_CONFIG, beta, linear_beta, ids.dtype, 0, big))
+    up_fn = kernel_cache.get(KIND, variant("gate_up", m, a, gate_up_config(m), beta, linear_beta, ids.dtype, 0, big))
     down_fn = kernel_cache.get(KIND, variant("down", m, a, DOWN_CONFIG, None, None, ids.dtype, down_steps(i_width),
                                              big))
     with torch.cuda.device(z.device):

@@ -1,9 +1,8 @@
 """The MXFP4 routed experts' decode-form products as mma.sync kernels (NVIDIA sm_90+), the codes read straight into
 registers.
 
-One kernel class, two products (``MODE``): the gate/up product ``h = SiTU-GLU(w1[e] z, w3[e] z)`` and the down product
-``partial = round(w2[e] h) · router weight``. A block is ``warps_k`` warps over one K slice each of the same
-``row_groups`` groups of 16 weight rows; block ``(p, r)`` runs for pair ``p`` only if ``p`` is the first (token, slot)
+Two kernels: ``Mxfp4GateUpMma``, ``h = SiTU-GLU(w1[e] z, w3[e] z)``, and ``Mxfp4DownMma``,
+``partial = round(w2[e] h) · router weight``. A block runs for pair ``p`` only if ``p`` is the first (token, slot)
 pair holding its expert, and then serves every token that chose that expert at once (at most 8: the MMA's N).
 
 Weights are the MMA's A operand (16 rows: gate/up stacks 8 rows of w1 over the same 8 rows of w3, so a lane holds
@@ -13,7 +12,8 @@ row, no shared memory. A dot product may sum its K in any order, so the MMA's K 
 values in the order the conversion produces them (``e2m1x8_bf16``: register k of a word holds elements k and k + 4)
 and the activations are loaded contiguous and permuted the same way (``prmt``), once for all row groups.
 
-Conversion (~2.4 instructions a value): each E2M1 code's sign and magnitude bits are moved into a bf16 bit pattern
+Conversion (``e2m1_bits.py``; three integer instructions and one bf16x2 multiply a pair of values): each E2M1
+code's sign and magnitude bits are moved into a bf16 bit pattern
 worth value · 2^-126 (the magnitude's two exponent bits at the bottom of bf16's exponent, its mantissa bit on top of
 bf16's mantissa: zero and 0.5 come out subnormal), then one bf16x2 multiply by 2^(scale - 1) makes them
 value · 2^(scale - 127) exactly, as ``reference.dequantize_mxfp4`` rounds them. A scale above 2^1 (byte > 128: never
@@ -36,9 +36,6 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from k3compile.kernels.cute.asm import mma_16816, prefetch_bulk_l2
 from k3compile.ops.moe_experts import e2m1_bits
-
-GATE_UP, DOWN = "gate_up", "down"
-STEP = 128   # K values a warp takes per step: 4 lanes x 32
 
 
 _E2M1X8_PTX = e2m1_bits.e2m1x8_ptx()
@@ -78,22 +75,20 @@ def prmt(a, b, selector: int, *, loc=None, ip=None):
     ))
 
 
-class Mxfp4ExpertsMma:
-    """One product of the decode form (``MODE``), M <= 8 tokens, bf16 activations, MXFP4 weights.
+class Mxfp4GateUpMma:
+    """The gate/up product, M <= 8 tokens, bf16 activations, MXFP4 weights: ``fn(z [M, L], ids [M·A], weights
+    (unused), w1, w3 [E, I, L/2], s1, s3 [E, I, L/32], h [M·A, I])``. Block ``(p, r)``: ``row_groups`` groups of 8 rows
+    of w1 and w3 from ``r · 8 · row_groups``, K split over ``warps_k`` warps (their sums meet in shared memory),
+    ``unroll`` steps of loads in flight a warp."""
 
-    Gate/up: ``fn(z [M, L], ids [M·A], weights (unused), w1, w3 [E, I, L/2], s1, s3 [E, I, L/32], h [M·A, I])``.
-    Down: ``fn(h [M·A, I], ids, weights [M·A] fp32, w2, w2, s2, s2, partial [M·A, L] fp32)``.
-    """
-
-    def __init__(self, mode: str, m: int, a: int, warps_k: int, row_groups: int, unroll: int,
-                 beta, linear_beta, big_scales: bool):
-        assert mode in (GATE_UP, DOWN) and 1 <= m <= 8
-        self.mode, self.m, self.a = mode, m, a
+    def __init__(self, m: int, a: int, warps_k: int, row_groups: int, unroll: int, beta, linear_beta,
+                 big_scales: bool):
+        assert 1 <= m <= 8
+        self.m, self.a = m, a
         self.big_scales = big_scales
         self.wk, self.rg, self.unroll = warps_k, row_groups, unroll
         self.threads = 32 * warps_k
-        # rows a block produces: gate/up 8 of w1 (and the same of w3) a row group, down 16 of w2
-        self.rows_per_group = 8 if mode == GATE_UP else 16
+        self.rows_per_group = 8   # of w1, and the same of w3
         self.beta, self.linear_beta = beta, linear_beta
         self.smem = 4 * 4 * 32 * row_groups * warps_k   # the K-warps' accumulators, fp32
 
@@ -122,12 +117,7 @@ class Mxfp4ExpertsMma:
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor, mW0: cute.Tensor, mW1: cute.Tensor,
                mS0: cute.Tensor, mS1: cute.Tensor, mOut: cute.Tensor):
-        M: cutlass.Constexpr = self.m
-        A: cutlass.Constexpr = self.a
         RG: cutlass.Constexpr = self.rg
-        U: cutlass.Constexpr = self.unroll
-        WK: cutlass.Constexpr = self.wk
-        DOWNP: cutlass.Constexpr = self.mode == DOWN
         tidx, _, _ = cute.arch.thread_idx()
         p, rb, _ = cute.arch.block_idx()
         wk = tidx // 32
@@ -143,58 +133,28 @@ class Mxfp4ExpertsMma:
         valid = (e >= 0) & (e < E)
         ec = cutlass.max(cutlass.min(e, E - 1), 0)
 
-        if cutlass.const_expr(DOWNP):
-            # before the wait: warm L2 with this block's w2 rows, one bulk prefetch a row (coherent with the previous
-            # kernels' stores, so any weight may take it)
-            if valid:
-                if tidx < self.rows_per_group * RG:
-                    row = cutlass.min(n0 + tidx, N - 1)
-                    prefetch_bulk_l2(mW0[ec, row, None].iterator.toint(), cutlass.Int32(K // 2))
         cute.arch.griddepcontrol_wait()
-        if cutlass.const_expr(not DOWNP):
-            cute.arch.griddepcontrol_launch_dependents()   # the down kernel settles and warms L2 (module doc)
-
+        cute.arch.griddepcontrol_launch_dependents()   # the down kernel settles and warms L2 (module doc)
         run = valid
         if valid:
             run = self.first_of_expert(mIds, p, e, lane)
         if run:
-            self.product(mX, mIds, mWts, mW0, mW1, mS0, mS1, mOut, p, ec, n0, wk, lane, g, t, N, K)
-        if cutlass.const_expr(DOWNP):
-            cute.arch.griddepcontrol_launch_dependents()
+            self.product(mX, mIds, mW0, mW1, mS0, mS1, mOut, ec, n0, wk, lane, g, t, N, K)
 
     @cute.jit
-    def x_row(self, mIds: cute.Tensor, p, e, tok):
-        """The row of the B operand for token ``tok``: z's row (gate/up), or h's row of the token's first pair
-        holding ``e`` (down; ``p`` where the token holds none: its column is never stored)."""
-        row = cutlass.min(tok, self.m - 1)
-        if cutlass.const_expr(self.mode == DOWN):
-            row = p
-            for a in cutlass.range_constexpr(self.a - 1, -1, -1):
-                if tok < self.m:
-                    if mIds[tok * self.a + a].to(cutlass.Int32) == e:
-                        row = tok * self.a + a
-        return row
-
-    @cute.jit
-    def product(self, mX: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor, mW0: cute.Tensor, mW1: cute.Tensor,
-                mS0: cute.Tensor, mS1: cute.Tensor, mOut: cute.Tensor, p, e, n0, wk, lane, g, t, N, K):
+    def product(self, mX: cute.Tensor, mIds: cute.Tensor, mW0: cute.Tensor, mW1: cute.Tensor, mS0: cute.Tensor,
+                mS1: cute.Tensor, mOut: cute.Tensor, e, n0, wk, lane, g, t, N, K):
         RG: cutlass.Constexpr = self.rg
         U: cutlass.Constexpr = self.unroll
         WK: cutlass.Constexpr = self.wk
-        GATE: cutlass.Constexpr = self.mode == GATE_UP
 
-        # the A rows of row group r: 0..7 from W0, 8..15 from W1 (gate/up: the same rows of w1 and w3; down: two
-        # blocks of 8 rows of w2); rows past N are clamped and never stored
+        # the A rows of row group r: 0..7 the rows of w1, 8..15 the same rows of w3; past N clamped, never stored
         rows0 = []
         rows1 = []
         for r in cutlass.range_constexpr(RG):
-            if cutlass.const_expr(GATE):
-                rows0.append(cutlass.min(n0 + r * 8 + g, N - 1))
-                rows1.append(cutlass.min(n0 + r * 8 + g, N - 1))
-            else:
-                rows0.append(cutlass.min(n0 + r * 16 + g, N - 1))
-                rows1.append(cutlass.min(n0 + r * 16 + 8 + g, N - 1))
-        xrow = self.x_row(mIds, p, e, g)
+            rows0.append(cutlass.min(n0 + r * 8 + g, N - 1))
+            rows1.append(cutlass.min(n0 + r * 8 + g, N - 1))
+        xrow = cutlass.min(g, self.m - 1)   # token g's z (tokens past M: a copy, never stored)
 
         # the rows this lane reads, as [(16 bytes / 8 values), vector] tensors: their addresses computed once
         gW0 = cute.logical_divide(mW0, (None, None, 16))   # [E, rows, (16 bytes, K/32)]
@@ -253,12 +213,7 @@ class Mxfp4ExpertsMma:
                     c.append(s)
                 # lane (g, t) holds rows g (c0, c1) and g + 8 (c2, c3) for tokens 2t and 2t + 1
                 for x in cutlass.range_constexpr(2):
-                    tok = 2 * t + x
-                    if cutlass.const_expr(GATE):
-                        self.store_h(mIds, mOut, e, tok, n0 + r * 8 + g, N, c[x], c[2 + x])
-                    else:
-                        self.store_partial(mIds, mWts, mOut, e, tok, n0 + r * 16 + g, N, c[x])
-                        self.store_partial(mIds, mWts, mOut, e, tok, n0 + r * 16 + 8 + g, N, c[2 + x])
+                    self.store_h(mIds, mOut, e, 2 * t + x, n0 + r * 8 + g, N, c[x], c[2 + x])
 
     @cute.jit
     def load_step(self, codes: list, scales: list, xs: cute.Tensor, k0, u: cutlass.Constexpr, rW: cute.Tensor,
@@ -346,18 +301,6 @@ class Mxfp4ExpertsMma:
                         mH[tok * self.a + a, i] = hv
 
     @cute.jit
-    def store_partial(self, mIds: cute.Tensor, mWts: cute.Tensor, mPart: cute.Tensor, e, tok, n, N, y):
-        """partial = y rounded to the activations' dtype (the model rounds the down product), times the router
-        weight of each pair of token ``tok`` holding ``e``."""
-        if tok < self.m:
-            if n < N:
-                yr = y.to(cutlass.BFloat16).to(cutlass.Float32)
-                for a in cutlass.range_constexpr(self.a):
-                    q = tok * self.a + a
-                    if mIds[q].to(cutlass.Int32) == e:
-                        mPart[q, n] = yr * mWts[q].to(cutlass.Float32)
-
-    @cute.jit
     def sigmoid(self, x):
         return cutlass.Float32(1.0) / (cutlass.Float32(1.0) + cute.math.exp(-x))
 
@@ -375,7 +318,7 @@ def top_bit(x, *, loc=None, ip=None):
     ))
 
 
-class Mxfp4DownMma(Mxfp4ExpertsMma):
+class Mxfp4DownMma(Mxfp4GateUpMma):
     """The down product with the B operand held: block ``(p, s)`` takes w2's rows ``[s·R, (s + 1)·R)``,
     R = 16 · ``row_groups`` · ``warps`` · ``groups``, its warps taking ``row_groups`` groups of 16 rows at a time in
     turn. K = I is short (384 at K3 TP 8): each warp loads h's rows for the whole of it once (``n_steps`` steps of
@@ -384,7 +327,7 @@ class Mxfp4DownMma(Mxfp4ExpertsMma):
     slots, built once)."""
 
     def __init__(self, m: int, a: int, warps: int, row_groups: int, groups: int, n_steps: int, big_scales: bool):
-        super().__init__(DOWN, m, a, 1, row_groups, n_steps, None, None, big_scales)
+        super().__init__(m, a, 1, row_groups, n_steps, None, None, big_scales)
         self.wn, self.groups, self.ns = warps, groups, n_steps
         self.threads = 32 * warps
         self.rows_per_block = 16 * row_groups * warps * groups
@@ -433,7 +376,7 @@ class Mxfp4DownMma(Mxfp4ExpertsMma):
         g = lane // 4
         t = lane % 4
         # B: token g's row of h over the whole K, in the conversion's order (16 bf16x2 a step)
-        xs = cute.logical_divide(mX, (None, 8))[self.x_row(mIds, p, e, g), None]
+        xs = cute.logical_divide(mX, (None, 8))[self.h_row(mIds, p, e, g), None]
         rX = cute.make_rmem_tensor((8, 4 * NS), mX.element_type)
         rX32 = cute.recast_tensor(rX, cutlass.Int32)
         rX32.fill(0)
@@ -507,6 +450,17 @@ class Mxfp4DownMma(Mxfp4ExpertsMma):
                         tok = 2 * t + x
                         self.store_rows(mWts, mOut, slots[x], tok, base + r * 16 + g, N, acc[x, r])
                         self.store_rows(mWts, mOut, slots[x], tok, base + r * 16 + 8 + g, N, acc[2 + x, r])
+
+    @cute.jit
+    def h_row(self, mIds: cute.Tensor, p, e, tok):
+        """h's row of token ``tok``'s first pair holding ``e`` (``p`` where the token holds none: its column is never
+        stored)."""
+        row = p
+        for a in cutlass.range_constexpr(self.a - 1, -1, -1):
+            if tok < self.m:
+                if mIds[tok * self.a + a].to(cutlass.Int32) == e:
+                    row = tok * self.a + a
+        return row
 
     @cute.jit
     def store_rows(self, mWts: cute.Tensor, mPart: cute.Tensor, mask, tok, n, N, y):

@@ -1,0 +1,78 @@
+"""The CuTe MXFP4 experts kernels (``k3compile/ops/moe_experts/cute.py``) alone under a few work divisions (GPU).
+
+    python benchmarks/tune_moe_experts_cute.py [I]      # I = 384 (TP 8, the default) or 192 (TP 16)
+
+K3 rank widths (E 896, top-16, L 3584), M 1 and 8, random routing; each row first checked against the fp32 reference
+(its relative error printed), then timed as 40 calls on 40 different routings in one CUDA graph (the experts stream
+from HBM, not L2), the best of 5 replays, µs a call. The picks live in ``cute.py`` (``gate_up_config``,
+``DOWN_CONFIG``); ``docs/tuning/moe_experts.md`` (run 8) has the last run.
+"""
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from k3compile.ops.moe_experts import cute  # noqa: E402
+from k3compile.ops.moe_experts.reference import moe_experts_ref  # noqa: E402
+from k3compile.testing import rel_err  # noqa: E402
+
+torch.manual_seed(0)
+E, A, L, I = 896, 16, 3584, int(sys.argv[1]) if len(sys.argv) > 1 else 384
+dev = "cuda"
+
+
+def codes(r, c):
+    return torch.randint(0, 256, (E, r, c // 2), dtype=torch.uint8, device=dev)
+
+
+def scl(r, c):   # bytes <= 128: the variants without the second multiply, as a real checkpoint takes
+    return torch.randint(118, 122, (E, r, c // 32), dtype=torch.uint8, device=dev)
+
+
+w1, w3, w2 = codes(I, L), codes(I, L), codes(L, I)
+s1, s3, s2 = scl(I, L), scl(I, L), scl(L, I)
+BET = (4.0, 25.0)
+GU = [cute.Mxfp4MmaConfig(4, 1, 2), cute.Mxfp4MmaConfig(4, 1, 4), cute.Mxfp4MmaConfig(8, 1, 2),
+      cute.Mxfp4MmaConfig(2, 1, 2), cute.Mxfp4MmaConfig(4, 2, 2), cute.Mxfp4MmaConfig(7, 1, 2)]
+DN = [cute.Mxfp4DownConfig(4, 2, 2), cute.Mxfp4DownConfig(4, 1, 2), cute.Mxfp4DownConfig(4, 2, 1),
+      cute.Mxfp4DownConfig(4, 1, 1), cute.Mxfp4DownConfig(8, 1, 1), cute.Mxfp4DownConfig(2, 2, 2),
+      cute.Mxfp4DownConfig(4, 1, 4)]
+for m in (1, 8):
+    R = 40
+    zs = [torch.randn(m, L, device=dev).to(torch.bfloat16) for _ in range(R)]
+    ids = [torch.stack([torch.randperm(E, device=dev)[:A] for _ in range(m)]) for _ in range(R)]
+    wts = [torch.rand(m, A, device=dev) + 0.1 for _ in range(R)]
+    ref = moe_experts_ref(zs[0], ids[0], wts[0], w1, w3, w2, s1, s3, s2, *BET)
+    for which, cfgs in (("gate_up", GU), ("down", DN)):
+        for cfg in cfgs:
+            if which == "gate_up":
+                cute.GATE_UP_CONFIG = cute.GATE_UP_CONFIG_MANY = cfg
+            else:
+                cute.DOWN_CONFIG = cfg
+            try:
+                out = cute.moe_experts_cute(zs[0], ids[0], wts[0], w1, w3, w2, s1, s3, s2, *BET)
+                err = rel_err(out, ref)
+
+                def fn(r):
+                    return cute.moe_experts_cute(zs[r], ids[r], wts[r], w1, w3, w2, s1, s3, s2, *BET, only=which)
+                for r in range(R):
+                    fn(r)
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for r in range(R):
+                        fn(r)
+                best = 1e9
+                for _ in range(5):
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    g.replay()
+                    b.record()
+                    torch.cuda.synchronize()
+                    best = min(best, a.elapsed_time(b) * 1000 / R)
+                print(f"I{I} M{m} {which:8s} {cfg.tag():10s} {best:7.1f} us  err {err:.1e}", flush=True)
+            except Exception as ex:
+                print(f"I{I} M{m} {which:8s} {cfg.tag():10s} FAILED {type(ex).__name__}: {str(ex)[:200]}", flush=True)
+        cute.GATE_UP_CONFIG = cute.GATE_UP_CONFIG_MANY = GU[0]
+        cute.DOWN_CONFIG = DN[0]
