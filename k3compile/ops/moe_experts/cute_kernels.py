@@ -12,14 +12,14 @@ row, no shared memory. A dot product may sum its K in any order, so the MMA's K 
 values in the order the conversion produces them (``e2m1x8_bf16``: register k of a word holds elements k and k + 4)
 and the activations are loaded contiguous and permuted the same way (``prmt``), once for all row groups.
 
-Conversion (``e2m1_bits.py``; three integer instructions and one bf16x2 multiply a pair of values): each E2M1
-code's sign and magnitude bits are moved into a bf16 bit pattern
-worth value · 2^-126 (the magnitude's two exponent bits at the bottom of bf16's exponent, its mantissa bit on top of
-bf16's mantissa: zero and 0.5 come out subnormal), then one bf16x2 multiply by 2^(scale - 1) makes them
-value · 2^(scale - 127) exactly, as ``reference.dequantize_mxfp4`` rounds them. A scale above 2^1 (byte > 128: never
-in a real checkpoint) needs a second multiply, a scale byte of 255 NaN: the variants built with ``big_scales`` take
-it on every value (the host picks them unless it has seen every scale byte of the call's weights at 128 or below; a
-warp-uniform branch around the multiply was predicated by ptxas into both paths, costing more than the multiply).
+Conversion (``e2m1_bits.py``; three integer instructions and one bf16x2 multiply a pair of values): each E2M1 code's
+sign and magnitude bits are moved into a bf16 bit pattern worth value · 2^-126 (the magnitude's two exponent bits at
+the bottom of bf16's exponent, its mantissa bit on top of bf16's mantissa: zero and 0.5 come out subnormal), then one
+bf16x2 multiply by 2^(scale - 1) makes them value · 2^(scale - 127) exactly, as ``reference.dequantize_mxfp4`` rounds
+them. A scale above 2^1 (byte > 128: never in a real checkpoint) needs a second multiply, a scale byte of 255 NaN: the
+variants built with ``big_scales`` take it on every value (the host picks them unless it has seen every scale byte of
+the call's weights at 128 or below; a warp-uniform branch around the multiply was predicated by ptxas into both paths,
+costing more than the multiply).
 
 PDL: both products wait before reading z / h or the ids. The gate/up kernel lets the down kernel launch right after
 its wait; the down kernel finds its expert and prefetches its w2 rows into L2 before its own wait (the ids were
