@@ -176,3 +176,30 @@ def test_gpu_op_picks_cute_and_replays_in_a_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert rel_err(out, moe_experts_ref(*args, *K3_BETAS)) < 1e-2, seed
+
+
+def test_plan_names_the_kernels_the_first_call_builds(monkeypatch):
+    """Planning (stand-in tensors on a GPU, nothing allocated) asks for exactly the variants a first call with scales
+    at most 2^1 loads: both products, the configuration of its M."""
+    from k3compile.call_sites import stand_in
+    from k3compile.ops.moe_experts import dispatch
+
+    monkeypatch.setattr(dispatch, "cute_can_run_on", lambda *tensors: None)
+    monkeypatch.setattr(cute, "unavailable", lambda: None)
+    MOE_EXPERTS.clear()
+    try:
+        for m in (1, 8):
+            e, a, i, l = 896, 16, 384, 3584
+            z = stand_in((m, l), torch.bfloat16, "cuda")
+            experts = stand_in((m, a), torch.int64, "cuda")
+            weights = stand_in((m, a), torch.float32, "cuda")
+            w1, w3 = (stand_in((e, i, l // 2), torch.uint8, "cuda") for _ in range(2))
+            w2 = stand_in((e, l, i // 2), torch.uint8, "cuda")
+            s1, s3 = (stand_in((e, i, l // 32), torch.uint8, "cuda") for _ in range(2))
+            s2 = stand_in((e, l, i // 32), torch.uint8, "cuda")
+            builds = dispatch.kernels(z, experts, weights, w1, w3, w2, s1, s3, s2, *K3_BETAS)
+            want = cute.kernels(z, experts, w1, *K3_BETAS, big=False)
+            assert [(b.kind, b.key) for b in builds] == want
+            assert want[0][1][3] == cute.gate_up_config(m) and want[1][1][7] == 3
+    finally:
+        MOE_EXPERTS.clear()

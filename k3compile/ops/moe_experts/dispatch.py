@@ -77,6 +77,13 @@ def _cute_supports(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale
     return cute.supports(z, experts, weights, w1, w3, w2, w1_scale, small_m_limit)
 
 
+def _cute_kernels(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, small_m_limit, beta=None,
+                  linear_beta=None) -> list:
+    # the variants without the second scale multiply: planning cannot read the scales, a real checkpoint needs none
+    # (a call whose scales do builds the exact ones at its first call)
+    return cute.kernels(z, experts, w1, beta, linear_beta, big=False)
+
+
 def _run_cute(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, beta, linear_beta, small_m_limit):
     return cute.moe_experts_cute(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, beta, linear_beta)
 
@@ -116,8 +123,9 @@ MOE_EXPERTS = register_op_impls(OpImpls(
     "moe_experts",
     reference=Impl(_run_reference),
     triton=Impl(_run_triton, _triton_available, _triton_supports, _triton_profitable),
-    cute=Impl(_run_cute, _cute_available, _cute_supports),
+    cute=Impl(_run_cute, _cute_available, _cute_supports, kernels=_cute_kernels),
     aten=Impl(_run_dense),   # the dense form through cuBLAS, where the table measured it faster
+    plan=lambda **call: kernels(**call),   # defined below
 ))
 
 
@@ -133,6 +141,15 @@ def key(z, experts, weights, w1, w3, w2, w1_scale, small_m_limit) -> tuple:
     return (z.device.type, (_dtype_name(z.dtype), weight_format(w1_scale), form, f"M={m}", f"A={experts.shape[1]}",
                             f"E={w1.shape[0]}", f"I={w1.shape[1]}", f"L={l}",
                             *(("strided",) if not all(_layout(t)[0] for t in (z, w1, w3, w2)) else ())))
+
+
+def kernels(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, beta, linear_beta, backend: str = "auto",
+            small_m_limit: int = 16) -> list:
+    """The kernels a call of ``k3::moe_experts`` with these arguments (``op.py``'s) builds at its first call: the CuTe
+    products where dispatch picks them (``k3compile/precompile.py`` builds them ahead); the Triton kernels JIT."""
+    args = (z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, small_m_limit)
+    return MOE_EXPERTS.kernels(backend, key(z, experts, weights, w1, w3, w2, w1_scale, small_m_limit), args,
+                               beta=beta, linear_beta=linear_beta)
 
 
 def choose(backend, z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, small_m_limit):
