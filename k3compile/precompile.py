@@ -49,7 +49,7 @@ from . import kernel_cache
 from .backends import REGISTRY
 from .call_sites import plan
 from .kernel_cache import Build
-from .workers import WorkerPool
+from .workers import WorkerPool, shared_pool
 
 log = logging.getLogger("k3compile")
 
@@ -98,7 +98,8 @@ class PrecompileRecord:
     plan_seconds: float = 0.0      # planning, in this process
     plan_in_pass_seconds: float = 0.0   # of which inside Inductor's compile (our pass's call)
     waited_seconds: float = 0.0    # waiting for builds after Inductor finished: what it added to the compile
-    workers: int = 0               # worker processes started
+    workers: int = 0               # worker processes of the pool it used
+    pool_reused: bool = False      # the pool an earlier graph of this process had started (its workers imported)
 
 
 _ACTIVE = threading.local()
@@ -194,9 +195,10 @@ class Batch:
             self._futures[pool.submit(kernel_cache.build_file, kernel_cache.BUILDERS[b.kind], b.key, path)] = kk
 
     def _pool_for(self, kind: str) -> WorkerPool:
-        if self._pool is None:
+        if self._pool is None:   # the process's pool for these workers: the graphs of a process share it
             timeout = float(os.environ.get(TIMEOUT_ENV, "") or 600)
-            self._pool = WorkerPool(_workers(), kernel_cache.BUILDERS[kind].worker_env(), timeout)
+            self._pool, self.record.pool_reused = shared_pool(_workers(), kernel_cache.BUILDERS[kind].worker_env(),
+                                                              timeout)
         return self._pool
 
     def prestart(self) -> None:
@@ -210,8 +212,8 @@ class Batch:
                 return
 
     def finish(self) -> PrecompileRecord:
-        """Wait for every build (a failed one re-plans the calls that needed it); the pool is closed. Never raises:
-        what is not built by then builds at its first call."""
+        """Wait for every build (a failed one re-plans the calls that needed it); the pool stays for the process's
+        next graph. Never raises: what is not built by then builds at its first call."""
         start = time.perf_counter()
         try:
             for _ in range(MAX_ROUNDS):
@@ -272,13 +274,11 @@ class Batch:
                     "(k3compile.report(model) names it)", name, where, error)
 
     def close(self) -> None:
-        """The workers end (killed where builds are still running: an error cut the wait short)."""
-        if self._pool is None:
-            return
-        if self._futures:
-            self._pool.kill()
-        else:
-            self._pool.close()
+        """Builds of this batch still queued or running (an error cut the wait short) are dropped, their workers
+        killed; the shared pool serves the process's other graphs on."""
+        if self._pool is not None and self._futures:
+            self._pool.abandon(list(self._futures))
+            self._futures.clear()
 
 
 def should_prestart(devices, stored_record) -> bool:
