@@ -164,6 +164,8 @@ def child(args) -> dict:
                    registration_s=rep.registration_seconds,   # of "passes": tracing the patterns
                    graph_regions=[g.regions for g in rep.graphs], kernel_keys=sum(
                        1 for c in rep.choices if c.first_call_seconds is not None),
+                   # the first call's host time per op and implementation (their JIT builds or cache loads)
+                   first_calls=_first_calls(rep.choices),
                    ahead=dict(compiled=rep.kernels_compiled, cached=rep.kernel_cache_hits,
                               failed=rep.kernel_failures, build_s=rep.kernel_compile_seconds,
                               wall_s=sum(r.wall_seconds for r in ahead), workers=max([r.workers for r in ahead] or [0]),
@@ -183,6 +185,16 @@ def child(args) -> dict:
     out["split"] = {"dynamo": frame - backend, "aot": backend - inductor - (plan - plan_in_pass) - waited,
                     "inductor": inductor - passes - plan_in_pass, "passes": passes,
                     "k3 kernels": plan + waited + first_calls, "other": first - steady - frame - first_calls}
+    return out
+
+
+def _first_calls(choices) -> dict:
+    """{"op (impl)": [first calls, seconds]}."""
+    out: dict = {}
+    for c in choices:
+        if c.first_call_seconds is not None:
+            n, t = out.get(f"{c.op} ({c.impl})", (0, 0.0))
+            out[f"{c.op} ({c.impl})"] = [n + 1, round(t + c.first_call_seconds, 3)]
     return out
 
 
