@@ -62,7 +62,7 @@ def _receive_bytes(stream) -> bytes:
 
 def worker_environment(env: dict) -> dict:
     """What a worker's environment is: this process's, ``env`` added, and this process's ``sys.path``."""
-    return {**os.environ, **env,
+    return {**os.environ, **env, "K3_BUILD_WORKER": "1",   # k3compile's own imports skipped: seconds a worker
             "PYTHONPATH": os.pathsep.join(p for p in [*sys.path, os.environ.get("PYTHONPATH")] if p)}
 
 
