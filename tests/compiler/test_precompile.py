@@ -151,6 +151,28 @@ def test_the_pool_ends_idle_workers_drops_abandoned_jobs_and_shuts_down():
     assert not any(t.is_alive() for t in pool._threads) and pool._slots[0].proc is None
 
 
+def test_a_mark_of_the_kernel_modules_import_spares_a_later_process_the_dsl(monkeypatch, tmp_path):
+    """The CuTe availability check imports the kernel modules once an install: a process that finds the mark (left by
+    a precompile worker's warm-up or an earlier run) imports nothing; a DSL that does not import leaves no mark."""
+    from k3compile.kernel_module import KernelModule
+    from k3compile.kernels.cute.configs import MmaConfig, WgmmaConfig
+
+    def modules(*names):
+        return {cfg: (KernelModule(name, lambda: None), "K") for cfg, name in zip((MmaConfig, WgmmaConfig), names)}
+
+    monkeypatch.setattr(cute_kernels, "directory", lambda: str(tmp_path))
+    first = modules("json", "csv")
+    monkeypatch.setattr(cute_kernels, "KERNEL_MODULES", first)
+    assert cute_kernels.unavailable() is None and all(m._loaded is not None for m, _ in first.values())
+    later = modules("json", "csv")   # a new process: nothing imported yet
+    monkeypatch.setattr(cute_kernels, "KERNEL_MODULES", later)
+    assert cute_kernels.unavailable() is None and all(m._loaded is None for m, _ in later.values())
+    (tmp_path / cute_kernels.IMPORTED_MARK).unlink()
+    monkeypatch.setattr(cute_kernels, "KERNEL_MODULES", modules("json", "k3compile.no_such_kernels"))
+    assert "does not import" in cute_kernels.unavailable()
+    assert not (tmp_path / cute_kernels.IMPORTED_MARK).exists()
+
+
 def test_workers_start_with_the_compile_only_when_it_is_cold_and_on_a_gpu():
     assert should_prestart(("cuda",), None)
     assert not should_prestart(("cuda",), GraphRecord()) and not should_prestart(("cpu",), None)
