@@ -9,6 +9,7 @@ it (:func:`build_file` is what a precompile worker runs).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -44,6 +45,26 @@ class Build:
     op: str
     dispatch_key: Hashable
     impl: str
+
+
+_AHEAD = threading.local()
+
+
+@contextlib.contextmanager
+def planning_ahead():
+    """Within this block (``precompile``'s planning, in this thread) a kind may take its compiler's import on trust
+    (``cute``'s ``unavailable``): the builds ahead import it in the workers, and a build that fails there falls back
+    with the reason; planning need not pay the import in this process."""
+    outer = getattr(_AHEAD, "on", False)
+    _AHEAD.on = True
+    try:
+        yield
+    finally:
+        _AHEAD.on = outer
+
+
+def is_planning_ahead() -> bool:
+    return getattr(_AHEAD, "on", False)
 
 
 BUILDERS: dict[str, Builder] = {}

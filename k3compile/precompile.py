@@ -169,7 +169,8 @@ class Batch:
 
     def _plan(self, site: dict) -> None:
         try:
-            builds = plan(site)
+            with kernel_cache.planning_ahead():   # the workers check the kernels' compiler imports, not this process
+                builds = plan(site)
         except Exception as e:
             self._unplanned(f"k3::{site['op']}: planning raised {type(e).__name__}: {e}")
             return

@@ -153,7 +153,8 @@ def test_the_pool_ends_idle_workers_drops_abandoned_jobs_and_shuts_down():
 
 def test_a_mark_of_the_kernel_modules_import_spares_a_later_process_the_dsl(monkeypatch, tmp_path):
     """The CuTe availability check imports the kernel modules once an install: a process that finds the mark (left by
-    a precompile worker's warm-up or an earlier run) imports nothing; a DSL that does not import leaves no mark."""
+    a precompile worker's warm-up or an earlier run) imports nothing, nor does precompile's planning; a DSL that does
+    not import leaves no mark."""
     from k3compile.kernel_module import KernelModule
     from k3compile.kernels.cute.configs import MmaConfig, WgmmaConfig
 
@@ -168,7 +169,10 @@ def test_a_mark_of_the_kernel_modules_import_spares_a_later_process_the_dsl(monk
     monkeypatch.setattr(cute_kernels, "KERNEL_MODULES", later)
     assert cute_kernels.unavailable() is None and all(m._loaded is None for m, _ in later.values())
     (tmp_path / cute_kernels.IMPORTED_MARK).unlink()
-    monkeypatch.setattr(cute_kernels, "KERNEL_MODULES", modules("json", "k3compile.no_such_kernels"))
+    broken = modules("json", "k3compile.no_such_kernels")
+    monkeypatch.setattr(cute_kernels, "KERNEL_MODULES", broken)
+    with kernel_cache.planning_ahead():   # precompile's planning: the workers' builds check the import
+        assert cute_kernels.unavailable() is None and all(m._loaded is None for m, _ in broken.values())
     assert "does not import" in cute_kernels.unavailable()
     assert not (tmp_path / cute_kernels.IMPORTED_MARK).exists()
 

@@ -14,7 +14,8 @@ weight, else None) on the current torch stream, through TVM-FFI.
 A cached kernel is a shared library (the DSL's object file linked with its runtime and TVM-FFI's, by the C compiler,
 ``CC`` or ``cc``) that TVM-FFI loads without CuTe DSL: a process whose kernels are all cached never imports the DSL
 (2.2-2.8 s on the H200 host, most of a warm ``optimize()``'s excess over ``torch.compile``). No C compiler: no disk
-cache.
+cache. The planning of ``precompile`` (in the compiling process) does not import the DSL either: its workers do, and a
+build failing there falls back.
 
 Nothing here imports cutlass at its top: the kernel modules load on the first build (``KERNEL_MODULES``; an op's
 ``available`` predicate adds :func:`unavailable`, so a DSL that does not import them is a recorded fallback; where a
@@ -54,6 +55,8 @@ def unavailable() -> Reason:
     folder = directory()
     if folder is not None and os.path.exists(os.path.join(folder, IMPORTED_MARK)):
         return None
+    if folder is not None and kernel_cache.is_planning_ahead():
+        return None   # precompile's workers import them (and mark); a build failing there falls back with the reason
     for module, _ in KERNEL_MODULES.values():
         reason = module.reason()
         if reason is not None:
@@ -203,6 +206,7 @@ def build(key):
             raise ValueError(f"WgmmaConfig {cfg.tag()}: {bad}")
     module, name = KERNEL_MODULES[type(cfg)]
     Kernel = getattr(module.module(), name)
+    _mark_imported()
     kernel = Kernel(cute_dtype(dtype), m, cfg, has_bias, has_res, static_w, eps)
     fake = fake_args(dtype, m, has_bias, has_res, eps is not None, static_m=isinstance(cfg, MmaConfig))
     return cute.compile(kernel, *fake, options="--enable-tvm-ffi")
