@@ -5,8 +5,9 @@
    buckets and the example's value); the list is kept in the graph's record, so a warm start (Inductor's cache hit:
    no pass runs) plans from it.
 2. ``Batch`` (one per graph ``optimize`` compiles) asks each op which kernels those calls will build
-   (``call_sites.plan``: the dispatch's own decision and configuration) and hands those the disk cache lacks to a
-   ``workers.WorkerPool``, which builds them into the cache (``kernel_cache.build_file``: a temporary file renamed
+   (``call_sites.plan``: the dispatch's own decision and configuration; a kernel compiler's import taken on trust,
+   ``kernel_cache.planning_ahead``) and hands those the disk cache lacks to the process's ``workers.WorkerPool``
+   (``workers.shared_pool``: every graph of a process builds in the same workers), which builds them into the cache (``kernel_cache.build_file``: a temporary file renamed
    into place). Inductor meanwhile lowers the graph and compiles its own kernels; ``optimize`` waits for the builds
    before the graph first runs, so that its first call only loads.
 3. A kernel whose build fails (or runs past ``K3_PRECOMPILE_TIMEOUT`` seconds, default 600; or whose worker dies) is
@@ -24,12 +25,11 @@ so a warm start does not compile them again; Inductor's own Triton kernels are b
 The workers start as the graph's compile starts (``Batch.prestart``, where no record of the graph is on disk: a cold
 compile) and import what a build needs (``Builder.warm_up``) while AOTAutograd, Inductor and our passes run: a fresh
 worker's imports of CuTe DSL cost more than a build, so workers started at the first build made a compile slower.
+They stay for the process's next graph (ending after ``K3_PRECOMPILE_IDLE`` idle seconds, and at exit).
 
 On by default (``enabled``; off with ``optimize(precompile=False)`` or ``K3_PRECOMPILE=0``, and by default with
 ``regions=True``); it builds for graphs on an NVIDIA GPU with CuTe DSL installed, under backend "auto" or "cute",
-with the CuTe disk cache on. One H200, a 4-layer slice's cold
-compile 34.3 s against 38.1 s without (the 10 CuTe builds 5.2 s of wall time in 8 workers, off the critical path;
-our passes 8.4 s against 5.6 s beside the importing workers; ``benchmarks/results/compile_time_h200.json``).
+with the CuTe disk cache on. What it saves and what was tried: ``docs/tuning/compile_time.md``.
 ``K3_PRECOMPILE_WORKERS`` sets the number of worker processes (default: half the CPU cores, shared among the
 ``LOCAL_WORLD_SIZE`` ranks of a host, at most 16).
 """
