@@ -200,9 +200,9 @@ def test_every_config_matches_reference(cfg, m, static_weight):
 
 _FROM_CACHE = """
 import sys, torch
+sys.path.insert(0, sys.argv[2])
 from k3compile.kernels.cute.compile import STATS
-from k3compile.ops.skinny_gemm import cute as kc
-from tests.ops.test_skinny_gemm_cute import mma, _run
+from test_skinny_gemm_cute import mma, _run
 _run(int(sys.argv[1]), 1000, 2056, torch.bfloat16, True, True, cfg=mma(1, 1, 4, 2, stages=3))
 print(STATS["loaded"], STATS["built"], "cutlass" in sys.modules)
 """
@@ -215,11 +215,11 @@ def test_a_cached_kernel_runs_in_a_process_that_never_imports_the_dsl(tmp_path):
     import sys
 
     env = {**os.environ, "K3_CUTE_CACHE_DIR": str(tmp_path)}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    first = subprocess.run([sys.executable, "-c", _FROM_CACHE, "3"], env=env, cwd=root, capture_output=True, text=True)
+    here = os.path.dirname(os.path.abspath(__file__))
+    first = subprocess.run([sys.executable, "-c", _FROM_CACHE, "3", here], env=env, capture_output=True, text=True)
     assert first.returncode == 0, first.stderr[-3000:]
     assert first.stdout.split()[-3:] == ["0", "1", "True"]   # built (the DSL imported), stored
-    again = subprocess.run([sys.executable, "-c", _FROM_CACHE, "3"], env=env, cwd=root, capture_output=True, text=True)
+    again = subprocess.run([sys.executable, "-c", _FROM_CACHE, "3", here], env=env, capture_output=True, text=True)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.split()[-3:] == ["1", "0", "False"]   # loaded, matches the reference, no DSL
 
