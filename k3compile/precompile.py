@@ -45,7 +45,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Optional
 
-from . import kernel_cache
+from . import kernel_cache, triton_ahead
 from .backends import REGISTRY
 from .call_sites import plan
 from .kernel_cache import Build
@@ -105,11 +105,14 @@ class PrecompileRecord:
 _ACTIVE = threading.local()
 
 
-def found(sites: list[dict]) -> None:
-    """Our pass's call: the batch ``optimize`` runs in this thread (if any) starts building these calls' kernels."""
+def found(sites: list[dict], graph=None) -> None:
+    """Our pass's call: the batch ``optimize`` runs in this thread (if any) starts building these calls' kernels (and,
+    with ``K3_PRECOMPILE_TRITON=1``, the Triton kernels of ``graph``'s k3 calls: ``triton_ahead.py``)."""
     batch = getattr(_ACTIVE, "batch", None)
     if batch is not None:
         batch.submit(sites, in_pass=True)
+        if graph is not None and triton_ahead.enabled():
+            batch.submit_triton(graph)
 
 
 class Batch:
@@ -195,6 +198,32 @@ class Batch:
                 self._first_submit = time.perf_counter()
             self._futures[pool.submit(kernel_cache.build_file, kernel_cache.BUILDERS[b.kind], b.key, path)] = kk
 
+    def submit_triton(self, graph) -> None:
+        """Dry-run the graph's k3 calls of Triton-launching ops on the GPU's metadata (``triton_ahead.dry_run``) and
+        hand each Triton compile they ask for to the workers; never raises."""
+        if not self.record.on:
+            return
+        start = time.perf_counter()
+        try:
+            from .call_sites import call_sites
+
+            sites = [s for s in call_sites(graph, triton_ahead.OPS) if _on_cuda(s)]
+            requests, skipped = triton_ahead.dry_run(sites)
+            for why, n in skipped.items():
+                self.record.unplanned[f"triton kernels: {why}"] = n
+            pool = self._pool_for(kernel_cache.KIND_FOR_POOL if kernel_cache.KIND_FOR_POOL in kernel_cache.BUILDERS
+                                  else next(iter(kernel_cache.BUILDERS)))
+            for module, qualname, spec in requests:
+                self.record.kernels += 1
+                if self._first_submit is None:
+                    self._first_submit = time.perf_counter()
+                self._futures[pool.submit(triton_ahead.build, module, qualname, spec)] = ("triton", qualname)
+        except Exception as e:   # a bug of ours: the Triton kernels build at their first call, as without this
+            self._unplanned(f"triton kernels: building ahead failed ({type(e).__name__}: {e})")
+        seconds = time.perf_counter() - start
+        self.record.plan_seconds += seconds
+        self.record.plan_in_pass_seconds += seconds
+
     def _pool_for(self, kind: str) -> WorkerPool:
         if self._pool is None:   # the process's pool for these workers: the graphs of a process share it
             timeout = float(os.environ.get(TIMEOUT_ENV, "") or 600)
@@ -255,8 +284,8 @@ class Batch:
                 self.record.build_seconds += seconds
                 if ok:
                     self.record.compiled += 1
-                elif ok is None:   # the workers could not run it: built at its first call, as without them
-                    self._unplanned(f"{kk[0]} kernels: {detail}")
+                elif ok is None or kk[0] == "triton":   # built at its first call, as without the workers
+                    self._unplanned(f"{kk[0]} kernels: {kk[1] + ': ' if kk[0] == 'triton' else ''}{detail}")
                 else:
                     self._fail(kk, detail)
                     failed.append(kk)
@@ -280,6 +309,10 @@ class Batch:
         if self._pool is not None and self._futures:
             self._pool.abandon(list(self._futures))
             self._futures.clear()
+
+
+def _on_cuda(site: dict) -> bool:
+    return any(isinstance(v, dict) and str(v.get("device", "")).startswith("cuda") for v in site.get("args", {}).values())
 
 
 def should_prestart(devices, stored_record) -> bool:
