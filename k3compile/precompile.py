@@ -215,11 +215,11 @@ class Batch:
                 self.record.unplanned[f"triton kernels: {why}"] = n
             pool = self._pool_for(kernel_cache.KIND_FOR_POOL if kernel_cache.KIND_FOR_POOL in kernel_cache.BUILDERS
                                   else next(iter(kernel_cache.BUILDERS)))
-            for module, qualname, spec in requests:
+            for request in requests:
                 self.record.kernels += 1
                 if self._first_submit is None:
                     self._first_submit = time.perf_counter()
-                self._futures[pool.submit(triton_ahead.build, module, qualname, spec)] = ("triton", qualname)
+                self._futures[pool.submit(triton_ahead.build, *request)] = ("triton", request[1])
         except Exception as e:   # a bug of ours: the Triton kernels build at their first call, as without this
             self._unplanned(f"triton kernels: building ahead failed ({type(e).__name__}: {e})")
         seconds = time.perf_counter() - start

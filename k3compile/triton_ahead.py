@@ -96,7 +96,8 @@ def is_dry() -> bool:
 @contextlib.contextmanager
 def capturing(requests: list):
     """Within this block, in this thread, a Triton launch is a compile request appended to ``requests``
-    ``(module, qualname, specialisation)``; nothing compiles or launches. Elsewhere Triton behaves as ever."""
+    ``(module, qualname, specialisation, Triton's cache folder)``; nothing compiles or launches. Elsewhere Triton
+    behaves as ever."""
     from triton import knobs
     from triton.runtime.jit import JITFunction
 
@@ -108,7 +109,8 @@ def capturing(requests: list):
     def hook(**kw):
         if not is_dry():
             return outer(**kw) if outer is not None else None
-        _STATE.requests.append((kw["fn"].module, kw["fn"].name, kw["compile"]["specialization_data"]))
+        _STATE.requests.append((kw["fn"].module, kw["fn"].name, kw["compile"]["specialization_data"],
+                                knobs.cache.dir))   # where this process's first call will look
         return True   # not compiled here: a worker compiles it
 
     JITFunction.run, knobs.runtime.jit_cache_hook, _STATE.requests = dry_run, hook, requests
@@ -151,9 +153,10 @@ def dry_run(sites: list[dict]) -> tuple[list, dict]:
     return list(dict.fromkeys(requests)), skipped
 
 
-def build(module: str, qualname: str, specialization: str) -> str:
-    """Compile one request for its target into Triton's disk cache (a worker's job; no GPU needed), and its launcher
-    where this process's Triton driver can build one. Returns the kernel's name."""
+def build(module: str, qualname: str, specialization: str, cache_dir: str) -> str:
+    """Compile one request for its target into Triton's disk cache ``cache_dir`` (a worker's job; no GPU needed), and
+    its launcher where this process's Triton driver can build one. Returns the kernel's name."""
+    os.environ["TRITON_CACHE_DIR"] = cache_dir   # the compiling process's, whatever this worker inherited
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget

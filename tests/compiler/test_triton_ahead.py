@@ -63,17 +63,20 @@ def _entries(folder) -> set:
 
 
 def test_a_dry_launch_is_a_compile_request_whose_build_the_launch_then_finds(h200):
+    """Captured with the launch's own specialisation, built by a worker whose environment names another cache folder
+    (Inductor may set Triton's after the workers started), found by the launch."""
     x = triton_ahead.DryTensor((1000,), (1,), torch.bfloat16, torch.device("cpu"))
     y = triton_ahead.DryTensor((1000,), (1,), torch.bfloat16, torch.device("cpu"), offset=3)[1:]   # 8 bytes in
     requests = []
     with triton_ahead.capturing(requests):
         assert _copy[(8,)](x, y, 1000, BLOCK=128) is None   # nothing compiled, nothing launched
-    ((module, name, spec),) = requests
-    assert (module, name) == (__name__, "_copy") and not _entries(h200)
+    ((module, name, spec, cache),) = requests
+    assert (module, name, cache) == (__name__, "_copy", str(h200)) and not _entries(h200)
     assert '"attrs_vals": [[["tt.divisibility", 16]], [], [], []]' in spec   # x aligned; y at 8 bytes; n = 1000
-    pool = workers.WorkerPool(1, {}, timeout=600)   # a worker compiles it (a fresh process: no interpreter patches)
+    # a worker compiles it (a fresh process: no interpreter patches), into the folder the request names
+    pool = workers.WorkerPool(1, {"TRITON_CACHE_DIR": str(h200 / "elsewhere")}, timeout=600)
     try:
-        ok, detail, _ = pool.submit(triton_ahead.build, module, name, spec).result(timeout=300)
+        ok, detail, _ = pool.submit(triton_ahead.build, module, name, spec, cache).result(timeout=300)
     finally:
         pool.shutdown()
     assert ok, detail
