@@ -8,8 +8,9 @@
    (``call_sites.plan``: the dispatch's own decision and configuration; a kernel compiler's import taken on trust,
    ``kernel_cache.planning_ahead``) and hands those the disk cache lacks to the process's ``workers.WorkerPool``
    (``workers.shared_pool``: every graph of a process builds in the same workers), which builds them into the cache
-   (``kernel_cache.build_file``: a temporary file renamed into place). Inductor meanwhile lowers the graph and compiles its own kernels; ``optimize`` waits for the builds
-   before the graph first runs, so that its first call only loads.
+   (``kernel_cache.build_file``: a temporary file renamed into place). Inductor meanwhile lowers the graph and
+   compiles its own kernels; ``optimize`` waits for the builds before the graph first runs, so that its first call
+   only loads.
 3. A kernel whose build fails (or runs past ``K3_PRECOMPILE_TIMEOUT`` seconds, default 600; or whose worker dies) is
    logged and reported with its name, which spells its key, and its error; its op then passes over that
    implementation for the calls that need it (``OpImpls.mark_broken``: the reason shows in the report's kernel
@@ -314,7 +315,8 @@ class Batch:
 
 
 def _on_cuda(site: dict) -> bool:
-    return any(isinstance(v, dict) and str(v.get("device", "")).startswith("cuda") for v in site.get("args", {}).values())
+    args = site.get("args", {}).values()
+    return any(isinstance(v, dict) and str(v.get("device", "")).startswith("cuda") for v in args)
 
 
 def should_prestart(devices, stored_record) -> bool:
