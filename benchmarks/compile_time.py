@@ -24,7 +24,8 @@ beside Inductor), found already built (cache hits), failed; and CuTe kernels the
 Variants: ``torch.compile`` (``model.compile(dynamic=False)``), ``optimize-whole`` (``optimize()``'s default,
 ``regions=False``: one graph as long as the model; kernels built ahead where ``optimize`` does by default: a GPU with
 CuTe DSL), ``optimize-whole-noprecompile`` (the same with ``precompile=False``: every kernel built at its first call),
-``optimize-regions`` (``regions=True``: each distinct block of the layers compiled once).
+``optimize-whole-tritonahead`` (the default with ``K3_PRECOMPILE_TRITON=1``: our ops' Triton kernels built ahead as
+well), ``optimize-regions`` (``regions=True``: each distinct block of the layers compiled once).
 
     # CPU (the 2-core machine): tiny K3, 2 and 8 layers, the passes on the references
     python benchmarks/compile_time.py --layers 2,8 --runs 1 --out compile_time.json
@@ -53,7 +54,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-VARIANTS = ("torch.compile", "optimize-whole", "optimize-whole-noprecompile", "optimize-regions")
+VARIANTS = ("torch.compile", "optimize-whole", "optimize-whole-noprecompile", "optimize-whole-tritonahead",
+            "optimize-regions")
 PHASES = ("cold", "warm")
 SPLIT = ("dynamo", "aot", "inductor", "passes", "k3 kernels", "other")
 
@@ -132,6 +134,8 @@ def child(args) -> dict:
         if args.variant == "torch.compile":
             model.compile(dynamic=False)
         else:
+            if args.variant.endswith("-tritonahead"):   # our ops' Triton kernels built ahead too (triton_ahead.py)
+                os.environ["K3_PRECOMPILE_TRITON"] = "1"
             k3compile.optimize(model, backend=args.backend, dynamic=False, regions=args.variant == "optimize-regions",
                                precompile=False if args.variant.endswith("-noprecompile") else None)
         _sync()
@@ -164,6 +168,8 @@ def child(args) -> dict:
                    registration_s=rep.registration_seconds,   # of "passes": tracing the patterns
                    graph_regions=[g.regions for g in rep.graphs], kernel_keys=sum(
                        1 for c in rep.choices if c.first_call_seconds is not None),
+                   # the first call's host time per op and implementation (their JIT builds or cache loads)
+                   first_calls=_first_calls(rep.choices),
                    ahead=dict(compiled=rep.kernels_compiled, cached=rep.kernel_cache_hits,
                               failed=rep.kernel_failures, build_s=rep.kernel_compile_seconds,
                               wall_s=sum(r.wall_seconds for r in ahead), workers=max([r.workers for r in ahead] or [0]),
@@ -183,6 +189,16 @@ def child(args) -> dict:
     out["split"] = {"dynamo": frame - backend, "aot": backend - inductor - (plan - plan_in_pass) - waited,
                     "inductor": inductor - passes - plan_in_pass, "passes": passes,
                     "k3 kernels": plan + waited + first_calls, "other": first - steady - frame - first_calls}
+    return out
+
+
+def _first_calls(choices) -> dict:
+    """{"op (impl)": [first calls, seconds]}."""
+    out: dict = {}
+    for c in choices:
+        if c.first_call_seconds is not None:
+            n, t = out.get(f"{c.op} ({c.impl})", (0, 0.0))
+            out[f"{c.op} ({c.impl})"] = [n + 1, round(t + c.first_call_seconds, 3)]
     return out
 
 

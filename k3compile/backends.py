@@ -31,6 +31,7 @@ contiguity). The cache is the whole process's record; each model ``optimize`` co
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import threading
 from dataclasses import dataclass, field
@@ -142,9 +143,19 @@ def triton_can_run_on(*tensors: torch.Tensor) -> Reason:
     return None
 
 
+def cute_installed() -> Reason:
+    """CuTe DSL and TVM-FFI installed (not imported: seconds; whether the DSL imports is each kernel family's check)."""
+    if is_rocm():
+        return "CuTe DSL is NVIDIA-only (ROCm build of torch)"
+    for package in ("cutlass", "tvm_ffi"):
+        if importlib.util.find_spec(package) is None:
+            return f"CuTe DSL is not installed (no module {package!r})"
+    return None
+
+
 def cute_can_run_on(*tensors: torch.Tensor) -> Reason:
-    """CuTe kernels need CUDA tensors on an sm_90+ NVIDIA GPU and an importable CuTe DSL."""
-    reason = cute_importable()
+    """CuTe kernels need CUDA tensors on an sm_90+ NVIDIA GPU and CuTe DSL installed."""
+    reason = cute_installed()
     if reason:
         return reason
     for t in tensors:

@@ -54,22 +54,24 @@ def stand_in(shape, dtype: torch.dtype, device, stride=None, offset: int = 0) ->
     return StandIn(shape, tuple(stride), dtype, torch.device(device), offset)
 
 
-def _planned_op(node: torch.fx.Node) -> Optional[str]:
+def _planned_op(node: torch.fx.Node, ops=None) -> Optional[str]:
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or target.namespace != "k3":
         return None
     name = target._schema.name.split("::", 1)[1]
+    if ops is not None:
+        return name if name in ops else None
     impls = REGISTRY.get(name)
     return name if impls is not None and impls.plan is not None else None
 
 
-def call_sites(graph: torch.fx.Graph) -> list[dict]:
-    """The distinct calls of k3 ops that build kernels in ``graph``, at concrete sizes, as JSON-able dicts:
-    ``{"op", "args": {name: value}, "symbols": {symbol: value planned}}`` (a tensor as
+def call_sites(graph: torch.fx.Graph, ops=None) -> list[dict]:
+    """The distinct calls of k3 ops that build kernels in ``graph`` (``ops``: of these ops instead), at concrete
+    sizes, as JSON-able dicts: ``{"op", "args": {name: value}, "symbols": {symbol: value planned}}`` (a tensor as
     ``{"shape", "stride", "offset", "dtype", "device"}``; a call not planned: ``{"op", "unplanned": why}``)."""
     sites, seen = [], set()
     for node in graph.nodes:
-        op = _planned_op(node)
+        op = _planned_op(node, ops)
         if op is None:
             continue
         try:

@@ -9,6 +9,7 @@ it (:func:`build_file` is what a precompile worker runs).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -46,7 +47,43 @@ class Build:
     impl: str
 
 
+_AHEAD = threading.local()
+
+
+@contextlib.contextmanager
+def planning_ahead():
+    """Within this block (``precompile``'s planning, in this thread) a kind may take its compiler's import on trust
+    (``cute``'s ``unavailable``): the builds ahead import it in the workers, and a build that fails there falls back
+    with the reason; planning need not pay the import in this process."""
+    outer = getattr(_AHEAD, "on", False)
+    _AHEAD.on = True
+    try:
+        yield
+    finally:
+        _AHEAD.on = outer
+
+
+def is_planning_ahead() -> bool:
+    return getattr(_AHEAD, "on", False)
+
+
+class DryRun(RuntimeError):
+    """A kernel asked for during a dry run (``triton_ahead.dry_run``): that call stops there."""
+
+
+@contextlib.contextmanager
+def dry_running():
+    """Within this block (in this thread) no kernel is loaded, built or called: ``get`` raises ``DryRun``."""
+    outer = getattr(_AHEAD, "dry", False)
+    _AHEAD.dry = True
+    try:
+        yield
+    finally:
+        _AHEAD.dry = outer
+
+
 BUILDERS: dict[str, Builder] = {}
+KIND_FOR_POOL = "cute"   # whose workers' environment other builds (triton_ahead's) share: one pool a process
 # per kind, this process's kernels: loaded from disk, built here (and the seconds the builds took)
 STATS: dict[str, dict] = {}
 _kernels: dict = {}                   # (kind, key) -> kernel
@@ -81,6 +118,8 @@ def available(kind: str, key: Hashable) -> bool:
 
 def get(kind: str, key: Hashable):
     """The kernel: from memory, else from the disk cache, else built here (and stored)."""
+    if getattr(_AHEAD, "dry", False):
+        raise DryRun(f"a {kind} kernel during a dry run")
     fn = _kernels.get((kind, key))
     if fn is not None:
         return fn

@@ -277,7 +277,7 @@ class K3PostGradPass(CustomGraphPass):
         record.seconds = ours + time.perf_counter() - t1   # the chained pass's time is not ours
         record.kernel_calls = call_sites(graph)
         COMPILE_RECORD.graphs.append(record)
-        precompile_found(record.kernel_calls)   # counted as kernel-build time, not ours
+        precompile_found(record.kernel_calls, graph)   # counted as kernel-build time, not ours
 
     def uuid(self) -> Optional[str]:
         import k3compile

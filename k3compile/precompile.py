@@ -5,31 +5,34 @@
    buckets and the example's value); the list is kept in the graph's record, so a warm start (Inductor's cache hit:
    no pass runs) plans from it.
 2. ``Batch`` (one per graph ``optimize`` compiles) asks each op which kernels those calls will build
-   (``call_sites.plan``: the dispatch's own decision and configuration) and hands those the disk cache lacks to a
-   ``workers.WorkerPool``, which builds them into the cache (``kernel_cache.build_file``: a temporary file renamed
-   into place). Inductor meanwhile lowers the graph and compiles its own kernels; ``optimize`` waits for the builds
-   before the graph first runs, so that its first call only loads.
+   (``call_sites.plan``: the dispatch's own decision and configuration; a kernel compiler's import taken on trust,
+   ``kernel_cache.planning_ahead``) and hands those the disk cache lacks to the process's ``workers.WorkerPool``
+   (``workers.shared_pool``: every graph of a process builds in the same workers), which builds them into the cache
+   (``kernel_cache.build_file``: a temporary file renamed into place). Inductor meanwhile lowers the graph and
+   compiles its own kernels; ``optimize`` waits for the builds before the graph first runs, so that its first call
+   only loads.
 3. A kernel whose build fails (or runs past ``K3_PRECOMPILE_TIMEOUT`` seconds, default 600; or whose worker dies) is
    logged and reported with its name, which spells its key, and its error; its op then passes over that
    implementation for the calls that need it (``OpImpls.mark_broken``: the reason shows in the report's kernel
    choices) and the kernels of the implementation that runs instead are planned in turn. A kernel the workers could
    not even attempt (a worker that does not start) is left to its first call, as without this, and reported so.
 
-Triton kernels are not built ahead: Triton specialises a compiled kernel on its launch arguments (16-byte alignment
-of every pointer, divisibility by 16 and equality to 1 of every integer, the constexprs each launcher derives), so a
-build outside the launcher that missed one of them would be compiled again at the first call without a word; and the
-launchers themselves need real device tensors (a GPU context in each worker). Triton keeps what it compiles on disk,
-so a warm start does not compile them again; Inductor's own Triton kernels are built by Inductor's compile workers.
+The Triton kernels our ops launch are built ahead only with ``K3_PRECOMPILE_TRITON=1`` (``triton_ahead.py``: each
+call dry-run on storage-less tensors, its launches captured as Triton's exact compile requests, compiled by the same
+workers into Triton's disk cache), not yet measured on a GPU. Triton specialises a compiled kernel on its launch
+arguments (16-byte alignment of every pointer, divisibility by 16 and equality to 1 of every integer, the constexprs
+each launcher derives), so only the launcher's own request serves the first call; without it they compile at their
+first call. Triton keeps what it compiles on disk, so a warm start does not compile them again; Inductor's own Triton
+kernels are built by Inductor's compile workers.
 
 The workers start as the graph's compile starts (``Batch.prestart``, where no record of the graph is on disk: a cold
 compile) and import what a build needs (``Builder.warm_up``) while AOTAutograd, Inductor and our passes run: a fresh
 worker's imports of CuTe DSL cost more than a build, so workers started at the first build made a compile slower.
+They stay for the process's next graph (ending after ``K3_PRECOMPILE_IDLE`` idle seconds, and at exit).
 
 On by default (``enabled``; off with ``optimize(precompile=False)`` or ``K3_PRECOMPILE=0``, and by default with
 ``regions=True``); it builds for graphs on an NVIDIA GPU with CuTe DSL installed, under backend "auto" or "cute",
-with the CuTe disk cache on. One H200, a 4-layer slice's cold
-compile 34.3 s against 38.1 s without (the 10 CuTe builds 5.2 s of wall time in 8 workers, off the critical path;
-our passes 8.4 s against 5.6 s beside the importing workers; ``benchmarks/results/compile_time_h200.json``).
+with the CuTe disk cache on. What it saves and what was tried: ``docs/tuning/compile_time.md``.
 ``K3_PRECOMPILE_WORKERS`` sets the number of worker processes (default: half the CPU cores, shared among the
 ``LOCAL_WORLD_SIZE`` ranks of a host, at most 16).
 """
@@ -45,11 +48,11 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Optional
 
-from . import kernel_cache
+from . import kernel_cache, triton_ahead
 from .backends import REGISTRY
 from .call_sites import plan
 from .kernel_cache import Build
-from .workers import WorkerPool
+from .workers import WorkerPool, shared_pool
 
 log = logging.getLogger("k3compile")
 
@@ -98,17 +101,21 @@ class PrecompileRecord:
     plan_seconds: float = 0.0      # planning, in this process
     plan_in_pass_seconds: float = 0.0   # of which inside Inductor's compile (our pass's call)
     waited_seconds: float = 0.0    # waiting for builds after Inductor finished: what it added to the compile
-    workers: int = 0               # worker processes started
+    workers: int = 0               # worker processes of the pool it used
+    pool_reused: bool = False      # the pool an earlier graph of this process had started (its workers imported)
 
 
 _ACTIVE = threading.local()
 
 
-def found(sites: list[dict]) -> None:
-    """Our pass's call: the batch ``optimize`` runs in this thread (if any) starts building these calls' kernels."""
+def found(sites: list[dict], graph=None) -> None:
+    """Our pass's call: the batch ``optimize`` runs in this thread (if any) starts building these calls' kernels (and,
+    with ``K3_PRECOMPILE_TRITON=1``, the Triton kernels of ``graph``'s k3 calls: ``triton_ahead.py``)."""
     batch = getattr(_ACTIVE, "batch", None)
     if batch is not None:
         batch.submit(sites, in_pass=True)
+        if graph is not None and triton_ahead.enabled():
+            batch.submit_triton(graph)
 
 
 class Batch:
@@ -168,7 +175,8 @@ class Batch:
 
     def _plan(self, site: dict) -> None:
         try:
-            builds = plan(site)
+            with kernel_cache.planning_ahead():   # the workers check the kernels' compiler imports, not this process
+                builds = plan(site)
         except Exception as e:
             self._unplanned(f"k3::{site['op']}: planning raised {type(e).__name__}: {e}")
             return
@@ -193,10 +201,37 @@ class Batch:
                 self._first_submit = time.perf_counter()
             self._futures[pool.submit(kernel_cache.build_file, kernel_cache.BUILDERS[b.kind], b.key, path)] = kk
 
+    def submit_triton(self, graph) -> None:
+        """Dry-run the graph's k3 calls of Triton-launching ops on the GPU's metadata (``triton_ahead.dry_run``) and
+        hand each Triton compile they ask for to the workers; never raises."""
+        if not self.record.on:
+            return
+        start = time.perf_counter()
+        try:
+            from .call_sites import call_sites
+
+            sites = [s for s in call_sites(graph, triton_ahead.OPS) if _on_cuda(s)]
+            requests, skipped = triton_ahead.dry_run(sites)
+            for why, n in skipped.items():
+                self.record.unplanned[f"triton kernels: {why}"] = n
+            pool = self._pool_for(kernel_cache.KIND_FOR_POOL if kernel_cache.KIND_FOR_POOL in kernel_cache.BUILDERS
+                                  else next(iter(kernel_cache.BUILDERS)))
+            for request in requests:
+                self.record.kernels += 1
+                if self._first_submit is None:
+                    self._first_submit = time.perf_counter()
+                self._futures[pool.submit(triton_ahead.build, *request)] = ("triton", request[1])
+        except Exception as e:   # a bug of ours: the Triton kernels build at their first call, as without this
+            self._unplanned(f"triton kernels: building ahead failed ({type(e).__name__}: {e})")
+        seconds = time.perf_counter() - start
+        self.record.plan_seconds += seconds
+        self.record.plan_in_pass_seconds += seconds
+
     def _pool_for(self, kind: str) -> WorkerPool:
-        if self._pool is None:
+        if self._pool is None:   # the process's pool for these workers: the graphs of a process share it
             timeout = float(os.environ.get(TIMEOUT_ENV, "") or 600)
-            self._pool = WorkerPool(_workers(), kernel_cache.BUILDERS[kind].worker_env(), timeout)
+            self._pool, self.record.pool_reused = shared_pool(_workers(), kernel_cache.BUILDERS[kind].worker_env(),
+                                                              timeout)
         return self._pool
 
     def prestart(self) -> None:
@@ -210,8 +245,8 @@ class Batch:
                 return
 
     def finish(self) -> PrecompileRecord:
-        """Wait for every build (a failed one re-plans the calls that needed it); the pool is closed. Never raises:
-        what is not built by then builds at its first call."""
+        """Wait for every build (a failed one re-plans the calls that needed it); the pool stays for the process's
+        next graph. Never raises: what is not built by then builds at its first call."""
         start = time.perf_counter()
         try:
             for _ in range(MAX_ROUNDS):
@@ -252,8 +287,8 @@ class Batch:
                 self.record.build_seconds += seconds
                 if ok:
                     self.record.compiled += 1
-                elif ok is None:   # the workers could not run it: built at its first call, as without them
-                    self._unplanned(f"{kk[0]} kernels: {detail}")
+                elif ok is None or kk[0] == "triton":   # built at its first call, as without the workers
+                    self._unplanned(f"{kk[0]} kernels: {kk[1] + ': ' if kk[0] == 'triton' else ''}{detail}")
                 else:
                     self._fail(kk, detail)
                     failed.append(kk)
@@ -272,13 +307,16 @@ class Batch:
                     "(k3compile.report(model) names it)", name, where, error)
 
     def close(self) -> None:
-        """The workers end (killed where builds are still running: an error cut the wait short)."""
-        if self._pool is None:
-            return
-        if self._futures:
-            self._pool.kill()
-        else:
-            self._pool.close()
+        """Builds of this batch still queued or running (an error cut the wait short) are dropped, their workers
+        killed; the shared pool serves the process's other graphs on."""
+        if self._pool is not None and self._futures:
+            self._pool.abandon(list(self._futures))
+            self._futures.clear()
+
+
+def _on_cuda(site: dict) -> bool:
+    args = site.get("args", {}).values()
+    return any(isinstance(v, dict) and str(v.get("device", "")).startswith("cuda") for v in args)
 
 
 def should_prestart(devices, stored_record) -> bool:

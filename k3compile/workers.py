@@ -11,9 +11,15 @@ function's result; False with the error where the function raised, ran past ``ti
 killed) or its worker died while running it; None where the job could not run in a worker at all (the worker did not
 start, the job did not unpickle there): a fault of the workers' environment, not of the job. A killed or dead worker is
 replaced by the next job: never a hang. A worker whose parent has gone ends itself.
+
+``shared_pool`` keeps one pool per worker environment for the whole process, so that every graph a process compiles
+uses the workers the first one started (and imported in): a fresh pool costs each graph the workers' start and
+imports again (5.8 s for the second graph of an H200 run). A worker idle for ``K3_PRECOMPILE_IDLE`` seconds (default
+120) ends, its thread starting a new one for the next job; the pools close when the process exits.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import queue
@@ -26,6 +32,8 @@ from concurrent.futures import Future
 from typing import Any, Callable, Optional
 
 STARTUP_SECONDS = 300.0   # a worker that has not imported its modules by then is killed
+IDLE_ENV = "K3_PRECOMPILE_IDLE"
+IDLE_SECONDS = 120.0      # a worker with no job for this long ends (its memory back); the next job starts another
 
 
 def _send_bytes(stream, data: bytes) -> None:
@@ -52,6 +60,12 @@ def _receive_bytes(stream) -> bytes:
     return _read_exactly(stream, n)
 
 
+def worker_environment(env: dict) -> dict:
+    """What a worker's environment is: this process's, ``env`` added, and this process's ``sys.path``."""
+    return {**os.environ, **env, "K3_BUILD_WORKER": "1",   # k3compile's own imports skipped: seconds a worker
+            "PYTHONPATH": os.pathsep.join(p for p in [*sys.path, os.environ.get("PYTHONPATH")] if p)}
+
+
 class _Slot:
     """What one worker thread is doing: its process, since when, and why it was killed (if it was)."""
 
@@ -60,6 +74,7 @@ class _Slot:
         self.phase = "idle"            # idle | starting | running
         self.since = 0.0
         self.killed = ""
+        self.future: Optional[Future] = None   # the job it runs
 
 
 class WorkerPool:
@@ -67,10 +82,10 @@ class WorkerPool:
     added to this process's environment and this process's ``sys.path``. ``submit`` returns a future of ``(ok, detail,
     seconds)``; ``enforce_limits`` (call it while waiting) kills a worker whose job ran past ``timeout`` seconds."""
 
-    def __init__(self, size: int, env: dict, timeout: float):
-        self.size, self.timeout = max(1, size), timeout
-        self.env = {**os.environ, **env,
-                    "PYTHONPATH": os.pathsep.join(p for p in [*sys.path, os.environ.get("PYTHONPATH")] if p)}
+    def __init__(self, size: int, env: dict, timeout: float, idle: Optional[float] = None):
+        self.size, self.timeout, self.idle = max(1, size), timeout, idle
+        self.pid = os.getpid()   # a forked child does not inherit the threads: it gets a pool of its own
+        self.env = worker_environment(env)
         self._jobs: queue.Queue = queue.Queue()
         self._slots: list[_Slot] = []
         self._threads: list[threading.Thread] = []
@@ -102,6 +117,9 @@ class WorkerPool:
                 return
             for _ in range(min(count, self.size) - len(self._threads)):
                 self._add_worker(warm_up)
+            # workers that ended idle: started again now (a warm-up job; one that finds its worker alive is a no-op)
+            for _ in [s for s in self._slots[:count] if s.proc is None and s.phase == "idle"]:
+                self._jobs.put((None, warm_up))
 
     def _add_worker(self, warm_up: Optional[bytes]) -> None:   # under self._lock
         slot = _Slot()
@@ -125,6 +143,22 @@ class WorkerPool:
                 continue
             proc.kill()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def abandon(self, futures) -> None:
+        """These jobs are no longer wanted (a compile's wait was cut short): cancelled where still queued, their
+        workers killed where running; the pool serves the other jobs on."""
+        futures = set(futures)
+        for future in futures:
+            future.cancel()   # a queued job: its worker skips it
+        for slot in list(self._slots):
+            proc = slot.proc
+            if slot.phase == "running" and slot.future in futures and proc is not None:
+                slot.killed = "its compile stopped waiting: worker killed"
+                proc.kill()
+
     def close(self) -> None:
         """Workers end once their current job is done (stdin closed); a job still queued is cancelled."""
         with self._lock:
@@ -136,9 +170,22 @@ class WorkerPool:
                 future, _ = self._jobs.get_nowait()
             except queue.Empty:
                 break
-            future.cancel()
+            if future is not None:
+                future.cancel()
         for _ in self._threads:
             self._jobs.put(None)
+
+    def shutdown(self, wait: float = 2.0) -> None:
+        """``close``; workers still running a job after ``wait`` seconds are killed (the process is exiting)."""
+        self.close()
+        deadline = time.monotonic() + wait
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        for slot in self._slots:
+            proc = slot.proc
+            if proc is not None and proc.poll() is None:
+                slot.killed = slot.killed or "the process exited"
+                proc.kill()
 
     def kill(self) -> None:
         """``close``, and the workers killed now."""
@@ -187,14 +234,30 @@ class WorkerPool:
         if warm_up is not None:
             self._run(slot, warm_up)
         while True:
-            job = self._jobs.get()
+            try:   # a live worker waits at most ``idle`` seconds for a job
+                job = self._jobs.get(timeout=self.idle if slot.proc is not None else None)
+            except queue.Empty:
+                self._stop(slot)   # idle: its process ends; this thread starts another for the next job
+                continue
             if job is None:
                 break
             future, payload = job
+            if future is None:   # a warm-up (``prestart``): only where this worker had ended
+                if slot.proc is None:
+                    self._run(slot, payload)
+                continue
             if future.set_running_or_notify_cancel():
-                future.set_result(self._run(slot, payload))
+                slot.future = future
+                try:
+                    future.set_result(self._run(slot, payload))
+                finally:
+                    slot.future = None
             with self._lock:
                 self._outstanding -= 1
+        self._stop(slot)
+
+    def _stop(self, slot: _Slot) -> None:
+        """End ``slot``'s process: its stdin closed (it exits at its next read), then reaped."""
         if slot.proc is not None:
             try:
                 slot.proc.stdin.close()
@@ -217,6 +280,37 @@ class WorkerPool:
             return False, slot.killed or f"its worker process died (exit code {code})", time.monotonic() - slot.since
         finally:
             slot.phase = "idle"
+
+
+_SHARED: dict = {}   # (worker environment, process id) -> WorkerPool
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_pool(size: int, env: dict, timeout: float) -> tuple[WorkerPool, bool]:
+    """This process's pool for workers of environment ``env`` (created with ``size`` workers at its first use, with
+    this process's environment then): ``(pool, whether it existed already)``. ``timeout`` is the latest caller's."""
+    # keyed by what a build reads: the builder's environment, the K3_ settings, sys.path (not the whole environment:
+    # Inductor sets variables of its own as it compiles)
+    settings = {k: v for k, v in os.environ.items() if k.startswith("K3_")}
+    key = (tuple(sorted(env.items())), tuple(sorted(settings.items())), tuple(sys.path), os.getpid())
+    with _SHARED_LOCK:
+        pool = _SHARED.get(key)
+        reused = pool is not None and not pool.closed
+        if not reused:
+            idle = float(os.environ.get(IDLE_ENV, "") or IDLE_SECONDS)
+            pool = _SHARED[key] = WorkerPool(size, env, timeout, idle=idle)
+        pool.timeout = timeout
+    return pool, reused
+
+
+@atexit.register
+def shutdown_shared() -> None:
+    """The shared pools' workers end (at exit: a worker would otherwise only notice its parent gone 10 s later)."""
+    with _SHARED_LOCK:
+        pools = [p for key, p in _SHARED.items() if key[-1] == os.getpid()]
+        _SHARED.clear()
+    for pool in pools:
+        pool.shutdown()
 
 
 def _end_with_parent(parent: int) -> None:

@@ -8,14 +8,16 @@ The model: four small-M products, each a different kernel variant (bias / residu
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 
 import pytest
 import torch
 from torch import nn
 
 import k3compile
-from k3compile import kernel_cache, testing
+from k3compile import kernel_cache, testing, workers
 from k3compile.kernels.cute import compile as cute_kernels
 from k3compile.call_sites import stand_in
 from k3compile.ops.latent_moe_tail import dispatch as tail_dispatch
@@ -56,6 +58,7 @@ def fake_cute(monkeypatch, tmp_path, no_graph_caches):
         op.clear()
     torch._dynamo.reset()
     yield tmp_path / "fake"
+    workers.shutdown_shared()   # the next test's workers start afresh (its environment differs anyway)
     kernel_cache.clear()
     for op in ops:
         op.clear()   # no CuTe choice (nor broken mark) outlives the patches
@@ -104,6 +107,74 @@ def test_a_cold_compile_starts_the_workers_which_import_before_they_build(fake_c
     assert built_by and built_by <= warmed
     (record,) = k3compile.report(model).precompiled
     assert (record.workers, record.compiled, record.failed) == (2, 4, {})
+
+
+def test_a_second_graph_builds_in_the_workers_the_first_one_started(fake_cute, monkeypatch):
+    """One pool a process: the second graph (a new M: a recompile) neither starts workers nor imports again."""
+    monkeypatch.setitem(kernel_cache.BUILDERS, cute_kernels.KIND, testing.fake_cute_builder(warm_up=True))
+    monkeypatch.setattr(sys.modules["k3compile.optimize"], "should_prestart", lambda devices, record: True)
+    monkeypatch.setenv("K3_PRECOMPILE_WORKERS", "2")
+    x4, x2 = torch.randn(4, D, dtype=torch.bfloat16), torch.randn(2, D, dtype=torch.bfloat16)
+    model, ref, out, first = _run(x4, more=(x2,))
+    assert first == {"built": 0, "loaded": 8} and all(rel_err(o, r) < 1e-2 for o, r in zip(out, ref))
+    one, two = k3compile.report(model).precompiled
+    assert (one.compiled, two.compiled, one.pool_reused, two.pool_reused) == (4, 4, False, True)
+    warmed = {int(p.name) for p in (fake_cute.parent / "warm").iterdir()}
+    built_by = {json.loads(p.read_text())["pid"] for p in fake_cute.iterdir()}
+    assert len(warmed) <= 2 and built_by <= warmed   # no third worker, no import again
+
+
+def _sleep(seconds: float) -> int:
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def test_the_pool_ends_idle_workers_drops_abandoned_jobs_and_shuts_down():
+    """An idle worker ends and the next job starts another; an abandoned running job's worker is killed while the
+    pool serves on; shutdown ends every worker. No wait here is bounded by a timing the test asserts."""
+    pool = workers.WorkerPool(1, {}, timeout=600, idle=0.2)
+    ok, first_pid, _ = pool.submit(os.getpid).result(timeout=120)
+    assert ok and first_pid != os.getpid()
+    deadline = time.monotonic() + 60
+    while pool._slots[0].proc is not None and time.monotonic() < deadline:   # ends after 0.2 s idle
+        time.sleep(0.05)
+    assert pool._slots[0].proc is None
+    hung = pool.submit(_sleep, 3600)
+    while pool._slots[0].phase != "running" or pool._slots[0].future is not hung:
+        time.sleep(0.05)
+    pool.abandon([hung])
+    ok, why, _ = hung.result(timeout=60)
+    assert ok is False and "stopped waiting" in why
+    ok, pid, _ = pool.submit(_sleep, 0).result(timeout=120)
+    assert ok and pid not in (first_pid, os.getpid())
+    pool.shutdown()
+    assert not any(t.is_alive() for t in pool._threads) and pool._slots[0].proc is None
+
+
+def test_a_mark_of_the_kernel_modules_import_spares_a_later_process_the_dsl(monkeypatch, tmp_path):
+    """The CuTe availability check imports the kernel modules once an install: a process that finds the mark (left by
+    a precompile worker's warm-up or an earlier run) imports nothing, nor does precompile's planning; a DSL that does
+    not import leaves no mark."""
+    from k3compile.kernel_module import KernelModule
+    from k3compile.kernels.cute.configs import MmaConfig, WgmmaConfig
+
+    def modules(*names):
+        return {cfg: (KernelModule(name, lambda: None), "K") for cfg, name in zip((MmaConfig, WgmmaConfig), names)}
+
+    monkeypatch.setattr(cute_kernels, "directory", lambda: str(tmp_path))
+    first = modules("json", "csv")
+    monkeypatch.setattr(cute_kernels, "KERNEL_MODULES", first)
+    assert cute_kernels.unavailable() is None and all(m._loaded is not None for m, _ in first.values())
+    later = modules("json", "csv")   # a new process: nothing imported yet
+    monkeypatch.setattr(cute_kernels, "KERNEL_MODULES", later)
+    assert cute_kernels.unavailable() is None and all(m._loaded is None for m, _ in later.values())
+    (tmp_path / cute_kernels.IMPORTED_MARK).unlink()
+    broken = modules("json", "k3compile.no_such_kernels")
+    monkeypatch.setattr(cute_kernels, "KERNEL_MODULES", broken)
+    with kernel_cache.planning_ahead():   # precompile's planning: the workers' builds check the import
+        assert cute_kernels.unavailable() is None and all(m._loaded is None for m, _ in broken.values())
+    assert "does not import" in cute_kernels.unavailable()
+    assert not (tmp_path / cute_kernels.IMPORTED_MARK).exists()
 
 
 def test_workers_start_with_the_compile_only_when_it_is_cold_and_on_a_gpu():

@@ -120,7 +120,7 @@ def test_compiles_for_sm90a_without_gpu(monkeypatch, tmp_path):
                 (5, WG(block_n=64, block_k=64, stages=8, split_k=2, evict_hints=True))]
     for m, cfg in variants:
         assert kc.compile_kernel(torch.bfloat16, m, cfg, False, True, False, 1e-6) is not None
-    names = sorted(p.name for p in tmp_path.rglob("*.o"))
+    names = sorted(p.name for p in tmp_path.rglob("*.so"))
     assert len(names) == len(variants) and all("_norm" in n for n in names)
     assert sum("wgmma" in n for n in names) == 3
 

@@ -72,7 +72,7 @@ def test_compiles_for_sm90a_without_gpu(monkeypatch, tmp_path):
                         (mma(1, 1, 4, 2, stages=4, split_k=4), False),
                         (mma(1, 2, 4, 2, stages=3, a_ring=True, a_l1=True), False)]:
         assert kc.compile_kernel(torch.bfloat16, 3, cfg, True, True, static) is not None
-    assert len([p for p in tmp_path.rglob("*.o")]) == 5  # the on-disk cache a second process loads
+    assert len([p for p in tmp_path.rglob("*.so")]) == 5  # the on-disk cache a second process loads
 
 
 _PTX_ORDER = """
@@ -196,6 +196,32 @@ def test_matches_reference_random_shapes(m, n, k, dtype, bias, residual):
 @pytest.mark.parametrize("static_weight", [False, True], ids=["dynamic_w", "static_w"])
 def test_every_config_matches_reference(cfg, m, static_weight):
     _run(m, 1000, 2056, torch.bfloat16, True, True, cfg=cfg, static_weight=static_weight)
+
+
+_FROM_CACHE = """
+import sys, torch
+sys.path.insert(0, sys.argv[2])
+from k3compile.kernels.cute.compile import STATS
+from test_skinny_gemm_cute import mma, _run
+_run(int(sys.argv[1]), 1000, 2056, torch.bfloat16, True, True, cfg=mma(1, 1, 4, 2, stages=3))
+print(STATS["loaded"], STATS["built"], "cutlass" in sys.modules)
+"""
+
+
+@pytest.mark.gpu
+def test_a_cached_kernel_runs_in_a_process_that_never_imports_the_dsl(tmp_path):
+    """A built kernel is a shared library TVM-FFI loads: a second process runs it right without importing CuTe DSL."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "K3_CUTE_CACHE_DIR": str(tmp_path)}
+    here = os.path.dirname(os.path.abspath(__file__))
+    first = subprocess.run([sys.executable, "-c", _FROM_CACHE, "3", here], env=env, capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.stdout.split()[-3:] == ["0", "1", "True"]   # built (the DSL imported), stored
+    again = subprocess.run([sys.executable, "-c", _FROM_CACHE, "3", here], env=env, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.split()[-3:] == ["1", "0", "False"]   # loaded, matches the reference, no DSL
 
 
 @pytest.mark.gpu

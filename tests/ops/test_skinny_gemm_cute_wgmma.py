@@ -208,7 +208,7 @@ def test_compiles_for_sm90a_without_gpu(monkeypatch, tmp_path):
     finally:
         cc.fingerprint.cache_clear()
     assert fn is not None
-    assert any(p.suffix == ".o" for p in tmp_path.rglob("*"))
+    assert any(p.suffix == ".so" for p in tmp_path.rglob("*"))
 
 
 @settings(deadline=None, max_examples=200)

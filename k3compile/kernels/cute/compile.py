@@ -11,15 +11,24 @@ with ``CUTE_DSL_ARCH=sm_90a`` serves an H200. The cache is the "cute" kind of ``
 ahead of its first call. Every compiled kernel is called ``fn(a, w, out, bias, residual, g)`` (``g``: the fused norm's
 weight, else None) on the current torch stream, through TVM-FFI.
 
+A cached kernel is a shared library (the DSL's object file linked with its runtime and TVM-FFI's, by the C compiler,
+``CC`` or ``cc``) that TVM-FFI loads without CuTe DSL: a process whose kernels are all cached never imports the DSL
+(2.2-2.8 s on the H200 host, most of a warm ``optimize()``'s excess over ``torch.compile``). No C compiler: no disk
+cache. The planning of ``precompile`` (in the compiling process) does not import the DSL either: its workers do, and a
+build failing there falls back.
+
 Nothing here imports cutlass at its top: the kernel modules load on the first build (``KERNEL_MODULES``; an op's
-``available`` predicate adds :func:`unavailable`, so a DSL that does not import them is a recorded fallback).
+``available`` predicate adds :func:`unavailable`, so a DSL that does not import them is a recorded fallback; where a
+process of this install has imported them, its mark in the cache folder stands for the import).
 """
 from __future__ import annotations
 
 import functools
 import hashlib
 import os
+import shutil
 import struct
+import subprocess
 from typing import Optional
 
 import torch
@@ -36,13 +45,35 @@ KERNEL_MODULES = {MmaConfig: (KernelModule(f"{__package__}.mma", cute_importable
 KIND = "cute"   # the kind of kernel in k3compile/kernel_cache.py
 
 
+IMPORTED_MARK = ".kernel-modules-import"   # in directory(): a process of this install imported the kernel modules
+
+
 def unavailable() -> Reason:
-    """None where CuTe DSL imports both kernel modules, else why not."""
+    """None where CuTe DSL imports both kernel modules, else why not: imported here, unless this install's cache folder
+    holds the mark that a process (a precompile worker, an earlier run) imported them -- a warm start then loads its
+    cached kernels without the DSL (a kernel it must build still imports the DSL and raises if it does not)."""
+    folder = directory()
+    if folder is not None and os.path.exists(os.path.join(folder, IMPORTED_MARK)):
+        return None
+    if folder is not None and kernel_cache.is_planning_ahead():
+        return None   # precompile's workers import them (and mark); a build failing there falls back with the reason
     for module, _ in KERNEL_MODULES.values():
         reason = module.reason()
         if reason is not None:
             return reason
+    _mark_imported()
     return None
+
+
+def _mark_imported() -> None:
+    folder = directory()
+    if folder is None:
+        return
+    try:
+        os.makedirs(folder, exist_ok=True)
+        open(os.path.join(folder, IMPORTED_MARK), "a").close()
+    except OSError:   # a read-only cache: the next process imports again
+        pass
 
 
 def variant(dtype: torch.dtype, m: int, cfg: KernelConfig, has_bias: bool, has_res: bool,
@@ -85,10 +116,20 @@ def target_arch() -> str:
     return arch
 
 
+def dsl_version() -> str:
+    """CuTe DSL's version, from its package's metadata (importing the DSL costs seconds)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("nvidia-cutlass-dsl")
+    except metadata.PackageNotFoundError:   # a source build: ask the DSL itself
+        import cutlass
+        return getattr(cutlass, "__version__", "?")
+
+
 def dsl_and_arch() -> str:
     """The DSL version and the target arch."""
-    import cutlass
-    return f"{getattr(cutlass, '__version__', '?')}/{target_arch()}"
+    return f"{dsl_version()}/{target_arch()}"
 
 
 @functools.cache
@@ -104,19 +145,40 @@ def fingerprint() -> str:
 
 
 def directory() -> Optional[str]:
-    """``K3_CUTE_CACHE_DIR/<fingerprint>`` (default ``~/.cache/k3compile/cute``), None where it is "0"."""
+    """``K3_CUTE_CACHE_DIR/<fingerprint>`` (default ``~/.cache/k3compile/cute``), None where it is "0" or where no C
+    compiler links the kernels."""
     root = os.environ.get("K3_CUTE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "k3compile", "cute"))
-    return None if root == "0" else os.path.join(root, fingerprint())
+    return None if root == "0" or _linker() is None else os.path.join(root, fingerprint())
+
+
+@functools.cache
+def _linker() -> Optional[str]:
+    return shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
 
 
 def export(fn, path: str, name: str) -> None:
-    fn.export_to_c(object_file_path=path, function_name=name)
+    """The kernel as a shared library at ``path``: the DSL's object file linked with the runtime libraries it calls
+    (found by their own directories at load: rpath)."""
+    from cutlass.cute.runtime import find_runtime_libraries
+
+    obj = path + ".o"
+    try:
+        fn.export_to_c(object_file_path=obj, function_name=name)
+        libs = find_runtime_libraries(enable_tvm_ffi=True)
+        rpaths = [f"-Wl,-rpath,{d}" for d in dict.fromkeys(os.path.dirname(lib) for lib in libs)]
+        done = subprocess.run([_linker(), "-shared", "-o", path, obj, *libs, *rpaths], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"linking {name} failed: {done.stderr.strip()[-2000:]}")
+    finally:
+        if os.path.exists(obj):
+            os.remove(obj)
 
 
 def load(path: str, name: str):
-    import cutlass.cute as cute
+    """The cached kernel, through TVM-FFI alone (no CuTe DSL import)."""
+    import tvm_ffi
 
-    return cute.runtime.load_module(path, enable_tvm_ffi=True)[name]
+    return tvm_ffi.load_module(path)[name]
 
 
 def worker_env() -> dict:
@@ -126,9 +188,11 @@ def worker_env() -> dict:
 
 
 def warm_up() -> None:
-    """Import CuTe DSL and both kernel modules (seconds in a fresh process, paid once per precompile worker)."""
+    """Import CuTe DSL and both kernel modules (seconds in a fresh process, paid once per precompile worker), and
+    leave the mark that they import (``unavailable``)."""
     for module, _ in KERNEL_MODULES.values():
         module.module()
+    _mark_imported()
 
 
 def build(key):
@@ -142,6 +206,7 @@ def build(key):
             raise ValueError(f"WgmmaConfig {cfg.tag()}: {bad}")
     module, name = KERNEL_MODULES[type(cfg)]
     Kernel = getattr(module.module(), name)
+    _mark_imported()
     kernel = Kernel(cute_dtype(dtype), m, cfg, has_bias, has_res, static_w, eps)
     fake = fake_args(dtype, m, has_bias, has_res, eps is not None, static_m=isinstance(cfg, MmaConfig))
     return cute.compile(kernel, *fake, options="--enable-tvm-ffi")
@@ -168,5 +233,5 @@ def fake_args(dtype: torch.dtype, m: int, has_bias: bool, has_res: bool, has_nor
 
 
 # this process's variants: loaded from the disk cache, or built (and the seconds the builds took)
-STATS = kernel_cache.register(KIND, kernel_cache.Builder(build, export, load, variant_name, directory,
+STATS = kernel_cache.register(KIND, kernel_cache.Builder(build, export, load, variant_name, directory, suffix=".so",
                                                          worker_env=worker_env, warm_up=warm_up))

@@ -1,0 +1,109 @@
+"""Building our ops' Triton kernels ahead (``k3compile/triton_ahead.py``), on the CPU: Triton's driver is a stand-in
+that names an H200 target (no GPU), so a launch inside ``capturing`` is recorded and a worker's ``build`` compiles it
+for sm_90 into Triton's disk cache; the launch that follows then finds it there (compiles nothing). The GPU run of
+``benchmarks/compile_time.py`` covers the ops' own launchers."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from k3compile import kernel_cache, triton_ahead, workers
+
+triton = pytest.importorskip("triton")
+tl = triton.language
+
+
+def _copy(x, y, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y + i, tl.load(x + i, mask=i < n), mask=i < n)
+
+
+# a compiled kernel even where the suite runs Triton's interpreter (TRITON_INTERPRET=1 makes @triton.jit interpret)
+_copy = triton.runtime.jit.JITFunction(_copy)
+
+
+class _H200Driver:
+    """What Triton's launch path asks of its driver before it compiles, for a GPU this host does not have."""
+
+    def __init__(self):
+        from triton.backends.compiler import GPUTarget
+        self.target = GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def is_active(self):
+        return True
+
+
+@pytest.fixture
+def h200(monkeypatch, tmp_path):
+    from triton.runtime.driver import driver
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(driver, "_active", _H200Driver())   # restored after (reset_active would look for a GPU)
+    _copy.device_caches.clear()
+    yield tmp_path
+    _copy.device_caches.clear()
+
+
+def _entries(folder) -> set:
+    return {p.name for p in folder.iterdir()}
+
+
+def test_a_dry_launch_is_a_compile_request_whose_build_the_launch_then_finds(h200):
+    """Captured with the launch's own specialisation, built by a worker whose environment names another cache folder
+    (Inductor may set Triton's after the workers started), found by the launch."""
+    x = triton_ahead.DryTensor((1000,), (1,), torch.bfloat16, torch.device("cpu"))
+    y = triton_ahead.DryTensor((1000,), (1,), torch.bfloat16, torch.device("cpu"), offset=3)[1:]   # 8 bytes in
+    requests = []
+    with triton_ahead.capturing(requests):
+        assert _copy[(8,)](x, y, 1000, BLOCK=128) is None   # nothing compiled, nothing launched
+    ((module, name, spec, cache),) = requests
+    assert (module, name, cache) == (__name__, "_copy", str(h200)) and not _entries(h200)
+    assert '"attrs_vals": [[["tt.divisibility", 16]], [], [], []]' in spec   # x aligned; y at 8 bytes; n = 1000
+    # a worker compiles it (a fresh process: no interpreter patches), into the folder the request names
+    pool = workers.WorkerPool(1, {"TRITON_CACHE_DIR": str(h200 / "elsewhere")}, timeout=600)
+    try:
+        ok, detail, _ = pool.submit(triton_ahead.build, module, name, spec, cache).result(timeout=300)
+    finally:
+        pool.shutdown()
+    assert ok, detail
+    built = _entries(h200)
+    assert built
+    _copy.warmup(x, y, 1000, BLOCK=128, grid=(8,))   # the first call's compile: a hit
+    assert _entries(h200) == built
+
+
+def test_dry_tensors_follow_views_and_refuse_data():
+    a = triton_ahead.DryTensor((4, 64), (64, 1), torch.bfloat16, torch.device("cpu"), offset=8)
+    v = a[:, 8:].t()
+    assert isinstance(v, triton_ahead.DryTensor) and v.shape == (56, 4) and v.stride() == (1, 64)
+    assert v.data_ptr() == (8 + 8) * 2
+    s = (a.float() * 2).sum(-1)
+    assert isinstance(s, triton_ahead.DryTensor) and s.shape == (4,) and s.dtype == torch.float32
+    with pytest.raises(Exception):
+        a.sum().item()   # a value: the dry call stops there (its kernels are left to the first call)
+
+
+def test_no_kernel_is_loaded_during_a_dry_run():
+    with kernel_cache.dry_running(), pytest.raises(kernel_cache.DryRun):
+        kernel_cache.get("cute", ("any",))
+
+
+def test_off_unless_asked(monkeypatch):
+    monkeypatch.delenv(triton_ahead.ENV, raising=False)
+    assert not triton_ahead.enabled()
+    monkeypatch.setenv(triton_ahead.ENV, "1")
+    assert triton_ahead.enabled() == hasattr(triton.knobs.runtime, "jit_cache_hook")
