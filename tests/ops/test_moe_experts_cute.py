@@ -1,4 +1,5 @@
-"""k3::moe_experts' CuTe kernels (MXFP4 weights, bf16 activations, M <= 8: ``cute.py``, ``cute_kernels.py``).
+"""k3::moe_experts' CuTe kernels (MXFP4 weights, bf16 activations, M <= 8: ``cute.py``, ``cute_gate_up.py``,
+``cute_down.py``).
 
 On the CPU: the conversion's bit recipe (``e2m1_bits.py``, the PTX is generated from it) against the reference
 dequantisation for every code, byte position and scale byte, and the dispatch rules. On an sm_90 GPU: the op against

@@ -1,9 +1,9 @@
 """The routed experts' CuTe implementation (NVIDIA sm_90+): MXFP4 weights, bf16 activations, the decode form (M <= 8).
 
-Three launches, back to back with PDL: the gate/up and the down products of ``cute_kernels.py`` (mma.sync, the codes
-read straight into registers), then the Triton combine (``triton_down._combine_kernel``: each token's slots summed in
-order, fp32). Everything else (float weights, more tokens, other dtypes) stays with the Triton kernels
-(``dispatch.py``).
+Three launches, back to back with PDL: the gate/up and the down products of ``cute_gate_up.py`` and ``cute_down.py``
+(mma.sync, the codes read straight into registers), then the Triton combine (``triton_down._combine_kernel``: each
+token's slots summed in order, fp32). Everything else (float weights, more tokens, other dtypes) stays with the Triton
+kernels (``dispatch.py``).
 
 The kernels are compiled per variant (product, M, A, configuration, SiTU-GLU's constants, the ids' dtype) with
 symbolic E, widths and strides, and cached in memory and on disk as the skinny GEMM's are (``KIND`` of
@@ -30,15 +30,17 @@ from k3compile.kernels.cute import compile as cute_compile
 KIND = "cute_moe"
 MAX_M = 8   # the tokens are the MMA's N
 MAX_I = 512   # the down kernel holds each token's h row in registers
-_KERNELS = KernelModule(f"{__package__}.cute_kernels", cute_importable)
-_SOURCES = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "cute_kernels.py"),
+_GATE_UP = KernelModule(f"{__package__}.cute_gate_up", cute_importable)
+_DOWN = KernelModule(f"{__package__}.cute_down", cute_importable)
+_SOURCES = (*(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
+              for f in ("cute_gate_up.py", "cute_down.py", "e2m1_bits.py")),
             os.path.abspath(__file__),
             os.path.join(os.path.dirname(os.path.abspath(cute_compile.__file__)), "asm.py"))
 
 
 @dataclasses.dataclass(frozen=True)
 class Mxfp4MmaConfig:
-    """The gate/up product's work division (``cute_kernels.Mxfp4GateUpMma``): ``warps_k`` warps a block over slices of
+    """The gate/up product's work division (``cute_gate_up.Mxfp4GateUpMma``): ``warps_k`` warps a block over slices of
     K, ``row_groups`` groups of 8 rows of w1 and w3 a block, ``unroll`` K steps of loads in flight a warp."""
     warps_k: int = 4
     row_groups: int = 1
@@ -50,7 +52,7 @@ class Mxfp4MmaConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Mxfp4DownConfig:
-    """The down product's work division (``cute_kernels.Mxfp4DownMma``): ``warps`` a block, each taking
+    """The down product's work division (``cute_gate_up.Mxfp4DownMma``): ``warps`` a block, each taking
     ``row_groups`` groups of 16 rows at a time, ``groups`` times."""
     warps: int = 4
     row_groups: int = 2
@@ -73,7 +75,10 @@ def gate_up_config(m: int) -> Mxfp4MmaConfig:
 
 
 def unavailable() -> Reason:
-    return _KERNELS.reason()
+    """None where CuTe DSL can build and load the kernels, decided as for the skinny GEMM's
+    (``kernels/cute/compile.py``: its install mark stands for the DSL's import, so a warm start loads cached kernels
+    without importing it); this kernel module itself imports at its first build."""
+    return cute_compile.unavailable()
 
 
 def supports(z, experts, weights, w1, w3, w2, w1_scale, small_m_limit) -> Reason:
@@ -100,7 +105,7 @@ def supports(z, experts, weights, w1, w3, w2, w1_scale, small_m_limit) -> Reason
 def variant(mode: str, m: int, a: int, cfg, beta, linear_beta, ids_dtype: torch.dtype, n_steps: int = 0,
             big_scales: bool = True) -> tuple:
     """The key of one compiled kernel. Down: no SiTU-GLU constants, and the steps of 128 its K (I) takes.
-    ``big_scales``: the variant exact for scale bytes above 128 too (``cute_kernels.py``)."""
+    ``big_scales``: the variant exact for scale bytes above 128 too (``cute_gate_up.py``)."""
     if mode == "down":
         return (mode, m, a, cfg, None, None, ids_dtype, n_steps, big_scales)
     return (mode, m, a, cfg, None if beta is None else float(beta),
@@ -168,14 +173,15 @@ def build(key):
 
     mode, m, a, cfg, beta, linear_beta, ids_dtype, n_steps, big = key
     if mode == "down":
-        kernel = _KERNELS.Mxfp4DownMma(m, a, cfg.warps, cfg.row_groups, cfg.groups, n_steps, big)
+        kernel = _DOWN.Mxfp4DownMma(m, a, cfg.warps, cfg.row_groups, cfg.groups, n_steps, big)
     else:
-        kernel = _KERNELS.Mxfp4GateUpMma(m, a, cfg.warps_k, cfg.row_groups, cfg.unroll, beta, linear_beta, big)
+        kernel = _GATE_UP.Mxfp4GateUpMma(m, a, cfg.warps_k, cfg.row_groups, cfg.unroll, beta, linear_beta, big)
     return cute.compile(kernel, *fake_args(mode, m, a, ids_dtype), options="--enable-tvm-ffi")
 
 
 def warm_up() -> None:
-    _KERNELS.module()
+    _GATE_UP.module()
+    _DOWN.module()
 
 
 STATS = kernel_cache.register(KIND, kernel_cache.Builder(

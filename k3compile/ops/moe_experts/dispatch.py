@@ -2,9 +2,9 @@
 
 Order (``k3compile.backends``): ``cute`` for MXFP4 weights, bf16 activations and at most 8 tokens on sm_90+
 (``cute.py``: the decode form's products as mma.sync kernels), then ``triton`` on a GPU (or CPU tensors under
-``TRITON_INTERPRET=1``), else the ``reference``. The Triton implementation has two forms, picked by M (``config.decode_form``): up to
-``small_m_limit`` rows (at most 16) the decode kernels, which find their expert's tokens themselves; above, the
-same kernels over pairs sorted by expert (prefill).
+``TRITON_INTERPRET=1``), else the ``reference``. The Triton implementation has two forms, picked by M
+(``config.decode_form``): up to ``small_m_limit`` rows (at most 16) the decode kernels, which find their expert's
+tokens themselves; above, the same kernels over pairs sorted by expert (prefill).
 
 Profitable: everywhere, except where the measured table of this GPU (``tables/<gpu>.json``, written by
 ``benchmarks/moe_experts.py --table``) lists the dense form through cuBLAS (``aten``: every token through every

@@ -1,5 +1,6 @@
-"""The bit recipe by which the CuTe MXFP4 kernels (``cute_kernels.py``) turn eight E2M1 codes into bf16 bit patterns,
-and the same recipe on integer tensors so that the CPU tests can check it against ``reference.dequantize_mxfp4``.
+"""The bit recipe by which the CuTe MXFP4 kernels (``cute_gate_up.py``, ``cute_down.py``) turn eight E2M1 codes into
+bf16 bit patterns, and the same recipe on integer tensors so that the CPU tests can check it against
+``reference.dequantize_mxfp4``.
 
 A 32-bit word holds eight codes, element j in bits 4j..4j+3 (bit 3 of a code its sign). Output register k (0..3)
 holds elements k and k + 4 (low and high bf16). Nibbles k and k + 4 of a word x, masked (``MASK``) and multiplied

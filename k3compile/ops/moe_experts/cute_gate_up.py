@@ -1,9 +1,10 @@
 """The MXFP4 routed experts' decode-form products as mma.sync kernels (NVIDIA sm_90+), the codes read straight into
 registers.
 
-Two kernels: ``Mxfp4GateUpMma``, ``h = SiTU-GLU(w1[e] z, w3[e] z)``, and ``Mxfp4DownMma``,
-``partial = round(w2[e] h) · router weight``. A block runs for pair ``p`` only if ``p`` is the first (token, slot)
-pair holding its expert, and then serves every token that chose that expert at once (at most 8: the MMA's N).
+Two kernels: ``Mxfp4GateUpMma`` here, ``h = SiTU-GLU(w1[e] z, w3[e] z)``, and ``cute_down.Mxfp4DownMma``, ``partial =
+round(w2[e] h) · router weight``, which shares this module's conversion and MMA steps. A block runs for pair ``p``
+only if ``p`` is the first (token, slot) pair holding its expert, and then serves every token that chose that expert
+at once (at most 8: the MMA's N).
 
 Weights are the MMA's A operand (16 rows: gate/up stacks 8 rows of w1 over the same 8 rows of w3, so a lane holds
 both halves of its SiTU-GLU; down takes 16 rows of w2), tokens its B operand (one column a token). A lane owns 16
@@ -34,7 +35,7 @@ import cutlass.cute as cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from k3compile.kernels.cute.asm import mma_16816, prefetch_bulk_l2
+from k3compile.kernels.cute.asm import mma_16816
 from k3compile.ops.moe_experts import e2m1_bits
 
 
@@ -307,170 +308,3 @@ class Mxfp4GateUpMma:
     @cute.jit
     def tanh(self, x):
         return cute.math.tanh(x)
-
-
-@dsl_user_op
-def top_bit(x, *, loc=None, ip=None):
-    """The index of the highest set bit of a nonzero 32-bit ``x`` (PTX bfind)."""
-    return cutlass.Int32(llvm.inline_asm(
-        T.i32(), [x.ir_value(loc=loc, ip=ip)], "bfind.u32 $0, $1;", "=r,r",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
-    ))
-
-
-class Mxfp4DownMma(Mxfp4GateUpMma):
-    """The down product with the B operand held: block ``(p, s)`` takes w2's rows ``[s·R, (s + 1)·R)``,
-    R = 16 · ``row_groups`` · ``warps`` · ``groups``, its warps taking ``row_groups`` groups of 16 rows at a time in
-    turn. K = I is short (384 at K3 TP 8): each warp loads h's rows for the whole of it once (``n_steps`` steps of
-    128), permuted to the conversion's order, and every group of rows reuses them; the rows past I are zeros. The
-    partials go straight from the MMA's registers to each pair of the token holding the expert (a bit mask of its
-    slots, built once)."""
-
-    def __init__(self, m: int, a: int, warps: int, row_groups: int, groups: int, n_steps: int, big_scales: bool):
-        super().__init__(m, a, 1, row_groups, n_steps, None, None, big_scales)
-        self.wn, self.groups, self.ns = warps, groups, n_steps
-        self.threads = 32 * warps
-        self.rows_per_block = 16 * row_groups * warps * groups
-
-    @cute.jit
-    def __call__(self, mX: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor, mW0: cute.Tensor, mW1: cute.Tensor,
-                 mS0: cute.Tensor, mS1: cute.Tensor, mOut: cute.Tensor, stream):
-        n = mW0.shape[1]
-        self.kernel(mX, mIds, mWts, mW0, mW1, mS0, mS1, mOut).launch(
-            grid=[mIds.shape[0], (n + self.rows_per_block - 1) // self.rows_per_block, 1],
-            block=[self.threads, 1, 1],
-            stream=stream,
-            use_pdl=True,
-        )
-
-    @cute.kernel
-    def kernel(self, mX: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor, mW0: cute.Tensor, mW1: cute.Tensor,
-               mS0: cute.Tensor, mS1: cute.Tensor, mOut: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        p, sb, _ = cute.arch.block_idx()
-        E = mW0.shape[0]
-        N = mW0.shape[1]
-        K = mX.shape[1]
-        n0 = sb * self.rows_per_block
-        e = mIds[p].to(cutlass.Int32)   # written before the op's first kernel began (module doc)
-        valid = (e >= 0) & (e < E)
-        ec = cutlass.max(cutlass.min(e, E - 1), 0)
-        # before the wait: warm L2 with the block's rows of w2, one bulk prefetch a row (coherent: any weight may)
-        if valid:
-            for i in cutlass.range(tidx, self.rows_per_block, self.threads, unroll=1):
-                if n0 + i < N:
-                    prefetch_bulk_l2(mW0[ec, n0 + i, None].iterator.toint(), cutlass.Int32(K // 2))
-        cute.arch.griddepcontrol_wait()
-        run = valid
-        if valid:
-            run = self.first_of_expert(mIds, p, e, tidx % 32)
-        if run:
-            self.rows(mX, mIds, mWts, mW0, mS0, mOut, p, ec, n0, tidx // 32, tidx % 32, N, K)
-        cute.arch.griddepcontrol_launch_dependents()
-
-    @cute.jit
-    def rows(self, mX: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor, mW: cute.Tensor, mS: cute.Tensor,
-             mOut: cute.Tensor, p, e, n0, wn, lane, N, K):
-        RG: cutlass.Constexpr = self.rg
-        NS: cutlass.Constexpr = self.ns
-        g = lane // 4
-        t = lane % 4
-        # B: token g's row of h over the whole K, in the conversion's order (16 bf16x2 a step)
-        xs = cute.logical_divide(mX, (None, 8))[self.h_row(mIds, p, e, g), None]
-        rX = cute.make_rmem_tensor((8, 4 * NS), mX.element_type)
-        rX32 = cute.recast_tensor(rX, cutlass.Int32)
-        rX32.fill(0)
-        for st in cutlass.range_constexpr(NS):
-            k0 = st * 128 + 32 * t
-            if k0 < K:
-                for j in cutlass.range_constexpr(4):
-                    v = xs[((None, k0 // 8 + j),)]
-                    cute.autovec_copy(cute.make_tensor(v.iterator.align(16), v.layout), rX[None, st * 4 + j])
-        rXp = cute.make_rmem_tensor((16, NS), cutlass.Int32)
-        for st in cutlass.range_constexpr(NS):
-            for j in cutlass.range_constexpr(4):
-                x0 = rX32[0, st * 4 + j]
-                x1 = rX32[1, st * 4 + j]
-                x2 = rX32[2, st * 4 + j]
-                x3 = rX32[3, st * 4 + j]
-                rXp[4 * j, st] = prmt(x0, x2, 0x5410)
-                rXp[4 * j + 1, st] = prmt(x0, x2, 0x7632)
-                rXp[4 * j + 2, st] = prmt(x1, x3, 0x5410)
-                rXp[4 * j + 3, st] = prmt(x1, x3, 0x7632)
-        # the slots of tokens 2t and 2t + 1 holding e, as bit masks
-        slots = []
-        for x in cutlass.range_constexpr(2):
-            mask = cutlass.Int32(0)
-            tok = 2 * t + x
-            if tok < self.m:
-                for a in cutlass.range_constexpr(self.a):
-                    if mIds[tok * self.a + a].to(cutlass.Int32) == e:
-                        mask = mask | (1 << a)
-            slots.append(mask)
-
-        gW = cute.logical_divide(mW, (None, None, 16))
-        rW = cute.make_rmem_tensor((16, 2 * RG * NS), cutlass.Uint8)
-        rW32 = cute.recast_tensor(rW, cutlass.Int32)
-        rS = cute.make_rmem_tensor((2 * RG * NS,), cutlass.Int32)
-        rD = cute.make_rmem_tensor((16, 2), cutlass.Int32)
-        acc = cute.make_rmem_tensor((4, RG), cutlass.Float32)
-        for j in cutlass.range(self.groups, unroll=1):
-            base = n0 + (j * self.wn + wn) * 16 * RG
-            if base < N:
-                # every step of the group's rows in flight at once
-                rW32.fill(0)
-                rS.fill(127)
-                for r in cutlass.range_constexpr(RG):
-                    for h in cutlass.range_constexpr(2):
-                        row = cutlass.min(base + r * 16 + 8 * h + g, N - 1)
-                        codes = gW[e, row, None]
-                        scales = mS[e, row, None]
-                        for st in cutlass.range_constexpr(NS):
-                            k0 = st * 128 + 32 * t
-                            slot = (st * RG + r) * 2 + h
-                            if k0 < K:
-                                v = codes[((None, k0 // 32),)]
-                                cute.autovec_copy(cute.make_tensor(v.iterator.align(16), v.layout), rW[None, slot])
-                                rS[slot] = scales[k0 // 32].to(cutlass.Int32)
-                acc.fill(0.0)
-                for st in cutlass.range_constexpr(NS):
-                    for r in cutlass.range_constexpr(RG):
-                        for h in cutlass.range_constexpr(2):
-                            slot = (st * RG + r) * 2 + h
-                            self.dequantize(rW32, rS[slot], slot, rD, h, self.big_scales)
-                        for q in cutlass.range_constexpr(8):
-                            a = (rD[2 * q, 0], rD[2 * q, 1], rD[2 * q + 1, 0], rD[2 * q + 1, 1])
-                            b = (rXp[2 * q, st], rXp[2 * q + 1, st])
-                            d = mma_16816(a, b, (acc[0, r], acc[1, r], acc[2, r], acc[3, r]), False)
-                            for i in cutlass.range_constexpr(4):
-                                acc[i, r] = d[i]
-                # lane (g, t): rows g (acc 0, 1) and g + 8 (acc 2, 3) of each group, tokens 2t and 2t + 1
-                for r in cutlass.range_constexpr(RG):
-                    for x in cutlass.range_constexpr(2):
-                        tok = 2 * t + x
-                        self.store_rows(mWts, mOut, slots[x], tok, base + r * 16 + g, N, acc[x, r])
-                        self.store_rows(mWts, mOut, slots[x], tok, base + r * 16 + 8 + g, N, acc[2 + x, r])
-
-    @cute.jit
-    def h_row(self, mIds: cute.Tensor, p, e, tok):
-        """h's row of token ``tok``'s first pair holding ``e`` (``p`` where the token holds none: its column is never
-        stored)."""
-        row = p
-        for a in cutlass.range_constexpr(self.a - 1, -1, -1):
-            if tok < self.m:
-                if mIds[tok * self.a + a].to(cutlass.Int32) == e:
-                    row = tok * self.a + a
-        return row
-
-    @cute.jit
-    def store_rows(self, mWts: cute.Tensor, mPart: cute.Tensor, mask, tok, n, N, y):
-        """partial[q, n] = y rounded to the activations' dtype (the model rounds the down product) times the router
-        weight of pair q, for each slot of token ``tok`` in ``mask``."""
-        if n < N:
-            yr = y.to(cutlass.BFloat16).to(cutlass.Float32)
-            left = mask
-            while left != 0:
-                a = top_bit(left)
-                q = tok * self.a + a
-                mPart[q, n] = yr * mWts[q].to(cutlass.Float32)
-                left = left ^ (cutlass.Int32(1) << a)
