@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || tail -5 "$OUT/install.log"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.device_count(), 'x', torch.cuda.get_device_name())"
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
-STEPS=${STEPS:-gpu_tests gpu_model kda_decode kda_prefill moe_tail moe_tail_tp2 skinny decode_tp1 mla_tune mla_tune_len mla_decode}
+STEPS=${STEPS:-gpu_tests gpu_model kda_decode kda_prefill moe_tail moe_tail_tp2 skinny decode_tp1 moe_cute moe_cute_tune mla_tune mla_tune_len mla_decode}
 step() {  # step NAME SECONDS CMD...
     local name=$1 secs=$2; shift 2
     case " $STEPS " in *" $name "*) ;; *) return ;; esac
@@ -31,6 +31,11 @@ step skinny       ${T_SKINNY:-300} python3 benchmarks/skinny_gemm.py --json "$OU
                                   --png "$OUT/skinny_gemm_h200.png"
 step decode_tp1   ${T_DECODE:-120} python3 benchmarks/tp_decode.py --world-size 1 --backend nccl --config slice \
                                   --batch 1,16 --steps 3 --json "$OUT/decode_tp1.json"
+# the routed experts with MXFP4 weights: the op (CuTe kernels at M <= 8) against the Triton kernels, then the CuTe
+# kernels' work divisions alone (their picks live in k3compile/ops/moe_experts/cute.py)
+step moe_cute     ${T_MOE_CUTE:-200} python3 benchmarks/moe_experts.py --m 1 2 4 8 --tp 8 16 --formats mxfp4 \
+                                  --compile-m --kernels-m 1 8 --skewed-m 8 --json "$OUT/moe_experts_mxfp4_cute_h200.json"
+step moe_cute_tune ${T_MOE_CUTE_TUNE:-150} python3 benchmarks/tune_moe_experts_cute.py 384
 # the MLA decode layout table first (written into the tree, so the benchmark's dispatch reads it), then the sweep
 step mla_tune     ${T_MLA_TUNE:-150} python3 benchmarks/tune_mla_decode.py --out "$OUT/mla_decode_table_h200.json" \
                                   --log "$OUT/mla_tune_log.json"
@@ -43,9 +48,13 @@ step mla_decode   ${T_MLA:-240}   python3 benchmarks/mla_decode.py ${MLA_ARGS:-}
 step decode_step  ${T_STEP:-460}  python3 benchmarks/decode_step.py --tp 8 --layers 4 --batch 1,8 --context 1024 \
                                   --providers eager,compile,optimize --json "$OUT/decode_step.json" \
                                   --plot "$OUT/decode_step.svg"
+# not in the default STEPS (about 6 minutes): STEPS=decode_step_mxfp4
+step decode_step_mxfp4 ${T_STEP_MX:-300} python3 benchmarks/decode_step.py --tp 8 --layers 4 --experts mxfp4 \
+                                  --batch 1,8 --context 1024 --providers compile,optimize \
+                                  --json "$OUT/decode_step_mxfp4_h200.json"
 # not in the default STEPS (about 5 minutes, fresh caches in each child): STEPS=compile_time
 step compile_time ${T_COMPILE:-560} python3 benchmarks/compile_time.py --device cuda --layers 4 \
-                                  --variants torch.compile,optimize-whole,optimize-whole-noprecompile,optimize-regions \
+                                  --variants torch.compile,optimize-whole,optimize-whole-tritonahead,optimize-regions \
                                   --warm-variants torch.compile,optimize-whole --budget $(( ${T_COMPILE:-560} - 20 )) \
                                   --child-timeout 220 --out "$OUT/compile_time_h200.json"
 for f in $STEPS; do
