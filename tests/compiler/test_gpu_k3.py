@@ -1,4 +1,5 @@
-"""The micro K3 on a CUDA GPU in bf16, through k3compile.optimize with every pass.
+"""The micro K3 on a CUDA GPU in bf16 (routed experts bf16, or packed MXFP4), through k3compile.optimize with every
+pass.
 
 - decode runs our kernels (the report names the implementation of each op, CuTe for the skinny GEMM
   where cutlass is installed) and, teacher-forced on eager's tokens, every step's logits are within bf16 noise of
@@ -27,9 +28,15 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 BATCH, PROMPT, NEW = 2, 12, 6
 
 
-def _models():
+def _models(experts: str = "bf16"):
+    """(eager, a copy to compile, prompt ids); ``experts="mxfp4"``: the routed experts packed (I = 64: MXFP4 takes
+    widths in multiples of 32), as the published checkpoint holds them."""
     torch.manual_seed(0)
-    eager = KimiK3ForConditionalGeneration(KimiK3Config.micro()).eval().cuda().set_dtype(torch.bfloat16)
+    config = KimiK3Config.micro(**({"moe_intermediate_size": 64} if experts == "mxfp4" else {}))
+    eager = KimiK3ForConditionalGeneration(config).eval().cuda()
+    if experts == "mxfp4":
+        eager.convert_experts("mxfp4")
+    eager.set_dtype(torch.bfloat16)
     ids = torch.randint(0, eager.config.text_config.vocab_size, (BATCH, PROMPT), device="cuda")
     return eager, copy.deepcopy(eager), ids
 
@@ -54,8 +61,9 @@ def step_errors(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def test_decode_runs_our_kernels_and_matches_eager():
-    eager, model, ids = _models()
+@pytest.mark.parametrize("experts", ["bf16", "mxfp4"])
+def test_decode_runs_our_kernels_and_matches_eager(experts):
+    eager, model, ids = _models(experts)
     ref = eager.generate(ids, NEW)
     torch._dynamo.reset()
     k3compile.optimize(model, strict=True, dynamic=False)
@@ -103,6 +111,8 @@ def test_decode_runs_our_kernels_and_matches_eager():
     assert ("kda_decode", "triton") in impls and ("mla_decode", "triton") in impls
     if importlib.util.find_spec("cutlass") is not None:
         assert ("skinny_gemm", "cute") in impls, sorted(impls)
+        if experts == "mxfp4":   # decode, 2 tokens: the packed experts' mma.sync kernels
+            assert ("moe_experts", "cute") in impls, sorted(impls)
 
 
 @torch.no_grad()
