@@ -51,16 +51,21 @@ _AHEAD = threading.local()
 
 
 @contextlib.contextmanager
+def _thread_flag(name: str):
+    """Sets this thread's flag ``name`` within the block (nested blocks restore the outer value)."""
+    outer = getattr(_AHEAD, name, False)
+    setattr(_AHEAD, name, True)
+    try:
+        yield
+    finally:
+        setattr(_AHEAD, name, outer)
+
+
 def planning_ahead():
     """Within this block (``precompile``'s planning, in this thread) a kind may take its compiler's import on trust
     (``cute``'s ``unavailable``): the builds ahead import it in the workers, and a build that fails there falls back
     with the reason; planning need not pay the import in this process."""
-    outer = getattr(_AHEAD, "on", False)
-    _AHEAD.on = True
-    try:
-        yield
-    finally:
-        _AHEAD.on = outer
+    return _thread_flag("on")
 
 
 def is_planning_ahead() -> bool:
@@ -71,15 +76,9 @@ class DryRun(RuntimeError):
     """A kernel asked for during a dry run (``triton_ahead.dry_run``): that call stops there."""
 
 
-@contextlib.contextmanager
 def dry_running():
     """Within this block (in this thread) no kernel is loaded, built or called: ``get`` raises ``DryRun``."""
-    outer = getattr(_AHEAD, "dry", False)
-    _AHEAD.dry = True
-    try:
-        yield
-    finally:
-        _AHEAD.dry = outer
+    return _thread_flag("dry")
 
 
 BUILDERS: dict[str, Builder] = {}

@@ -27,6 +27,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from . import kernel_cache
+from .call_sites import StandIn
 
 ENV = "K3_PRECOMPILE_TRITON"
 # ops whose implementations launch Triton kernels and communicate with no other rank (a collective would wait)
@@ -57,20 +58,10 @@ def _to_meta(x: Any) -> Any:
     return torch.empty(_extent(x), dtype=x.dtype, device="meta").as_strided(x.shape, x.stride(), x.storage_offset())
 
 
-class DryTensor(torch.Tensor):
-    """A tensor's metadata on its device, without storage: aten ops on it run on meta tensors and return DryTensors
-    (so an op's launcher computes what it would); ``data_ptr`` is the offset's bytes (an allocation's base is
-    aligned), which is what Triton's specialisation reads. Nothing is ever computed."""
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @staticmethod
-    def __new__(cls, shape, stride, dtype, device, offset=0):
-        return torch.Tensor._make_wrapper_subclass(cls, shape, strides=stride, storage_offset=offset, dtype=dtype,
-                                                   device=device)
-
-    def data_ptr(self) -> int:
-        return self.storage_offset() * self.element_size()
+class DryTensor(StandIn):
+    """A tensor's metadata on its device, without storage (``call_sites.StandIn``), on which aten ops do run: on meta
+    tensors, returning DryTensors (so an op's launcher computes what it would); ``data_ptr`` is the offset's bytes,
+    which is what Triton's specialisation reads. Nothing is ever computed."""
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
