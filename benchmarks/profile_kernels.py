@@ -9,8 +9,8 @@ ncu, caches flushed between passes: durations are cold-cache and at ncu's locked
     python benchmarks/profile_kernels.py                        # the default cases below
     python benchmarks/profile_kernels.py --cases moe:mxfp4:1 mla:1:1024 --out profile.json
 
-Cases: ``moe:<bf16|mxfp4>:<M>`` (``k3::moe_experts`` at TP 8: E 896, top-16, L 3584, I 384, random routing, the
-table's configuration) and ``mla:<B>:<valid length>`` (``k3::mla_decode`` at TP 8: 12 heads, a 128K allocation).
+Cases: ``moe:<bf16|mxfp4|mxfp4-cute>:<M>`` (``k3::moe_experts`` at TP 8: E 896, top-16, L 3584, I 384, random
+routing; the Triton kernels at the table's configuration, or with ``mxfp4-cute`` the CuTe kernels, M <= 8) and ``mla:<B>:<valid length>`` (``k3::mla_decode`` at TP 8: 12 heads, a 128K allocation).
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ import subprocess
 import sys
 import tempfile
 
-DEFAULT_CASES = ("moe:mxfp4:1", "moe:mxfp4:16", "moe:bf16:1", "mla:1:1024", "mla:8:8192")
+DEFAULT_CASES = ("moe:mxfp4:1", "moe:mxfp4:16", "moe:mxfp4-cute:1", "moe:mxfp4-cute:8", "moe:bf16:1", "mla:1:1024",
+                 "mla:8:8192")
 METRICS = {   # column name -> ncu raw metric (the first of a tuple that ncu reports)
     "µs": "gpu__time_duration.sum",
     "dram %": ("gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
@@ -66,7 +67,7 @@ def child(case: str) -> None:
         def dense(rows, cols):
             return torch.randn(E, rows, cols, generator=g, device=dev).to(torch.bfloat16) * cols ** -0.5
 
-        if fmt == "mxfp4":
+        if fmt.startswith("mxfp4"):
             w = (codes(I, L), codes(I, L), codes(L, I), scales(I, L, L), scales(I, L, L), scales(L, I, I))
         else:
             w = (dense(I, L), dense(I, L), dense(L, I), None, None, None)
@@ -77,6 +78,10 @@ def child(case: str) -> None:
         z = torch.randn(m, L, generator=g, device=dev).to(torch.bfloat16)
 
         def call():
+            if fmt == "mxfp4-cute":
+                from k3compile.ops.moe_experts.cute import moe_experts_cute
+
+                return moe_experts_cute(z, experts, weights, *w, beta=4.0, linear_beta=25.0)
             return moe_experts_triton(z, experts, weights, *w, beta=4.0, linear_beta=25.0)
     elif kind == "mla":
         from k3compile.ops.mla_decode import mla_decode
