@@ -61,13 +61,16 @@ def test_ptx_spells_the_recipe():
     (dict(dtype=torch.float16), "float16 activations"),
     (dict(m=9), "M=9 outside"),
     (dict(i=544), "I=544 above"),
+    (dict(scales="strided"), "w2_scale must have unit stride"),
 ])
 def test_supports_names_what_it_lacks(case, why):
     m = case.get("m", 2)
     args = moe_experts_inputs(m, 4, 8, case.get("i", 64), 64, case.get("dtype", torch.bfloat16),
                               mxfp4=case.get("mxfp4", True))
     z, experts, weights, w1, w3, w2, s1, s3, s2 = args
-    assert why in cute.supports(z, experts, weights, w1, w3, w2, s1, 16)
+    if case.get("scales") == "strided" and s2 is not None:
+        s2 = s2.transpose(1, 2).contiguous().transpose(1, 2)
+    assert why in cute.supports(z, experts, weights, w1, w3, w2, s1, s3, s2, 16)
 
 
 def test_cpu_tensors_never_reach_the_cute_kernels():

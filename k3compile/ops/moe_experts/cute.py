@@ -81,7 +81,7 @@ def unavailable() -> Reason:
     return cute_compile.unavailable()
 
 
-def supports(z, experts, weights, w1, w3, w2, w1_scale, small_m_limit) -> Reason:
+def supports(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, small_m_limit) -> Reason:
     """None where the CuTe kernels take this call, else why not."""
     m, l = z.shape
     if w1_scale is None:
@@ -99,6 +99,9 @@ def supports(z, experts, weights, w1, w3, w2, w1_scale, small_m_limit) -> Reason
     for name, t in (("w1", w1), ("w3", w3), ("w2", w2)):
         if t.stride(2) != 1 or t.stride(1) % 16 or t.stride(0) % 16 or t.data_ptr() % 16:
             return f"{name} codes must be row-major with 16-byte aligned rows (strides {t.stride()})"
+    for name, t in (("w1_scale", w1_scale), ("w3_scale", w3_scale), ("w2_scale", w2_scale)):
+        if t.stride(2) != 1:
+            return f"{name} must have unit stride along its groups (strides {t.stride()})"
     return None
 
 

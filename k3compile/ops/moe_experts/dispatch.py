@@ -74,7 +74,7 @@ def _cute_available(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scal
 
 
 def _cute_supports(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, small_m_limit) -> Reason:
-    return cute.supports(z, experts, weights, w1, w3, w2, w1_scale, small_m_limit)
+    return cute.supports(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, small_m_limit)
 
 
 def _cute_kernels(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, small_m_limit, beta=None,
