@@ -62,10 +62,11 @@ def test_ptx_spells_the_recipe():
     (dict(m=9), "M=9 outside"),
     (dict(i=544), "I=544 above"),
     (dict(scales="strided"), "w2_scale must have unit stride"),
+    (dict(a=33), "33 experts per token outside"),
 ])
 def test_supports_names_what_it_lacks(case, why):
     m = case.get("m", 2)
-    args = moe_experts_inputs(m, 4, 8, case.get("i", 64), 64, case.get("dtype", torch.bfloat16),
+    args = moe_experts_inputs(m, case.get("a", 4), 40, case.get("i", 64), 64, case.get("dtype", torch.bfloat16),
                               mxfp4=case.get("mxfp4", True))
     z, experts, weights, w1, w3, w2, s1, s3, s2 = args
     if case.get("scales") == "strided" and s2 is not None:

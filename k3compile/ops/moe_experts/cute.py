@@ -30,6 +30,7 @@ from k3compile.kernels.cute import compile as cute_compile
 KIND = "cute_moe"
 MAX_M = 8   # the tokens are the MMA's N
 MAX_I = 512   # the down kernel holds each token's h row in registers
+MAX_A = 32
 _GATE_UP = KernelModule(f"{__package__}.cute_gate_up", cute_importable)
 _DOWN = KernelModule(f"{__package__}.cute_down", cute_importable)
 _SOURCES = (*(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
@@ -90,8 +91,8 @@ def supports(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, smal
         return f"{z.dtype} activations (the CuTe kernels take bf16)"
     if not 1 <= m <= min(MAX_M, small_m_limit):
         return f"M={m} outside 1..{min(MAX_M, small_m_limit)} (the decode form's tokens are the MMA's N)"
-    if experts.shape[1] < 1:
-        return "no experts per token"
+    if not 1 <= experts.shape[1] <= MAX_A:
+        return f"{experts.shape[1]} experts per token outside 1..{MAX_A} (the down kernel's slot masks are 32-bit)"
     if w1.shape[1] > MAX_I:
         return f"I={w1.shape[1]} above {MAX_I} (the down kernel holds h's rows whole in registers)"
     if z.stride(1) != 1 or z.stride(0) % 8 or z.data_ptr() % 16:
