@@ -253,10 +253,8 @@ def moe_experts_cute(z: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     wts = weights.reshape(-1).float().contiguous()
     h = torch.empty((m * a, i_width), dtype=z.dtype, device=z.device)
     part = torch.empty((m * a, l), dtype=torch.float32, device=z.device)
-    big = big_scales(w1_scale, w3_scale, w2_scale)
-    up_fn = kernel_cache.get(KIND, variant("gate_up", m, a, gate_up_config(m), beta, linear_beta, ids.dtype, 0, big))
-    down_fn = kernel_cache.get(KIND, variant("down", m, a, DOWN_CONFIG, None, None, ids.dtype, down_steps(i_width),
-                                             big))
+    up_fn, down_fn = (kernel_cache.get(kind, key) for kind, key in
+                      kernels(z, experts, w1, beta, linear_beta, big_scales(w1_scale, w3_scale, w2_scale)))
     with torch.cuda.device(z.device):
         if only in (None, "gate_up"):
             up_fn(z, ids, wts, w1, w3, w1_scale, w3_scale, h)
