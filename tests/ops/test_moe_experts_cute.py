@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from k3compile import kernel_cache
 from k3compile.ops.moe_experts import cute, e2m1_bits
 from k3compile.ops.moe_experts.dispatch import MOE_EXPERTS
 from k3compile.ops.moe_experts.op import moe_experts_op
@@ -138,6 +141,52 @@ def test_gpu_matches_reference(m, a, e, i, l, routing, big):
     want = moe_experts_ref(*args, *K3_BETAS)
     assert not out.isnan().any()
     assert rel_err(out, want) < 1e-2, rel_err(out, want)
+
+
+@pytest.mark.gpu
+@settings(max_examples=10)   # each draw may build two kernels (a second or two each)
+@given(m=st.integers(1, 8), a=st.integers(1, 8), e=st.integers(1, 40), i=st.sampled_from([32, 64, 96, 160, 224]),
+       l=st.sampled_from([32, 64, 160, 416]), routing=st.sampled_from(["random", "repeat", "one", "skewed"]),
+       big=st.booleans(), ids32=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_gpu_drawn_shapes_match_reference(m, a, e, i, l, routing, big, ids32, seed):
+    """Drawn tokens, experts, widths (K tails of 32 / 64 / 96 past a step of 128), routings (duplicates within a
+    token, every pair on one expert, experts nobody chose), int32 or int64 ids, scales above 2^1 or not; the output
+    NaN-poisoned."""
+    if not _cute_ready():
+        pytest.skip("needs sm_90+ and CuTe DSL")
+    if routing == "random" and a > e:
+        routing = "repeat"
+    args = list(moe_experts_inputs(m, a, e, i, l, torch.bfloat16, routing, mxfp4=True, seed=seed, device="cuda"))
+    if ids32:
+        args[1] = args[1].to(torch.int32)
+    if big:
+        args[8].view(-1)[::7] = 130
+    out = _run(args)
+    torch.cuda.synchronize()
+    want = moe_experts_ref(args[0], args[1].long(), *args[2:], *K3_BETAS)
+    assert not out.isnan().any() and rel_err(out, want) < 1e-2, rel_err(out, want)
+
+
+@pytest.mark.gpu
+def test_gpu_unseen_scales_inside_a_capture_take_the_exact_variants():
+    """Inside a CUDA-graph capture the scales cannot be read: a tensor not seen before takes the variants exact for
+    every scale byte, and the replay is right whatever its bytes are."""
+    if not _cute_ready():
+        pytest.skip("needs sm_90+ and CuTe DSL")
+    args = list(moe_experts_inputs(2, 4, 16, 64, 128, torch.bfloat16, mxfp4=True, seed=5, device="cuda"))
+    _run(args)   # builds outside the capture (these scales are seen: the fast variants)
+    fresh = [s.clone() for s in args[6:]]
+    fresh[0].view(-1)[::11] = 131
+    args[6:] = fresh
+    for kind, key in cute.kernels(args[0], args[1], args[3], *K3_BETAS, big=True):
+        kernel_cache.get(kind, key)   # the exact variants built outside the capture (a capture cannot compile)
+    graph = torch.cuda.CUDAGraph()
+    out = torch.full_like(args[0], float("nan"))
+    with torch.cuda.graph(graph):
+        cute.moe_experts_cute(*args, *K3_BETAS, out=out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, moe_experts_ref(*args, *K3_BETAS)) < 1e-2
 
 
 @pytest.mark.gpu
