@@ -130,12 +130,12 @@ class Mxfp4GateUpMma:
         K = mX.shape[1]
         n0 = rb * (self.rows_per_group * RG)
 
-        e = mIds[p].to(cutlass.Int32)   # the ids were written before the op's first kernel began (module doc)
-        valid = (e >= 0) & (e < E)
-        ec = cutlass.max(cutlass.min(e, E - 1), 0)
-
+        # z and the ids are the previous kernels' outputs: nothing is read before the wait
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()   # the down kernel settles and warms L2 (module doc)
+        e = mIds[p].to(cutlass.Int32)
+        valid = (e >= 0) & (e < E)
+        ec = cutlass.max(cutlass.min(e, E - 1), 0)
         run = valid
         if valid:
             run = self.first_of_expert(mIds, p, e, lane)
