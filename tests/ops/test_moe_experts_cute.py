@@ -109,6 +109,8 @@ def _run(args, betas=K3_BETAS):
 CASES = [  # m, a, e, i, l, routing
     (1, 16, 896, 384, 3584, "random"), (8, 16, 896, 384, 3584, "random"), (4, 16, 896, 192, 3584, "skewed"),
     (3, 4, 16, 96, 160, "repeat"), (8, 2, 3, 32, 32, "one"), (5, 6, 40, 224, 416, "random"), (2, 1, 1, 64, 96, "one"),
+    # two blocks of 8 tokens (the kernels take them; dispatch sends at most cute.DISPATCH_MAX_M)
+    (16, 16, 896, 384, 3584, "random"), (12, 16, 896, 192, 3584, "skewed"), (9, 3, 10, 96, 160, "repeat"),
 ]
 
 
@@ -145,7 +147,7 @@ def test_gpu_matches_reference(m, a, e, i, l, routing, big):
 
 @pytest.mark.gpu
 @settings(max_examples=10)   # each draw may build two kernels (a second or two each)
-@given(m=st.integers(1, 8), a=st.integers(1, 8), e=st.integers(1, 40), i=st.sampled_from([32, 64, 96, 160, 224]),
+@given(m=st.integers(1, 16), a=st.integers(1, 8), e=st.integers(1, 40), i=st.sampled_from([32, 64, 96, 160, 224]),
        l=st.sampled_from([32, 64, 160, 416]), routing=st.sampled_from(["random", "repeat", "one", "skewed"]),
        big=st.booleans(), ids32=st.booleans(), seed=st.integers(0, 2 ** 16))
 def test_gpu_drawn_shapes_match_reference(m, a, e, i, l, routing, big, ids32, seed):

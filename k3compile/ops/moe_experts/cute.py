@@ -1,4 +1,5 @@
-"""The routed experts' CuTe implementation (NVIDIA sm_90+): MXFP4 weights, bf16 activations, the decode form (M <= 8).
+"""The routed experts' CuTe implementation (NVIDIA sm_90+): MXFP4 weights, bf16 activations, the decode form (M <= 16
+in the kernels, dispatch sending them ``DISPATCH_MAX_M``).
 
 Three launches, back to back with PDL: the gate/up and the down products of ``cute_gate_up.py`` and ``cute_down.py``
 (mma.sync, the codes read straight into registers), then the Triton combine (``triton_down._combine_kernel``: each
@@ -28,7 +29,10 @@ from k3compile.kernel_module import KernelModule
 from k3compile.kernels.cute import compile as cute_compile
 
 KIND = "cute_moe"
-MAX_M = 8   # the tokens are the MMA's N
+MAX_M = 16   # the kernels: blocks of 8 tokens, one MMA (N = 8) each
+# what dispatch sends them: M 9-16 (two blocks) compile without spills but have not run on a GPU yet
+# (docs/tuning/moe_experts.md, run 9)
+DISPATCH_MAX_M = 8
 MAX_I = 512   # the down kernel holds each token's h row in registers
 MAX_A = 32
 _GATE_UP = KernelModule(f"{__package__}.cute_gate_up", cute_importable)
@@ -89,8 +93,8 @@ def supports(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, smal
         return "float weights (the CuTe kernels take MXFP4 codes)"
     if z.dtype != torch.bfloat16:
         return f"{z.dtype} activations (the CuTe kernels take bf16)"
-    if not 1 <= m <= min(MAX_M, small_m_limit):
-        return f"M={m} outside 1..{min(MAX_M, small_m_limit)} (the decode form's tokens are the MMA's N)"
+    if not 1 <= m <= min(DISPATCH_MAX_M, small_m_limit):
+        return f"M={m} outside 1..{min(DISPATCH_MAX_M, small_m_limit)} (the decode form's tokens are the MMA's N)"
     if not 1 <= experts.shape[1] <= MAX_A:
         return f"{experts.shape[1]} experts per token outside 1..{MAX_A} (the down kernel's slot masks are 32-bit)"
     if w1.shape[1] > MAX_I:
@@ -244,6 +248,8 @@ def moe_experts_cute(z: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     m, l = z.shape
     a = experts.shape[1]
     i_width = w1.shape[1]
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"moe_experts_cute: M={m} outside 1..{MAX_M}")
     if out is None:
         out = torch.empty((m, l), dtype=z.dtype, device=z.device)
     ids = experts.reshape(-1)

@@ -11,7 +11,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from k3compile.kernels.cute.asm import mma_16816, prefetch_bulk_l2
-from k3compile.ops.moe_experts.cute_gate_up import Mxfp4GateUpMma, prmt
+from k3compile.ops.moe_experts.cute_gate_up import Mxfp4GateUpMma, permuted_pairs
 
 
 @dsl_user_op
@@ -78,47 +78,46 @@ class Mxfp4DownMma(Mxfp4GateUpMma):
              mOut: cute.Tensor, p, e, n0, wn, lane, N, K):
         RG: cutlass.Constexpr = self.rg
         NS: cutlass.Constexpr = self.ns
+        NB: cutlass.Constexpr = self.nb
         g = lane // 4
         t = lane % 4
-        # B: token g's row of h over the whole K, in the conversion's order (16 bf16x2 a step)
-        xs = cute.logical_divide(mX, (None, 8))[self.h_row(mIds, p, e, g), None]
-        rX = cute.make_rmem_tensor((8, 4 * NS), mX.element_type)
+        # B: token 8b + g's row of h over the whole K for each block b of 8 tokens, in the conversion's order (16
+        # bf16x2 a step and block: rXp[:, st * NB + b])
+        rX = cute.make_rmem_tensor((8, 4 * NS * NB), mX.element_type)
         rX32 = cute.recast_tensor(rX, cutlass.Int32)
         rX32.fill(0)
-        for st in cutlass.range_constexpr(NS):
-            k0 = st * 128 + 32 * t
-            if k0 < K:
-                for j in cutlass.range_constexpr(4):
-                    v = xs[((None, k0 // 8 + j),)]
-                    cute.autovec_copy(cute.make_tensor(v.iterator.align(16), v.layout), rX[None, st * 4 + j])
-        rXp = cute.make_rmem_tensor((16, NS), cutlass.Int32)
-        for st in cutlass.range_constexpr(NS):
-            for j in cutlass.range_constexpr(4):
-                x0 = rX32[0, st * 4 + j]
-                x1 = rX32[1, st * 4 + j]
-                x2 = rX32[2, st * 4 + j]
-                x3 = rX32[3, st * 4 + j]
-                rXp[4 * j, st] = prmt(x0, x2, 0x5410)
-                rXp[4 * j + 1, st] = prmt(x0, x2, 0x7632)
-                rXp[4 * j + 2, st] = prmt(x1, x3, 0x5410)
-                rXp[4 * j + 3, st] = prmt(x1, x3, 0x7632)
-        # the slots of tokens 2t and 2t + 1 holding e, as bit masks
+        for b in cutlass.range_constexpr(NB):
+            xs = cute.logical_divide(mX, (None, 8))[self.h_row(mIds, p, e, 8 * b + g), None]
+            for st in cutlass.range_constexpr(NS):
+                k0 = st * 128 + 32 * t
+                if k0 < K:
+                    for j in cutlass.range_constexpr(4):
+                        v = xs[((None, k0 // 8 + j),)]
+                        cute.autovec_copy(cute.make_tensor(v.iterator.align(16), v.layout),
+                                          rX[None, (st * NB + b) * 4 + j])
+        rXp = cute.make_rmem_tensor((16, NS * NB), cutlass.Int32)
+        for c in cutlass.range_constexpr(NS * NB):
+            pairs = permuted_pairs(rX32, c * 4)
+            for q in cutlass.range_constexpr(16):
+                rXp[q, c] = pairs[q]
+        # the slots of tokens 8b + 2t and 8b + 2t + 1 holding e, as bit masks: slots[2b + x]
         slots = []
-        for x in cutlass.range_constexpr(2):
-            mask = cutlass.Int32(0)
-            tok = 2 * t + x
-            if tok < self.m:
-                for a in cutlass.range_constexpr(self.a):
-                    if mIds[tok * self.a + a].to(cutlass.Int32) == e:
-                        mask = mask | (1 << a)
-            slots.append(mask)
+        for b in cutlass.range_constexpr(NB):
+            for x in cutlass.range_constexpr(2):
+                mask = cutlass.Int32(0)
+                tok = 8 * b + 2 * t + x
+                if tok < self.m:
+                    for a in cutlass.range_constexpr(self.a):
+                        if mIds[tok * self.a + a].to(cutlass.Int32) == e:
+                            mask = mask | (1 << a)
+                slots.append(mask)
 
         gW = cute.logical_divide(mW, (None, None, 16))
         rW = cute.make_rmem_tensor((16, 2 * RG * NS), cutlass.Uint8)
         rW32 = cute.recast_tensor(rW, cutlass.Int32)
         rS = cute.make_rmem_tensor((2 * RG * NS,), cutlass.Int32)
         rD = cute.make_rmem_tensor((16, 2), cutlass.Int32)
-        acc = cute.make_rmem_tensor((4, RG), cutlass.Float32)
+        acc = cute.make_rmem_tensor((4, RG, NB), cutlass.Float32)
         for j in cutlass.range(self.groups, unroll=1):
             base = n0 + (j * self.wn + wn) * 16 * RG
             if base < N:
@@ -145,16 +144,20 @@ class Mxfp4DownMma(Mxfp4GateUpMma):
                             self.dequantize(rW32, rS[slot], slot, rD, h, self.big_scales)
                         for q in cutlass.range_constexpr(8):
                             a = (rD[2 * q, 0], rD[2 * q, 1], rD[2 * q + 1, 0], rD[2 * q + 1, 1])
-                            b = (rXp[2 * q, st], rXp[2 * q + 1, st])
-                            d = mma_16816(a, b, (acc[0, r], acc[1, r], acc[2, r], acc[3, r]), False)
-                            for i in cutlass.range_constexpr(4):
-                                acc[i, r] = d[i]
-                # lane (g, t): rows g (acc 0, 1) and g + 8 (acc 2, 3) of each group, tokens 2t and 2t + 1
+                            for b in cutlass.range_constexpr(NB):
+                                c = st * NB + b
+                                d = mma_16816(a, (rXp[2 * q, c], rXp[2 * q + 1, c]),
+                                              (acc[0, r, b], acc[1, r, b], acc[2, r, b], acc[3, r, b]), False)
+                                for i in cutlass.range_constexpr(4):
+                                    acc[i, r, b] = d[i]
+                # lane (g, t): rows g (acc 0, 1) and g + 8 (acc 2, 3) of each group, tokens 8b + 2t and 8b + 2t + 1
                 for r in cutlass.range_constexpr(RG):
-                    for x in cutlass.range_constexpr(2):
-                        tok = 2 * t + x
-                        self.store_rows(mWts, mOut, slots[x], tok, base + r * 16 + g, N, acc[x, r])
-                        self.store_rows(mWts, mOut, slots[x], tok, base + r * 16 + 8 + g, N, acc[2 + x, r])
+                    for b in cutlass.range_constexpr(NB):
+                        for x in cutlass.range_constexpr(2):
+                            tok = 8 * b + 2 * t + x
+                            m = slots[2 * b + x]
+                            self.store_rows(mWts, mOut, m, tok, base + r * 16 + g, N, acc[x, r, b])
+                            self.store_rows(mWts, mOut, m, tok, base + r * 16 + 8 + g, N, acc[2 + x, r, b])
 
     @cute.jit
     def h_row(self, mIds: cute.Tensor, p, e, tok):

@@ -76,22 +76,40 @@ def prmt(a, b, selector: int, *, loc=None, ip=None):
     ))
 
 
+@cute.jit
+def permuted_pairs(rX32: cute.Tensor, col0: cutlass.Constexpr):
+    """The 16 bf16x2 of 4 vectors of 8 activations (rX32[:, col0 .. col0 + 3]) in the conversion's order: pair k of a
+    vector = (element k, element k + 4)."""
+    out = []
+    for j in cutlass.range_constexpr(4):
+        x0 = rX32[0, col0 + j]
+        x1 = rX32[1, col0 + j]
+        x2 = rX32[2, col0 + j]
+        x3 = rX32[3, col0 + j]
+        out.append(prmt(x0, x2, 0x5410))
+        out.append(prmt(x0, x2, 0x7632))
+        out.append(prmt(x1, x3, 0x5410))
+        out.append(prmt(x1, x3, 0x7632))
+    return out
+
+
 class Mxfp4GateUpMma:
-    """The gate/up product, M <= 8 tokens, bf16 activations, MXFP4 weights: ``fn(z [M, L], ids [M·A], weights
-    (unused), w1, w3 [E, I, L/2], s1, s3 [E, I, L/32], h [M·A, I])``. Block ``(p, r)``: ``row_groups`` groups of 8 rows
-    of w1 and w3 from ``r · 8 · row_groups``, K split over ``warps_k`` warps (their sums meet in shared memory),
-    ``unroll`` steps of loads in flight a warp."""
+    """The gate/up product, M <= 16 tokens (blocks of 8: one MMA each), bf16 activations, MXFP4 weights: ``fn(z [M, L],
+    ids [M·A], weights (unused), w1, w3 [E, I, L/2], s1, s3 [E, I, L/32], h [M·A, I])``. Block ``(p, r)``:
+    ``row_groups`` groups of 8 rows of w1 and w3 from ``r · 8 · row_groups``, K split over ``warps_k`` warps (their
+    sums meet in shared memory), ``unroll`` steps of loads in flight a warp."""
 
     def __init__(self, m: int, a: int, warps_k: int, row_groups: int, unroll: int, beta, linear_beta,
                  big_scales: bool):
-        assert 1 <= m <= 8
+        assert 1 <= m <= 16
         self.m, self.a = m, a
+        self.nb = 1 if m <= 8 else 2   # blocks of 8 tokens: one MMA (N = 8) each
         self.big_scales = big_scales
         self.wk, self.rg, self.unroll = warps_k, row_groups, unroll
         self.threads = 32 * warps_k
         self.rows_per_group = 8   # of w1, and the same of w3
         self.beta, self.linear_beta = beta, linear_beta
-        self.smem = 4 * 4 * 32 * row_groups * warps_k   # the K-warps' accumulators, fp32
+        self.smem = 4 * 4 * 32 * row_groups * warps_k * self.nb   # the K-warps' accumulators, fp32
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor, mW0: cute.Tensor, mW1: cute.Tensor,
@@ -148,6 +166,7 @@ class Mxfp4GateUpMma:
         RG: cutlass.Constexpr = self.rg
         U: cutlass.Constexpr = self.unroll
         WK: cutlass.Constexpr = self.wk
+        NB: cutlass.Constexpr = self.nb
 
         # the A rows of row group r: 0..7 the rows of w1, 8..15 the same rows of w3; past N clamped, never stored
         rows0 = []
@@ -155,7 +174,6 @@ class Mxfp4GateUpMma:
         for r in cutlass.range_constexpr(RG):
             rows0.append(cutlass.min(n0 + r * 8 + g, N - 1))
             rows1.append(cutlass.min(n0 + r * 8 + g, N - 1))
-        xrow = cutlass.min(g, self.m - 1)   # token g's z (tokens past M: a copy, never stored)
 
         # the rows this lane reads, as [(16 bytes / 8 values), vector] tensors: their addresses computed once
         gW0 = cute.logical_divide(mW0, (None, None, 16))   # [E, rows, (16 bytes, K/32)]
@@ -167,13 +185,16 @@ class Mxfp4GateUpMma:
             codes.append(gW1[e, rows1[r], None])
             scales.append(mS0[e, rows0[r], None])
             scales.append(mS1[e, rows1[r], None])
-        xs = cute.logical_divide(mX, (None, 8))[xrow, None]   # [(8 values, K/8)]
+        # token 8b + g's z for each block b of 8 tokens ([(8 values, K/8)]; tokens past M: a copy, never stored)
+        xs = []
+        for b in cutlass.range_constexpr(NB):
+            xs.append(cute.logical_divide(mX, (None, 8))[cutlass.min(8 * b + g, self.m - 1), None])
 
-        acc = cute.make_rmem_tensor((4, RG, U), cutlass.Float32)
+        acc = cute.make_rmem_tensor((4, RG, U, NB), cutlass.Float32)
         acc.fill(0.0)
         rW = cute.make_rmem_tensor((16, 2 * RG * U), cutlass.Uint8)    # codes: [bytes, (row half, group, step)]
         rW32 = cute.recast_tensor(rW, cutlass.Int32)                    # [4 words, ...]
-        rX = cute.make_rmem_tensor((8, 4 * U), mX.element_type)        # activations: 4 vectors of 8 a step
+        rX = cute.make_rmem_tensor((8, 4 * U * NB), mX.element_type)   # activations: 4 vectors of 8 a step a block
         rX32 = cute.recast_tensor(rX, cutlass.Int32)                    # [4 pairs, ...]
         rS = cute.make_rmem_tensor((2 * RG * U,), cutlass.Int32)        # scale bytes
         rD = cute.make_rmem_tensor((16, 2), cutlass.Int32)              # one row group's dequantised step
@@ -196,38 +217,43 @@ class Mxfp4GateUpMma:
 
         # the K-warps' sums meet in shared memory: red[warp, row group, value, lane]
         smem = cutlass.memory.SmemAllocator()
-        red = smem.allocate_tensor(cutlass.Float32, cute.make_layout((WK, RG, 4, 32)), byte_alignment=16)
+        red = smem.allocate_tensor(cutlass.Float32, cute.make_layout((WK, RG, NB, 4, 32)), byte_alignment=16)
         for r in cutlass.range_constexpr(RG):
-            for i in cutlass.range_constexpr(4):
-                s = acc[i, r, 0]
-                for u in cutlass.range_constexpr(1, U):
-                    s = s + acc[i, r, u]
-                red[wk, r, i, lane] = s
+            for b in cutlass.range_constexpr(NB):
+                for i in cutlass.range_constexpr(4):
+                    s = acc[i, r, 0, b]
+                    for u in cutlass.range_constexpr(1, U):
+                        s = s + acc[i, r, u, b]
+                    red[wk, r, b, i, lane] = s
         cute.arch.sync_threads()
         if wk == 0:
             for r in cutlass.range_constexpr(RG):
-                c = []
-                for i in cutlass.range_constexpr(4):
-                    s = red[0, r, i, lane]
-                    for q in cutlass.range_constexpr(1, WK):
-                        s = s + red[q, r, i, lane]
-                    c.append(s)
-                # lane (g, t) holds rows g (c0, c1) and g + 8 (c2, c3) for tokens 2t and 2t + 1
-                for x in cutlass.range_constexpr(2):
-                    self.store_h(mIds, mOut, e, 2 * t + x, n0 + r * 8 + g, N, c[x], c[2 + x])
+                for b in cutlass.range_constexpr(NB):
+                    c = []
+                    for i in cutlass.range_constexpr(4):
+                        s = red[0, r, b, i, lane]
+                        for q in cutlass.range_constexpr(1, WK):
+                            s = s + red[q, r, b, i, lane]
+                        c.append(s)
+                    # lane (g, t) holds rows g (c0, c1) and g + 8 (c2, c3) for tokens 8b + 2t and 8b + 2t + 1
+                    for x in cutlass.range_constexpr(2):
+                        self.store_h(mIds, mOut, e, 8 * b + 2 * t + x, n0 + r * 8 + g, N, c[x], c[2 + x])
 
     @cute.jit
-    def load_step(self, codes: list, scales: list, xs: cute.Tensor, k0, u: cutlass.Constexpr, rW: cute.Tensor,
+    def load_step(self, codes: list, scales: list, xs: list, k0, u: cutlass.Constexpr, rW: cute.Tensor,
                   rX: cute.Tensor, rS: cute.Tensor):
-        """This lane's step at K = k0 into slot u: 16 code bytes and the scale of each of its rows, 32 activations."""
+        """This lane's step at K = k0 into slot u: 16 code bytes and the scale of each of its rows, 32 activations of
+        each of its tokens."""
         for q in cutlass.range_constexpr(2 * self.rg):
             slot = u * 2 * self.rg + q
             v = codes[q][((None, k0 // 32),)]
             cute.autovec_copy(cute.make_tensor(v.iterator.align(16), v.layout), rW[None, slot])
             rS[slot] = scales[q][k0 // 32].to(cutlass.Int32)
-        for j in cutlass.range_constexpr(4):
-            v = xs[((None, k0 // 8 + j),)]
-            cute.autovec_copy(cute.make_tensor(v.iterator.align(16), v.layout), rX[None, u * 4 + j])
+        for b in cutlass.range_constexpr(self.nb):
+            for j in cutlass.range_constexpr(4):
+                v = xs[b][((None, k0 // 8 + j),)]
+                cute.autovec_copy(cute.make_tensor(v.iterator.align(16), v.layout),
+                                  rX[None, (u * self.nb + b) * 4 + j])
 
     @cute.jit
     def mma_steps(self, rW32: cute.Tensor, rX32: cute.Tensor, rS: cute.Tensor, rD: cute.Tensor, acc: cute.Tensor,
@@ -239,29 +265,22 @@ class Mxfp4GateUpMma:
     @cute.jit
     def mma_step(self, rW32: cute.Tensor, rX32: cute.Tensor, rS: cute.Tensor, rD: cute.Tensor, acc: cute.Tensor,
                  u: cutlass.Constexpr, exact: cutlass.Constexpr):
-        """The 8 MMAs of slot u for each row group: activations permuted as the codes convert (pair k of a vector =
-        elements k and k + 4), the A fragment's rows g / g + 8 from row halves 0 / 1."""
-        xp = []
-        for j in cutlass.range_constexpr(4):
-            x0 = rX32[0, u * 4 + j]
-            x1 = rX32[1, u * 4 + j]
-            x2 = rX32[2, u * 4 + j]
-            x3 = rX32[3, u * 4 + j]
-            xp.append(prmt(x0, x2, 0x5410))
-            xp.append(prmt(x0, x2, 0x7632))
-            xp.append(prmt(x1, x3, 0x5410))
-            xp.append(prmt(x1, x3, 0x7632))
+        """The 8 MMAs of slot u for each row group and block of 8 tokens: activations permuted as the codes convert
+        (pair k of a vector = elements k and k + 4), the A fragment's rows g / g + 8 from row halves 0 / 1."""
+        xp = []   # xp[b]: block b's 16 bf16x2
+        for b in cutlass.range_constexpr(self.nb):
+            xp.append(permuted_pairs(rX32, (u * self.nb + b) * 4))
         for r in cutlass.range_constexpr(self.rg):
             for h in cutlass.range_constexpr(2):   # rD[:, h]: row half h's 16 bf16x2
                 slot = (u * self.rg + r) * 2 + h
                 self.dequantize(rW32, rS[slot], slot, rD, h, exact)
             for j in cutlass.range_constexpr(8):
                 a = (rD[2 * j, 0], rD[2 * j, 1], rD[2 * j + 1, 0], rD[2 * j + 1, 1])
-                b = (xp[2 * j], xp[2 * j + 1])
-                cc = (acc[0, r, u], acc[1, r, u], acc[2, r, u], acc[3, r, u])
-                d = mma_16816(a, b, cc, False)
-                for i in cutlass.range_constexpr(4):
-                    acc[i, r, u] = d[i]
+                for b in cutlass.range_constexpr(self.nb):
+                    cc = (acc[0, r, u, b], acc[1, r, u, b], acc[2, r, u, b], acc[3, r, u, b])
+                    d = mma_16816(a, (xp[b][2 * j], xp[b][2 * j + 1]), cc, False)
+                    for i in cutlass.range_constexpr(4):
+                        acc[i, r, u, b] = d[i]
 
     @cute.jit
     def dequantize(self, rW32: cute.Tensor, s, slot: cutlass.Constexpr, rD: cute.Tensor, h: cutlass.Constexpr,
