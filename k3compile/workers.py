@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 STARTUP_SECONDS = 300.0   # a worker that has not imported its modules by then is killed
 IDLE_ENV = "K3_PRECOMPILE_IDLE"
 IDLE_SECONDS = 120.0      # a worker with no job for this long ends (its memory back); the next job starts another
+REAP_SECONDS = 10.0       # how long a worker's exit is waited for before it is killed
 
 
 def _send_bytes(stream, data: bytes) -> None:
@@ -186,6 +187,8 @@ class WorkerPool:
             if proc is not None and proc.poll() is None:
                 slot.killed = slot.killed or "the process exited"
                 proc.kill()
+        for thread in self._threads:   # each reaps its killed worker, then ends (bounded: an exit never hangs)
+            thread.join(REAP_SECONDS)
 
     def kill(self) -> None:
         """``close``, and the workers killed now."""
@@ -219,7 +222,7 @@ class WorkerPool:
         if proc is None:
             return None
         try:
-            code = proc.wait(timeout=10)
+            code = proc.wait(timeout=REAP_SECONDS)
         except subprocess.TimeoutExpired:
             proc.kill()
             code = proc.wait()
