@@ -132,16 +132,21 @@ def dsl_and_arch() -> str:
     return f"{dsl_version()}/{target_arch()}"
 
 
-@functools.cache
-def fingerprint() -> str:
-    """What a cached kernel depends on: this package's sources (not the tables: a variant's name spells its
-    configuration), the DSL version and the target arch."""
+def sources_fingerprint(paths) -> str:
+    """A hash of these source files, the DSL version and the target arch: what a cached kernel built from them
+    depends on (not the tables: a variant's name spells its configuration)."""
     h = hashlib.sha256()
-    for name in _SOURCES:
-        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), name), "rb") as f:
+    for path in paths:
+        with open(path, "rb") as f:
             h.update(f.read())
     h.update(dsl_and_arch().encode())
     return h.hexdigest()[:16]
+
+
+@functools.cache
+def fingerprint() -> str:
+    """``sources_fingerprint`` of this package's sources."""
+    return sources_fingerprint(os.path.join(os.path.dirname(os.path.abspath(__file__)), name) for name in _SOURCES)
 
 
 def directory() -> Optional[str]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import os
 import struct
 import weakref
@@ -132,12 +131,7 @@ def variant_name(key) -> str:
 
 @functools.cache
 def fingerprint() -> str:
-    h = hashlib.sha256()
-    for path in _SOURCES:
-        with open(path, "rb") as f:
-            h.update(f.read())
-    h.update(cute_compile.dsl_and_arch().encode())
-    return h.hexdigest()[:16]
+    return cute_compile.sources_fingerprint(_SOURCES)
 
 
 def directory() -> Optional[str]:

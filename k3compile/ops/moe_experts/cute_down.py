@@ -10,7 +10,7 @@ import cutlass.cute as cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from k3compile.kernels.cute.asm import mma_16816, prefetch_bulk_l2
+from k3compile.kernels.cute.asm import prefetch_bulk_l2
 from k3compile.ops.moe_experts.cute_gate_up import Mxfp4GateUpMma, permuted_pairs
 
 
@@ -138,18 +138,9 @@ class Mxfp4DownMma(Mxfp4GateUpMma):
                                 rS[slot] = scales[k0 // 32].to(cutlass.Int32)
                 acc.fill(0.0)
                 for st in cutlass.range_constexpr(NS):
+                    xp = [[rXp[q, st * NB + b] for q in range(16)] for b in range(NB)]
                     for r in cutlass.range_constexpr(RG):
-                        for h in cutlass.range_constexpr(2):
-                            slot = (st * RG + r) * 2 + h
-                            self.dequantize(rW32, rS[slot], slot, rD, h, self.big_scales)
-                        for q in cutlass.range_constexpr(8):
-                            a = (rD[2 * q, 0], rD[2 * q, 1], rD[2 * q + 1, 0], rD[2 * q + 1, 1])
-                            for b in cutlass.range_constexpr(NB):
-                                c = st * NB + b
-                                d = mma_16816(a, (rXp[2 * q, c], rXp[2 * q + 1, c]),
-                                              (acc[0, r, b], acc[1, r, b], acc[2, r, b], acc[3, r, b]), False)
-                                for i in cutlass.range_constexpr(4):
-                                    acc[i, r, b] = d[i]
+                        self.group_mmas(rW32, rS, (st * RG + r) * 2, rD, xp, acc[None, r, None], self.big_scales)
                 # lane (g, t): rows g (acc 0, 1) and g + 8 (acc 2, 3) of each group, tokens 8b + 2t and 8b + 2t + 1
                 for r in cutlass.range_constexpr(RG):
                     for b in cutlass.range_constexpr(NB):

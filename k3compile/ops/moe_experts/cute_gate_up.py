@@ -271,16 +271,22 @@ class Mxfp4GateUpMma:
         for b in cutlass.range_constexpr(self.nb):
             xp.append(permuted_pairs(rX32, (u * self.nb + b) * 4))
         for r in cutlass.range_constexpr(self.rg):
-            for h in cutlass.range_constexpr(2):   # rD[:, h]: row half h's 16 bf16x2
-                slot = (u * self.rg + r) * 2 + h
-                self.dequantize(rW32, rS[slot], slot, rD, h, exact)
-            for j in cutlass.range_constexpr(8):
-                a = (rD[2 * j, 0], rD[2 * j, 1], rD[2 * j + 1, 0], rD[2 * j + 1, 1])
-                for b in cutlass.range_constexpr(self.nb):
-                    cc = (acc[0, r, u, b], acc[1, r, u, b], acc[2, r, u, b], acc[3, r, u, b])
-                    d = mma_16816(a, (xp[b][2 * j], xp[b][2 * j + 1]), cc, False)
-                    for i in cutlass.range_constexpr(4):
-                        acc[i, r, u, b] = d[i]
+            self.group_mmas(rW32, rS, (u * self.rg + r) * 2, rD, xp, acc[None, r, u, None], exact)
+
+    @cute.jit
+    def group_mmas(self, rW32: cute.Tensor, rS: cute.Tensor, slot0: cutlass.Constexpr, rD: cute.Tensor, xp: list,
+                   acc: cute.Tensor, exact: cutlass.Constexpr):
+        """One row group's step (both kernels): its row halves (slots ``slot0``, ``slot0 + 1``) dequantised into rD,
+        then its 8 MMAs against each block b of 8 tokens (``xp[b]``: the block's 16 bf16x2), into ``acc[:, b]``."""
+        for h in cutlass.range_constexpr(2):   # rD[:, h]: row half h's 16 bf16x2
+            self.dequantize(rW32, rS[slot0 + h], slot0 + h, rD, h, exact)
+        for j in cutlass.range_constexpr(8):
+            a = (rD[2 * j, 0], rD[2 * j, 1], rD[2 * j + 1, 0], rD[2 * j + 1, 1])
+            for b in cutlass.range_constexpr(len(xp)):
+                d = mma_16816(a, (xp[b][2 * j], xp[b][2 * j + 1]), (acc[0, b], acc[1, b], acc[2, b], acc[3, b]),
+                              False)
+                for i in cutlass.range_constexpr(4):
+                    acc[i, b] = d[i]
 
     @cute.jit
     def dequantize(self, rW32: cute.Tensor, s, slot: cutlass.Constexpr, rD: cute.Tensor, h: cutlass.Constexpr,

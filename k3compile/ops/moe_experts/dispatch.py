@@ -119,13 +119,22 @@ def _run_dense(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, be
     return moe_experts_dense(z, experts, weights, w1, w3, w2, beta, linear_beta)
 
 
+def kernels(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, beta, linear_beta, backend: str = "auto",
+            small_m_limit: int = 16) -> list:
+    """The kernels a call of ``k3::moe_experts`` with these arguments (``op.py``'s) builds at its first call: the CuTe
+    products where dispatch picks them (``k3compile/precompile.py`` builds them ahead); the Triton kernels JIT."""
+    args = (z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, small_m_limit)
+    return MOE_EXPERTS.kernels(backend, key(z, experts, weights, w1, w3, w2, w1_scale, small_m_limit), args,
+                               beta=beta, linear_beta=linear_beta)
+
+
 MOE_EXPERTS = register_op_impls(OpImpls(
     "moe_experts",
     reference=Impl(_run_reference),
     triton=Impl(_run_triton, _triton_available, _triton_supports, _triton_profitable),
     cute=Impl(_run_cute, _cute_available, _cute_supports, kernels=_cute_kernels),
     aten=Impl(_run_dense),   # the dense form through cuBLAS, where the table measured it faster
-    plan=lambda **call: kernels(**call),   # defined below
+    plan=kernels,
 ))
 
 
@@ -141,15 +150,6 @@ def key(z, experts, weights, w1, w3, w2, w1_scale, small_m_limit) -> tuple:
     return (z.device.type, (_dtype_name(z.dtype), weight_format(w1_scale), form, f"M={m}", f"A={experts.shape[1]}",
                             f"E={w1.shape[0]}", f"I={w1.shape[1]}", f"L={l}",
                             *(("strided",) if not all(_layout(t)[0] for t in (z, w1, w3, w2)) else ())))
-
-
-def kernels(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, beta, linear_beta, backend: str = "auto",
-            small_m_limit: int = 16) -> list:
-    """The kernels a call of ``k3::moe_experts`` with these arguments (``op.py``'s) builds at its first call: the CuTe
-    products where dispatch picks them (``k3compile/precompile.py`` builds them ahead); the Triton kernels JIT."""
-    args = (z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, small_m_limit)
-    return MOE_EXPERTS.kernels(backend, key(z, experts, weights, w1, w3, w2, w1_scale, small_m_limit), args,
-                               beta=beta, linear_beta=linear_beta)
 
 
 def choose(backend, z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, small_m_limit):
