@@ -362,9 +362,9 @@ def providers_for(args, tp, fmt, m) -> dict:
     gathered = m * s["a"] <= s["e"]
     out = {"k3": k3_op}
     if fmt == "mxfp4" and m <= 16 and not SMOKE:   # CuTe kernels: a GPU only
-        from k3compile.ops.moe_experts.cute import DISPATCH_MAX_M
+        from k3compile.ops.moe_experts.cute import MAX_M
 
-        if m <= DISPATCH_MAX_M:   # the op runs the CuTe kernels there: the Triton ones beside them
+        if m <= MAX_M:   # the op runs the CuTe kernels there: the Triton ones beside them
             out["k3-triton"] = k3_triton
         else:                     # the op runs the Triton kernels: the CuTe ones beside them
             out["k3-cute"] = k3_cute

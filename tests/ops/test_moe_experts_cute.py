@@ -62,7 +62,7 @@ def test_ptx_spells_the_recipe():
 @pytest.mark.parametrize("case,why", [
     (dict(mxfp4=False), "float weights"),
     (dict(dtype=torch.float16), "float16 activations"),
-    (dict(m=9), "M=9 outside"),
+    (dict(m=17), "M=17 outside"),
     (dict(i=544), "I=544 above"),
     (dict(scales="strided"), "w2_scale must have unit stride"),
     (dict(a=33), "33 experts per token outside"),
@@ -109,7 +109,7 @@ def _run(args, betas=K3_BETAS):
 CASES = [  # m, a, e, i, l, routing
     (1, 16, 896, 384, 3584, "random"), (8, 16, 896, 384, 3584, "random"), (4, 16, 896, 192, 3584, "skewed"),
     (3, 4, 16, 96, 160, "repeat"), (8, 2, 3, 32, 32, "one"), (5, 6, 40, 224, 416, "random"), (2, 1, 1, 64, 96, "one"),
-    # two blocks of 8 tokens (the kernels take them; dispatch sends at most cute.DISPATCH_MAX_M)
+    # two blocks of 8 tokens
     (16, 16, 896, 384, 3584, "random"), (12, 16, 896, 192, 3584, "skewed"), (9, 3, 10, 96, 160, "repeat"),
 ]
 
@@ -149,13 +149,23 @@ def test_gpu_matches_reference(m, a, e, i, l, routing, big):
 @settings(max_examples=10)   # each draw may build two kernels (a second or two each)
 @given(m=st.integers(1, 16), a=st.integers(1, 8), e=st.integers(1, 40), i=st.sampled_from([32, 64, 96, 160, 224]),
        l=st.sampled_from([32, 64, 160, 416]), routing=st.sampled_from(["random", "repeat", "one", "skewed"]),
-       big=st.booleans(), ids32=st.booleans(), seed=st.integers(0, 2 ** 16))
-def test_gpu_drawn_shapes_match_reference(m, a, e, i, l, routing, big, ids32, seed):
+       big=st.booleans(), ids32=st.booleans(), seed=st.integers(0, 2 ** 16),
+       gate_up=st.builds(cute.Mxfp4MmaConfig, st.sampled_from([1, 2, 4, 8]), st.integers(1, 2), st.integers(1, 2)))
+def test_gpu_drawn_shapes_match_reference(m, a, e, i, l, routing, big, ids32, seed, gate_up):
     """Drawn tokens, experts, widths (K tails of 32 / 64 / 96 past a step of 128), routings (duplicates within a
-    token, every pair on one expert, experts nobody chose), int32 or int64 ids, scales above 2^1 or not; the output
-    NaN-poisoned."""
+    token, every pair on one expert, experts nobody chose), int32 or int64 ids, scales above 2^1 or not, gate/up work
+    divisions (warps with no K step); the output NaN-poisoned."""
     if not _cute_ready():
         pytest.skip("needs sm_90+ and CuTe DSL")
+    picks = cute.GATE_UP_CONFIG, cute.GATE_UP_CONFIG_MANY
+    cute.GATE_UP_CONFIG = cute.GATE_UP_CONFIG_MANY = gate_up
+    try:
+        _drawn_case(m, a, e, i, l, routing, big, ids32, seed)
+    finally:
+        cute.GATE_UP_CONFIG, cute.GATE_UP_CONFIG_MANY = picks
+
+
+def _drawn_case(m, a, e, i, l, routing, big, ids32, seed):
     if routing == "random" and a > e:
         routing = "repeat"
     args = list(moe_experts_inputs(m, a, e, i, l, torch.bfloat16, routing, mxfp4=True, seed=seed, device="cuda"))
@@ -202,6 +212,12 @@ def test_gpu_other_activations_and_bad_ids():
     experts = args[1].clone()
     experts[1, 2] = 16
     experts[3, 0] = -1
+    # an int64 id whose low 32 bits are a valid expert, on a pair before the first that truly holds it: the kernels
+    # compare ids by their low 32 bits, so that pair's block serves the expert (token 2 included), and the combine
+    # (whole ids) NaNs token 1
+    v = next(x for x in range(16) if x not in experts[0].tolist() + experts[2].tolist())
+    experts[2, 0] = v
+    experts[1, 0] = (1 << 32) + v
     args[1] = experts
     out = _run(args)
     good = torch.tensor([True, False, True, False], device="cuda")

@@ -1,5 +1,4 @@
-"""The routed experts' CuTe implementation (NVIDIA sm_90+): MXFP4 weights, bf16 activations, the decode form (M <= 16
-in the kernels, dispatch sending them ``DISPATCH_MAX_M``).
+"""The routed experts' CuTe implementation (NVIDIA sm_90+): MXFP4 weights, bf16 activations, the decode form (M <= 16).
 
 Three launches, back to back with PDL: the gate/up and the down products of ``cute_gate_up.py`` and ``cute_down.py``
 (mma.sync, the codes read straight into registers), then the Triton combine (``triton_down._combine_kernel``: each
@@ -29,9 +28,6 @@ from k3compile.kernels.cute import compile as cute_compile
 
 KIND = "cute_moe"
 MAX_M = 16   # the kernels: blocks of 8 tokens, one MMA (N = 8) each
-# what dispatch sends them: M 9-16 (two blocks) compile without spills but have not run on a GPU yet
-# (docs/tuning/moe_experts.md, run 9)
-DISPATCH_MAX_M = 8
 MAX_I = 512   # the down kernel holds each token's h row in registers
 MAX_A = 32
 _GATE_UP = KernelModule(f"{__package__}.cute_gate_up", cute_importable)
@@ -66,9 +62,9 @@ class Mxfp4DownConfig:
         return f"w{self.warps}r{self.row_groups}g{self.groups}"
 
 
-# Measured at K3 TP 8 on the H200 (docs/tuning/moe_experts.md run 8): gate/up's K = L (3584) over 4 warps a block at
-# M <= 2, over 2 from M 4 (the blocks' prologue reads every pair's id: fewer, longer warps amortise it; 80 against
-# 100 µs at M 8); down's K = I held whole, 128 rows a block
+# Measured at K3 TP 8 on the H200 (docs/tuning/moe_experts.md runs 8 and 10): gate/up's K = L (3584) over 4 warps a
+# block at M <= 2, over 2 from M 4 (the blocks' prologue reads every pair's id: fewer, longer warps amortise it; 80
+# against 101 µs at M 8, 280 against 346 at M 16); down's K = I held whole, 128 rows a block
 GATE_UP_CONFIG = Mxfp4MmaConfig(warps_k=4, row_groups=1, unroll=2)
 GATE_UP_CONFIG_MANY = Mxfp4MmaConfig(warps_k=2, row_groups=1, unroll=2)
 DOWN_CONFIG = Mxfp4DownConfig(warps=4, row_groups=1, groups=2)
@@ -92,8 +88,8 @@ def supports(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, smal
         return "float weights (the CuTe kernels take MXFP4 codes)"
     if z.dtype != torch.bfloat16:
         return f"{z.dtype} activations (the CuTe kernels take bf16)"
-    if not 1 <= m <= min(DISPATCH_MAX_M, small_m_limit):
-        return f"M={m} outside 1..{min(DISPATCH_MAX_M, small_m_limit)} (the decode form's tokens are the MMA's N)"
+    if not 1 <= m <= min(MAX_M, small_m_limit):
+        return f"M={m} outside 1..{min(MAX_M, small_m_limit)} (the decode form's tokens are the MMA's N)"
     if not 1 <= experts.shape[1] <= MAX_A:
         return f"{experts.shape[1]} experts per token outside 1..{MAX_A} (the down kernel's slot masks are 32-bit)"
     if w1.shape[1] > MAX_I:
