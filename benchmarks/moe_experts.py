@@ -12,9 +12,8 @@ Routing: sigmoid router scores of random logits, top-16, renormalised (``model/m
 +4 on the logits of a hot set of 32 experts (a different set in each virtual layer), so tokens share experts.
 
 Providers (each row checked first against the fp32 reference on fresh inputs, the output NaN-poisoned):
-- ``k3``: the op through its dispatch (MXFP4 at M <= 8: the CuTe kernels; else the Triton decode kernels to M 16,
-  the sorted form above); ``k3-triton``: the Triton kernels where the op runs the CuTe ones, ``k3-cute`` the CuTe
-  kernels at M 9-16, where dispatch does not send them yet;
+- ``k3``: the op through its dispatch (MXFP4 at M <= 16: the CuTe kernels; else the Triton decode kernels to M 16,
+  the sorted form above); ``k3-triton``: the Triton kernels where the op runs the CuTe ones;
 - ``k3:<tag>`` (``--sweep-m``): the Triton kernels with one configuration each (``tune`` picks);
 - ``compile``: ``torch.compile`` (default mode, static shapes) of the model's code: ``experts_gathered`` where
   M·16 <= 896, else ``experts_dense``, as ``KimiLatentMoE`` picks; for MXFP4 a stand-in until the model holds
@@ -177,12 +176,6 @@ def k3_op(z, experts, weights, w1, w3, w2, s1, s3, s2):
 
 def k3_triton(z, experts, weights, w1, w3, w2, s1, s3, s2):
     return moe_experts(z, experts, weights, w1, w3, w2, s1, s3, s2, *BETAS, backend="triton")
-
-
-def k3_cute(z, experts, weights, w1, w3, w2, s1, s3, s2):
-    from k3compile.ops.moe_experts.cute import moe_experts_cute
-
-    return moe_experts_cute(z, experts, weights, w1, w3, w2, s1, s3, s2, *BETAS)
 
 
 def k3_cute_kernel(only: str):
@@ -361,15 +354,13 @@ def providers_for(args, tp, fmt, m) -> dict:
     s = shapes(tp)
     gathered = m * s["a"] <= s["e"]
     out = {"k3": k3_op}
-    if fmt == "mxfp4" and m <= 16 and not SMOKE:   # CuTe kernels: a GPU only
+    if fmt == "mxfp4" and not SMOKE:   # CuTe kernels: a GPU only
         from k3compile.ops.moe_experts.cute import MAX_M
 
         if m <= MAX_M:   # the op runs the CuTe kernels there: the Triton ones beside them
             out["k3-triton"] = k3_triton
-        else:                     # the op runs the Triton kernels: the CuTe ones beside them
-            out["k3-cute"] = k3_cute
-        if m in args.kernels_m:
-            out.update({f"k3[cute:{only}]": k3_cute_kernel(only) for only in ("gate_up", "down", "combine")})
+            if m in args.kernels_m:
+                out.update({f"k3[cute:{only}]": k3_cute_kernel(only) for only in ("gate_up", "down", "combine")})
     if m in args.sweep_m:
         for cfg in (SWEEP if fmt == "bf16" else SWEEP_MXFP4):
             out[f"k3:{cfg.tag()}"] = k3_config(cfg)

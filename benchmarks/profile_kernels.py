@@ -10,7 +10,7 @@ ncu, caches flushed between passes: durations are cold-cache and at ncu's locked
     python benchmarks/profile_kernels.py --cases moe:mxfp4:1 mla:1:1024 --out profile.json
 
 Cases: ``moe:<bf16|mxfp4|mxfp4-cute>:<M>`` (``k3::moe_experts`` at TP 8: E 896, top-16, L 3584, I 384, random routing;
-the Triton kernels at the table's configuration, or with ``mxfp4-cute`` the CuTe kernels, M <= 8) and ``mla:<B>:<valid
+the Triton kernels at the table's configuration, or with ``mxfp4-cute`` the CuTe kernels, M <= 16) and ``mla:<B>:<valid
 length>`` (``k3::mla_decode`` at TP 8: 12 heads, a 128K allocation).
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""k3::moe_experts' CuTe kernels (MXFP4 weights, bf16 activations, M <= 8: ``cute.py``, ``cute_gate_up.py``,
+"""k3::moe_experts' CuTe kernels (MXFP4 weights, bf16 activations, M <= 16: ``cute.py``, ``cute_gate_up.py``,
 ``cute_down.py``).
 
 On the CPU: the conversion's bit recipe (``e2m1_bits.py``, the PTX is generated from it) against the reference
