@@ -33,8 +33,9 @@ def scl(r, c):   # bytes <= 128: the variants without the second multiply, as a 
 w1, w3, w2 = codes(I, L), codes(I, L), codes(L, I)
 s1, s3, s2 = scl(I, L), scl(I, L), scl(L, I)
 BET = (4.0, 25.0)
-GU = [cute.Mxfp4MmaConfig(4, 1, 2), cute.Mxfp4MmaConfig(2, 1, 2), cute.Mxfp4MmaConfig(4, 1, 4),
-      cute.Mxfp4MmaConfig(8, 1, 2), cute.Mxfp4MmaConfig(4, 2, 2), cute.Mxfp4MmaConfig(2, 2, 2)]
+GU = [cute.Mxfp4MmaConfig(4, 1, 2), cute.Mxfp4MmaConfig(2, 1, 2), cute.Mxfp4MmaConfig(2, 1, 1),
+      cute.Mxfp4MmaConfig(4, 1, 1, prefetch=True), cute.Mxfp4MmaConfig(2, 1, 1, prefetch=True),
+      cute.Mxfp4MmaConfig(8, 1, 1, prefetch=True), cute.Mxfp4MmaConfig(4, 2, 1, prefetch=True)]
 DN = [cute.Mxfp4DownConfig(4, 1, 2), cute.Mxfp4DownConfig(4, 2, 2), cute.Mxfp4DownConfig(4, 1, 1),
       cute.Mxfp4DownConfig(8, 1, 1)]
 PICKS = (cute.GATE_UP_CONFIG, cute.GATE_UP_CONFIG_MANY, cute.DOWN_CONFIG)

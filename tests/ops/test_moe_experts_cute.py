@@ -150,11 +150,13 @@ def test_gpu_matches_reference(m, a, e, i, l, routing, big):
 @given(m=st.integers(1, 16), a=st.integers(1, 8), e=st.integers(1, 40), i=st.sampled_from([32, 64, 96, 160, 224]),
        l=st.sampled_from([32, 64, 160, 416]), routing=st.sampled_from(["random", "repeat", "one", "skewed"]),
        big=st.booleans(), ids32=st.booleans(), seed=st.integers(0, 2 ** 16),
-       gate_up=st.builds(cute.Mxfp4MmaConfig, st.sampled_from([1, 2, 4, 8]), st.integers(1, 2), st.integers(1, 2)))
+       gate_up=st.builds(cute.Mxfp4MmaConfig, st.sampled_from([1, 2, 4, 8]), st.integers(1, 2), st.integers(1, 2),
+                         st.booleans()))
 def test_gpu_drawn_shapes_match_reference(m, a, e, i, l, routing, big, ids32, seed, gate_up):
     """Drawn tokens, experts, widths (K tails of 32 / 64 / 96 past a step of 128), routings (duplicates within a
     token, every pair on one expert, experts nobody chose), int32 or int64 ids, scales above 2^1 or not, gate/up work
-    divisions (warps with no K step); the output NaN-poisoned."""
+    divisions (warps with no K step; prefetching or not: odd and even counts of chunks a warp); the output
+    NaN-poisoned."""
     if not _cute_ready():
         pytest.skip("needs sm_90+ and CuTe DSL")
     picks = cute.GATE_UP_CONFIG, cute.GATE_UP_CONFIG_MANY

@@ -41,13 +41,15 @@ _SOURCES = (*(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
 @dataclasses.dataclass(frozen=True)
 class Mxfp4MmaConfig:
     """The gate/up product's work division (``cute_gate_up.Mxfp4GateUpMma``): ``warps_k`` warps a block over slices of
-    K, ``row_groups`` groups of 8 rows of w1 and w3 a block, ``unroll`` K steps of loads in flight a warp."""
+    K, ``row_groups`` groups of 8 rows of w1 and w3 a block, ``unroll`` K steps of loads in flight a warp; ``prefetch``:
+    the next ``unroll`` steps' loads issued before a chunk converts (two chunks' registers)."""
     warps_k: int = 4
     row_groups: int = 1
     unroll: int = 2
+    prefetch: bool = False
 
     def tag(self) -> str:
-        return f"k{self.warps_k}r{self.row_groups}u{self.unroll}"
+        return f"k{self.warps_k}r{self.row_groups}u{self.unroll}" + ("p" if self.prefetch else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +175,8 @@ def build(key):
     if mode == "down":
         kernel = _DOWN.Mxfp4DownMma(m, a, cfg.warps, cfg.row_groups, cfg.groups, n_steps, big)
     else:
-        kernel = _GATE_UP.Mxfp4GateUpMma(m, a, cfg.warps_k, cfg.row_groups, cfg.unroll, beta, linear_beta, big)
+        kernel = _GATE_UP.Mxfp4GateUpMma(m, a, cfg.warps_k, cfg.row_groups, cfg.unroll, beta, linear_beta, big,
+                                         cfg.prefetch)
     return cute.compile(kernel, *fake_args(mode, m, a, ids_dtype), options="--enable-tvm-ffi")
 
 

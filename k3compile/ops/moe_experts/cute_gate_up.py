@@ -97,11 +97,13 @@ class Mxfp4GateUpMma:
     """The gate/up product, M <= 16 tokens (blocks of 8: one MMA each), bf16 activations, MXFP4 weights: ``fn(z [M, L],
     ids [M·A], weights (unused), w1, w3 [E, I, L/2], s1, s3 [E, I, L/32], h [M·A, I])``. Block ``(p, r)``:
     ``row_groups`` groups of 8 rows of w1 and w3 from ``r · 8 · row_groups``, K split over ``warps_k`` warps (their
-    sums meet in shared memory), ``unroll`` steps of loads in flight a warp."""
+    sums meet in shared memory), ``unroll`` steps of loads in flight a warp (``prefetch``: a chunk of ``unroll`` steps
+    loaded while the chunk before it converts and multiplies)."""
 
     def __init__(self, m: int, a: int, warps_k: int, row_groups: int, unroll: int, beta, linear_beta,
-                 big_scales: bool):
+                 big_scales: bool, prefetch: bool = False):
         assert 1 <= m <= 16
+        self.prefetch = prefetch   # two chunks' registers: the next chunk's loads in flight while one converts
         self.m, self.a = m, a
         self.nb = 1 if m <= 8 else 2   # blocks of 8 tokens: one MMA (N = 8) each
         self.big_scales = big_scales
@@ -190,21 +192,38 @@ class Mxfp4GateUpMma:
         for b in cutlass.range_constexpr(NB):
             xs.append(cute.logical_divide(mX, (None, 8))[cutlass.min(8 * b + g, self.m - 1), None])
 
+        SL: cutlass.Constexpr = 2 * U if self.prefetch else U   # step slots in registers: one chunk, or two
         acc = cute.make_rmem_tensor((4, RG, U, NB), cutlass.Float32)
         acc.fill(0.0)
-        rW = cute.make_rmem_tensor((16, 2 * RG * U), cutlass.Uint8)    # codes: [bytes, (row half, group, step)]
+        rW = cute.make_rmem_tensor((16, 2 * RG * SL), cutlass.Uint8)   # codes: [bytes, (row half, group, slot)]
         rW32 = cute.recast_tensor(rW, cutlass.Int32)                    # [4 words, ...]
-        rX = cute.make_rmem_tensor((8, 4 * U * NB), mX.element_type)   # activations: 4 vectors of 8 a step a block
+        rX = cute.make_rmem_tensor((8, 4 * SL * NB), mX.element_type)  # activations: 4 vectors of 8 a slot a block
         rX32 = cute.recast_tensor(rX, cutlass.Int32)                    # [4 pairs, ...]
-        rS = cute.make_rmem_tensor((2 * RG * U,), cutlass.Int32)        # scale bytes
+        rS = cute.make_rmem_tensor((2 * RG * SL,), cutlass.Int32)       # scale bytes
         rD = cute.make_rmem_tensor((16, 2), cutlass.Int32)              # one row group's dequantised step
 
         # whole chunks of U steps inside K: every load of a chunk issued before its first conversion
         n_full = K // (128 * U)
-        for c in cutlass.range(wk, n_full, WK, unroll=1):
-            for u in cutlass.range_constexpr(U):
-                self.load_step(codes, scales, xs, (c * U + u) * 128 + 32 * t, u, rW, rX, rS)
-            self.mma_steps(rW32, rX32, rS, rD, acc, U)
+        if cutlass.const_expr(self.prefetch):
+            # the warp's chunks wk, wk + WK, ..., last in pairs (slots 0..U-1, then U..2U-1), each chunk's loads
+            # issued before the chunk ahead of it converts. No load is conditional (a conditional one would be sunk
+            # to its use, after the conversion it should overlap): the pair loop runs where both chunks exist, the
+            # load ahead of the last pair is clamped to the last chunk, and an odd chunk out converts after the loop
+            last = wk + (n_full - 1 - wk) // WK * WK
+            if wk < n_full:
+                self.load_chunk(codes, scales, xs, wk, t, 0, rW, rX, rS)
+            for c in cutlass.range(wk, last, 2 * WK, unroll=1):   # c + WK <= last
+                self.load_chunk(codes, scales, xs, c + WK, t, U, rW, rX, rS)
+                self.mma_steps(rW32, rX32, rS, rD, acc, U, 0)
+                self.load_chunk(codes, scales, xs, cutlass.min(c + 2 * WK, last), t, 0, rW, rX, rS)
+                self.mma_steps(rW32, rX32, rS, rD, acc, U, U)
+            if wk < n_full:
+                if (last - wk) // WK % 2 == 0:   # an odd count of chunks: the last one is in slots 0..U-1
+                    self.mma_steps(rW32, rX32, rS, rD, acc, U, 0)
+        else:
+            for c in cutlass.range(wk, n_full, WK, unroll=1):
+                self.load_chunk(codes, scales, xs, c, t, 0, rW, rX, rS)
+                self.mma_steps(rW32, rX32, rS, rD, acc, U, 0)
         # the steps after them one at a time, lanes past K reading nothing (zero codes and activations)
         for st in cutlass.range(n_full * U + wk, (K + 127) // 128, WK, unroll=1):
             k0 = st * 128 + 32 * t
@@ -213,7 +232,7 @@ class Mxfp4GateUpMma:
             rS.fill(127)
             if k0 < K:
                 self.load_step(codes, scales, xs, k0, 0, rW, rX, rS)
-            self.mma_steps(rW32, rX32, rS, rD, acc, 1)
+            self.mma_steps(rW32, rX32, rS, rD, acc, 1, 0)
 
         # the K-warps' sums meet in shared memory: red[warp, row group, value, lane]
         smem = cutlass.memory.SmemAllocator()
@@ -256,22 +275,31 @@ class Mxfp4GateUpMma:
                                   rX[None, (u * self.nb + b) * 4 + j])
 
     @cute.jit
+    def load_chunk(self, codes: list, scales: list, xs: list, c, t, slot0: cutlass.Constexpr, rW: cute.Tensor,
+                   rX: cute.Tensor, rS: cute.Tensor):
+        """Chunk c's ``unroll`` steps (all inside K) into slots slot0 ...: every load issued, none waited for."""
+        for u in cutlass.range_constexpr(self.unroll):
+            self.load_step(codes, scales, xs, (c * self.unroll + u) * 128 + 32 * t, slot0 + u, rW, rX, rS)
+
+    @cute.jit
     def mma_steps(self, rW32: cute.Tensor, rX32: cute.Tensor, rS: cute.Tensor, rD: cute.Tensor, acc: cute.Tensor,
-                  n: cutlass.Constexpr):
-        """Slots 0..n-1 (``big_scales``: with the second multiply; see the module doc)."""
+                  n: cutlass.Constexpr, slot0: cutlass.Constexpr):
+        """Slots slot0 .. slot0 + n - 1 into accumulators 0 .. n - 1 (``big_scales``: with the second multiply; see
+        the module doc)."""
         for u in cutlass.range_constexpr(n):
-            self.mma_step(rW32, rX32, rS, rD, acc, u, self.big_scales)
+            self.mma_step(rW32, rX32, rS, rD, acc, slot0 + u, u, self.big_scales)
 
     @cute.jit
     def mma_step(self, rW32: cute.Tensor, rX32: cute.Tensor, rS: cute.Tensor, rD: cute.Tensor, acc: cute.Tensor,
-                 u: cutlass.Constexpr, exact: cutlass.Constexpr):
-        """The 8 MMAs of slot u for each row group and block of 8 tokens: activations permuted as the codes convert
-        (pair k of a vector = elements k and k + 4), the A fragment's rows g / g + 8 from row halves 0 / 1."""
+                 u: cutlass.Constexpr, a: cutlass.Constexpr, exact: cutlass.Constexpr):
+        """The 8 MMAs of slot u for each row group and block of 8 tokens, into accumulator a: activations permuted
+        as the codes convert (pair k of a vector = elements k and k + 4), the A fragment's rows g / g + 8 from row
+        halves 0 / 1."""
         xp = []   # xp[b]: block b's 16 bf16x2
         for b in cutlass.range_constexpr(self.nb):
             xp.append(permuted_pairs(rX32, (u * self.nb + b) * 4))
         for r in cutlass.range_constexpr(self.rg):
-            self.group_mmas(rW32, rS, (u * self.rg + r) * 2, rD, xp, acc[None, r, u, None], exact)
+            self.group_mmas(rW32, rS, (u * self.rg + r) * 2, rD, xp, acc[None, r, a, None], exact)
 
     @cute.jit
     def group_mmas(self, rW32: cute.Tensor, rS: cute.Tensor, slot0: cutlass.Constexpr, rD: cute.Tensor, xp: list,
