@@ -5,7 +5,7 @@
 K3 rank widths (E 896, top-16, L 3584), M 1, 8 and 16, random routing; each row first checked against the fp32 reference
 (its relative error printed), then timed as 40 calls on 40 different routings in one CUDA graph (the experts stream
 from HBM, not L2), the best of 5 replays, µs a call. The picks live in ``cute.py`` (``gate_up_config``,
-``DOWN_CONFIG``); ``docs/tuning/moe_experts.md`` (run 8) has the last run.
+``DOWN_CONFIG``); ``docs/tuning/moe_experts.md`` has the runs (8 and 10; 12 lists what this one sweeps).
 """
 import sys
 from pathlib import Path
