@@ -64,16 +64,21 @@ class Mxfp4DownConfig:
         return f"w{self.warps}r{self.row_groups}g{self.groups}"
 
 
-# Measured at K3 TP 8 on the H200 (docs/tuning/moe_experts.md runs 8 and 10): gate/up's K = L (3584) over 4 warps a
-# block at M <= 2, over 2 from M 4 (the blocks' prologue reads every pair's id: fewer, longer warps amortise it; 80
-# against 101 µs at M 8, 280 against 346 at M 16); down's K = I held whole, 128 rows a block
-GATE_UP_CONFIG = Mxfp4MmaConfig(warps_k=4, row_groups=1, unroll=2)
+# Measured at K3 TP 8 on the H200 (docs/tuning/moe_experts.md runs 8, 10 and 12): gate/up's K = L (3584) over 4
+# warps a block at M <= 2, the next chunk's loads issued before the current one converts (11.9 against 12.8 µs at
+# M 1); over 2 from M 4 (the blocks' prologue reads every pair's id: fewer, longer warps amortise it; 80.8 against
+# 101 µs at M 8), one step of loads in flight past M 8, where two blocks of 8 tokens need the registers for
+# occupancy (255.9 against 280.4 µs at M 16); down's K = I held whole, 128 rows a block
+GATE_UP_CONFIG = Mxfp4MmaConfig(warps_k=4, row_groups=1, unroll=1, prefetch=True)
 GATE_UP_CONFIG_MANY = Mxfp4MmaConfig(warps_k=2, row_groups=1, unroll=2)
+GATE_UP_CONFIG_TWO_BLOCKS = Mxfp4MmaConfig(warps_k=2, row_groups=1, unroll=1)
 DOWN_CONFIG = Mxfp4DownConfig(warps=4, row_groups=1, groups=2)
 
 
 def gate_up_config(m: int) -> Mxfp4MmaConfig:
-    return GATE_UP_CONFIG if m <= 2 else GATE_UP_CONFIG_MANY
+    if m <= 2:
+        return GATE_UP_CONFIG
+    return GATE_UP_CONFIG_MANY if m <= 8 else GATE_UP_CONFIG_TWO_BLOCKS
 
 
 def unavailable() -> Reason:
