@@ -1,7 +1,7 @@
 """``k3::moe_route`` in one Triton kernel: one program a token holds its row of E keys (score + bias) in registers,
-(key, reversed index) packed in one int64 so one comparison orders both, and takes the top-k by k rounds of a
-full-row max (or Triton's bitonic ``tl.topk``), so the experts come out in descending order, ties to the lower id;
-the weights are the unbiased scores of the picked experts."""
+(key, reversed index) packed in one int64 so one comparison orders both, and takes the top-k by Triton's bitonic
+``tl.topk`` (or, where this Triton lacks it, by k rounds of a full-row max), so the experts come out in descending
+order, ties to the lower id; the weights are the unbiased scores of the picked experts."""
 from __future__ import annotations
 
 from typing import Optional
@@ -53,10 +53,11 @@ def _moe_route_kernel(logits_ptr, bias_ptr, weights_ptr, experts_ptr, stride_m, 
 
 def moe_route_triton(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renorm_eps: Optional[float],
                      scaling: float, out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                     sorting_network: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     sorting_network: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's arguments (checked by the op) -> (weights [M, top_k] fp32, experts [M, top_k] int64), written into
-    ``out`` when given (contiguous; tests pass poisoned ones). ``sorting_network``: Triton's bitonic ``tl.topk`` in
-    place of the k rounds of a full-row max (3-12% slower on the H200 at E 896, k 16: docs/tuning/moe_route.md)."""
+    ``out`` when given (contiguous; tests pass poisoned ones). ``sorting_network``: Triton's bitonic ``tl.topk``
+    (where it exists) rather than k rounds of a full-row max (with four warps a row 8% faster on the H200 at E 896,
+    k 16, M 1-64: docs/tuning/moe_route.md)."""
     m, e = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
