@@ -156,6 +156,28 @@ def test_register_tile_heuristic_gives_the_measured_forms():
     assert h(1, 512, 1024) is None        # 1 MB: not measured
 
 
+@settings(max_examples=300, deadline=None)
+@given(m=st.integers(1, 16), n=st.integers(1, 300), k=st.integers(1, 4000).map(lambda x: 8 * x))
+def test_few_rows_heuristic_only_names_launchable_splits_of_a_long_k(m, n, k):
+    """Where it names a configuration: at most two row tiles, K >= 4096 split over a cluster of 8 whose every share
+    fits its ring, one block's shared memory within an SM's, the next kernel let in first (a static weight)."""
+    cfg = cute_config.few_rows_heuristic(m, n, k)
+    if cfg is None:
+        assert n > 128 or k < 4096
+        return
+    assert n <= 128 and k >= 4096 and cfg.split_k == 8 and cfg.trigger_first and cfg.push_partials
+    assert cfg.invalid() is None and cfg.share_fits(k) and cfg.smem_bytes(m) + 1024 <= 228 * 1024
+
+
+def test_few_rows_heuristic_gives_the_measured_form():
+    """KDA's f_a (128 x 7168) and beta (12 x 7168) products, measured in a chain on the H200; at 576 rows the
+    register tiles stay (they won there)."""
+    for m, n in [(1, 128), (8, 128), (1, 12), (8, 12)]:
+        assert cute_config.heuristic(m, n, 7168, True).tag() == "wg-n64-k128-s7-c8-pw-h-pp-tf"
+    assert cute_config.heuristic(1, 576, 7168, True) == cute_config.register_tile_heuristic(1, 576, 7168)
+    assert isinstance(cute_config.heuristic(1, 128, 7168, False), configs.MmaConfig)   # no static weight: unmeasured
+
+
 def test_a_share_that_does_not_fit_is_refused_before_compiling():
     a, w = torch.randn(4, 7168, dtype=torch.bfloat16), torch.randn(896, 7168, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="share of K=7168"):   # 56 tiles over 8 blocks: 7 a block, 2 + 3 hold 5
@@ -308,6 +330,17 @@ def test_owner_stores_any_c_alignment(cfg, n, out_shift, m):
 @pytest.mark.parametrize("m", [8, 16], ids=lambda m: f"M{m}")
 def test_dtypes_and_epilogues(dtype, bias, residual, m):
     _run(m, 300, 520, dtype, bias, residual, cfg=C(block_n=64, block_k=64, stages=4, split_k=2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [12, 128, 100], ids=lambda n: f"N{n}")
+@pytest.mark.parametrize("m", [1, 8, 16], ids=lambda m: f"M{m}")
+def test_few_rows_heuristic_matches_reference(n, m):
+    """The few-rows split (eight blocks over K = 7168, partials pushed) at KDA's f_a / beta widths and a ragged one:
+    every element written (NaN-poisoned), as the dispatch runs it for a static weight."""
+    cfg = cute_config.heuristic(m, n, 7168, True)
+    assert cfg == cute_config.few_rows_heuristic(m, n, 7168)
+    _run(m, n, 7168, torch.bfloat16, True, True, cfg=cfg, static_weight=True)
 
 
 REGISTER_TILES = C(block_n=64, block_k=128, stages=2, split_k=8, producer_warp=True, evict_hints=True,

@@ -66,6 +66,27 @@ def register_tile_heuristic(m: int, n: int, k: int, sms: int = 132) -> Optional[
 
 
 def heuristic(m: int, n: int, k: int, static_weight: bool) -> MmaConfig | WgmmaConfig:
-    """The configuration for a shape no table lists: with a static weight the register tiles where they fit, else
-    the mma.sync kernel."""
-    return (register_tile_heuristic(m, n, k) if static_weight else None) or mma_heuristic(m, n, k)
+    """The configuration for a shape no table lists: with a static weight the register tiles where they fit, or K
+    split eight ways where the weight has few rows, else the mma.sync kernel."""
+    if static_weight:
+        cfg = register_tile_heuristic(m, n, k) or few_rows_heuristic(m, n, k)
+        if cfg is not None:
+            return cfg
+    return mma_heuristic(m, n, k)
+
+
+@functools.lru_cache(maxsize=4096)   # the dispatch asks on every call of an unlisted static shape
+def few_rows_heuristic(m: int, n: int, k: int) -> Optional[WgmmaConfig]:
+    """(static weight) At most two row tiles of 64 over a long K (KDA's 128 x 7168 and 12 x 7168 products): the
+    wgmma kernel with K split over a cluster of 8 blocks, each share through its own ring, the partials pushed, the
+    next kernel let in first. The mma.sync kernel runs such a weight in 2-32 blocks, each streaming a long slice
+    alone: 5.6 against 1.3 µs at 128 x 7168 and M 1, 3.2 against 1.1 at 12 x 7168, in a chain behind the product
+    that makes the input (the H200; ``docs/tuning/skinny_gemm.md``). None elsewhere: at 576 and 768 rows the
+    register tiles or the mma.sync kernel win."""
+    if -(-n // 64) > 2 or k < 4096:
+        return None
+    share = -(-(-(-k // 128)) // 8)
+    cfg = WgmmaConfig(block_n=64, block_k=128, stages=min(8, share), split_k=8, producer_warp=True, evict_hints=True,
+                      trigger_first=True, push_partials=True)
+    fits = cfg.smem_bytes(m) + 1024 <= SMEM_PER_SM
+    return cfg if cfg.invalid() is None and cfg.share_fits(k) and fits else None
