@@ -85,7 +85,8 @@ def few_rows_heuristic(m: int, n: int, k: int) -> Optional[WgmmaConfig]:
     register tiles or the mma.sync kernel win."""
     if -(-n // 64) > 2 or k < 4096:
         return None
-    share = -(-(-(-k // 128)) // 8)
+    tiles = -(-k // 128)
+    share = -(-tiles // 8)      # K tiles a block; a longer share cycles a ring of 8
     cfg = WgmmaConfig(block_n=64, block_k=128, stages=min(8, share), split_k=8, producer_warp=True, evict_hints=True,
                       trigger_first=True, push_partials=True)
     fits = cfg.smem_bytes(m) + 1024 <= SMEM_PER_SM
