@@ -175,8 +175,8 @@ with simulated_rocm() as rec:
     # --- the routing tail: K3's router (E 896, top-16), both top-k forms
     for m in (1, 16):
         logits, bias = gpu(m, 896, dtype=torch.float32), gpu(896, dtype=torch.float32)
-        launch(rec, f"moe_route M{m}", moe_route, logits, bias, 16, backend="triton")
-        launch(rec, f"moe_route bitonic M{m}", moe_route_triton, logits, bias, 16, 1e-20, 1.0, sorting_network=True)
+        launch(rec, f"moe_route M{m}", moe_route, logits, bias, 16, backend="triton")   # the bitonic form
+        launch(rec, f"moe_route rounds M{m}", moe_route_triton, logits, bias, 16, 1e-20, 1.0, sorting_network=False)
 
 t1 = time.time()
 results = compile_for_gfx942(rec.launches, workers=2)

@@ -10,13 +10,25 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # grid dependency control (PDL), Triton >= 3.4
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover
+    gdc_launch_dependents = gdc_wait = None
+
+from k3compile.backends import is_rocm
+
 HAS_TOPK = hasattr(tl, "topk")   # Triton's bitonic top-k
 
 
 @triton.jit
 def _moe_route_kernel(logits_ptr, bias_ptr, weights_ptr, experts_ptr, stride_m, E,
                       renorm_eps, scaling, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                      RENORM: tl.constexpr, SORTING_NETWORK: tl.constexpr):
+                      RENORM: tl.constexpr, SORTING_NETWORK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        # launched before the router's product finished: nothing is read before the wait; the next kernel may
+        # launch once we have passed it (it waits for our stores itself), as every PDL kernel of ours does
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     inside = offs < E
@@ -53,11 +65,13 @@ def _moe_route_kernel(logits_ptr, bias_ptr, weights_ptr, experts_ptr, stride_m, 
 
 def moe_route_triton(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renorm_eps: Optional[float],
                      scaling: float, out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                     sorting_network: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                     sorting_network: bool = True, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's arguments (checked by the op) -> (weights [M, top_k] fp32, experts [M, top_k] int64), written into
     ``out`` when given (contiguous; tests pass poisoned ones). ``sorting_network``: Triton's bitonic ``tl.topk``
     (where it exists) rather than k rounds of a full-row max (with four warps a row 8% faster on the H200 at E 896,
-    k 16, M 1-64: docs/tuning/moe_route.md)."""
+    k 16, M 1-64: docs/tuning/moe_route.md). ``pdl``: launched with programmatic dependent launch where the GPU has it
+    (sm_90+ NVIDIA), so that its launch overlaps the router's product; off until measured (``benchmarks/
+    upcast_router.py --sweep``)."""
     m, e = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -69,11 +83,13 @@ def moe_route_triton(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renor
         return weights, experts
     block_e = triton.next_power_of_2(e)
     block_k = min(block_e, max(2, triton.next_power_of_2(top_k)))   # tl.topk cannot reduce a row to one element
+    pdl = pdl and gdc_wait is not None and logits.device.type == "cuda" and not is_rocm() and \
+        torch.cuda.get_device_capability(logits.device)[0] >= 9
     _moe_route_kernel[(m,)](
         logits, bias, weights, experts, logits.stride(0), e,
         0.0 if renorm_eps is None else float(renorm_eps), float(scaling),
         TOP_K=top_k, BLOCK_E=block_e, BLOCK_K=block_k, RENORM=renorm_eps is not None,
-        SORTING_NETWORK=sorting_network and HAS_TOPK,
+        SORTING_NETWORK=sorting_network and HAS_TOPK, PDL=pdl, **({"launch_pdl": True} if pdl else {}),
         # four warps from the first: each round's in-thread max and mask are over a quarter of a one-warp row, which
         # outweighs the cross-warp step (E 896, k 16 on the H200: 5.3 against 8.0 µs; docs/tuning/moe_route.md)
         num_warps=max(4, min(8, block_e // 1024)),
