@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || tail -5 "$OUT/install.log"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.device_count(), 'x', torch.cuda.get_device_name())"
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
-STEPS=${STEPS:-gpu_tests gpu_model kda_decode kda_prefill moe_tail moe_tail_tp2 skinny decode_tp1 moe_cute moe_cute_tune mla_tune mla_tune_len mla_decode}
+STEPS=${STEPS:-gpu_tests gpu_model kda_decode kda_prefill moe_tail moe_tail_tp2 skinny decode_tp1 moe_cute moe_cute_tune router_sweep mla_tune mla_tune_len mla_decode}
 step() {  # step NAME SECONDS CMD...
     local name=$1 secs=$2; shift 2
     case " $STEPS " in *" $name "*) ;; *) return ;; esac
@@ -39,6 +39,8 @@ step moe_cute_tests ${T_MOE_CUTE_TESTS:-150} python3 -m pytest -q -m gpu -p no:c
 step moe_cute     ${T_MOE_CUTE:-240} python3 benchmarks/moe_experts.py --m 1 2 4 8 12 16 --tp 8 16 --formats mxfp4 \
                                   --compile-m 1 8 --kernels-m 1 8 --skewed-m 8 --json "$OUT/moe_experts_mxfp4_cute_h200.json"
 step moe_cute_tune ${T_MOE_CUTE_TUNE:-150} python3 benchmarks/tune_moe_experts_cute.py 384
+# the router's product and the routing kernel in their decode-step chain, per Triton configuration and PDL launch
+step router_sweep ${T_ROUTER:-150} python3 benchmarks/upcast_router.py --sweep --ms 1,8 --json "$OUT/router_sweep.json"
 # the MLA decode layout table first (written into the tree, so the benchmark's dispatch reads it), then the sweep
 step mla_tune     ${T_MLA_TUNE:-150} python3 benchmarks/tune_mla_decode.py --out "$OUT/mla_decode_table_h200.json" \
                                   --log "$OUT/mla_tune_log.json"

@@ -11,6 +11,13 @@ rate. Bytes of one call: N·K·2 (the bf16 weight, once) + M·K·2 + M·N·4; th
 (the cast reads bf16 and writes fp32, the product reads the fp32). Every output is checked against float64
 first. Prints one line per M: µs of each provider, % of the ceiling for the op, and the speedup of optimize()
 over torch.compile.
+
+    python benchmarks/upcast_router.py --sweep [--ms 1,8]
+
+times the router as the decode step runs it instead: behind a kernel launched without PDL (Inductor's, here a
+multiply that makes its input) and ahead of ``k3::moe_route``, one weight copy a step, for Triton configurations
+of the product (the heuristic's, then PDL, the early trigger, preloaded tiles, TMA, K splits, the polled tail)
+each with the routing kernel launched with and without PDL: µs a (multiply, product, routing) step, best first.
 """
 import argparse
 import json
@@ -31,10 +38,66 @@ def router(x, w):
     return F.linear(x.float(), w.float())
 
 
+def sweep_configs(m: int, sms: int) -> list:
+    """The Triton configurations of the router's product worth timing in the chain (``--sweep``)."""
+    import dataclasses
+
+    from k3compile.ops.skinny_gemm import triton_config as tc
+
+    base = tc.heuristic(m, N, K, sms)
+    out = [base, dataclasses.replace(base, pdl=True), dataclasses.replace(base, pdl=True, early_trigger=True),
+           dataclasses.replace(base, pdl=True, preload=2), dataclasses.replace(base, pdl=True, **tc.POLLED_TAIL)]
+    for split in (2, 4, 8, 16):
+        for warps in (2, 4):
+            for block_n in (32, 64):
+                out.append(tc.TritonConfig(block_m=16, block_n=block_n, block_k=128, split_k=split, num_warps=warps,
+                                           num_stages=4, one_launch=True, tma=True, pdl=True, prefetch_lines=0,
+                                           early_trigger=True, **({"poll": True} if split > 1 else {})))
+    return list(dict.fromkeys(out))
+
+
+def sweep(ms, ws, ceil) -> list:
+    """``--sweep``: the chain (multiply, product, routing) per config and routing launch, µs a step."""
+    from k3compile.backends import sm_count
+    from k3compile.ops.moe_route.triton import moe_route_triton
+    from k3compile.ops.skinny_gemm.triton import skinny_gemm_triton
+
+    rows = []
+    bias = torch.randn(N, device="cuda") * 0.1
+    for m in ms:
+        x = torch.randn(m, K, device="cuda").bfloat16()
+        ref = x.double() @ ws[0].double().T
+        alone = graph_replay_us(lambda: [x * 1.0 for _ in ws], iters=1, replays=15, warmup=1) / len(ws)
+        results = []
+        for cfg in sweep_configs(m, sm_count(x.device)):
+            for route_pdl in (False, True):
+                def step(w, cfg=cfg, route_pdl=route_pdl):
+                    logits = skinny_gemm_triton(x * 1.0, w, config=cfg, static_weight=True, out_dtype=torch.float32)
+                    return logits, moe_route_triton(logits, bias, 16, 1e-20, 1.0, pdl=route_pdl)
+                try:
+                    err = rel_err(step(ws[0])[0], ref)
+                    if not err < 1e-5:
+                        print(f"# {cfg.tag()} M{m}: WRONG rel={err:.2e}", file=sys.stderr)
+                        continue
+                    us = graph_replay_us(lambda: [step(w) for w in ws], iters=1, replays=15, warmup=1) / len(ws)
+                except Exception as e:   # a configuration that does not build here
+                    print(f"# {cfg.tag()} M{m}: {type(e).__name__}: {str(e)[:160]}", file=sys.stderr)
+                    continue
+                results.append(dict(m=m, config=cfg.tag(), route_pdl=route_pdl, us=us, us_less_multiply=us - alone))
+        results.sort(key=lambda r: r["us"])
+        print(f"# M{m}: the multiply alone {alone:.2f} us a step; (multiply, product, routing) best first:")
+        for r in results:
+            print(f"M{m:<3} {r['us']:7.2f} us  {r['us_less_multiply']:7.2f} us less the multiply  "
+                  f"route pdl {int(r['route_pdl'])}  {r['config']}")
+        rows.extend(results)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="1,2,4,8,16")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sweep", action="store_true", help="the router in its decode-step chain, per configuration")
     args = ap.parse_args()
     import k3compile
     from k3compile.ops.skinny_gemm import SKINNY_GEMM
@@ -42,6 +105,12 @@ def main():
     torch.manual_seed(0)
     ws = [(torch.randn(N, K, device="cuda") / K ** 0.5).bfloat16() for _ in range(ROTATE_BYTES // (N * K * 2))]
     ceil = copy_ceiling_tbps()
+    if args.sweep:
+        rows = sweep([int(v) for v in args.ms.split(",")], ws, ceil)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, sweep=rows), f, indent=1)
+        return
     plain = torch.compile(router, dynamic=True)
     # backend="auto": CuTe refuses the fp32 output, Triton runs; only this pass (registering all takes ~20 s)
     optimized = k3compile.optimize(router, dynamic=True, passes=["upcast_matmul"])
