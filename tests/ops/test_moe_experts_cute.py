@@ -8,6 +8,9 @@ outputs, and a CUDA graph replayed on fresh inputs.
 """
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -145,26 +148,45 @@ def test_gpu_matches_reference(m, a, e, i, l, routing, big):
     assert rel_err(out, want) < 1e-2, rel_err(out, want)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="CuTe DSL (nvidia-cutlass-dsl) not installed")
+@pytest.mark.parametrize("m", [1, 8, 16], ids=lambda m: f"M{m}")
+def test_picks_and_unrolled_scans_build_for_sm90a_without_gpu(monkeypatch, m):
+    """Each pick, and each with its id scan unrolled, compiles for sm_90a (what the GPU tests cannot show on a host
+    without one: a DSL error in a variant no pick takes yet)."""
+    if torch.cuda.is_available():
+        pytest.skip("GPU present: the GPU tests compile for the real device")
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    unrolled = dataclasses.replace(cute.gate_up_config(m), scan_unrolled=True)
+    for key in (cute.variant("gate_up", m, 16, cute.gate_up_config(m), 4.0, 25.0, torch.int64),
+                cute.variant("gate_up", m, 16, unrolled, 4.0, 25.0, torch.int32),
+                cute.variant("down", m, 16, cute.DOWN_CONFIG, None, None, torch.int64, cute.down_steps(384)),
+                cute.variant("down", m, 16, dataclasses.replace(cute.DOWN_CONFIG, scan_unrolled=True), None, None,
+                             torch.int64, cute.down_steps(384))):
+        assert cute.build(key) is not None, cute.variant_name(key)
+
+
 @pytest.mark.gpu
 @settings(max_examples=10)   # each draw may build two kernels (a second or two each)
 @given(m=st.integers(1, 16), a=st.integers(1, 8), e=st.integers(1, 40), i=st.sampled_from([32, 64, 96, 160, 224]),
        l=st.sampled_from([32, 64, 160, 416]), routing=st.sampled_from(["random", "repeat", "one", "skewed"]),
        big=st.booleans(), ids32=st.booleans(), seed=st.integers(0, 2 ** 16),
        gate_up=st.builds(cute.Mxfp4MmaConfig, st.sampled_from([1, 2, 4, 8]), st.integers(1, 2), st.integers(1, 2),
-                         st.booleans()))
-def test_gpu_drawn_shapes_match_reference(m, a, e, i, l, routing, big, ids32, seed, gate_up):
+                         st.booleans(), st.booleans()),
+       down_scan_unrolled=st.booleans())
+def test_gpu_drawn_shapes_match_reference(m, a, e, i, l, routing, big, ids32, seed, gate_up, down_scan_unrolled):
     """Drawn tokens, experts, widths (K tails of 32 / 64 / 96 past a step of 128), routings (duplicates within a
     token, every pair on one expert, experts nobody chose), int32 or int64 ids, scales above 2^1 or not, gate/up work
-    divisions (warps with no K step; prefetching or not: odd and even counts of chunks a warp); the output
-    NaN-poisoned."""
+    divisions (warps with no K step; prefetching or not: odd and even counts of chunks a warp; the id scan unrolled
+    or looped, in both products); the output NaN-poisoned."""
     if not _cute_ready():
         pytest.skip("needs sm_90+ and CuTe DSL")
-    picks = cute.GATE_UP_CONFIG, cute.GATE_UP_CONFIG_MANY
-    cute.GATE_UP_CONFIG = cute.GATE_UP_CONFIG_MANY = gate_up
+    picks = cute.GATE_UP_CONFIG, cute.GATE_UP_CONFIG_MANY, cute.GATE_UP_CONFIG_TWO_BLOCKS, cute.DOWN_CONFIG
+    cute.GATE_UP_CONFIG = cute.GATE_UP_CONFIG_MANY = cute.GATE_UP_CONFIG_TWO_BLOCKS = gate_up
+    cute.DOWN_CONFIG = dataclasses.replace(cute.DOWN_CONFIG, scan_unrolled=down_scan_unrolled)
     try:
         _drawn_case(m, a, e, i, l, routing, big, ids32, seed)
     finally:
-        cute.GATE_UP_CONFIG, cute.GATE_UP_CONFIG_MANY = picks
+        cute.GATE_UP_CONFIG, cute.GATE_UP_CONFIG_MANY, cute.GATE_UP_CONFIG_TWO_BLOCKS, cute.DOWN_CONFIG = picks
 
 
 def _drawn_case(m, a, e, i, l, routing, big, ids32, seed):

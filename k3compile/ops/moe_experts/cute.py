@@ -42,26 +42,31 @@ _SOURCES = (*(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
 class Mxfp4MmaConfig:
     """The gate/up product's work division (``cute_gate_up.Mxfp4GateUpMma``): ``warps_k`` warps a block over slices of
     K, ``row_groups`` groups of 8 rows of w1 and w3 a block, ``unroll`` K steps of loads in flight a warp; ``prefetch``:
-    the next ``unroll`` steps' loads issued before a chunk converts (two chunks' registers)."""
+    the next ``unroll`` steps' loads issued before a chunk converts (two chunks' registers); ``scan_unrolled``: the
+    prologue's look for an earlier pair of the same expert reads all M·A ids at once, not 32 a round trip."""
     warps_k: int = 4
     row_groups: int = 1
     unroll: int = 2
     prefetch: bool = False
+    scan_unrolled: bool = False
 
     def tag(self) -> str:
-        return f"k{self.warps_k}r{self.row_groups}u{self.unroll}" + ("p" if self.prefetch else "")
+        return (f"k{self.warps_k}r{self.row_groups}u{self.unroll}" + ("p" if self.prefetch else "")
+                + ("s" if self.scan_unrolled else ""))
 
 
 @dataclasses.dataclass(frozen=True)
 class Mxfp4DownConfig:
     """The down product's work division (``cute_gate_up.Mxfp4DownMma``): ``warps`` a block, each taking
-    ``row_groups`` groups of 16 rows at a time, ``groups`` times."""
+    ``row_groups`` groups of 16 rows at a time, ``groups`` times; ``scan_unrolled``: as the gate/up product's, and
+    before the PDL wait (the ids precede the op)."""
     warps: int = 4
     row_groups: int = 2
     groups: int = 2
+    scan_unrolled: bool = False
 
     def tag(self) -> str:
-        return f"w{self.warps}r{self.row_groups}g{self.groups}"
+        return f"w{self.warps}r{self.row_groups}g{self.groups}" + ("s" if self.scan_unrolled else "")
 
 
 # Measured at K3 TP 8 on the H200 (docs/tuning/moe_experts.md runs 8, 10 and 12): gate/up's K = L (3584) over 4
@@ -178,10 +183,10 @@ def build(key):
 
     mode, m, a, cfg, beta, linear_beta, ids_dtype, n_steps, big = key
     if mode == "down":
-        kernel = _DOWN.Mxfp4DownMma(m, a, cfg.warps, cfg.row_groups, cfg.groups, n_steps, big)
+        kernel = _DOWN.Mxfp4DownMma(m, a, cfg.warps, cfg.row_groups, cfg.groups, n_steps, big, cfg.scan_unrolled)
     else:
         kernel = _GATE_UP.Mxfp4GateUpMma(m, a, cfg.warps_k, cfg.row_groups, cfg.unroll, beta, linear_beta, big,
-                                         cfg.prefetch)
+                                         cfg.prefetch, cfg.scan_unrolled)
     return cute.compile(kernel, *fake_args(mode, m, a, ids_dtype), options="--enable-tvm-ffi")
 
 

@@ -31,8 +31,9 @@ class Mxfp4DownMma(Mxfp4GateUpMma):
     partials go straight from the MMA's registers to each pair of the token holding the expert (a bit mask of its
     slots, built once)."""
 
-    def __init__(self, m: int, a: int, warps: int, row_groups: int, groups: int, n_steps: int, big_scales: bool):
-        super().__init__(m, a, 1, row_groups, n_steps, None, None, big_scales)
+    def __init__(self, m: int, a: int, warps: int, row_groups: int, groups: int, n_steps: int, big_scales: bool,
+                 scan_unrolled: bool = False):
+        super().__init__(m, a, 1, row_groups, n_steps, None, None, big_scales, scan_unrolled=scan_unrolled)
         self.wn, self.groups, self.ns = warps, groups, n_steps
         self.threads = 32 * warps
         self.rows_per_block = 16 * row_groups * warps * groups
@@ -65,10 +66,15 @@ class Mxfp4DownMma(Mxfp4GateUpMma):
             for i in cutlass.range(tidx, self.rows_per_block, self.threads, unroll=1):
                 if n0 + i < N:
                     prefetch_bulk_l2(mW0[ec, n0 + i, None].iterator.toint(), cutlass.Int32(K // 2))
-        cute.arch.griddepcontrol_wait()
-        run = valid
-        if valid:
-            run = self.first_of_expert(mIds, p, e, tidx % 32)
+        if cutlass.const_expr(self.scan_unrolled):
+            # the ids, too, were written before the op began: the whole scan (one round trip) before the wait
+            run = valid & self.first_of_expert(mIds, p, e, tidx % 32)
+            cute.arch.griddepcontrol_wait()
+        else:
+            cute.arch.griddepcontrol_wait()
+            run = valid
+            if valid:
+                run = self.first_of_expert(mIds, p, e, tidx % 32)
         if run:
             self.rows(mX, mIds, mWts, mW0, mS0, mOut, p, ec, n0, tidx // 32, tidx % 32, N, K)
         cute.arch.griddepcontrol_launch_dependents()

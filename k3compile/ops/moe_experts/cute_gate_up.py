@@ -101,9 +101,10 @@ class Mxfp4GateUpMma:
     loaded while the chunk before it converts and multiplies)."""
 
     def __init__(self, m: int, a: int, warps_k: int, row_groups: int, unroll: int, beta, linear_beta,
-                 big_scales: bool, prefetch: bool = False):
+                 big_scales: bool, prefetch: bool = False, scan_unrolled: bool = False):
         assert 1 <= m <= 16
         self.prefetch = prefetch   # two chunks' registers: the next chunk's loads in flight while one converts
+        self.scan_unrolled = scan_unrolled   # every id of the scan loaded before any compare: one round trip
         self.m, self.a = m, a
         self.nb = 1 if m <= 8 else 2   # blocks of 8 tokens: one MMA (N = 8) each
         self.big_scales = big_scales
@@ -128,11 +129,23 @@ class Mxfp4GateUpMma:
 
     @cute.jit
     def first_of_expert(self, mIds: cute.Tensor, p, e, lane):
-        """Whether no pair before ``p`` holds expert ``e`` (the warp's lanes split the scan)."""
+        """Whether no pair before ``p`` holds expert ``e`` (the warp's lanes split the scan). ``scan_unrolled``: each
+        lane loads its ids of all M·A pairs (clamped in range, so that no load is conditional), then compares those
+        before ``p``: one round trip of loads instead of one per 32 pairs; the ids compared in their low 32 bits,
+        as the loop does."""
         seen = cutlass.Int32(0)
-        for q in cutlass.range(lane, p, 32, unroll=1):
-            if mIds[q].to(cutlass.Int32) == e:
-                seen = cutlass.Int32(1)
+        if cutlass.const_expr(self.scan_unrolled):
+            pairs: cutlass.Constexpr = self.m * self.a
+            ids = []
+            for j in cutlass.range_constexpr((pairs + 31) // 32):
+                ids.append(mIds[cutlass.min(lane + 32 * j, pairs - 1)].to(cutlass.Int32))
+            for j in cutlass.range_constexpr((pairs + 31) // 32):
+                if (lane + 32 * j < p) & (ids[j] == e):
+                    seen = cutlass.Int32(1)
+        else:
+            for q in cutlass.range(lane, p, 32, unroll=1):
+                if mIds[q].to(cutlass.Int32) == e:
+                    seen = cutlass.Int32(1)
         return cute.arch.vote_any_sync(seen != 0) == cutlass.Boolean(False)
 
     @cute.kernel
@@ -156,9 +169,12 @@ class Mxfp4GateUpMma:
         e = mIds[p].to(cutlass.Int32)
         valid = (e >= 0) & (e < E)
         ec = cutlass.max(cutlass.min(e, E - 1), 0)
-        run = valid
-        if valid:
-            run = self.first_of_expert(mIds, p, e, lane)
+        if cutlass.const_expr(self.scan_unrolled):   # its loads are in range whatever e is: issued beside e's
+            run = valid & self.first_of_expert(mIds, p, e, lane)
+        else:
+            run = valid
+            if valid:
+                run = self.first_of_expert(mIds, p, e, lane)
         if run:
             self.product(mX, mIds, mW0, mW1, mS0, mS1, mOut, ec, n0, wk, lane, g, t, N, K)
 
