@@ -231,8 +231,14 @@ def _kernel_name(name: str) -> str:
 
 
 def device_kernels(events, on_device: bool):
-    """(kernel name, µs, launching event) of every kernel of a profile. Without a device (the CPU), the leaf op and
-    Inductor kernel events stand in for kernels (their self time; the dry run's figures mean nothing)."""
+    """(kernel name, µs, launching event) of every kernel of a profile. On a device a kernel's µs are those it alone
+    occupied the device (``device_timeline``), where the profile's device events link to their op events; else its
+    whole duration. Without a device (the CPU), the leaf op and Inductor kernel events stand in for kernels (their
+    self time; the dry run's figures mean nothing)."""
+    if on_device:
+        timeline = device_timeline(events)
+        if timeline is not None:
+            return timeline
     out = []
     for event in events:
         if event.device_type != torch.autograd.DeviceType.CPU:
@@ -241,6 +247,26 @@ def device_kernels(events, on_device: bool):
             out += [(k.name, k.duration, event) for k in event.kernels]
         elif not event.cpu_children and ("::" in event.name or event.name.startswith(INDUCTOR_KERNEL)):
             out.append((event.name, event.self_cpu_time_total, event))
+    return out
+
+
+def device_timeline(events) -> Optional[list]:
+    """(kernel name, µs, launching op event) of the profile's device events in the order they start, each kernel's
+    µs counted from when the kernels before it had all ended: a kernel launched early (PDL) that waits on its
+    predecessor, or one overlapping another stream's, is charged only the time no earlier kernel covered, so the
+    kernels' sum is the time the device was busy, not more (summed whole, an H200 decode step's kernels came to more
+    than the step). None where no device event links to an op event (``linked_correlation_id``)."""
+    cpu = torch.autograd.DeviceType.CPU
+    ops = {e.id: e for e in events if e.device_type == cpu and not getattr(e, "linked_correlation_id", 0)}
+    device = sorted((e for e in events if e.device_type != cpu), key=lambda e: (e.time_range.start, e.time_range.end))
+    launchers = [ops.get(getattr(e, "linked_correlation_id", 0)) for e in device]
+    if not any(launcher is not None for launcher in launchers):
+        return None
+    out, busy_until = [], float("-inf")
+    for event, launcher in zip(device, launchers):
+        start, end = event.time_range.start, event.time_range.end
+        out.append((event.name, max(0.0, end - max(start, busy_until)), launcher))
+        busy_until = max(busy_until, end)
     return out
 
 

@@ -523,7 +523,8 @@ def table(rows: list) -> str:
                    f"{r['tokens_per_s']:8.0f} {r.get('kernels_per_step', 0):5.0f} "
                    + " ".join(f"{b.get(c, 0):9.1f}" for c in cats))
     out.append("us: one step under a CUDA graph; floor: its bytes at the copy ceiling; kern: kernels a step; "
-               "then us a step by category (torch.profiler, un-graphed; gaps = graph time - kernel time)")
+               "then us a step by category (torch.profiler, un-graphed, each kernel charged the time no earlier kernel "
+               "covered; gaps = graph time - kernel time)")
     return "\n".join(out)
 
 

@@ -145,6 +145,35 @@ def test_breakdown_gaps_fill_the_step():
     assert out["top"][0] == dict(kernel="k", category="KDA", us=5.0, launches=1.0)
 
 
+def _profiled(name, id_=0, linked=0, start=0.0, end=0.0, device=True):
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    return SimpleNamespace(name=name, id=id_, linked_correlation_id=linked, device_type=cuda if device else cpu,
+                           time_range=SimpleNamespace(start=start, end=end), kernels=[], cpu_children=[])
+
+
+def test_device_timeline_charges_each_kernel_only_the_time_no_earlier_one_covered():
+    """A PDL kernel launched while its predecessor runs, waiting, then running past it: charged from the
+    predecessor's end; a kernel wholly inside another's span: nothing; idle time: nobody's. The sum is the busy time."""
+    gemm, norm = _profiled("k3::skinny_gemm", id_=7, device=False), _profiled("triton_red_fused_0", id_=9, device=False)
+    runtime = _profiled("cudaLaunchKernel", id_=7, linked=9, device=False)   # a runtime event: never a launcher
+    events = [gemm, norm, runtime,
+              _profiled("gemm_a", linked=7, start=0.0, end=10.0),
+              _profiled("gemm_b", linked=7, start=2.0, end=14.0),    # launched early, ran past gemm_a
+              _profiled("inside", linked=9, start=3.0, end=5.0),     # covered by both
+              _profiled("after_idle", linked=9, start=20.0, end=21.5)]
+    out = bd.device_timeline(events)
+    assert [(n, us) for n, us, _ in out] == [("gemm_a", 10.0), ("gemm_b", 4.0), ("inside", 0.0), ("after_idle", 1.5)]
+    assert [launcher.name for _, _, launcher in out] == ["k3::skinny_gemm"] * 2 + ["triton_red_fused_0"] * 2
+    assert bd.device_kernels(events, on_device=True) == out
+
+
+def test_device_kernels_fall_back_to_whole_durations_without_linked_device_events():
+    op = _profiled("aten::mm", id_=3, device=False)
+    op.kernels = [SimpleNamespace(name="nvjet", duration=4.0)]
+    assert bd.device_timeline([op]) is None
+    assert bd.device_kernels([op], on_device=True) == [("nvjet", 4.0, op)]
+
+
 def test_kernel_origins_from_inductor_codegen():
     """A compiled RMSNorm (the model's own): Inductor's kernel for it is recorded as a norm."""
     from k3compile.model.layers import rms_norm
