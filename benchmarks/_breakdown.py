@@ -270,21 +270,47 @@ def device_timeline(events) -> Optional[list]:
     return out
 
 
+DTYPE_BYTES = {"c10::BFloat16": 2, "c10::Half": 2, "float": 4}
+
+
+def skinny_gemm_weight(launcher) -> Optional[tuple[int, int, int]]:
+    """(N, K, bytes an element) of the weight of the ``k3::skinny_gemm`` call that launched a kernel, or None."""
+    for event in _chain(launcher):
+        if event.name.startswith("k3::skinny_gemm"):
+            shapes = event.input_shapes or ()
+            if len(shapes) > 1 and len(shapes[1]) == 2:
+                dtypes = getattr(event, "input_dtypes", None) or ()
+                return (*shapes[1], DTYPE_BYTES.get(dtypes[1] if len(dtypes) > 1 else "", 2))
+            return None
+    return None
+
+
 def breakdown(kernels, steps: int, step_us: float, origins: KernelOrigins, shapes: ShapeTable) -> dict:
-    """Per step: µs by category (``gaps`` = ``step_us`` minus the kernels' sum, at least 0), the kernel count, and the
-    kernels that take most time (name, category, µs a step, launches a step)."""
+    """Per step: µs by category (``gaps`` = ``step_us`` minus the kernels' sum, at least 0), the kernel count, the
+    kernels that take most time (name, category, µs a step, launches a step), and the skinny GEMM's kernels by weight
+    shape (µs and launches a step, TB/s of the weight bytes over those µs: which products of the step stream slowly)."""
     by_cat = defaultdict(float)
     per_kernel = defaultdict(lambda: [0.0, 0])               # (name, category) -> [µs, launches]
+    per_weight = defaultdict(lambda: [0.0, 0])               # (category, N, K, bytes an element) -> [µs, launches]
     for name, us, launcher in kernels:
         cat = categorize(name, launcher, origins, shapes)
         by_cat[cat] += us / steps
         entry = per_kernel[name, cat]
         entry[0] += us / steps
         entry[1] += 1
+        weight = skinny_gemm_weight(launcher)
+        if weight is not None:
+            entry = per_weight[(cat, *weight)]
+            entry[0] += us / steps
+            entry[1] += 1
     busy = sum(by_cat.values())
     by_cat["gaps"] = max(0.0, step_us - busy)
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:20]
+    gemms = sorted(per_weight.items(), key=lambda kv: -kv[1][0])
     return dict(us={c: round(by_cat.get(c, 0.0), 3) for c in CATEGORIES}, kernel_us=round(busy, 3),
                 kernels_per_step=len(kernels) / steps,
                 top=[dict(kernel=k[:120], category=c, us=round(us, 3), launches=n / steps)
-                     for (k, c), (us, n) in top])
+                     for (k, c), (us, n) in top],
+                skinny_gemms=[dict(weight=f"{n}x{k}", category=c, us=round(us, 3), launches=count / steps,
+                                   tbps=round(count / steps * n * k * size / us / 1e6, 3) if us > 0 else None)
+                              for (c, n, k, size), (us, count) in gemms])
