@@ -9,7 +9,9 @@ graph 93 layers long. Dynamo traces each distinct body once where it can reuse a
 ``nested_compile_region`` takes ``max_reuse_entries``: 2.13), and only for calls whose inputs are tensors, numbers
 and modules: a KDA or MLA block takes its layer's state object, so the region's body gets the state's tensors and
 rebuilds the object around them (:func:`_flat_args`); a torch without reuse traces every call (the block's own
-``forward`` is the region there). A layer's AttnRes mixes (its ``attn_res_mix``, ``model/modeling.py``) are
+``forward`` is the region there). Every argument of a reused region is such a leaf (the flattening's spec as a string,
+a mix's sources one by one): a tuple or list among them costs Dynamo a traced ``pytree.tree_flatten`` at every call
+(:func:`_spec_text`). A layer's AttnRes mixes (its ``attn_res_mix``, ``model/modeling.py``) are
 regions too, one body per number of sources (K3: at most 8, one more every 12 layers): left in the outer graph,
 Inductor fused each with its neighbours into kernels that differ with depth and built more of them the deeper the
 model. The norms and residual adds between the regions stay in the outer graph, the same at every layer (the layer
@@ -133,17 +135,27 @@ def register_states(value, depth: int = 5) -> None:
         register_states(item, depth - 1)
 
 
-def _body(module, spec, *flat, **kwargs):
-    """A region's body: the block's own ``forward`` on the arguments ``_flat_args`` flattened, the state objects
-    rebuilt around the same tensors (the blocks update their state in place, never rebind a field)."""
+def _spec_text(spec: tuple) -> str:
+    """``_flat_args``' spec as one string: a region call whose every argument is a tensor, number, string or module
+    takes Dynamo's fast input fingerprint; a tuple among them sends the call through Dynamo's trace of
+    ``pytree.tree_flatten``, about 35 ms a call (``torch/_dynamo/variables/invoke_subgraph.py``,
+    ``build_input_fingerprint``)."""
+    return ";".join("-" if item is None else f"{item[0]}.{item[1]}" for item in spec)
+
+
+def _body(module, spec: str, *flat, **kwargs):
+    """A region's body: the block's own ``forward`` on the arguments ``_flat_args`` flattened (``spec`` as
+    ``_spec_text`` spells it), the state objects rebuilt around the same tensors (the blocks update their state in
+    place, never rebind a field)."""
     args, i = [], 0
-    for item in spec:
-        if item is None:
+    for item in spec.split(";") if spec else ():
+        if item == "-":
             args.append(flat[i])
             i += 1
         else:
-            args.append(getattr(_States, f"t{item[0]}")(*flat[i:i + item[1]]))
-            i += item[1]
+            kind, count = (int(v) for v in item.split("."))
+            args.append(getattr(_States, f"t{kind}")(*flat[i:i + count]))
+            i += count
     return module._k3compile_block_forward(*args, **kwargs)
 
 
@@ -162,18 +174,39 @@ def _region_class(cls: type) -> type:
 
     def forward(self, *args, **kwargs):
         spec, flat = _flat_args(args)
-        return region(self, spec, *flat, **kwargs)
+        return region(self, _spec_text(spec), *flat, **kwargs)
     return type(cls.__name__, (cls,), {"forward": forward, "_k3compile_block_forward": cls.forward, **attrs})
 
 
 MIX = "attn_res_mix"   # a layer's AttnRes mix (model/modeling.py: KimiDecoderLayer), a region of its own
 
 
+_MIXES: list = []   # the mix functions of the layer classes marked, by index (``_mix_body``'s ``which``)
+
+
+def _mix_body(which: int, n: int, prefix, *rest):
+    """A mix region's body: the layer class's own mix on its ``n`` sources, passed flat (see ``_spec_text``)."""
+    return _MIXES[which](prefix, list(rest[:n]), *rest[n:])
+
+
 @functools.cache
 def _mix_class(cls: type) -> type:
-    """``cls`` (a layer) whose ``attn_res_mix`` runs as a nested compile region: one body per number of sources."""
-    region = torch.compiler.nested_compile_region(getattr(cls, MIX), **_reuse_options())
-    return type(cls.__name__, (cls,), {MIX: staticmethod(region), REGION_OF: cls, "__module__": cls.__module__,
+    """``cls`` (a layer) whose ``attn_res_mix(prefix, blocks, *rest)`` runs as a nested compile region: one body per
+    number of sources. Where Dynamo reuses bodies, the sources go in flat (the body's code copied per class, as for
+    the blocks)."""
+    mix = getattr(cls, MIX)
+    if _reuse_options():
+        _MIXES.append(mix)
+        which = len(_MIXES) - 1
+        code = _mix_body.__code__.replace(co_name=f"{cls.__name__}_{MIX}")
+        region = torch.compiler.nested_compile_region(
+            types.FunctionType(code, _mix_body.__globals__, code.co_name), **_reuse_options())
+
+        def mix(prefix, blocks, *rest):
+            return region(which, len(blocks), prefix, *blocks, *rest)
+    else:
+        mix = torch.compiler.nested_compile_region(mix)
+    return type(cls.__name__, (cls,), {MIX: staticmethod(mix), REGION_OF: cls, "__module__": cls.__module__,
                                        "__qualname__": cls.__qualname__})
 
 
