@@ -63,6 +63,26 @@ def is_rocm() -> bool:
     return torch.version.hip is not None
 
 
+@functools.cache
+def sm90_nvidia(device: torch.device) -> bool:
+    """TMA and programmatic dependent launch: an NVIDIA GPU of compute capability 9.0 or newer."""
+    return device.type == "cuda" and not is_rocm() and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@functools.cache
+def _triton_has_gdc() -> bool:
+    try:   # grid dependency control (PDL), Triton >= 3.4; imported only where a Triton launch asks
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def triton_pdl_capable(device: torch.device) -> bool:
+    """Programmatic dependent launch of a Triton kernel: an sm_90+ NVIDIA GPU and a Triton that has it."""
+    return sm90_nvidia(device) and _triton_has_gdc()
+
+
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA/ROCm device (what kernels size their grids by); 0 elsewhere."""
     return _sm_count(device.index or 0) if device.type == "cuda" else 0

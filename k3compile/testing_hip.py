@@ -157,6 +157,7 @@ def simulated_rocm(props: Optional[dict] = None) -> Iterator[_Recorder]:
             setattr(torch, n, _factory(saved_factories[n]))
         torch.version.hip = "6.4.0-sim"
         backends.is_rocm.cache_clear()
+        backends.sm90_nvidia.cache_clear()
         triton_driver.set_active(HipDriver())
         JITFunction._do_compile = record
         yield rec
@@ -165,6 +166,7 @@ def simulated_rocm(props: Optional[dict] = None) -> Iterator[_Recorder]:
         triton_driver.reset_active() if triton_driver._default is not None else setattr(triton_driver, "_active", None)
         torch.version.hip = saved_hip
         backends.is_rocm.cache_clear()
+        backends.sm90_nvidia.cache_clear()
         for n, f in saved_factories.items():
             setattr(torch, n, f)
         for n, f in saved_cuda.items():

@@ -33,7 +33,7 @@ import torch
 
 from k3compile import tables
 from k3compile.call_sites import stand_in
-from k3compile.backends import (Impl, OpImpls, Reason, cute_can_run_on, is_rocm, register_op_impls, sm_count,
+from k3compile.backends import (Impl, OpImpls, Reason, cute_can_run_on, register_op_impls, sm90_nvidia, sm_count,
                                 triton_can_run_on)
 from k3compile.kernel_module import KernelModule
 from k3compile.kernels.cute import compile as cute_kernels
@@ -64,12 +64,6 @@ def _cuda_table(index: int) -> Optional[tables.Table]:
 
 def table_of(device: torch.device) -> Optional[tables.Table]:
     return _cuda_table(device.index or 0) if device.type == "cuda" else None
-
-
-@functools.cache
-def sm90_nvidia(device: torch.device) -> bool:
-    """TMA and programmatic dependent launch: an NVIDIA GPU of compute capability 9.0 or newer."""
-    return device.type == "cuda" and not is_rocm() and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _dtype(dtype: torch.dtype) -> str:

@@ -11,7 +11,7 @@ try:  # grid dependency control (PDL), Triton >= 3.4
 except ImportError:  # pragma: no cover
     gdc_launch_dependents = gdc_wait = None
 
-from k3compile.backends import is_rocm
+from k3compile.backends import triton_pdl_capable
 
 
 @triton.jit
@@ -104,10 +104,7 @@ def _tail_epilogue(b_acc, b_ss, p_s, p_o, o_m, o_n, m_m, m_n, L, eps, s_sm, s_sn
     _tail_store(b_acc, b_ss, b_s, p_o, o_m, o_n, m_m, m_n, L, eps, s_om, s_on, PRENORM)
 
 
-def pdl_capable(device: torch.device) -> bool:
-    """Programmatic dependent launch: an NVIDIA GPU of compute capability 9.0+ and a Triton that has it."""
-    return (device.type == "cuda" and gdc_wait is not None and not is_rocm()
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+pdl_capable = triton_pdl_capable   # read through this module: tests simulate a GPU by replacing it
 
 
 def tma_capable(device: torch.device) -> bool:

@@ -45,7 +45,7 @@ try:  # grid dependency control (PDL), Triton >= 3.4
 except ImportError:  # pragma: no cover
     gdc_launch_dependents = gdc_wait = None
 
-from k3compile.backends import is_rocm, local_memory_budget, sm_count, triton_interpret
+from k3compile.backends import is_rocm, local_memory_budget, sm_count, triton_interpret, triton_pdl_capable
 
 from .config import TritonConfig, default_config, fit_local_memory, row_block, split_count
 from .triton_tiles import (  # noqa: F401  (the kernels' device helpers)
@@ -305,10 +305,7 @@ def _upcast(dtype: torch.dtype) -> bool:
     return dtype != torch.float32 and triton_interpret()
 
 
-def pdl_capable(device: torch.device) -> bool:
-    """Programmatic dependent launch: an NVIDIA GPU of compute capability 9.0+ and a Triton that has it."""
-    return (device.type == "cuda" and gdc_wait is not None and not is_rocm()
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+pdl_capable = triton_pdl_capable   # read through this module: tests simulate a GPU by replacing it
 
 
 def _launch(pdl: bool) -> dict:

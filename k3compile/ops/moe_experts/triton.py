@@ -65,7 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3compile.backends import Reason, is_rocm
+from k3compile.backends import Reason, is_rocm, triton_pdl_capable
 from k3compile.ops.arrival_counters import arrival_counters
 
 from .config import MoeConfig, decode_form, default_config, table, tuned_config  # noqa: F401
@@ -77,10 +77,7 @@ from .triton_token import _down_token_kernel
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def pdl_capable(device: torch.device) -> bool:
-    """Programmatic dependent launch: an NVIDIA GPU of compute capability 9.0+ and a Triton that has it."""
-    return (device.type == "cuda" and gdc_wait is not None and not is_rocm()
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+pdl_capable = triton_pdl_capable   # read through this module: tests simulate a GPU by replacing it
 
 
 # --- kernels ----------------------------------------------------------------------------------------------

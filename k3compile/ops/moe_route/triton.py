@@ -15,7 +15,7 @@ try:  # grid dependency control (PDL), Triton >= 3.4
 except ImportError:  # pragma: no cover
     gdc_launch_dependents = gdc_wait = None
 
-from k3compile.backends import is_rocm
+from k3compile.backends import triton_pdl_capable
 
 HAS_TOPK = hasattr(tl, "topk")   # Triton's bitonic top-k
 
@@ -83,8 +83,7 @@ def moe_route_triton(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renor
         return weights, experts
     block_e = triton.next_power_of_2(e)
     block_k = min(block_e, max(2, triton.next_power_of_2(top_k)))   # tl.topk cannot reduce a row to one element
-    pdl = pdl and gdc_wait is not None and logits.device.type == "cuda" and not is_rocm() and \
-        torch.cuda.get_device_capability(logits.device)[0] >= 9
+    pdl = pdl and triton_pdl_capable(logits.device)
     _moe_route_kernel[(m,)](
         logits, bias, weights, experts, logits.stride(0), e,
         0.0 if renorm_eps is None else float(renorm_eps), float(scaling),

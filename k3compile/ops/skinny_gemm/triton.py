@@ -24,7 +24,6 @@ Runs on CUDA/ROCm tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (test
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Optional
 
 import torch
@@ -36,7 +35,7 @@ try:  # grid dependency control (PDL), Triton >= 3.4
 except ImportError:  # pragma: no cover
     gdc_launch_dependents = gdc_wait = None
 
-from k3compile.backends import is_rocm, local_memory_budget, sm_count
+from k3compile.backends import is_rocm, local_memory_budget, sm90_nvidia, sm_count
 from k3compile.ops.arrival_counters import PARTIAL_EMPTY as _EMPTY_WORD, arrival_counters, partial_slots
 
 from . import triton_config
@@ -283,16 +282,10 @@ def _split_k_reduce_kernel(
              b_acc.to(out_ptr.dtype.element_ty), mask=m_out)
 
 
-@functools.cache
-def _sm90_cuda(device: torch.device) -> bool:
-    """An NVIDIA GPU of compute capability 9.0 or newer (TMA, programmatic dependent launch)."""
-    return device.type == "cuda" and not is_rocm() and torch.cuda.get_device_capability(device)[0] >= 9
-
-
 def _descriptor(t: torch.Tensor, rows: int, cols: int):
     """A TMA descriptor of the 2-D ``t`` in [rows, cols] tiles, or None where TMA cannot read it (not an
     sm_90+ CUDA device, columns not unit-stride, a row stride or base not 16-byte aligned)."""
-    if not _sm90_cuda(t.device):
+    if not sm90_nvidia(t.device):
         return None
     if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
         return None
@@ -368,7 +361,7 @@ def skinny_gemm_triton(
         tuning["num_stages"] = config.num_stages
     w_desc = _descriptor(w, config.block_n, config.block_k) if config.tma else None
     a_desc = _descriptor(a, config.block_m, config.block_k) if w_desc is not None and config.a_tma else None
-    pdl = config.pdl and _sm90_cuda(a.device) and gdc_wait is not None
+    pdl = config.pdl and sm90_nvidia(a.device) and gdc_wait is not None
     if pdl:
         tuning["launch_pdl"] = True
     with torch.cuda.device(a.device) if a.device.type == "cuda" else contextlib.nullcontext():
