@@ -31,11 +31,11 @@ step skinny       ${T_SKINNY:-300} python3 benchmarks/skinny_gemm.py --json "$OU
                                   --png "$OUT/skinny_gemm_h200.png"
 step decode_tp1   ${T_DECODE:-120} python3 benchmarks/tp_decode.py --world-size 1 --backend nccl --config slice \
                                   --batch 1,16 --steps 3 --json "$OUT/decode_tp1.json"
-# the routed experts with MXFP4 weights: the op (CuTe kernels at M <= 16) against the Triton kernels, then the CuTe
-# kernels' work divisions alone (their picks live in k3compile/ops/moe_experts/cute.py)
 # the CuTe MoE kernels' GPU tests alone (a fresh machine builds every kernel: the whole gpu_tests step takes > 200 s)
 step moe_cute_tests ${T_MOE_CUTE_TESTS:-150} python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
                                   tests/ops/test_moe_experts_cute.py
+# the routed experts with MXFP4 weights: the op (CuTe kernels at M <= 16) against the Triton kernels, then the CuTe
+# kernels' work divisions alone (their picks live in k3compile/ops/moe_experts/cute.py)
 step moe_cute     ${T_MOE_CUTE:-240} python3 benchmarks/moe_experts.py --m 1 2 4 8 12 16 --tp 8 16 --formats mxfp4 \
                                   --compile-m 1 8 --kernels-m 1 8 --skewed-m 8 --json "$OUT/moe_experts_mxfp4_cute_h200.json"
 step moe_cute_tune ${T_MOE_CUTE_TUNE:-150} python3 benchmarks/tune_moe_experts_cute.py 384

@@ -56,7 +56,7 @@ def sweep_configs(m: int, sms: int) -> list:
     return list(dict.fromkeys(out))
 
 
-def sweep(ms, ws, ceil) -> list:
+def sweep(ms, ws) -> list:
     """``--sweep``: the chain (multiply, product, routing) per config and routing launch, µs a step."""
     from k3compile.backends import sm_count
     from k3compile.ops.moe_route.triton import moe_route_triton
@@ -106,7 +106,7 @@ def main():
     ws = [(torch.randn(N, K, device="cuda") / K ** 0.5).bfloat16() for _ in range(ROTATE_BYTES // (N * K * 2))]
     ceil = copy_ceiling_tbps()
     if args.sweep:
-        rows = sweep([int(v) for v in args.ms.split(",")], ws, ceil)
+        rows = sweep([int(v) for v in args.ms.split(",")], ws)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, sweep=rows), f, indent=1)
