@@ -5,7 +5,7 @@
 K3 rank widths (E 896, top-16, L 3584), M 1, 8 and 16, random routing; each row first checked against the fp32 reference
 (its relative error printed), then timed as 40 calls on 40 different routings in one CUDA graph (the experts stream
 from HBM, not L2), the best of 5 replays, µs a call. The picks live in ``cute.py`` (``gate_up_config``,
-``DOWN_CONFIG``); ``docs/tuning/moe_experts.md`` has the runs (8, 10 and 12; 13 lists what this one adds).
+``down_config``); ``docs/tuning/moe_experts.md`` has the runs (8, 10, 12 and 13).
 """
 import sys
 from pathlib import Path
@@ -40,7 +40,8 @@ GU = [cute.Mxfp4MmaConfig(4, 1, 2), cute.Mxfp4MmaConfig(2, 1, 2), cute.Mxfp4MmaC
       cute.Mxfp4MmaConfig(2, 1, 1, scan_unrolled=True)]
 DN = [cute.Mxfp4DownConfig(4, 1, 2), cute.Mxfp4DownConfig(4, 2, 2), cute.Mxfp4DownConfig(4, 1, 1),
       cute.Mxfp4DownConfig(8, 1, 1), cute.Mxfp4DownConfig(4, 1, 2, scan_unrolled=True)]
-PICKS = (cute.GATE_UP_CONFIG, cute.GATE_UP_CONFIG_MANY, cute.GATE_UP_CONFIG_TWO_BLOCKS, cute.DOWN_CONFIG)
+PICKS = (cute.GATE_UP_CONFIG, cute.GATE_UP_CONFIG_MANY, cute.GATE_UP_CONFIG_TWO_BLOCKS, cute.DOWN_CONFIG,
+         cute.DOWN_CONFIG_MANY)
 for m in (1, 8, 16):
     R = 40
     zs = [torch.randn(m, L, device=dev).to(torch.bfloat16) for _ in range(R)]
@@ -52,7 +53,7 @@ for m in (1, 8, 16):
             if which == "gate_up":
                 cute.GATE_UP_CONFIG = cute.GATE_UP_CONFIG_MANY = cute.GATE_UP_CONFIG_TWO_BLOCKS = cfg
             else:
-                cute.DOWN_CONFIG = cfg
+                cute.DOWN_CONFIG = cute.DOWN_CONFIG_MANY = cfg
             try:
                 out = cute.moe_experts_cute(zs[0], ids[0], wts[0], w1, w3, w2, s1, s3, s2, *BET)
                 err = rel_err(out, ref)
@@ -77,4 +78,5 @@ for m in (1, 8, 16):
                 print(f"I{I} M{m} {which:8s} {cfg.tag():10s} {best:7.1f} us  err {err:.1e}", flush=True)
             except Exception as ex:
                 print(f"I{I} M{m} {which:8s} {cfg.tag():10s} FAILED {type(ex).__name__}: {str(ex)[:200]}", flush=True)
-        cute.GATE_UP_CONFIG, cute.GATE_UP_CONFIG_MANY, cute.GATE_UP_CONFIG_TWO_BLOCKS, cute.DOWN_CONFIG = PICKS
+        (cute.GATE_UP_CONFIG, cute.GATE_UP_CONFIG_MANY, cute.GATE_UP_CONFIG_TWO_BLOCKS, cute.DOWN_CONFIG,
+         cute.DOWN_CONFIG_MANY) = PICKS

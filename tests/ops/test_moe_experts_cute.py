@@ -150,18 +150,20 @@ def test_gpu_matches_reference(m, a, e, i, l, routing, big):
 
 @pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="CuTe DSL (nvidia-cutlass-dsl) not installed")
 @pytest.mark.parametrize("m", [1, 8, 16], ids=lambda m: f"M{m}")
-def test_picks_and_unrolled_scans_build_for_sm90a_without_gpu(monkeypatch, m):
-    """Each pick, and each with its id scan unrolled, compiles for sm_90a (what the GPU tests cannot show on a host
-    without one: a DSL error in a variant no pick takes yet)."""
+def test_picks_and_other_scans_build_for_sm90a_without_gpu(monkeypatch, m):
+    """Each pick, and each with its id scan the other way (unrolled or looped), compiles for sm_90a (what the GPU
+    tests cannot show on a host without one: a DSL error in a variant no pick takes yet)."""
     if torch.cuda.is_available():
         pytest.skip("GPU present: the GPU tests compile for the real device")
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
-    unrolled = dataclasses.replace(cute.gate_up_config(m), scan_unrolled=True)
-    for key in (cute.variant("gate_up", m, 16, cute.gate_up_config(m), 4.0, 25.0, torch.int64),
-                cute.variant("gate_up", m, 16, unrolled, 4.0, 25.0, torch.int32),
-                cute.variant("down", m, 16, cute.DOWN_CONFIG, None, None, torch.int64, cute.down_steps(384)),
-                cute.variant("down", m, 16, dataclasses.replace(cute.DOWN_CONFIG, scan_unrolled=True), None, None,
-                             torch.int64, cute.down_steps(384))):
+    up, down = cute.gate_up_config(m), cute.down_config(m)
+    steps = cute.down_steps(384)
+    for key in (cute.variant("gate_up", m, 16, up, 4.0, 25.0, torch.int64),
+                cute.variant("gate_up", m, 16, dataclasses.replace(up, scan_unrolled=not up.scan_unrolled), 4.0,
+                             25.0, torch.int32),
+                cute.variant("down", m, 16, down, None, None, torch.int64, steps),
+                cute.variant("down", m, 16, dataclasses.replace(down, scan_unrolled=not down.scan_unrolled), None,
+                             None, torch.int64, steps)):
         assert cute.build(key) is not None, cute.variant_name(key)
 
 
@@ -180,13 +182,16 @@ def test_gpu_drawn_shapes_match_reference(m, a, e, i, l, routing, big, ids32, se
     or looped, in both products); the output NaN-poisoned."""
     if not _cute_ready():
         pytest.skip("needs sm_90+ and CuTe DSL")
-    picks = cute.GATE_UP_CONFIG, cute.GATE_UP_CONFIG_MANY, cute.GATE_UP_CONFIG_TWO_BLOCKS, cute.DOWN_CONFIG
+    picks = (cute.GATE_UP_CONFIG, cute.GATE_UP_CONFIG_MANY, cute.GATE_UP_CONFIG_TWO_BLOCKS, cute.DOWN_CONFIG,
+             cute.DOWN_CONFIG_MANY)
     cute.GATE_UP_CONFIG = cute.GATE_UP_CONFIG_MANY = cute.GATE_UP_CONFIG_TWO_BLOCKS = gate_up
-    cute.DOWN_CONFIG = dataclasses.replace(cute.DOWN_CONFIG, scan_unrolled=down_scan_unrolled)
+    cute.DOWN_CONFIG = cute.DOWN_CONFIG_MANY = dataclasses.replace(cute.DOWN_CONFIG,
+                                                                   scan_unrolled=down_scan_unrolled)
     try:
         _drawn_case(m, a, e, i, l, routing, big, ids32, seed)
     finally:
-        cute.GATE_UP_CONFIG, cute.GATE_UP_CONFIG_MANY, cute.GATE_UP_CONFIG_TWO_BLOCKS, cute.DOWN_CONFIG = picks
+        (cute.GATE_UP_CONFIG, cute.GATE_UP_CONFIG_MANY, cute.GATE_UP_CONFIG_TWO_BLOCKS, cute.DOWN_CONFIG,
+         cute.DOWN_CONFIG_MANY) = picks
 
 
 def _drawn_case(m, a, e, i, l, routing, big, ids32, seed):
@@ -296,6 +301,7 @@ def test_plan_names_the_kernels_the_first_call_builds(monkeypatch):
             builds = dispatch.kernels(z, experts, weights, w1, w3, w2, s1, s3, s2, *K3_BETAS)
             want = cute.kernels(z, experts, w1, *K3_BETAS, big=False)
             assert [(b.kind, b.key) for b in builds] == want
-            assert want[0][1][3] == cute.gate_up_config(m) and want[1][1][7] == 3
+            assert want[0][1][3] == cute.gate_up_config(m) and want[1][1][3] == cute.down_config(m)
+            assert want[1][1][7] == 3
     finally:
         MOE_EXPERTS.clear()

@@ -69,21 +69,28 @@ class Mxfp4DownConfig:
         return f"w{self.warps}r{self.row_groups}g{self.groups}" + ("s" if self.scan_unrolled else "")
 
 
-# Measured at K3 TP 8 on the H200 (docs/tuning/moe_experts.md runs 8, 10 and 12): gate/up's K = L (3584) over 4
+# Measured at K3 TP 8 on the H200 (docs/tuning/moe_experts.md runs 8, 10, 12 and 13): gate/up's K = L (3584) over 4
 # warps a block at M <= 2, the next chunk's loads issued before the current one converts (11.9 against 12.8 µs at
 # M 1); over 2 from M 4 (the blocks' prologue reads every pair's id: fewer, longer warps amortise it; 80.8 against
 # 101 µs at M 8), one step of loads in flight past M 8, where two blocks of 8 tokens need the registers for
-# occupancy (255.9 against 280.4 µs at M 16); down's K = I held whole, 128 rows a block
+# occupancy (255.9 against 280.4 µs at M 16); down's K = I held whole, 128 rows a block. From M 4 both scan the ids
+# in one round trip (1-2% at M 8 and 16, within noise at M 1, where the loop scans one round anyway)
 GATE_UP_CONFIG = Mxfp4MmaConfig(warps_k=4, row_groups=1, unroll=1, prefetch=True)
-GATE_UP_CONFIG_MANY = Mxfp4MmaConfig(warps_k=2, row_groups=1, unroll=2)
-GATE_UP_CONFIG_TWO_BLOCKS = Mxfp4MmaConfig(warps_k=2, row_groups=1, unroll=1)
+GATE_UP_CONFIG_MANY = Mxfp4MmaConfig(warps_k=2, row_groups=1, unroll=2, scan_unrolled=True)
+GATE_UP_CONFIG_TWO_BLOCKS = Mxfp4MmaConfig(warps_k=2, row_groups=1, unroll=1, scan_unrolled=True)
 DOWN_CONFIG = Mxfp4DownConfig(warps=4, row_groups=1, groups=2)
+DOWN_CONFIG_MANY = Mxfp4DownConfig(warps=4, row_groups=1, groups=2, scan_unrolled=True)
+FEW_TOKENS = 2   # M up to this runs the few-token picks
 
 
 def gate_up_config(m: int) -> Mxfp4MmaConfig:
-    if m <= 2:
+    if m <= FEW_TOKENS:
         return GATE_UP_CONFIG
     return GATE_UP_CONFIG_MANY if m <= 8 else GATE_UP_CONFIG_TWO_BLOCKS
+
+
+def down_config(m: int) -> Mxfp4DownConfig:
+    return DOWN_CONFIG if m <= FEW_TOKENS else DOWN_CONFIG_MANY
 
 
 def unavailable() -> Reason:
@@ -236,7 +243,7 @@ def kernels(z, experts, w1, beta, linear_beta, big: bool = True) -> list:
     m, a = experts.shape
     ids = _ids_dtype(experts)
     return [(KIND, variant("gate_up", m, a, gate_up_config(m), beta, linear_beta, ids, 0, big)),
-            (KIND, variant("down", m, a, DOWN_CONFIG, None, None, ids, down_steps(w1.shape[1]), big))]
+            (KIND, variant("down", m, a, down_config(m), None, None, ids, down_steps(w1.shape[1]), big))]
 
 
 def moe_experts_cute(z: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
