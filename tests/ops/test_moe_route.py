@@ -121,10 +121,11 @@ def test_empty_batch():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "plain"])
 @pytest.mark.parametrize("m", [1, 8, 64, 1000])
-def test_gpu_kernel_is_top_k_and_replays_in_a_graph(m):
+def test_gpu_kernel_is_top_k_and_replays_in_a_graph(m, pdl):
     """K3's router (E 896, top-16, renormalised) on the GPU: the top-k, the weights, and a CUDA graph replayed on
-    fresh logits with poisoned outputs."""
+    fresh logits with poisoned outputs; launched with PDL behind the kernel that writes the logits, and without."""
     logits, bias = (t.cuda() for t in inputs(m, 896, 0.1, m))
     weights, experts = run_poisoned(logits, bias, 16, 1e-20, 2.5)
     assert_is_top_k(logits, bias, 16, experts)
@@ -132,9 +133,12 @@ def test_gpu_kernel_is_top_k_and_replays_in_a_graph(m):
     torch.testing.assert_close(weights.sum(-1), ref_w.sum(-1))
     out = (torch.empty_like(weights), torch.empty_like(experts))
     graph = torch.cuda.CUDAGraph()
+    source = torch.empty_like(logits)
     with torch.cuda.graph(graph):
-        moe_route_triton(logits, bias, 16, 1e-20, 2.5, out=out)
-    logits.copy_(inputs(m, 896, 0.1, m + 1)[0])
+        logits.copy_(source)   # the logits' writer right ahead, as the router's product is in the step
+        moe_route_triton(logits, bias, 16, 1e-20, 2.5, out=out, pdl=pdl)
+    source.copy_(inputs(m, 896, 0.1, m + 1)[0])
+    logits.fill_(float("nan"))
     out[0].fill_(float("nan"))
     out[1].fill_(-1)
     graph.replay()

@@ -65,13 +65,13 @@ def _moe_route_kernel(logits_ptr, bias_ptr, weights_ptr, experts_ptr, stride_m, 
 
 def moe_route_triton(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renorm_eps: Optional[float],
                      scaling: float, out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                     sorting_network: bool = True, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     sorting_network: bool = True, pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's arguments (checked by the op) -> (weights [M, top_k] fp32, experts [M, top_k] int64), written into
     ``out`` when given (contiguous; tests pass poisoned ones). ``sorting_network``: Triton's bitonic ``tl.topk``
     (where it exists) rather than k rounds of a full-row max (with four warps a row 8% faster on the H200 at E 896,
     k 16, M 1-64: docs/tuning/moe_route.md). ``pdl``: launched with programmatic dependent launch where the GPU has it
-    (sm_90+ NVIDIA), so that its launch overlaps the router's product; off until measured (``benchmarks/
-    upcast_router.py --sweep``)."""
+    (sm_90+ NVIDIA), so that its launch overlaps the router's product (0.6-1.0 µs a layer in the decode step's chain
+    on the H200: docs/tuning/moe_route.md run 3)."""
     m, e = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
