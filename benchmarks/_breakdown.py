@@ -34,6 +34,7 @@ COLLECTIVE = re.compile(r"nccl|c10d|all_?reduce|all_?gather|reduce_?scatter|broa
 GEMM_OP = re.compile(r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear|_scaled_mm|addmv|mv)$")
 GEMM_KERNEL = re.compile(r"gemm|gemv|nvjet|cutlass|xmma|cublas|splitKreduce|wgmma", re.I)
 INDUCTOR_KERNEL = ("triton_", "cpp_", "graph_")
+COPIES = ("Memcpy", "Memset")   # the profiler's names of device copies and fills
 FX_GEMM = re.compile(r"^aten\.(mm|addmm|bmm|baddbmm|_scaled_mm)\b")
 K3_OPS = {"kda_decode": "KDA", "kda_prefill": "KDA", "mla_decode": "MLA", "moe_experts": "experts",
           "moe_route": "router", "all_reduce_": "collectives", "latent_moe_tail": "dense GEMMs",
@@ -250,6 +251,22 @@ def device_kernels(events, on_device: bool):
     return out
 
 
+def _device_events(events) -> list:
+    """The profile's device events (kernels, copies, fills) in the order they start."""
+    cpu = torch.autograd.DeviceType.CPU
+    return sorted((e for e in events if e.device_type != cpu), key=lambda e: (e.time_range.start, e.time_range.end))
+
+
+def _exclusive_us(device) -> list:
+    """Each device event's µs counted from when the events before it had all ended (see ``device_timeline``)."""
+    out, busy_until = [], float("-inf")
+    for event in device:
+        start, end = event.time_range.start, event.time_range.end
+        out.append(max(0.0, end - max(start, busy_until)))
+        busy_until = max(busy_until, end)
+    return out
+
+
 def device_timeline(events) -> Optional[list]:
     """(kernel name, µs, launching op event) of the profile's device events in the order they start, each kernel's
     µs counted from when the kernels before it had all ended: a kernel launched early (PDL) that waits on its
@@ -258,16 +275,33 @@ def device_timeline(events) -> Optional[list]:
     than the step). None where no device event links to an op event (``linked_correlation_id``)."""
     cpu = torch.autograd.DeviceType.CPU
     ops = {e.id: e for e in events if e.device_type == cpu and not getattr(e, "linked_correlation_id", 0)}
-    device = sorted((e for e in events if e.device_type != cpu), key=lambda e: (e.time_range.start, e.time_range.end))
+    device = _device_events(events)
     launchers = [ops.get(getattr(e, "linked_correlation_id", 0)) for e in device]
     if not any(launcher is not None for launcher in launchers):
         return None
-    out, busy_until = [], float("-inf")
-    for event, launcher in zip(device, launchers):
-        start, end = event.time_range.start, event.time_range.end
-        out.append((event.name, max(0.0, end - max(start, busy_until)), launcher))
-        busy_until = max(busy_until, end)
-    return out
+    return [(e.name, us, launcher) for e, us, launcher in zip(device, _exclusive_us(device), launchers)]
+
+
+def graphed_timeline(launched, graph_events, replays: int) -> Optional[list]:
+    """``device_timeline``'s list for steps launched one by one (``launched``), timed instead by a profile of
+    ``replays`` replays of the same steps captured in one CUDA graph (``graph_events``): the graph runs the same
+    kernels in the same order, without the host's launch gaps, so each keeps its name and launcher from
+    ``launched`` and takes its exclusive µs from the replays (their mean). None where the replays' device events
+    are not ``replays`` copies of ``launched``'s sequence (a kernel the graph lacks or adds; then the un-graphed
+    figures stand)."""
+    device = _device_events(graph_events)
+    for keep in (lambda name: True, lambda name: not name.startswith(COPIES)):   # copies may not trace in graphs
+        steps = [k for k in launched if keep(k[0])]
+        replayed = [e for e in device if keep(e.name)]
+        if len(replayed) == replays * len(steps) and all(
+                e.name == steps[i % len(steps)][0] for i, e in enumerate(replayed)):
+            break
+    else:
+        return None
+    us = [0.0] * len(steps)
+    for i, t in enumerate(_exclusive_us(replayed)):
+        us[i % len(steps)] += t / replays
+    return [(name, t, launcher) for (name, _, launcher), t in zip(steps, us)]
 
 
 DTYPE_BYTES = {"c10::BFloat16": 2, "c10::Half": 2, "float": 4}
@@ -288,12 +322,18 @@ def skinny_gemm_weight(launcher) -> Optional[tuple[int, int, int]]:
 def breakdown(kernels, steps: int, step_us: float, origins: KernelOrigins, shapes: ShapeTable) -> dict:
     """Per step: µs by category (``gaps`` = ``step_us`` minus the kernels' sum, at least 0), the kernel count, the
     kernels that take most time (name, category, µs a step, launches a step), and the skinny GEMM's kernels by weight
-    shape (µs and launches a step, TB/s of the weight bytes over those µs: which products of the step stream slowly)."""
+    shape (µs and launches a step, TB/s of the weight bytes over those µs: which products of the step stream slowly),
+    and the first step's kernels in order (what each boundary between kernels costs)."""
     by_cat = defaultdict(float)
     per_kernel = defaultdict(lambda: [0.0, 0])               # (name, category) -> [µs, launches]
     per_weight = defaultdict(lambda: [0.0, 0])               # (category, N, K, bytes an element) -> [µs, launches]
-    for name, us, launcher in kernels:
+    sequence = []                                            # the first step's kernels in order
+    for i, (name, us, launcher) in enumerate(kernels):
         cat = categorize(name, launcher, origins, shapes)
+        if i < len(kernels) // max(steps, 1):
+            weight = skinny_gemm_weight(launcher)
+            sequence.append(dict(kernel=name[:80], category=cat, us=round(us, 3),
+                                 **({"weight": f"{weight[0]}x{weight[1]}"} if weight else {})))
         by_cat[cat] += us / steps
         entry = per_kernel[name, cat]
         entry[0] += us / steps
@@ -313,4 +353,5 @@ def breakdown(kernels, steps: int, step_us: float, origins: KernelOrigins, shape
                      for (k, c), (us, n) in top],
                 skinny_gemms=[dict(weight=f"{n}x{k}", category=c, us=round(us, 3), launches=count / steps,
                                    tbps=round(count / steps * n * k * size / us / 1e6, 3) if us > 0 else None)
-                              for (c, n, k, size), (us, count) in gemms])
+                              for (c, n, k, size), (us, count) in gemms],
+                sequence=sequence)

@@ -39,7 +39,9 @@ valid prefix, random KDA states; allocated for ``context + --steps`` positions).
   new rows (written); each KDA state read and written; the logits written. Averaged over the steps;
 - ``% floor`` = floor / us, tokens per second = M / us;
 - ``kernels`` per step and a breakdown by category (``_breakdown.py``) from a ``torch.profiler`` run of
-  ``--profile-steps`` steps outside the graph (the same kernels; gaps = the graph time minus the kernels' time).
+  ``--profile-steps`` steps outside the graph (each kernel's name and launcher), timed by a profile of replays of
+  the same steps in one CUDA graph where its kernels are the same (``breakdown.timed_in_graph`` in the JSON; gaps =
+  the graph time minus the kernels' time: the device's idle time in the step).
 
 Prints a table, writes ``--json`` after every point (a run stopped by a time limit keeps what it measured) and a
 stacked-bar SVG (``--plot``); exits 1 when a check fails. Points whose cache does not fit are reported and skipped.
@@ -67,11 +69,22 @@ import torch  # noqa: E402
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from _breakdown import CATEGORIES, KernelOrigins, ShapeTable, breakdown, device_kernels  # noqa: E402
+from _breakdown import CATEGORIES, KernelOrigins, ShapeTable, breakdown, device_kernels, graphed_timeline  # noqa: E402
 from _common import LOGITS_TOLERANCE, compare_logits, decode_call  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PROVIDERS = ("eager", "compile", "max-autotune", "optimize")
+
+
+def _option(text: str) -> tuple:
+    """``KEY=VALUE`` -> (key, the value as a Python literal, else the text)."""
+    import ast
+
+    key, _, value = text.partition("=")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
 
 
 def _ints(text: str) -> list[int]:
@@ -92,6 +105,8 @@ def parse_args(argv=None):
                    help=f"comma-separated, from {','.join(PROVIDERS)} (max-autotune compiles for many minutes)")
     p.add_argument("--reference", default="compile", choices=PROVIDERS, help="whose logits the others must match "
                                                                              "(compiled even when not timed)")
+    p.add_argument("--optimize-option", type=_option, action="append", default=[], metavar="KEY=VALUE",
+                   help="an Inductor option for optimize()'s compiles only, e.g. triton.cooperative_reductions=True")
     p.add_argument("--k3-backend", default=None, help="optimize(backend=) (default auto; reference with --dry-run)")
     p.add_argument("--steps", type=int, default=8, help="teacher-forced steps (also the steps of one CUDA graph)")
     p.add_argument("--replays", type=int, default=20)
@@ -209,6 +224,7 @@ def make_provider(name: str, base, args, options: dict):
     else:
         import k3compile
 
+        kw["options"].update(args.optimize_option)
         k3compile.optimize(model, backend=args.k3_backend, **kw)
     return model
 
@@ -317,8 +333,11 @@ def time_step(model, columns, cache, context: int, replays: int) -> tuple[float,
         return statistics.median(times) / len(columns), False, "cpu"
 
 
-def profile_kernels(model, columns, cache, context: int, steps: int, eager: bool):
-    """The kernels of ``steps`` un-graphed steps (``_breakdown.device_kernels``)."""
+def profile_kernels(model, columns, cache, context: int, steps: int, eager: bool, graph_replays: int = 5):
+    """(kernels, whether timed in a CUDA graph): the kernels of ``steps`` un-graphed steps
+    (``_breakdown.device_kernels``: names and launchers), on a GPU timed by ``graph_replays`` replays of the same
+    steps captured in one CUDA graph (``_breakdown.graphed_timeline``; un-graphed, the host's launches stretch and
+    overlap kernels differently from the timed step), where the capture works and runs the same kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     on_device = cache.pos.is_cuda
@@ -329,7 +348,26 @@ def profile_kernels(model, columns, cache, context: int, steps: int, eager: bool
             decode_call(model, c, cache)
         if on_device:
             torch.cuda.synchronize()
-    return device_kernels(prof.events(), on_device)
+    kernels = device_kernels(prof.events(), on_device)
+    if not (on_device and graph_replays):
+        return kernels, False
+    try:
+        with torch.no_grad():
+            graph = torch.cuda.CUDAGraph()
+            cache.pos.fill_(context)
+            with torch.cuda.graph(graph):
+                for c in columns[:steps]:
+                    decode_call(model, c, cache)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(graph_replays):   # no rewind between (its fill would join the kernels): the cache
+                    graph.replay()               # holds the positions of every replay (the caller's bound)
+                torch.cuda.synchronize()
+        graphed = graphed_timeline(kernels, prof.events(), graph_replays)
+    except RuntimeError:
+        torch.cuda.synchronize()
+        graphed = None
+    return (graphed, True) if graphed is not None else (kernels, False)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -402,8 +440,10 @@ def run_point(M: int, context: int, base, models: dict, args, device, origins: K
         try:
             origins.categories = categories
             n = min(args.profile_steps, len(columns))
-            kernels = profile_kernels(model, columns, cache, context, n, eager=eager)
+            kernels, graphed = profile_kernels(model, columns, cache, context, n, eager=eager,
+                                               graph_replays=min(5, len(columns) // n))
             row["breakdown"] = breakdown(kernels, n, row["us"], origins, shapes)
+            row["breakdown"]["timed_in_graph"] = graphed
             row["kernels_per_step"] = row["breakdown"]["kernels_per_step"]
         except Exception as e:
             row["error"] = f"profile: {type(e).__name__}: {str(e)[:500]}"
@@ -439,7 +479,8 @@ def run_rank(rank: int, world: int, device, args, tp) -> dict:
     meta = dict(argv=sys.argv[1:], tp=tp.world, world_size=world, layers=text.num_hidden_layers,
                 experts=text.num_experts, experts_form=args.experts, dtype=args.dtype, k3_backend=args.k3_backend,
                 vocab=text.vocab_size, steps=args.steps, replays=args.replays, reference=args.reference,
-                weight_bytes=nbytes, copy_ceiling_tbps=ceiling, torch=torch.__version__,
+                weight_bytes=nbytes, copy_ceiling_tbps=ceiling, optimize_options=dict(args.optimize_option),
+                torch=torch.__version__,
                 device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)")
     rows, ok = [], True
     for context in args.context:
@@ -523,8 +564,8 @@ def table(rows: list) -> str:
                    f"{r['tokens_per_s']:8.0f} {r.get('kernels_per_step', 0):5.0f} "
                    + " ".join(f"{b.get(c, 0):9.1f}" for c in cats))
     out.append("us: one step under a CUDA graph; floor: its bytes at the copy ceiling; kern: kernels a step; "
-               "then us a step by category (torch.profiler, un-graphed, each kernel charged the time no earlier kernel "
-               "covered; gaps = graph time - kernel time)")
+               "then us a step by category (torch.profiler of the step's CUDA-graph replays, else of un-graphed steps; "
+               "each kernel charged the time no earlier kernel covered; gaps = graph time - kernel time)")
     return "\n".join(out)
 
 

@@ -143,6 +143,8 @@ def test_breakdown_gaps_fill_the_step():
     assert out["us"]["gaps"] == 3.0 and out["kernels_per_step"] == 2 and out["kernel_us"] == 7.0
     assert set(out["us"]) == set(bd.CATEGORIES)
     assert out["top"][0] == dict(kernel="k", category="KDA", us=5.0, launches=1.0)
+    assert out["sequence"] == [dict(kernel="ncclDevKernel_x", category="collectives", us=3.0),
+                               dict(kernel="k", category="KDA", us=5.0)]     # the first of the two steps
 
 
 def _profiled(name, id_=0, linked=0, start=0.0, end=0.0, device=True):
@@ -240,3 +242,17 @@ def test_dry_run_two_ranks_through_tp_decode_launch(tmp_path):
     assert result["ok"] and result["meta"]["world_size"] == 2
     (row,) = result["rows"]
     assert row["ranks_ok"] == [True, True] and row["us"] > 0
+
+
+def test_graphed_timeline_times_the_launched_kernels_by_the_graph_replays():
+    """Names and launchers from the un-graphed steps, exclusive µs from the replays (their mean); copies that a graph
+    profile does not show are dropped from both; a replay with another kernel sequence gives None."""
+    gemm, norm = _profiled("k3::skinny_gemm", id_=7, device=False), _profiled("triton_red_fused_0", id_=9, device=False)
+    launched = [("gemm", 9.0, gemm), ("Memset (Device)", 1.0, None), ("norm", 4.0, norm)]
+    replays = [_profiled("gemm", start=0.0, end=5.0), _profiled("norm", start=4.0, end=6.0),     # PDL overlap
+               _profiled("gemm", start=10.0, end=17.0), _profiled("norm", start=18.0, end=19.0)]  # idle 17-18
+    out = bd.graphed_timeline(launched, replays, 2)
+    assert [(n, us) for n, us, _ in out] == [("gemm", 6.0), ("norm", 1.0)]
+    assert [launcher for _, _, launcher in out] == [gemm, norm]
+    assert bd.graphed_timeline(launched, replays[:3], 2) is None
+    assert bd.graphed_timeline(launched, replays[:3] + [_profiled("other", start=18.0, end=19.0)], 2) is None
