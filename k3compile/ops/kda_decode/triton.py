@@ -39,7 +39,12 @@ import torch
 import triton
 import triton.language as tl
 
-from k3compile.backends import is_rocm, sm_count
+try:  # grid dependency control (PDL), Triton >= 3.4
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover
+    gdc_launch_dependents = gdc_wait = None
+
+from k3compile.backends import is_rocm, sm_count, triton_pdl_capable
 from k3compile.ops.arrival_counters import arrival_counters
 
 from .triton_config import KernelConfig, default_config
@@ -337,6 +342,7 @@ def kda_decode_kernel(
     NSPLIT: tl.constexpr, NT: tl.constexpr, BNT: tl.constexpr, BS: tl.constexpr, DEPTH: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr,
     PERSISTENT: tl.constexpr, LOAD_CG: tl.constexpr, STORE_CS: tl.constexpr, STAGES: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid (P, NSPLIT) over the n_heads = B·H (batch row, q/k head) pairs, G = HV / H value heads each.
     P == n_heads: one head per program. PERSISTENT: program p walks heads p, p + P, ... as one tile stream.
@@ -344,7 +350,12 @@ def kda_decode_kernel(
     G·NT) tile loads ahead in registers, or (STAGES > 0, not PERSISTENT) in a loop pipelined through shared
     memory. BVH = next_pow2(V) (the whole head, for the norm), BS = next_pow2(NSPLIT).
     o_part [B, HV, V] fp32 and ss_part [B, HV, NSPLIT] fp32 are scratch; tickets [B, H] int32 is all
-    zero on entry and left all zero (used when NSPLIT > 1)."""
+    zero on entry and left all zero (used when NSPLIT > 1).
+    PDL: launched before the products that make q/k/v finish; nothing is read before the wait, and the next
+    kernel (the output projection) may launch right after it, to pull its weight while the states stream."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     i_s = tl.program_id(1)
     o_k = tl.arange(0, BK)
@@ -388,10 +399,13 @@ def kda_decode_triton(
     f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: Optional[float],
     beta_logits: torch.Tensor, out_gate: torch.Tensor, o_norm_weight: torch.Tensor,
     state: torch.Tensor, eps: float, num_warps: Optional[int] = None, out: Optional[torch.Tensor] = None,
-    config: Optional[KernelConfig] = None,
+    config: Optional[KernelConfig] = None, pdl: bool = True,
 ) -> torch.Tensor:
     """Launch the kernel; ``out`` (``[B, HV*V]``, v's dtype, row-contiguous) lets tests poison the output.
-    ``config`` overrides the measured layout (``num_warps`` alone overrides its warps)."""
+    ``config`` overrides the measured layout (``num_warps`` alone overrides its warps). ``pdl``: launched with
+    programmatic dependent launch where the GPU has it (sm_90+ NVIDIA): in the decode step the output
+    projection behind it then streams its weight into L2 while this kernel runs (a projection that follows a
+    kernel without PDL took 7.9 µs at 7168 x 1536 against 5.2 for the weight at the copy ceiling)."""
     B, HV, V, K = state.shape
     H = q.shape[-1] // K
     W = conv_weight_q.shape[-1]
@@ -424,6 +438,9 @@ def kda_decode_triton(
             tickets = torch.zeros(B * H, dtype=torch.int32, device=v.device)
     # a register cap is NVIDIA's option (Triton's HIP backend rejects the keyword)
     options = {"maxnreg": cfg.max_registers} if cfg.max_registers and v.device.type == "cuda" and not is_rocm() else {}
+    pdl = pdl and triton_pdl_capable(v.device)
+    if pdl:
+        options["launch_pdl"] = True
     kda_decode_kernel[(programs, splits)](
         q, k, v, conv_state_q, conv_state_k, conv_state_v, conv_weight_q, conv_weight_k, conv_weight_v,
         f, A_log, dt_bias, beta_logits, out_gate, o_norm_weight, state, o, o_part, ss_part, tickets,
@@ -437,6 +454,6 @@ def kda_decode_triton(
         DEPTH=max(1, min(cfg.depth, 3, G * NT)),
         USE_LOWER_BOUND=lower_bound is not None, PERSISTENT=programs < n_heads,
         LOAD_CG=bool(cfg.cg_loads), STORE_CS=bool(cfg.stream_stores), STAGES=cfg.stages,
-        num_warps=cfg.num_warps, num_stages=max(1, cfg.stages), **options,
+        PDL=pdl, num_warps=cfg.num_warps, num_stages=max(1, cfg.stages), **options,
     )
     return o
