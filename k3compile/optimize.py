@@ -14,7 +14,7 @@ torch's own Inductor wrapper (mode, options and CUDA graphs behave exactly as wi
   interpreter) is compiled exactly as plain ``torch.compile`` compiles it, without our pass
   (``passes.stand_down_reason``): the ops' PyTorch references would only be slower than Inductor's code;
 - by default the CuTe kernels a graph calls are built by worker processes while it compiles (``precompile``);
-- ``inductor_pdl=True`` turns Inductor's own PDL codegen on for these compiles only (``inductor_pdl.py``).
+- ``inductor_pdl=True`` / ``"trigger"``: Inductor's own PDL codegen in these compiles only (``inductor_pdl.py``).
 
 Each graph's compilation is announced on the ``k3compile`` logger (INFO, shown on stderr unless the
 application configures logging; ``logging.getLogger("k3compile").setLevel(logging.WARNING)`` hides it).
@@ -27,8 +27,8 @@ import threading
 import time
 import warnings
 import weakref
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional, Union
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -293,7 +293,7 @@ def _skipped_by_dynamo(model: torch.nn.Module) -> bool:
 
 def optimize(model, *, backend: str = "auto", passes=None, strict: bool = False,
              small_m_limit: int = 16, regions: bool = False, precompile: Optional[bool] = None,
-             inductor_pdl: Optional[bool] = None, **torch_compile_kwargs):
+             inductor_pdl: Optional[Union[bool, str]] = None, **torch_compile_kwargs):
     """Compile ``model`` with Inductor and the k3 passes; returns the same (now compiled) module.
 
     backend: "auto" | "cute" | "triton" | "reference" -- which kernel implementation the k3 ops use.
@@ -314,8 +314,9 @@ def optimize(model, *, backend: str = "auto", passes=None, strict: bool = False,
         only loads them (``k3compile/precompile.py``). None (default): ``K3_PRECOMPILE`` ("1" / "0") where set, else
         on, except with ``regions=True``. Builds for graphs on an NVIDIA GPU with CuTe DSL.
     inductor_pdl: True: Inductor's own kernels launch with PDL in these compiles only (``triton.enable_pdl``; CUDA
-        sm_90+). None (default): ``K3_INDUCTOR_PDL`` ("1" / "0") where set, else off: Inductor's codegen races after
-        a kernel that loads nothing (``inductor_pdl.py``). ``options={"triton.enable_pdl": ...}`` wins over both.
+        sm_90+); "trigger": they let the k3 kernel after them start early, launched without PDL themselves (no race;
+        unmeasured). None (default): ``K3_INDUCTOR_PDL`` ("1" / "trigger" / "0"), else off: Inductor's codegen races
+        after a kernel that loads nothing (``inductor_pdl.py``). ``options={"triton.enable_pdl": ...}`` wins.
     torch_compile_kwargs: as ``torch.compile`` (mode, dynamic, fullgraph, options, ...). A
         ``post_grad_custom_post_pass`` given in ``options`` or installed in Inductor's config runs
         after ours.
@@ -343,7 +344,8 @@ def optimize(model, *, backend: str = "auto", passes=None, strict: bool = False,
     _check_backend(options, model, strict)
     inductor_options = dict(torch_compile_kwargs.pop("options", None) or {})
     plain_options = dict(inductor_options)
-    pdl = inductor_pdl_option(inductor_pdl, inductor_options)   # this model's compiles only
+    pdl, trigger_only = inductor_pdl_option(inductor_pdl, inductor_options)   # this model's compiles only
+    options = replace(options, inductor_trigger=trigger_only)
     mode = torch_compile_kwargs.pop("mode", None)
     chained = inductor_options.pop("post_grad_custom_post_pass", None)
     if chained is None:

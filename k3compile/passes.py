@@ -38,7 +38,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from .backends import check_backend, triton_importable, triton_interpret
 from .call_sites import call_sites
-from .inductor_pdl import on as inductor_pdl_on
+from .inductor_pdl import note_graph as note_inductor_graph, on as inductor_pdl_on, \
+    set_trigger_only as set_inductor_trigger_only
 from .precompile import found as precompile_found
 from .regions import calls as region_calls
 from .static_weights import enabled as static_weights_enabled
@@ -53,6 +54,7 @@ class K3Options:
     backend: str = "auto"                       # auto | cute | triton | reference
     passes: tuple[str, ...] = ()                # enabled pass names; () = all of patterns.PASS_ORDER
     small_m_limit: int = 16                     # skinny GEMM / fused tails only up to this many rows
+    inductor_trigger: bool = False              # Inductor's kernels trigger, launched without PDL (inductor_pdl.py)
 
     def __post_init__(self):
         check_backend(self.backend)
@@ -246,6 +248,7 @@ class K3PostGradPass(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         from k3compile.patterns._common import search_traces_reused
 
+        set_inductor_trigger_only(self.options.inductor_trigger)   # read by this graph's proof and Triton codegen
         with search_traces_reused():   # a search is traced once per distinct static shapes of this graph's matches
             self._rewrite(graph)
 
@@ -288,7 +291,8 @@ class K3PostGradPass(CustomGraphPass):
         h.update(get_hash_for_files(_source_files()))
         h.update(repr(dataclasses.astuple(self.options)).encode())
         # the proof reads both; Inductor calls this inside its config patch (optimize() keys its records likewise)
-        h.update(f"static_weight={static_weights_enabled()} inductor_pdl={inductor_pdl_on()}".encode())
+        h.update(f"static_weight={static_weights_enabled()} "
+                 f"inductor_pdl={inductor_pdl_on(self.options.inductor_trigger)}".encode())
         if self.chained is not None:
             other = self.chained.uuid() if hasattr(self.chained, "uuid") else None
             if other is None:

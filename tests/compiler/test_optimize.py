@@ -216,6 +216,26 @@ def test_inductor_pdl_is_opt_in(monkeypatch):
     assert "triton.enable_pdl" not in state_of(kept).compiler.config
 
 
+def test_inductor_pdl_trigger_keeps_the_codegen_and_plain_launches(monkeypatch):
+    """inductor_pdl="trigger" (or K3_INDUCTOR_PDL=trigger): Inductor's PDL codegen on in our compiles, our pass
+    option says its kernels launch without PDL, and the proof reads Inductor's PDL as off for them."""
+    from k3compile import inductor_pdl
+
+    if not hasattr(torch._inductor.config.triton, "enable_pdl"):
+        pytest.skip("this torch's Inductor has no PDL codegen")
+    monkeypatch.delenv("K3_INDUCTOR_PDL", raising=False)
+    state = state_of(k3compile.optimize(Decoder(), inductor_pdl="trigger"))
+    assert state.compiler.config["triton.enable_pdl"] is True and state.options.inductor_trigger
+    assert "launched without PDL" in state.inductor_pdl
+    monkeypatch.setenv("K3_INDUCTOR_PDL", "trigger")
+    assert state_of(k3compile.optimize(Decoder())).options.inductor_trigger
+    with pytest.raises(ValueError, match="inductor_pdl"):
+        k3compile.optimize(Decoder(), inductor_pdl="sometimes")
+    with torch._inductor.config.patch({"triton.enable_pdl": True}):
+        assert inductor_pdl.on(trigger_only=False) and not inductor_pdl.on(trigger_only=True)
+        assert K3PostGradPass(K3Options(inductor_trigger=True)).uuid() != K3PostGradPass(K3Options()).uuid()
+
+
 def test_uuid_follows_inductor_pdl():
     """The static-weight proof reads the setting, so the pass's uuid (read within the compile's config) follows it."""
     pass_ = K3PostGradPass(K3Options())

@@ -55,16 +55,18 @@ def _reader(flags, seen, i, WAIT_FIRST: tl.constexpr):
     tl.store(seen + i, v)
 
 
-def _stale_reads(with_fill: bool, wait_first: bool) -> int:
-    """Of ``TRIALS`` reads of a flag the writer sets, those that saw it unset."""
+def _stale_reads(with_fill: bool, wait_first: bool, inductor_pdl: bool = True, reader_pdl: bool = True) -> int:
+    """Of ``TRIALS`` reads of a flag the writer sets, those that saw it unset. ``inductor_pdl``: the writer and the
+    fill (Inductor's kernels) launched with PDL, else launched plain, their waits no-ops and their triggers kept
+    (``inductor_pdl="trigger"``); ``reader_pdl``: the reader launched with PDL."""
     flags = torch.zeros(TRIALS, dtype=torch.int32, device="cuda")
     seen = torch.full((TRIALS,), -1, dtype=torch.int32, device="cuda")
     scratch = torch.empty(16, dtype=torch.int32, device="cuda")
     for i in range(TRIALS):
-        _writer[(1,)](flags, i, SPIN_NS=SPIN_US * 1000, launch_pdl=True)
+        _writer[(1,)](flags, i, SPIN_NS=SPIN_US * 1000, launch_pdl=inductor_pdl)
         if with_fill:
-            _fill[(1,)](scratch, launch_pdl=True)
-        _reader[(1,)](flags, seen, i, WAIT_FIRST=wait_first, launch_pdl=True)
+            _fill[(1,)](scratch, launch_pdl=inductor_pdl)
+        _reader[(1,)](flags, seen, i, WAIT_FIRST=wait_first, launch_pdl=reader_pdl)
     torch.cuda.synchronize()
     assert bool((seen >= 0).all())
     return int((seen == 0).sum())
@@ -91,3 +93,13 @@ def test_a_fill_lets_the_next_kernel_start_before_the_writer_completes(sm90):
     the reader sees the flag unset (64 of 64 on an H200). Should this fail, the fill holds the reader back on this
     GPU, and Inductor's PDL codegen (``inductor_pdl``, off by default for this race) may be safe here."""
     assert _stale_reads(with_fill=True, wait_first=False) > 0
+
+
+@pytest.mark.parametrize("with_fill", [False, True], ids=["writer", "writer-fill"])
+def test_trigger_only_inductor_kernels_keep_order(sm90, with_fill):
+    """``inductor_pdl="trigger"``: Inductor's kernels launched plain (their trigger kept). An Inductor kernel behind
+    them that reads before its wait (launched plain too) starts after they complete; a k3 kernel behind them
+    launched with PDL waits for them before it reads."""
+    assert _stale_reads(with_fill, wait_first=False, inductor_pdl=False, reader_pdl=False) == 0
+    assert _stale_reads(with_fill, wait_first=True, inductor_pdl=False, reader_pdl=True) == 0
+

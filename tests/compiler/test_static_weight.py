@@ -22,6 +22,7 @@ import pytest
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import k3compile
@@ -409,10 +410,10 @@ def test_inductor_pdl_codegen_orders_wait_before_launch():
     assert lines.index(TritonKernel.GDC_WAIT) < lines.index(TritonKernel.GDC_LAUNCH)
 
 
-def _inductor_pdl_kernels(fn, *args) -> dict[str, list[str]]:
-    """The Triton kernels Inductor writes for ``fn`` under its PDL codegen, each as its body's lines. On the CPU:
-    Inductor's Triton backend for CPU tensors, its CUDA sm_90 check bypassed; the code is taken as Inductor saves
-    it, and the compile stopped there (nothing runs)."""
+def _inductor_pdl_code(fn, *args, post_grad=None) -> str:
+    """The code Inductor writes for ``fn`` under its PDL codegen (``post_grad``: a pass run on its graph). On the
+    CPU: Inductor's Triton backend for CPU tensors, its CUDA sm_90 check bypassed; the code is taken as Inductor
+    saves it, and the compile stopped there (nothing runs)."""
     from torch._inductor.codegen.triton import TritonKernel
     from torch._inductor.graph import GraphLowering
 
@@ -429,15 +430,21 @@ def _inductor_pdl_kernels(fn, *args) -> dict[str, list[str]]:
     with mock.patch.object(GraphLowering, "save_output_code", staticmethod(save)), \
             mock.patch.object(TritonKernel, "_enable_pdl_codegen", staticmethod(lambda: True)), \
             mock.patch("torch.utils._triton.triton_hash_with_backend", lambda: "0" * 64), \
-            torch._inductor.config.patch({"cpu_backend": "triton", "triton.enable_pdl": True, "fx_graph_cache": False}):
+            torch._inductor.config.patch({"cpu_backend": "triton", "triton.enable_pdl": True, "fx_graph_cache": False,
+                                          "post_grad_custom_post_pass": post_grad}):
         try:
             torch.compile(fn)(*args)
         except Exception as e:   # Written, as Dynamo wraps it
             if not codes:
                 pytest.skip(f"Inductor's Triton code for CPU tensors is not written here: {type(e).__name__}: {e}")
     torch._dynamo.reset()
+    return codes[0]
+
+
+def _inductor_pdl_kernels(fn, *args) -> dict[str, list[str]]:
+    """The Triton kernels of ``_inductor_pdl_code``, each as its body's lines."""
     kernels, lines = {}, None
-    for line in codes[0].splitlines():
+    for line in _inductor_pdl_code(fn, *args).splitlines():
         if line.startswith("def triton_"):
             kernels[line[4:line.index("(")]] = lines = []
         elif lines is not None and (line.startswith(" ") or not line):
@@ -569,3 +576,35 @@ def test_gpu_micro_k3_bf16_decode_proves_and_matches_eager(mode):
         "proven": decode.matches["skinny_gemm"] - routers,
         "not proven": {"weight is computed (or may be copied) in the graph, not a parameter or input": routers},
     }, static
+
+
+def test_trigger_only_graphs_launch_their_triggering_kernels_without_pdl():
+    """``inductor_pdl="trigger"``: once ``plain_launches`` is installed, a graph our pass did not note as compiling
+    with Inductor's PDL launches keeps the codegen's wait and trigger but has ``launch_pdl`` off (each Inductor
+    kernel then starts after its predecessor completes: no race); a graph noted so keeps it on."""
+    from torch._inductor.codegen.triton import TritonKernel
+    from k3compile import inductor_pdl
+
+    if not hasattr(TritonKernel, "_enable_pdl_codegen"):
+        pytest.skip("this torch's Inductor has no PDL codegen")
+    assert inductor_pdl.plain_launches() is None
+
+    def fn(x):
+        return (x.sin() * 2).sum(-1)
+
+    class Note(CustomGraphPass):
+        def __init__(self, trigger_only):
+            self.trigger_only = trigger_only
+
+        def __call__(self, graph):
+            inductor_pdl.note_graph(graph, self.trigger_only)
+
+        def uuid(self):
+            return None
+
+    trigger = _inductor_pdl_code(fn, torch.randn(4, 64), post_grad=Note(True))
+    full = _inductor_pdl_code(fn, torch.randn(4, 64), post_grad=Note(False))
+    for code, launch in ((trigger, False), (full, True)):
+        assert "tl.extra.cuda.gdc_launch_dependents()" in code
+        assert f"'launch_pdl': {launch}" in code and f"'launch_pdl': {not launch}" not in code
+
