@@ -57,6 +57,16 @@ step decode_step  ${T_STEP:-460}  python3 benchmarks/decode_step.py --tp 8 --lay
 step decode_step_mxfp4 ${T_STEP_MX:-300} python3 benchmarks/decode_step.py --tp 8 --layers 4 --experts mxfp4 \
                                   --batch 1,8 --context 1024 --providers compile,optimize \
                                   --json "$OUT/decode_step_mxfp4_h200.json"
+# not in the default STEPS (about 5 minutes): Inductor's kernels that trigger without a PDL launch, its ordering test
+# first, then the MXFP4 decode step without and with it (docs/tuning/decode_step.md): STEPS="trigger_order trigger_ab"
+step trigger_order ${T_TRIGGER_ORDER:-60} python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
+                                  tests/compiler/test_pdl_ordering.py
+case " $STEPS " in *" trigger_ab "*) STEPS="$STEPS trigger_ab_0 trigger_ab_trigger" ;; esac
+for pdl in 0 trigger; do
+    step trigger_ab_$pdl ${T_TRIGGER_AB:-130} env K3_INDUCTOR_PDL=$pdl python3 benchmarks/decode_step.py --tp 8 \
+                                  --layers 4 --experts mxfp4 --batch 1,8 --context 1024 --providers optimize \
+                                  --profile-steps 1 --json "$OUT/decode_step_trigger_$pdl.json"
+done
 # not in the default STEPS (about 5 minutes, fresh caches in each child): STEPS=compile_time
 step compile_time ${T_COMPILE:-560} python3 benchmarks/compile_time.py --device cuda --layers 4 \
                                   --variants torch.compile,optimize-whole,optimize-whole-tritonahead,optimize-regions \
