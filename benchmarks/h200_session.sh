@@ -57,15 +57,19 @@ step decode_step  ${T_STEP:-460}  python3 benchmarks/decode_step.py --tp 8 --lay
 step decode_step_mxfp4 ${T_STEP_MX:-300} python3 benchmarks/decode_step.py --tp 8 --layers 4 --experts mxfp4 \
                                   --batch 1,8 --context 1024 --providers compile,optimize \
                                   --json "$OUT/decode_step_mxfp4_h200.json"
-# not in the default STEPS (about 5 minutes): Inductor's kernels that trigger without a PDL launch, its ordering test
-# first, then the MXFP4 decode step without and with it (docs/tuning/decode_step.md): STEPS="trigger_order trigger_ab"
+# not in the default STEPS (about 6 minutes): the decode step's prepared orderings (docs/tuning/decode_step.md), the
+# PDL ordering tests first, then the MXFP4 step at M 1 as it is, with Inductor's kernels triggering without a PDL
+# launch, with the same-input products ordered, and with both: STEPS="trigger_order decode_ab"
 step trigger_order ${T_TRIGGER_ORDER:-60} python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
                                   tests/compiler/test_pdl_ordering.py
-case " $STEPS " in *" trigger_ab "*) STEPS="$STEPS trigger_ab_0 trigger_ab_trigger" ;; esac
-for pdl in 0 trigger; do
-    step trigger_ab_$pdl ${T_TRIGGER_AB:-130} env K3_INDUCTOR_PDL=$pdl python3 benchmarks/decode_step.py --tp 8 \
-                                  --layers 4 --experts mxfp4 --batch 1,8 --context 1024 --providers optimize \
-                                  --profile-steps 1 --json "$OUT/decode_step_trigger_$pdl.json"
+case " $STEPS " in *" decode_ab "*) STEPS="$STEPS ab_base ab_trigger ab_order ab_both" ;; esac
+for ab in "base K3_INDUCTOR_PDL=0" "trigger K3_INDUCTOR_PDL=trigger" "order K3_ORDER_PRODUCTS=1" \
+          "both K3_INDUCTOR_PDL=trigger K3_ORDER_PRODUCTS=1"; do
+    set -- $ab
+    name=$1; shift
+    step ab_$name ${T_AB:-100} env "$@" python3 benchmarks/decode_step.py --tp 8 --layers 4 --experts mxfp4 \
+                                  --batch 1 --context 1024 --providers optimize --profile-steps 1 \
+                                  --json "$OUT/decode_step_ab_$name.json"
 done
 # not in the default STEPS (about 5 minutes, fresh caches in each child): STEPS=compile_time
 step compile_time ${T_COMPILE:-560} python3 benchmarks/compile_time.py --device cuda --layers 4 \

@@ -26,6 +26,7 @@ import dataclasses
 import hashlib
 import importlib
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from .call_sites import call_sites
 from .inductor_pdl import note_graph as note_inductor_graph, on as inductor_pdl_on, \
     set_trigger_only as set_inductor_trigger_only
 from .precompile import found as precompile_found
+from .product_order import order_same_input_products
 from .regions import calls as region_calls
 from .static_weights import enabled as static_weights_enabled
 from .static_weights import mark_static_weights
@@ -55,6 +57,8 @@ class K3Options:
     passes: tuple[str, ...] = ()                # enabled pass names; () = all of patterns.PASS_ORDER
     small_m_limit: int = 16                     # skinny GEMM / fused tails only up to this many rows
     inductor_trigger: bool = False              # Inductor's kernels trigger, launched without PDL (inductor_pdl.py)
+    # same-input skinny GEMMs largest first (product_order.py); K3_ORDER_PRODUCTS=1 until measured
+    order_products: bool = field(default_factory=lambda: os.environ.get("K3_ORDER_PRODUCTS", "") not in ("", "0"))
 
     def __post_init__(self):
         check_backend(self.backend)
@@ -131,6 +135,7 @@ class _CompileRecord(threading.local):
 COMPILE_RECORD = _CompileRecord()
 
 STATIC_WEIGHT_FACT = "static_weight"
+PRODUCT_ORDER_FACT = "products reordered"
 
 _register_lock = threading.Lock()
 
@@ -198,7 +203,8 @@ REGISTRATIONS: list[tuple[str, int]] = []
 def _source_files() -> tuple[str, ...]:
     """Every file whose edit could change the rewritten graph: passes, the static-weight proof, patterns, op schemas."""
     root = Path(__file__).resolve().parent
-    files = [root / "passes.py", root / "backends.py", root / "static_weights.py", root / "inductor_pdl.py"]
+    files = [root / "passes.py", root / "backends.py", root / "static_weights.py", root / "inductor_pdl.py",
+             root / "product_order.py"]
     files += sorted((root / "ops").rglob("op.py"))
     import k3compile.patterns as patterns_pkg
     files += sorted(Path(patterns_pkg.__file__).resolve().parent.glob("*.py"))
@@ -269,6 +275,8 @@ class K3PostGradPass(CustomGraphPass):
             record.matches[name] = n
             log.debug("k3compile %s: %d matches", name, n)
         graph.eliminate_dead_code()
+        if self.options.order_products:
+            record.facts[PRODUCT_ORDER_FACT] = order_same_input_products(graph)
         graph.lint()
         ours = time.perf_counter() - t0
         if self.chained is not None:

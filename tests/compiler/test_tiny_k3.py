@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -21,7 +23,7 @@ from torch._inductor.utils import run_and_get_code
 
 import k3compile
 from k3compile.model import KimiK3Config, KimiK3ForConditionalGeneration
-from k3compile.passes import STATIC_WEIGHT_FACT
+from k3compile.passes import PRODUCT_ORDER_FACT, STATIC_WEIGHT_FACT
 from k3compile.patterns.moe_experts import FACT as MOE_FACT
 from k3compile.testing import assert_kda_states_not_copied
 
@@ -193,6 +195,29 @@ def test_regions_match_as_often_as_the_whole_graph(micro, regions_decoded):
                                                         "latent_moe_tail", "skinny_gemm"))
     counted = {k: v for k, v in whole.record.facts.items() if isinstance(v, int) and not isinstance(v, bool)}
     assert {k: with_regions.record.facts[k] for k in counted} == counted
+
+
+@pytest.fixture(scope="module")
+def ordered_decoded(micro):
+    """(tokens, report) of the micro K3 whose decode step compiles with the same-input products ordered
+    (``K3_ORDER_PRODUCTS=1``, k3compile/product_order.py; the prefill eager), from the same prompt as ``micro``."""
+    model = copy.deepcopy(micro.eager)
+    cache = model.allocate_cache(BATCH, PROMPT + NEW)
+    torch._dynamo.reset()
+    with graph_caches_off(), torch.no_grad(), mock.patch.dict(os.environ, {"K3_ORDER_PRODUCTS": "1"}):
+        tokens = [model(micro.ids, cache=cache, logits_to_keep=1).argmax(-1)]
+        k3compile.optimize(model, dynamic=False, strict=True)
+        for _ in range(NEW - 1):
+            tokens.append(model(tokens[-1], cache=cache, logits_to_keep=1).argmax(-1))
+    return torch.cat(tokens, 1), k3compile.report(model)
+
+
+def test_ordered_products_decode_eager_tokens(micro, ordered_decoded):
+    tokens, rep = ordered_decoded
+    assert torch.equal(tokens, micro.ref)
+    (graph,) = rep.graphs
+    assert graph.record.facts[PRODUCT_ORDER_FACT] > 0
+    assert graph.record.matches == micro.report.graphs[-1].record.matches
 
 
 # --- bf16: the routers' upcast products ----------------------------------------------------------------------
