@@ -254,9 +254,13 @@ class K3PostGradPass(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         from k3compile.patterns._common import search_traces_reused
 
-        set_inductor_trigger_only(self.options.inductor_trigger)   # read by this graph's proof and Triton codegen
-        with search_traces_reused():   # a search is traced once per distinct static shapes of this graph's matches
-            self._rewrite(graph)
+        set_inductor_trigger_only(self.options.inductor_trigger)   # read by this graph's proof
+        note_inductor_graph(graph, self.options.inductor_trigger)    # and by its Triton codegen
+        try:
+            with search_traces_reused():   # a search is traced once per distinct static shapes of this graph's matches
+                self._rewrite(graph)
+        finally:
+            set_inductor_trigger_only(False)
 
     def _rewrite(self, graph: torch.fx.Graph) -> None:
         t0 = time.perf_counter()

@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import k3compile
 from k3compile.optimize import K3PassMissingError, state_of
@@ -234,6 +235,19 @@ def test_inductor_pdl_trigger_keeps_the_codegen_and_plain_launches(monkeypatch):
     with torch._inductor.config.patch({"triton.enable_pdl": True}):
         assert inductor_pdl.on(trigger_only=False) and not inductor_pdl.on(trigger_only=True)
         assert K3PostGradPass(K3Options(inductor_trigger=True)).uuid() != K3PostGradPass(K3Options()).uuid()
+
+
+def test_pass_notes_which_graphs_launch_inductor_kernels_with_pdl():
+    """Our pass tells Inductor's codegen (``inductor_pdl.plain_launches``) which graphs keep PDL launches (those of an
+    ``inductor_pdl=True`` compile), and leaves no trigger-only setting behind for the proof after a graph."""
+    from k3compile import inductor_pdl
+
+    for trigger_only in (False, True):
+        graph = make_fx(lambda x: x.sin() + 1)(torch.randn(4)).graph
+        with torch._inductor.config.patch({"triton.enable_pdl": True}):
+            K3PostGradPass(K3Options(passes=("skinny_gemm",), inductor_trigger=trigger_only))(graph)
+            assert inductor_pdl.on()                         # the setting is the graph's, not left behind
+        assert (graph in inductor_pdl._full_pdl_graphs) is not trigger_only
 
 
 def test_uuid_follows_inductor_pdl():
