@@ -330,15 +330,14 @@ def breakdown(kernels, steps: int, step_us: float, origins: KernelOrigins, shape
     sequence = []                                            # the first step's kernels in order
     for i, (name, us, launcher) in enumerate(kernels):
         cat = categorize(name, launcher, origins, shapes)
+        weight = skinny_gemm_weight(launcher)
         if i < len(kernels) // max(steps, 1):
-            weight = skinny_gemm_weight(launcher)
             sequence.append(dict(kernel=name[:80], category=cat, us=round(us, 3),
                                  **({"weight": f"{weight[0]}x{weight[1]}"} if weight else {})))
         by_cat[cat] += us / steps
         entry = per_kernel[name, cat]
         entry[0] += us / steps
         entry[1] += 1
-        weight = skinny_gemm_weight(launcher)
         if weight is not None:
             entry = per_weight[(cat, *weight)]
             entry[0] += us / steps
