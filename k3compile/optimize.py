@@ -314,9 +314,9 @@ def optimize(model, *, backend: str = "auto", passes=None, strict: bool = False,
         only loads them (``k3compile/precompile.py``). None (default): ``K3_PRECOMPILE`` ("1" / "0") where set, else
         on, except with ``regions=True``. Builds for graphs on an NVIDIA GPU with CuTe DSL.
     inductor_pdl: True: Inductor's own kernels launch with PDL in these compiles only (``triton.enable_pdl``; CUDA
-        sm_90+); "trigger": they let the k3 kernel after them start early, launched without PDL themselves (no race;
-        unmeasured). None (default): ``K3_INDUCTOR_PDL`` ("1" / "trigger" / "0"), else off: Inductor's codegen races
-        after a kernel that loads nothing (``inductor_pdl.py``). ``options={"triton.enable_pdl": ...}`` wins.
+        sm_90+; it races after a kernel that loads nothing: ``inductor_pdl.py``); "trigger": they let the k3 kernel
+        after them start early, launched plain (no race); False: neither. None (default): ``K3_INDUCTOR_PDL`` ("1" /
+        "trigger" / "0"), else "trigger". ``options={"triton.enable_pdl": ...}`` wins.
     torch_compile_kwargs: as ``torch.compile`` (mode, dynamic, fullgraph, options, ...). A
         ``post_grad_custom_post_pass`` given in ``options`` or installed in Inductor's config runs
         after ours.

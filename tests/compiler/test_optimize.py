@@ -203,12 +203,18 @@ def test_inductor_pdl_is_on_for_our_compiles_only():
     assert "kernels with PDL (inductor_pdl): on" in k3compile.report(model).format(verbose=True)
 
 
-def test_inductor_pdl_is_opt_in(monkeypatch):
-    """Off by default (Inductor's codegen races after a fill: test_pdl_ordering.py), on by keyword or environment."""
+def test_inductor_pdl_launches_are_opt_in(monkeypatch):
+    """Inductor's kernels launch with PDL only by keyword or environment (its codegen races after a fill:
+    test_pdl_ordering.py); by default they trigger only, and "0" turns the codegen off."""
     monkeypatch.delenv("K3_INDUCTOR_PDL", raising=False)
     default = k3compile.optimize(Decoder())
-    assert "triton.enable_pdl" not in state_of(default).compiler.config
-    assert "test_pdl_ordering" in state_of(default).inductor_pdl
+    if hasattr(torch._inductor.config.triton, "enable_pdl"):
+        assert state_of(default).options.inductor_trigger and "launched without PDL" in state_of(default).inductor_pdl
+    off = k3compile.optimize(Decoder(), inductor_pdl=False)
+    assert "triton.enable_pdl" not in state_of(off).compiler.config and not state_of(off).options.inductor_trigger
+    assert "test_pdl_ordering" in state_of(off).inductor_pdl
+    monkeypatch.setenv("K3_INDUCTOR_PDL", "0")
+    assert "triton.enable_pdl" not in state_of(k3compile.optimize(Decoder())).compiler.config
     kept = k3compile.optimize(Decoder(), inductor_pdl=True, options={"triton.enable_pdl": False})   # options win
     assert state_of(kept).compiler.config["triton.enable_pdl"] is False
     monkeypatch.setenv("K3_INDUCTOR_PDL", "1")
