@@ -2,10 +2,10 @@
 
     python benchmarks/tune_moe_experts_cute.py [I]      # I = 384 (TP 8, the default) or 192 (TP 16)
 
-K3 rank widths (E 896, top-16, L 3584), M 1, 8 and 16, random routing; each row first checked against the fp32 reference
-(its relative error printed), then timed as 40 calls on 40 different routings in one CUDA graph (the experts stream
-from HBM, not L2), the best of 5 replays, µs a call. The picks live in ``cute.py`` (``gate_up_config``,
-``down_config``); ``docs/tuning/moe_experts.md`` has the runs (8, 10, 12 and 13).
+K3 rank widths (E 896, top-16, L 3584), M 1, 4, 8 and 16, random routing; each row first checked against the fp32
+reference (its relative error printed), then timed as 40 calls on 40 different routings in one CUDA graph (the
+experts stream from HBM, not L2), the best of 5 replays, µs a call. The picks live in ``cute.py``
+(``gate_up_config``, ``down_config``); ``docs/tuning/moe_experts.md`` has the runs (8, 10, 12, 13 and 14).
 """
 import sys
 from pathlib import Path
@@ -34,15 +34,45 @@ w1, w3, w2 = codes(I, L), codes(I, L), codes(L, I)
 s1, s3, s2 = scl(I, L), scl(I, L), scl(L, I)
 BET = (4.0, 25.0)
 GU = [cute.Mxfp4MmaConfig(4, 1, 2), cute.Mxfp4MmaConfig(2, 1, 2), cute.Mxfp4MmaConfig(2, 1, 1),
-      cute.Mxfp4MmaConfig(4, 1, 1, prefetch=True), cute.Mxfp4MmaConfig(2, 1, 1, prefetch=True),
-      cute.Mxfp4MmaConfig(8, 1, 1, prefetch=True), cute.Mxfp4MmaConfig(4, 2, 1, prefetch=True),
-      cute.Mxfp4MmaConfig(4, 1, 1, prefetch=True, scan_unrolled=True), cute.Mxfp4MmaConfig(2, 1, 2, scan_unrolled=True),
-      cute.Mxfp4MmaConfig(2, 1, 1, scan_unrolled=True)]
-DN = [cute.Mxfp4DownConfig(4, 1, 2), cute.Mxfp4DownConfig(4, 2, 2), cute.Mxfp4DownConfig(4, 1, 1),
-      cute.Mxfp4DownConfig(8, 1, 1), cute.Mxfp4DownConfig(4, 1, 2, scan_unrolled=True)]
-PICKS = (cute.GATE_UP_CONFIG, cute.GATE_UP_CONFIG_MANY, cute.GATE_UP_CONFIG_TWO_BLOCKS, cute.DOWN_CONFIG,
-         cute.DOWN_CONFIG_MANY)
-for m in (1, 8, 16):
+      cute.Mxfp4MmaConfig(4, 1, 1, prefetch=True), cute.Mxfp4MmaConfig(4, 1, 1, prefetch=True, scan_unrolled=True),
+      cute.Mxfp4MmaConfig(2, 1, 2, scan_unrolled=True), cute.Mxfp4MmaConfig(2, 1, 1, scan_unrolled=True),
+      # compact: the MMA's columns only the expert's tokens
+      cute.Mxfp4MmaConfig(4, 1, 1, prefetch=True, scan_unrolled=True, compact=True),
+      cute.Mxfp4MmaConfig(2, 1, 2, scan_unrolled=True, compact=True),
+      cute.Mxfp4MmaConfig(2, 1, 1, scan_unrolled=True, compact=True),
+      cute.Mxfp4MmaConfig(4, 1, 2, scan_unrolled=True, compact=True)]
+DN = [cute.Mxfp4DownConfig(4, 1, 2), cute.Mxfp4DownConfig(4, 1, 2, scan_unrolled=True),
+      cute.Mxfp4DownConfig(4, 1, 2, scan_unrolled=True, compact=True),
+      cute.Mxfp4DownConfig(4, 2, 2, scan_unrolled=True, compact=True),
+      cute.Mxfp4DownConfig(8, 1, 1, scan_unrolled=True, compact=True)]
+
+
+def time_config(which, zs, ids, wts, ref):
+    """(µs a call of ``which`` alone, the best of 5 replays of one graph of R routings; the op's relative error)."""
+    out = cute.moe_experts_cute(zs[0], ids[0], wts[0], w1, w3, w2, s1, s3, s2, *BET)
+    err = rel_err(out, ref)
+
+    def fn(r):
+        return cute.moe_experts_cute(zs[r], ids[r], wts[r], w1, w3, w2, s1, s3, s2, *BET, only=which)
+    for r in range(len(zs)):
+        fn(r)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for r in range(len(zs)):
+            fn(r)
+    best = 1e9
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        best = min(best, a.elapsed_time(b) * 1000 / len(zs))
+    return best, err
+
+
+for m in (1, 4, 8, 16):
     R = 40
     zs = [torch.randn(m, L, device=dev).to(torch.bfloat16) for _ in range(R)]
     ids = [torch.stack([torch.randperm(E, device=dev)[:A] for _ in range(m)]) for _ in range(R)]
@@ -50,33 +80,9 @@ for m in (1, 8, 16):
     ref = moe_experts_ref(zs[0], ids[0], wts[0], w1, w3, w2, s1, s3, s2, *BET)
     for which, cfgs in (("gate_up", GU), ("down", DN)):
         for cfg in cfgs:
-            if which == "gate_up":
-                cute.GATE_UP_CONFIG = cute.GATE_UP_CONFIG_MANY = cute.GATE_UP_CONFIG_TWO_BLOCKS = cfg
-            else:
-                cute.DOWN_CONFIG = cute.DOWN_CONFIG_MANY = cfg
             try:
-                out = cute.moe_experts_cute(zs[0], ids[0], wts[0], w1, w3, w2, s1, s3, s2, *BET)
-                err = rel_err(out, ref)
-
-                def fn(r):
-                    return cute.moe_experts_cute(zs[r], ids[r], wts[r], w1, w3, w2, s1, s3, s2, *BET, only=which)
-                for r in range(R):
-                    fn(r)
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    for r in range(R):
-                        fn(r)
-                best = 1e9
-                for _ in range(5):
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    g.replay()
-                    b.record()
-                    torch.cuda.synchronize()
-                    best = min(best, a.elapsed_time(b) * 1000 / R)
+                with cute.configs_forced(**{which: cfg}):
+                    best, err = time_config(which, zs, ids, wts, ref)
                 print(f"I{I} M{m} {which:8s} {cfg.tag():10s} {best:7.1f} us  err {err:.1e}", flush=True)
             except Exception as ex:
                 print(f"I{I} M{m} {which:8s} {cfg.tag():10s} FAILED {type(ex).__name__}: {str(ex)[:200]}", flush=True)
-        (cute.GATE_UP_CONFIG, cute.GATE_UP_CONFIG_MANY, cute.GATE_UP_CONFIG_TWO_BLOCKS, cute.DOWN_CONFIG,
-         cute.DOWN_CONFIG_MANY) = PICKS

@@ -148,50 +148,70 @@ def test_gpu_matches_reference(m, a, e, i, l, routing, big):
     assert rel_err(out, want) < 1e-2, rel_err(out, want)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,a,e,i,l,routing", CASES, ids=lambda v: str(v))
+def test_gpu_every_token_column_forms_match_reference(m, a, e, i, l, routing):
+    """The forms whose MMA columns are every token of the call (the picks are compact) on the fixed cases."""
+    if not _cute_ready():
+        pytest.skip("needs sm_90+ and CuTe DSL")
+    args = moe_experts_inputs(m, a, e, i, l, torch.bfloat16, routing, mxfp4=True, seed=m * 5 + a, device="cuda")
+    up = dataclasses.replace(cute.gate_up_config(m), compact=False)
+    with cute.configs_forced(up, dataclasses.replace(cute.down_config(m), compact=False)):
+        out = _run(args)
+    torch.cuda.synchronize()
+    want = moe_experts_ref(*args, *K3_BETAS)
+    assert not out.isnan().any() and rel_err(out, want) < 1e-2, rel_err(out, want)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="CuTe DSL (nvidia-cutlass-dsl) not installed")
 @pytest.mark.parametrize("m", [1, 8, 16], ids=lambda m: f"M{m}")
 def test_picks_and_other_scans_build_for_sm90a_without_gpu(monkeypatch, m):
-    """Each pick, and each with its id scan the other way (unrolled or looped), compiles for sm_90a (what the GPU
-    tests cannot show on a host without one: a DSL error in a variant no pick takes yet)."""
+    """Each pick (compact), and each with every token's column (the id scan unrolled, and looped), compiles for sm_90a
+    (what the GPU tests cannot show on a host without one: a DSL error in a variant no pick takes yet)."""
     if torch.cuda.is_available():
         pytest.skip("GPU present: the GPU tests compile for the real device")
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     up, down = cute.gate_up_config(m), cute.down_config(m)
     steps = cute.down_steps(384)
+
+    def unrolled(cfg):   # every token's column, the scan unrolled
+        return dataclasses.replace(cfg, compact=False)
+
+    def looped(cfg):
+        return dataclasses.replace(cfg, compact=False, scan_unrolled=False)
     for key in (cute.variant("gate_up", m, 16, up, 4.0, 25.0, torch.int64),
-                cute.variant("gate_up", m, 16, dataclasses.replace(up, scan_unrolled=not up.scan_unrolled), 4.0,
-                             25.0, torch.int32),
+                cute.variant("gate_up", m, 16, unrolled(up), 4.0, 25.0, torch.int32),
+                cute.variant("gate_up", m, 16, looped(up), 4.0, 25.0, torch.int64),
                 cute.variant("down", m, 16, down, None, None, torch.int64, steps),
-                cute.variant("down", m, 16, dataclasses.replace(down, scan_unrolled=not down.scan_unrolled), None,
-                             None, torch.int64, steps)):
+                cute.variant("down", m, 16, unrolled(down), None, None, torch.int64, steps),
+                cute.variant("down", m, 16, looped(down), None, None, torch.int32, steps)):
         assert cute.build(key) is not None, cute.variant_name(key)
 
 
+# the id scan looped, unrolled, or unrolled with the MMA's columns compacted to the expert's tokens
+SCANS = st.sampled_from([(False, False), (True, False), (True, True)])
+
+
 @pytest.mark.gpu
-@settings(max_examples=10)   # each draw may build two kernels (a second or two each)
-@given(m=st.integers(1, 16), a=st.integers(1, 8), e=st.integers(1, 40), i=st.sampled_from([32, 64, 96, 160, 224]),
-       l=st.sampled_from([32, 64, 160, 416]), routing=st.sampled_from(["random", "repeat", "one", "skewed"]),
-       big=st.booleans(), ids32=st.booleans(), seed=st.integers(0, 2 ** 16),
-       gate_up=st.builds(cute.Mxfp4MmaConfig, st.sampled_from([1, 2, 4, 8]), st.integers(1, 2), st.integers(1, 2),
-                         st.booleans(), st.booleans()),
-       down_scan_unrolled=st.booleans())
-def test_gpu_drawn_shapes_match_reference(m, a, e, i, l, routing, big, ids32, seed, gate_up, down_scan_unrolled):
+@settings(max_examples=16)   # each draw may build two kernels (a second or two each)
+@given(m=st.integers(1, 16), a=st.integers(1, 8) | st.sampled_from([16, 20, 32]), e=st.integers(1, 40),
+       i=st.sampled_from([32, 64, 96, 160, 224]), l=st.sampled_from([32, 64, 160, 416]),
+       routing=st.sampled_from(["random", "repeat", "one", "skewed"]), big=st.booleans(), ids32=st.booleans(),
+       seed=st.integers(0, 2 ** 16), warps_k=st.sampled_from([1, 2, 4, 8]), row_groups=st.integers(1, 2),
+       unroll=st.integers(1, 2), prefetch=st.booleans(), up_scan=SCANS, down_scan=SCANS)
+def test_gpu_drawn_shapes_match_reference(m, a, e, i, l, routing, big, ids32, seed, warps_k, row_groups, unroll,
+                                          prefetch, up_scan, down_scan):
     """Drawn tokens, experts, widths (K tails of 32 / 64 / 96 past a step of 128), routings (duplicates within a
-    token, every pair on one expert, experts nobody chose), int32 or int64 ids, scales above 2^1 or not, gate/up work
-    divisions (warps with no K step; prefetching or not: odd and even counts of chunks a warp; the id scan unrolled
-    or looped, in both products); the output NaN-poisoned."""
+    token, every pair on one expert: past 8 tokens a second compact block, experts nobody chose), top-k whose
+    tokens straddle the scan's 32-pair rounds, int32 or int64 ids, scales above 2^1 or not, gate/up work divisions
+    (warps with no K step; prefetching or not: odd and even counts of chunks a warp), the id scan looped, unrolled or
+    compact, in both products; the output NaN-poisoned."""
     if not _cute_ready():
         pytest.skip("needs sm_90+ and CuTe DSL")
-    picks = (cute.GATE_UP_CONFIG, cute.GATE_UP_CONFIG_MANY, cute.GATE_UP_CONFIG_TWO_BLOCKS, cute.DOWN_CONFIG,
-             cute.DOWN_CONFIG_MANY)
-    cute.GATE_UP_CONFIG = cute.GATE_UP_CONFIG_MANY = cute.GATE_UP_CONFIG_TWO_BLOCKS = gate_up
-    cute.DOWN_CONFIG = cute.DOWN_CONFIG_MANY = dataclasses.replace(cute.DOWN_CONFIG,
-                                                                   scan_unrolled=down_scan_unrolled)
-    try:
+    gate_up = cute.Mxfp4MmaConfig(warps_k, row_groups, unroll, prefetch, *up_scan)
+    down = dataclasses.replace(cute.DOWN_CONFIG, scan_unrolled=down_scan[0], compact=down_scan[1])
+    with cute.configs_forced(gate_up, down):
         _drawn_case(m, a, e, i, l, routing, big, ids32, seed)
-    finally:
-        (cute.GATE_UP_CONFIG, cute.GATE_UP_CONFIG_MANY, cute.GATE_UP_CONFIG_TWO_BLOCKS, cute.DOWN_CONFIG,
-         cute.DOWN_CONFIG_MANY) = picks
 
 
 def _drawn_case(m, a, e, i, l, routing, big, ids32, seed):

@@ -12,6 +12,7 @@ top.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -43,54 +44,87 @@ class Mxfp4MmaConfig:
     """The gate/up product's work division (``cute_gate_up.Mxfp4GateUpMma``): ``warps_k`` warps a block over slices of
     K, ``row_groups`` groups of 8 rows of w1 and w3 a block, ``unroll`` K steps of loads in flight a warp; ``prefetch``:
     the next ``unroll`` steps' loads issued before a chunk converts (two chunks' registers); ``scan_unrolled``: the
-    prologue's look for an earlier pair of the same expert reads all M·A ids at once, not 32 a round trip."""
+    prologue's look for an earlier pair of the same expert reads all M·A ids at once, not 32 a round trip;
+    ``compact``: the MMA's 8 columns are only the tokens that chose the expert (from that scan's ids: it needs
+    ``scan_unrolled``), in rounds of 8 where more chose it, not every token of the call."""
     warps_k: int = 4
     row_groups: int = 1
     unroll: int = 2
     prefetch: bool = False
     scan_unrolled: bool = False
+    compact: bool = False
+
+    def __post_init__(self):
+        _check_compact(self)
 
     def tag(self) -> str:
         return (f"k{self.warps_k}r{self.row_groups}u{self.unroll}" + ("p" if self.prefetch else "")
-                + ("s" if self.scan_unrolled else ""))
+                + ("s" if self.scan_unrolled else "") + ("c" if self.compact else ""))
 
 
 @dataclasses.dataclass(frozen=True)
 class Mxfp4DownConfig:
     """The down product's work division (``cute_gate_up.Mxfp4DownMma``): ``warps`` a block, each taking
     ``row_groups`` groups of 16 rows at a time, ``groups`` times; ``scan_unrolled``: as the gate/up product's, and
-    before the PDL wait (the ids precede the op)."""
+    before the PDL wait (the ids precede the op); ``compact``: as the gate/up product's."""
     warps: int = 4
     row_groups: int = 2
     groups: int = 2
     scan_unrolled: bool = False
+    compact: bool = False
+
+    def __post_init__(self):
+        _check_compact(self)
 
     def tag(self) -> str:
-        return f"w{self.warps}r{self.row_groups}g{self.groups}" + ("s" if self.scan_unrolled else "")
+        return (f"w{self.warps}r{self.row_groups}g{self.groups}" + ("s" if self.scan_unrolled else "")
+                + ("c" if self.compact else ""))
 
 
-# Measured at K3 TP 8 on the H200 (docs/tuning/moe_experts.md runs 8, 10, 12 and 13): gate/up's K = L (3584) over 4
-# warps a block at M <= 2, the next chunk's loads issued before the current one converts (11.9 against 12.8 µs at
-# M 1); over 2 from M 4 (the blocks' prologue reads every pair's id: fewer, longer warps amortise it; 80.8 against
-# 101 µs at M 8), one step of loads in flight past M 8, where two blocks of 8 tokens need the registers for
-# occupancy (255.9 against 280.4 µs at M 16); down's K = I held whole, 128 rows a block. From M 4 both scan the ids
-# in one round trip (1-2% at M 8 and 16, within noise at M 1, where the loop scans one round anyway)
-GATE_UP_CONFIG = Mxfp4MmaConfig(warps_k=4, row_groups=1, unroll=1, prefetch=True)
-GATE_UP_CONFIG_MANY = Mxfp4MmaConfig(warps_k=2, row_groups=1, unroll=2, scan_unrolled=True)
-GATE_UP_CONFIG_TWO_BLOCKS = Mxfp4MmaConfig(warps_k=2, row_groups=1, unroll=1, scan_unrolled=True)
-DOWN_CONFIG = Mxfp4DownConfig(warps=4, row_groups=1, groups=2)
-DOWN_CONFIG_MANY = Mxfp4DownConfig(warps=4, row_groups=1, groups=2, scan_unrolled=True)
-FEW_TOKENS = 2   # M up to this runs the few-token picks
+def _check_compact(cfg) -> None:
+    if cfg.compact and not cfg.scan_unrolled:
+        raise ValueError(f"{type(cfg).__name__}: compact takes its tokens from the unrolled scan's ids "
+                         "(scan_unrolled=True)")
+
+
+# Measured at K3 TP 8 on the H200 (docs/tuning/moe_experts.md runs 8, 10, 12, 13 and 14): every pick compact (the
+# MMA's columns only the expert's tokens: the op 1.0-1.7x faster than with every token's column, M 1 to 16);
+# gate/up's K = L (3584) over 4 warps a block at M <= 2, the next chunk's loads issued before the current one
+# converts; over 2 from M 3 (fewer, longer warps amortise the prologue), one step of loads in flight past M 8
+# (125.7 against 129.5 µs at M 16); down's K = I held whole, 64 rows a block to M 8, 128 past it (89.5 against 98.9
+# µs at M 16)
+GATE_UP_CONFIG = Mxfp4MmaConfig(warps_k=4, row_groups=1, unroll=1, prefetch=True, scan_unrolled=True, compact=True)
+GATE_UP_CONFIG_MANY = Mxfp4MmaConfig(warps_k=2, row_groups=1, unroll=2, scan_unrolled=True, compact=True)
+GATE_UP_CONFIG_SIXTEEN = Mxfp4MmaConfig(warps_k=2, row_groups=1, unroll=1, scan_unrolled=True, compact=True)
+DOWN_CONFIG = Mxfp4DownConfig(warps=4, row_groups=1, groups=2, scan_unrolled=True, compact=True)
+DOWN_CONFIG_SIXTEEN = Mxfp4DownConfig(warps=4, row_groups=2, groups=2, scan_unrolled=True, compact=True)
+FEW_TOKENS = 2   # M up to this runs the few-token gate/up pick
+_FORCED: tuple = (None, None)   # configs_forced's (gate/up, down)
+
+
+@contextlib.contextmanager
+def configs_forced(gate_up: Optional[Mxfp4MmaConfig] = None, down: Optional[Mxfp4DownConfig] = None):
+    """Every M takes these work divisions (those not given: the picks) while inside: tests and sweeps."""
+    global _FORCED
+    saved, _FORCED = _FORCED, (gate_up, down)
+    try:
+        yield
+    finally:
+        _FORCED = saved
 
 
 def gate_up_config(m: int) -> Mxfp4MmaConfig:
+    if _FORCED[0] is not None:
+        return _FORCED[0]
     if m <= FEW_TOKENS:
         return GATE_UP_CONFIG
-    return GATE_UP_CONFIG_MANY if m <= 8 else GATE_UP_CONFIG_TWO_BLOCKS
+    return GATE_UP_CONFIG_MANY if m <= 8 else GATE_UP_CONFIG_SIXTEEN
 
 
 def down_config(m: int) -> Mxfp4DownConfig:
-    return DOWN_CONFIG if m <= FEW_TOKENS else DOWN_CONFIG_MANY
+    if _FORCED[1] is not None:
+        return _FORCED[1]
+    return DOWN_CONFIG if m <= 8 else DOWN_CONFIG_SIXTEEN
 
 
 def unavailable() -> Reason:
@@ -190,10 +224,11 @@ def build(key):
 
     mode, m, a, cfg, beta, linear_beta, ids_dtype, n_steps, big = key
     if mode == "down":
-        kernel = _DOWN.Mxfp4DownMma(m, a, cfg.warps, cfg.row_groups, cfg.groups, n_steps, big, cfg.scan_unrolled)
+        kernel = _DOWN.Mxfp4DownMma(m, a, cfg.warps, cfg.row_groups, cfg.groups, n_steps, big, cfg.scan_unrolled,
+                                    cfg.compact)
     else:
         kernel = _GATE_UP.Mxfp4GateUpMma(m, a, cfg.warps_k, cfg.row_groups, cfg.unroll, beta, linear_beta, big,
-                                         cfg.prefetch, cfg.scan_unrolled)
+                                         cfg.prefetch, cfg.scan_unrolled, cfg.compact)
     return cute.compile(kernel, *fake_args(mode, m, a, ids_dtype), options="--enable-tvm-ffi")
 
 

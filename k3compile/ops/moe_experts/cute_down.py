@@ -7,20 +7,9 @@ A kernel module: it imports cutlass at its top and is loaded only when a kernel 
 # no `from __future__ import annotations`: the DSL evaluates the kernels' annotations
 import cutlass
 import cutlass.cute as cute
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 from k3compile.kernels.cute.asm import prefetch_bulk_l2
-from k3compile.ops.moe_experts.cute_gate_up import Mxfp4GateUpMma, permuted_pairs
-
-
-@dsl_user_op
-def top_bit(x, *, loc=None, ip=None):
-    """The index of the highest set bit of a nonzero 32-bit ``x`` (PTX bfind)."""
-    return cutlass.Int32(llvm.inline_asm(
-        T.i32(), [x.ir_value(loc=loc, ip=ip)], "bfind.u32 $0, $1;", "=r,r",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
-    ))
+from k3compile.ops.moe_experts.cute_gate_up import Mxfp4GateUpMma, permuted_pairs, top_bit
 
 
 class Mxfp4DownMma(Mxfp4GateUpMma):
@@ -29,11 +18,12 @@ class Mxfp4DownMma(Mxfp4GateUpMma):
     turn. K = I is short (384 at K3 TP 8): each warp loads h's rows for the whole of it once (``n_steps`` steps of
     128), permuted to the conversion's order, and every group of rows reuses them; the rows past I are zeros. The
     partials go straight from the MMA's registers to each pair of the token holding the expert (a bit mask of its
-    slots, built once)."""
+    slots, built once). ``compact``: the B columns are the expert's tokens only, as in the gate/up kernel."""
 
     def __init__(self, m: int, a: int, warps: int, row_groups: int, groups: int, n_steps: int, big_scales: bool,
-                 scan_unrolled: bool = False):
-        super().__init__(m, a, 1, row_groups, n_steps, None, None, big_scales, scan_unrolled=scan_unrolled)
+                 scan_unrolled: bool = False, compact: bool = False):
+        super().__init__(m, a, 1, row_groups, n_steps, None, None, big_scales, scan_unrolled=scan_unrolled,
+                         compact=compact)
         self.wn, self.groups, self.ns = warps, groups, n_steps
         self.threads = 32 * warps
         self.rows_per_block = 16 * row_groups * warps * groups
@@ -66,34 +56,50 @@ class Mxfp4DownMma(Mxfp4GateUpMma):
             for i in cutlass.range(tidx, self.rows_per_block, self.threads, unroll=1):
                 if n0 + i < N:
                     prefetch_bulk_l2(mW0[ec, n0 + i, None].iterator.toint(), cutlass.Int32(K // 2))
-        if cutlass.const_expr(self.scan_unrolled):
+        lane = tidx % 32
+        g = lane // 4
+        t = lane % 4
+        if cutlass.const_expr(self.compact):
             # the ids, too, were written before the op began: the whole scan (one round trip) before the wait
-            run = valid & self.first_of_expert(mIds, p, e, tidx % 32)
+            run, tokens, slots, rank = self.compact_block(mIds, p, e, lane, self.pair_ids(mIds, lane))
+            run = valid & run
+            cute.arch.griddepcontrol_wait()
+        elif cutlass.const_expr(self.scan_unrolled):
+            run = valid & self.first_of_expert(mIds, p, e, lane, self.pair_ids(mIds, lane))
             cute.arch.griddepcontrol_wait()
         else:
             cute.arch.griddepcontrol_wait()
             run = valid
             if valid:
-                run = self.first_of_expert(mIds, p, e, tidx % 32)
+                run = self.first_of_expert(mIds, p, e, lane, [])
         if run:
-            self.rows(mX, mIds, mWts, mW0, mS0, mOut, p, ec, n0, tidx // 32, tidx % 32, N, K)
+            if cutlass.const_expr(self.compact):
+                col, outs, masks = self.columns(tokens, slots, rank, g, t)
+                self.rows(mX, mIds, mWts, mW0, mS0, mOut, p, ec, n0, tidx // 32, lane, N, K, [col], [outs], [masks])
+            else:
+                cols = [8 * b + g for b in range(self.nb)]   # past M: h_row gives a copy, never stored
+                outs = [[8 * b + 2 * t + x for x in range(2)] for b in range(self.nb)]
+                self.rows(mX, mIds, mWts, mW0, mS0, mOut, p, ec, n0, tidx // 32, lane, N, K, cols, outs, [])
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
     def rows(self, mX: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor, mW: cute.Tensor, mS: cute.Tensor,
-             mOut: cute.Tensor, p, e, n0, wn, lane, N, K):
+             mOut: cute.Tensor, p, e, n0, wn, lane, N, K, cols: list, outs: list, masks: list):
+        """The block's rows of w2 against block b's tokens: lane (g, t) loads token ``cols[b]``'s row of h (its B
+        column g) and stores the partials of tokens ``outs[b]`` (its columns 2t, 2t + 1; M: none) into their slots
+        holding ``e``: ``masks[b]``'s bits where given (``compact``), else found by reading the ids."""
         RG: cutlass.Constexpr = self.rg
         NS: cutlass.Constexpr = self.ns
         NB: cutlass.Constexpr = self.nb
         g = lane // 4
         t = lane % 4
-        # B: token 8b + g's row of h over the whole K for each block b of 8 tokens, in the conversion's order (16
+        # B: column g's row of h over the whole K for each block b of 8 columns, in the conversion's order (16
         # bf16x2 a step and block: rXp[:, st * NB + b])
         rX = cute.make_rmem_tensor((8, 4 * NS * NB), mX.element_type)
         rX32 = cute.recast_tensor(rX, cutlass.Int32)
         rX32.fill(0)
         for b in cutlass.range_constexpr(NB):
-            xs = cute.logical_divide(mX, (None, 8))[self.h_row(mIds, p, e, 8 * b + g), None]
+            xs = cute.logical_divide(mX, (None, 8))[self.h_row(mIds, p, e, cols[b]), None]
             for st in cutlass.range_constexpr(NS):
                 k0 = st * 128 + 32 * t
                 if k0 < K:
@@ -106,16 +112,19 @@ class Mxfp4DownMma(Mxfp4GateUpMma):
             pairs = permuted_pairs(rX32, c * 4)
             for q in cutlass.range_constexpr(16):
                 rXp[q, c] = pairs[q]
-        # the slots of tokens 8b + 2t and 8b + 2t + 1 holding e, as bit masks: slots[2b + x]
+        # the slots of the tokens of columns 2t and 2t + 1 holding e, as bit masks: slots[2b + x]
         slots = []
         for b in cutlass.range_constexpr(NB):
             for x in cutlass.range_constexpr(2):
                 mask = cutlass.Int32(0)
-                tok = 8 * b + 2 * t + x
-                if tok < self.m:
-                    for a in cutlass.range_constexpr(self.a):
-                        if mIds[tok * self.a + a].to(cutlass.Int32) == e:
-                            mask = mask | (1 << a)
+                if cutlass.const_expr(len(masks)):
+                    mask = masks[b][x]
+                else:
+                    tok = outs[b][x]
+                    if tok < self.m:
+                        for a in cutlass.range_constexpr(self.a):
+                            if mIds[tok * self.a + a].to(cutlass.Int32) == e:
+                                mask = mask | (1 << a)
                 slots.append(mask)
 
         gW = cute.logical_divide(mW, (None, None, 16))
@@ -147,14 +156,14 @@ class Mxfp4DownMma(Mxfp4GateUpMma):
                     xp = [[rXp[q, st * NB + b] for q in range(16)] for b in range(NB)]
                     for r in cutlass.range_constexpr(RG):
                         self.group_mmas(rW32, rS, (st * RG + r) * 2, rD, xp, acc[None, r, None], self.big_scales)
-                # lane (g, t): rows g (acc 0, 1) and g + 8 (acc 2, 3) of each group, tokens 8b + 2t and 8b + 2t + 1
+                # lane (g, t): rows g (acc 0, 1) and g + 8 (acc 2, 3) of each group, columns 2t and 2t + 1
                 for r in cutlass.range_constexpr(RG):
                     for b in cutlass.range_constexpr(NB):
                         for x in cutlass.range_constexpr(2):
-                            tok = 8 * b + 2 * t + x
                             m = slots[2 * b + x]
-                            self.store_rows(mWts, mOut, m, tok, base + r * 16 + g, N, acc[x, r, b])
-                            self.store_rows(mWts, mOut, m, tok, base + r * 16 + 8 + g, N, acc[2 + x, r, b])
+                            self.store_rows(mWts, mOut, m, outs[b][x], base + r * 16 + g, N, acc[x, r, b])
+                            self.store_rows(mWts, mOut, m, outs[b][x], base + r * 16 + 8 + g, N,
+                                            acc[2 + x, r, b])
 
     @cute.jit
     def h_row(self, mIds: cute.Tensor, p, e, tok):

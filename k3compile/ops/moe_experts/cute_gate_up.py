@@ -4,7 +4,11 @@ registers.
 Two kernels: ``Mxfp4GateUpMma`` here, ``h = SiTU-GLU(w1[e] z, w3[e] z)``, and ``cute_down.Mxfp4DownMma``, ``partial =
 round(w2[e] h) · router weight``, which shares this module's conversion and MMA steps. A block runs for pair ``p``
 only if ``p`` is the first (token, slot) pair holding its expert, and then serves every token that chose that expert
-at once (at most 8: the MMA's N).
+at once (at most 8: the MMA's N). The MMA's 8 columns are either the call's tokens in blocks of 8 (M <= 8: one MMA a
+step; M <= 16: two), or, ``compact``, only the tokens that chose the expert, found from the prologue's ids (about one
+a block at K3's decode M: one MMA a step and one token's activations, whatever M). Compact blocks run for the first
+pair of every eighth token holding the expert (token order), each serving its eight: a ninth token runs a second
+block, in parallel.
 
 Weights are the MMA's A operand (16 rows: gate/up stacks 8 rows of w1 over the same 8 rows of w3, so a lane holds
 both halves of its SiTU-GLU; down takes 16 rows of w2), tokens its B operand (one column a token). A lane owns 16
@@ -57,6 +61,15 @@ def e2m1x8_bf16(word, factor, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def top_bit(x, *, loc=None, ip=None):
+    """The index of the highest set bit of a nonzero 32-bit ``x`` (PTX bfind)."""
+    return cutlass.Int32(llvm.inline_asm(
+        T.i32(), [x.ir_value(loc=loc, ip=ip)], "bfind.u32 $0, $1;", "=r,r",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
+    ))
+
+
+@dsl_user_op
 def mul_bf16x2(x, factor, *, loc=None, ip=None):
     """x · factor, both bf16x2 in 32-bit registers."""
     return cutlass.Int32(llvm.inline_asm(
@@ -101,12 +114,13 @@ class Mxfp4GateUpMma:
     loaded while the chunk before it converts and multiplies)."""
 
     def __init__(self, m: int, a: int, warps_k: int, row_groups: int, unroll: int, beta, linear_beta,
-                 big_scales: bool, prefetch: bool = False, scan_unrolled: bool = False):
-        assert 1 <= m <= 16
+                 big_scales: bool, prefetch: bool = False, scan_unrolled: bool = False, compact: bool = False):
+        assert 1 <= m <= 16 and (scan_unrolled or not compact)
         self.prefetch = prefetch   # two chunks' registers: the next chunk's loads in flight while one converts
         self.scan_unrolled = scan_unrolled   # every id of the scan loaded before any compare: one round trip
+        self.compact = compact   # the MMA's columns: the expert's tokens only (module doc)
         self.m, self.a = m, a
-        self.nb = 1 if m <= 8 else 2   # blocks of 8 tokens: one MMA (N = 8) each
+        self.nb = 1 if m <= 8 or compact else 2   # blocks of 8 tokens: one MMA (N = 8) each
         self.big_scales = big_scales
         self.wk, self.rg, self.unroll = warps_k, row_groups, unroll
         self.threads = 32 * warps_k
@@ -128,25 +142,95 @@ class Mxfp4GateUpMma:
         )
 
     @cute.jit
-    def first_of_expert(self, mIds: cute.Tensor, p, e, lane):
-        """Whether no pair before ``p`` holds expert ``e`` (the warp's lanes split the scan). ``scan_unrolled``: each
-        lane loads its ids of all M·A pairs (clamped in range, so that no load is conditional), then compares those
-        before ``p``: one round trip of loads instead of one per 32 pairs; the ids compared in their low 32 bits,
-        as the loop does."""
+    def pair_ids(self, mIds: cute.Tensor, lane):
+        """This lane's ids of pairs lane, lane + 32, ... of all M·A, in their low 32 bits (indices clamped in range, so
+        that no load is conditional): the unrolled scan's one round trip of loads."""
+        pairs: cutlass.Constexpr = self.m * self.a
+        ids = []
+        for j in cutlass.range_constexpr((pairs + 31) // 32):
+            ids.append(mIds[cutlass.min(lane + 32 * j, pairs - 1)].to(cutlass.Int32))
+        return ids
+
+    @cute.jit
+    def first_of_expert(self, mIds: cute.Tensor, p, e, lane, ids: list, lo=0):
+        """Whether no pair before ``p`` (from pair ``lo``: ``scan_unrolled`` only) holds expert ``e`` (the warp's
+        lanes split the scan). ``scan_unrolled``: the compares on ``pair_ids``' ids (``ids``), instead of a loop of
+        loads, one round trip per 32 pairs; either way the ids compared in their low 32 bits."""
         seen = cutlass.Int32(0)
         if cutlass.const_expr(self.scan_unrolled):
             pairs: cutlass.Constexpr = self.m * self.a
-            ids = []
             for j in cutlass.range_constexpr((pairs + 31) // 32):
-                ids.append(mIds[cutlass.min(lane + 32 * j, pairs - 1)].to(cutlass.Int32))
-            for j in cutlass.range_constexpr((pairs + 31) // 32):
-                if (lane + 32 * j < p) & (ids[j] == e):
+                if (lane + 32 * j < p) & (lane + 32 * j >= lo) & (ids[j] == e):
                     seen = cutlass.Int32(1)
         else:
             for q in cutlass.range(lane, p, 32, unroll=1):
                 if mIds[q].to(cutlass.Int32) == e:
                     seen = cutlass.Int32(1)
         return cute.arch.vote_any_sync(seen != 0) == cutlass.Boolean(False)
+
+    @cute.jit
+    def tokens_of_expert(self, e, lane, ids: list):
+        """``(tokens, slots)``: the tokens with a pair holding ``e`` as a bit mask (bit t: token t), and each token's
+        slots holding it (``slots[t]``, bit a: pair t·A + a), from ``pair_ids``' ids: each round's ballot gives 32
+        pairs' bits, and token t's pairs are bits t·A .. t·A + A - 1 of those rounds."""
+        pairs: cutlass.Constexpr = self.m * self.a
+        hits = []
+        for j in cutlass.range_constexpr((pairs + 31) // 32):
+            hits.append(cute.arch.vote_ballot_sync((ids[j] == e) & (lane + 32 * j < pairs)))
+        tokens = cutlass.Int32(0)
+        slots = []
+        for tok in cutlass.range_constexpr(self.m):
+            hit = cutlass.Int32(0)
+            for j in cutlass.range_constexpr(tok * self.a // 32, (tok * self.a + self.a - 1) // 32 + 1):
+                lo = max(tok * self.a, 32 * j) - 32 * j   # round j's first bit of the token
+                width = min(tok * self.a + self.a, 32 * j + 32) - 32 * j - lo
+                # masked after the (arithmetic) shift: the sign's copies never reach the kept bits
+                part = (hits[j] >> lo) & (-1 if width == 32 else (1 << width) - 1)
+                hit = hit | (part << (32 * j + lo - tok * self.a))
+            slots.append(hit)
+            if hit != 0:
+                tokens = tokens | (1 << tok)
+        return tokens, slots
+
+    @cute.jit
+    def nth_token(self, tokens, k, default):
+        """The token of ``tokens``' set bit number ``k`` (from 0, lowest first); ``default`` where fewer are set."""
+        res = default
+        seen = cutlass.Int32(0)
+        for i in cutlass.range_constexpr(self.m):
+            bit = (tokens >> i) & 1
+            if (bit != 0) & (seen == k):
+                res = cutlass.Int32(i)
+            seen = seen + bit
+        return res
+
+    @cute.jit
+    def compact_block(self, mIds: cute.Tensor, p, e, lane, ids: list):
+        """``(run, tokens, slots, rank)`` of a compact block: it runs where ``p`` is its token's first pair holding
+        ``e`` and that token's rank among the expert's tokens (``tokens``, ``slots``: ``tokens_of_expert``) is a
+        multiple of 8: the block serves ranks ``rank .. rank + 7``."""
+        tokens, slots = self.tokens_of_expert(e, lane, ids)
+        tp = p // self.a
+        rank = cute.arch.popc(tokens & ((cutlass.Int32(1) << tp) - 1))
+        run = self.first_of_expert(mIds, p, e, lane, ids, tp * self.a) & (rank % 8 == 0)
+        return run, tokens, slots, rank
+
+    @cute.jit
+    def columns(self, tokens, slots: list, rank, g, t):
+        """The tokens of ranks ``rank ..`` for lane (g, t): its B column's token (the first's where column g is past
+        the expert's tokens: the same row, loaded at once with it), and its two stored columns' tokens (M where
+        none) with their slots holding the expert (0 where none)."""
+        first = self.nth_token(tokens, rank, cutlass.Int32(self.m))
+        col = self.nth_token(tokens, rank + g, first)
+        outs = [self.nth_token(tokens, rank + 2 * t + x, cutlass.Int32(self.m)) for x in range(2)]
+        masks = []
+        for x in cutlass.range_constexpr(2):
+            mask = cutlass.Int32(0)
+            for i in cutlass.range_constexpr(self.m):
+                if outs[x] == i:
+                    mask = slots[i]
+            masks.append(mask)
+        return col, outs, masks
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor, mW0: cute.Tensor, mW1: cute.Tensor,
@@ -169,18 +253,32 @@ class Mxfp4GateUpMma:
         e = mIds[p].to(cutlass.Int32)
         valid = (e >= 0) & (e < E)
         ec = cutlass.max(cutlass.min(e, E - 1), 0)
-        if cutlass.const_expr(self.scan_unrolled):   # its loads are in range whatever e is: issued beside e's
-            run = valid & self.first_of_expert(mIds, p, e, lane)
+        if cutlass.const_expr(self.compact):
+            run, tokens, slots, rank = self.compact_block(mIds, p, e, lane, self.pair_ids(mIds, lane))
+            run = valid & run
+        elif cutlass.const_expr(self.scan_unrolled):   # its loads are in range whatever e is: issued beside e's
+            run = valid & self.first_of_expert(mIds, p, e, lane, self.pair_ids(mIds, lane))
         else:
             run = valid
             if valid:
-                run = self.first_of_expert(mIds, p, e, lane)
+                run = self.first_of_expert(mIds, p, e, lane, [])
         if run:
-            self.product(mX, mIds, mW0, mW1, mS0, mS1, mOut, ec, n0, wk, lane, g, t, N, K)
+            if cutlass.const_expr(self.compact):
+                col, outs, masks = self.columns(tokens, slots, rank, g, t)
+                self.product(mX, mIds, mW0, mW1, mS0, mS1, mOut, ec, n0, wk, lane, g, t, N, K, [col], [outs],
+                             [masks])
+            else:
+                cols = [cutlass.min(8 * b + g, self.m - 1) for b in range(self.nb)]   # past M: a copy, never stored
+                outs = [[8 * b + 2 * t + x for x in range(2)] for b in range(self.nb)]
+                self.product(mX, mIds, mW0, mW1, mS0, mS1, mOut, ec, n0, wk, lane, g, t, N, K, cols, outs, [])
 
     @cute.jit
     def product(self, mX: cute.Tensor, mIds: cute.Tensor, mW0: cute.Tensor, mW1: cute.Tensor, mS0: cute.Tensor,
-                mS1: cute.Tensor, mOut: cute.Tensor, e, n0, wk, lane, g, t, N, K):
+                mS1: cute.Tensor, mOut: cute.Tensor, e, n0, wk, lane, g, t, N, K, cols: list, outs: list,
+                masks: list):
+        """Rows ``n0 ..`` of expert ``e`` against block b's tokens: lane (g, t) loads token ``cols[b]``'s z (its B
+        column g) and stores h of tokens ``outs[b]`` (its columns 2t, 2t + 1; M: none) into their slots holding
+        ``e``: ``masks[b]``'s bits where given (``compact``), else found by reading the ids."""
         RG: cutlass.Constexpr = self.rg
         U: cutlass.Constexpr = self.unroll
         WK: cutlass.Constexpr = self.wk
@@ -203,10 +301,10 @@ class Mxfp4GateUpMma:
             codes.append(gW1[e, rows1[r], None])
             scales.append(mS0[e, rows0[r], None])
             scales.append(mS1[e, rows1[r], None])
-        # token 8b + g's z for each block b of 8 tokens ([(8 values, K/8)]; tokens past M: a copy, never stored)
+        # column g's z for each block b of 8 columns ([(8 values, K/8)])
         xs = []
         for b in cutlass.range_constexpr(NB):
-            xs.append(cute.logical_divide(mX, (None, 8))[cutlass.min(8 * b + g, self.m - 1), None])
+            xs.append(cute.logical_divide(mX, (None, 8))[cols[b], None])
 
         SL: cutlass.Constexpr = 2 * U if self.prefetch else U   # step slots in registers: one chunk, or two
         acc = cute.make_rmem_tensor((4, RG, U, NB), cutlass.Float32)
@@ -270,9 +368,10 @@ class Mxfp4GateUpMma:
                         for q in cutlass.range_constexpr(1, WK):
                             s = s + red[q, r, b, i, lane]
                         c.append(s)
-                    # lane (g, t) holds rows g (c0, c1) and g + 8 (c2, c3) for tokens 8b + 2t and 8b + 2t + 1
+                    # lane (g, t) holds rows g (c0, c1) and g + 8 (c2, c3) for columns 2t and 2t + 1
                     for x in cutlass.range_constexpr(2):
-                        self.store_h(mIds, mOut, e, 8 * b + 2 * t + x, n0 + r * 8 + g, N, c[x], c[2 + x])
+                        self.store_h(mIds, mOut, e, outs[b][x], n0 + r * 8 + g, N, c[x], c[2 + x],
+                                     masks[b][x] if len(masks) else None)
 
     @cute.jit
     def load_step(self, codes: list, scales: list, xs: list, k0, u: cutlass.Constexpr, rW: cute.Tensor,
@@ -352,9 +451,10 @@ class Mxfp4GateUpMma:
                 rD[q, h] = mul_bf16x2(rD[q, h], f2)
 
     @cute.jit
-    def store_h(self, mIds: cute.Tensor, mH: cute.Tensor, e, tok, i, N, gate, up):
-        """h = SiTU-GLU(gate, up) of token ``tok`` at column ``i``, into every pair of the token holding ``e``; the
-        model rounds gate, up and h to the activations' dtype (reference.py)."""
+    def store_h(self, mIds: cute.Tensor, mH: cute.Tensor, e, tok, i, N, gate, up, mask):
+        """h = SiTU-GLU(gate, up) of token ``tok`` at column ``i``, into every pair of the token holding ``e`` (the
+        slots of ``mask``'s bits where given); the model rounds gate, up and h to the activations' dtype
+        (reference.py)."""
         if tok < self.m:
             if i < N:
                 dt = mH.element_type
@@ -366,9 +466,16 @@ class Mxfp4GateUpMma:
                 if cutlass.const_expr(self.linear_beta is not None):
                     upv = cutlass.Float32(self.linear_beta) * self.tanh(upv / cutlass.Float32(self.linear_beta))
                 hv = (act * upv).to(dt)
-                for a in cutlass.range_constexpr(self.a):
-                    if mIds[tok * self.a + a].to(cutlass.Int32) == e:
+                if cutlass.const_expr(mask is None):
+                    for a in cutlass.range_constexpr(self.a):
+                        if mIds[tok * self.a + a].to(cutlass.Int32) == e:
+                            mH[tok * self.a + a, i] = hv
+                else:
+                    left = mask
+                    while left != 0:
+                        a = top_bit(left)
                         mH[tok * self.a + a, i] = hv
+                        left = left ^ (cutlass.Int32(1) << a)
 
     @cute.jit
     def sigmoid(self, x):
