@@ -102,9 +102,11 @@ def add_arguments(parser, dtypes: str) -> None:
     parser.add_argument("--replays", type=int, default=15)
 
 
-def write_table(op: str, dispatch, timings: dict, fallback: str, out: Optional[str], merge: bool) -> str:
+def write_table(op: str, dispatch, timings: dict, fallback: str, out: Optional[str], merge: bool,
+                note: str = "") -> str:
     """The picks of ``timings`` as this GPU's table of ``op`` (``dispatch``: the op's dispatch module), checked with
-    the reader the dispatch uses, written to ``out`` (default: where the dispatch looks for it); its path."""
+    the reader the dispatch uses, written to ``out`` (default: where the dispatch looks for it), ``note`` before the
+    command line in its note; its path."""
     import torch
 
     from k3compile.backends import sm_count
@@ -117,7 +119,7 @@ def write_table(op: str, dispatch, timings: dict, fallback: str, out: Optional[s
         picks = {**{key: p for key, p in tables.load(out, dispatch.KERNELS).picks.items()
                     if (key[0], key[2], key[3]) not in timed}, **picks}
     text = tables.dumps(op, name, sm_count(torch.device("cuda")), picks, dispatch.KERNEL_OF,
-                        f"benchmarks/tune_{op}.py", f"written by: {' '.join(sys.argv)}")
+                        f"benchmarks/tune_{op}.py", f"{note}written by: {' '.join(sys.argv)}")
     tables.parse(json.loads(text), dispatch.KERNELS)   # what the dispatch will read
     with open(out, "w") as f:
         f.write(text)

@@ -8,8 +8,10 @@ CuTe kernels' candidates (``candidates``), each checked against a float64 refere
 graphs with the weight rotated out of L2 (docs/measuring.md), and writes the picks: per kernel its fastest
 configuration, and the kernels faster than cuBLAS by more than 3% in the order the dispatch tries them
 (``_tuning.picks_from_timings``; CuTe is listed only where it is the fastest). ``--merge`` keeps the rows of an
-existing table for the shapes not timed now. Then rerun ``benchmarks/skinny_gemm.py`` to confirm, and record the
-run in ``benchmarks/results/README.md``.
+existing table for the shapes not timed now. The router's shape (``CHAIN_TIMED``) is timed elsewhere: its Triton
+configuration serves the fp32-output product in the decode step's chain (``benchmarks/upcast_router.py --sweep``),
+so the default shapes leave it out and its rows are kept (``--shapes`` naming it re-times it here). Then rerun
+``benchmarks/skinny_gemm.py`` to confirm, and record the run in ``benchmarks/results/README.md``.
 """
 from __future__ import annotations
 
@@ -30,6 +32,11 @@ from k3compile.ops.skinny_gemm import cute_config, dispatch  # noqa: E402
 K3_SHAPES = [(4608, 7168), (1536, 7168), (2112, 7168), (2304, 1536), (896, 7168), (3584, 7168),
              (7168, 3584), (7168, 1536), (7168, 768), (20480, 7168)]
 ROTATE_BYTES = 640 * 2**20
+# shapes whose table rows another benchmark measures, and the note the table keeps about them
+CHAIN_TIMED = {(896, 7168): ("The 896 x 7168 rows' Triton configurations serve the router's fp32-output product (the "
+                             "upcast-matmul rewrite; CuTe stores no fp32): timed in the decode step's chain by "
+                             "benchmarks/upcast_router.py --sweep (docs/tuning/moe_route.md run 3), kept by "
+                             "benchmarks/tune_skinny_gemm.py. ")}
 
 
 def cute_candidates(m: int, n: int, k: int, static: bool, current) -> list:
@@ -118,9 +125,14 @@ def main(argv=None):
     add_arguments(ap, dtypes="bfloat16")
     args = ap.parse_args(argv)
     shapes = K3_SHAPES if args.shapes is None else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    named = [] if args.shapes is None else shapes
+    kept = [s for s in CHAIN_TIMED if s not in named]
+    shapes = [s for s in shapes if s not in kept]
     timings = tune(shapes, [int(m) for m in args.ms.split(",")], [getattr(torch, d) for d in args.dtypes.split(",")],
                    args.passes, args.replays, dispatch.table_for(torch.cuda.get_device_name()))
-    write_table("skinny_gemm", dispatch, timings, "cublas", args.out, args.merge)
+    # kept shapes' rows come from the existing table (a merge), and so does every untimed shape's then
+    write_table("skinny_gemm", dispatch, timings, "cublas", args.out, args.merge or bool(kept),
+                note="".join(CHAIN_TIMED[s] for s in kept))
 
 
 if __name__ == "__main__":

@@ -105,6 +105,23 @@ def test_the_tail_tuner_writes_what_the_tail_dispatch_reads():
     assert tail_dispatch.triton_config_for(torch.bfloat16, 5, 7168, 3584, True, table, 132) == tri
 
 
+def test_the_gemm_tuner_keeps_the_router_rows_another_benchmark_timed(monkeypatch):
+    """``tune_skinny_gemm.py`` leaves the router's 896 x 7168 out of its default shapes and merges its rows from the
+    table (their Triton configurations come from the decode step's chain), unless ``--shapes`` names it."""
+    tune = _benchmark("tune_skinny_gemm")
+    seen = {}
+    monkeypatch.setattr(tune.torch.cuda, "get_device_name", lambda: "NVIDIA H200")
+    monkeypatch.setattr(tune, "tune", lambda shapes, *a: seen.update(shapes=shapes) or {})
+    monkeypatch.setattr(tune, "write_table", lambda *a, note="": seen.update(merge=a[5], note=note))
+    tune.main([])
+    assert (896, 7168) not in seen["shapes"] and (1536, 7168) in seen["shapes"]
+    assert seen["merge"] and "upcast_router.py --sweep" in seen["note"]
+    tune.main(["--shapes", "896x7168,1536x7168"])
+    assert seen["shapes"] == [(896, 7168), (1536, 7168)] and not seen["merge"] and seen["note"] == ""
+    tune.main(["--shapes", "1536x7168", "--merge"])
+    assert seen["shapes"] == [(1536, 7168)] and seen["merge"] and "upcast_router" in seen["note"]
+
+
 @pytest.mark.parametrize("name", ["tune_skinny_gemm", "tune_latent_moe_tail", "tune_moe_experts"])
 def test_tuners_import_without_a_gpu(name):
     assert callable(_benchmark(name).main)
