@@ -203,8 +203,8 @@ REGISTRATIONS: list[tuple[str, int]] = []
 def _source_files() -> tuple[str, ...]:
     """Every file whose edit could change the rewritten graph: passes, the static-weight proof, patterns, op schemas."""
     root = Path(__file__).resolve().parent
-    files = [root / "passes.py", root / "backends.py", root / "static_weights.py", root / "inductor_pdl.py",
-             root / "product_order.py"]
+    files = [root / "passes.py", root / "backends.py", root / "static_weights.py", root / "graph_values.py",
+             root / "inductor_pdl.py", root / "product_order.py"]
     files += sorted((root / "ops").rglob("op.py"))
     import k3compile.patterns as patterns_pkg
     files += sorted(Path(patterns_pkg.__file__).resolve().parent.glob("*.py"))
@@ -286,9 +286,17 @@ class K3PostGradPass(CustomGraphPass):
         if self.chained is not None:
             self.chained(graph)
         t1 = time.perf_counter()
-        static = mark_static_weights(graph)   # last: it must see every write any pass added
+        bodies: dict = {}
+        static = mark_static_weights(graph, bodies)   # last: it must see every write any pass added
         if static:
             record.facts[STATIC_WEIGHT_FACT] = static
+        for body_record in reversed(COMPILE_RECORD.graphs):   # the region bodies it calls, proven at its calls
+            if body_record.graph_id in bodies:
+                body, body_static = bodies.pop(body_record.graph_id)
+                if body_static:
+                    body_record.facts[STATIC_WEIGHT_FACT] = body_static
+                body_record.kernel_calls = call_sites(body)
+                precompile_found(body_record.kernel_calls, body)
         record.seconds = ours + time.perf_counter() - t1   # the chained pass's time is not ours
         record.kernel_calls = call_sites(graph)
         COMPILE_RECORD.graphs.append(record)

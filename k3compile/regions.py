@@ -24,11 +24,11 @@ subclass per class): a region on a bound method (``module.forward = region.__get
 Dynamo reuse the first instance's parameters for every later call of the body (wrong results), a class-level region
 does not. :func:`unmark` restores the classes. Outside ``torch.compile`` a region is a plain call.
 
-Cost (why ``optimize`` leaves regions off by default): ``static_weights.mark_static_weights`` runs on each body
-alone, where every GEMM that reads the block's input reads a body input, so it cannot prove that the kernel before it
-belongs to the compiled graph; those GEMMs do not stream their weights before the PDL wait (the micro K3's decode
-step: 30 of its 48 skinny GEMMs unproven, none in the whole graph). Proving them needs the call sites' view (each
-operand made by a kernel of the outer graph, the weight written by none), which the proof does not take yet.
+Cost (why ``optimize`` leaves regions off by default): kernels do not fuse across a region's boundary, and what
+that costs at run time is unmeasured. The static-weight proof runs on each body alone first, where a GEMM that reads
+the block's input reads a body input, then again at the body's calls from the graph that calls it (each operand made
+by a kernel of that graph, each weight a parameter none writes: ``static_weights.py``, "compile regions"); the micro
+K3's decode step proves 48 of its 48 skinny GEMMs as regions, as in the whole graph.
 
 What the passes did in a body counts once per call of it (``graph_records.merge_records`` weights each record by
 :func:`calls`), so a report over regions reads as one over the whole graph. :func:`inline` turns a Dynamo graph

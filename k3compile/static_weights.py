@@ -56,6 +56,14 @@ codegen is on is read from Inductor's config as the graph compiles (``optimize(i
 for its own compiles). ``tests/compiler/test_static_weight.py`` checks Inductor's PDL codegen: the
 wait before ``launch_dependents`` in every kernel that loads, no ``launch_dependents`` in one that does not.
 
+Compile regions (``k3compile/regions.py``): a region body's graph is rewritten, and proven, before the graph that
+calls it, and there its GEMMs' activations (and weights) are body inputs. The caller's proof then proves the body
+again at its call sites (``invoke_subgraph(body, name, *operands)``, body input i = operand i): a body input passes
+step 2 (a) where at every call of the body the operand does, in the caller's graph (its kernel is launched before
+the call, hence before C), and step 2 (b) where at every call the operand is a parameter or input that no node of the
+caller writes; a caller's weight taken by ``invoke_subgraph`` passes where the body writes that input nowhere. The
+kernels between Q and C then belong to the caller's run or the body's, as in step 1.
+
 ``mark_static_weights(graph)`` runs after every pattern pass (``passes.K3PostGradPass``); it never
 raises: whatever it cannot analyse is "not proven", with the reason recorded for ``k3compile.report``.
 ``K3_STATIC_WEIGHT=0`` in the environment turns it off (A/B timing, or a suspected race); the pass's
@@ -70,6 +78,7 @@ from typing import Any, Optional
 import torch
 from torch.fx import Node
 
+from .graph_values import is_view, mentions, op_name, schema_arg, set_schema_arg, value_root, written_args
 from .inductor_pdl import on as inductor_pdl_on, read_from_memory
 
 # op name -> (activation argument, weight argument)
@@ -87,12 +96,6 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0"
 
 
-# ops that may leave no kernel behind (Inductor turns them into aliases or removes them): walked
-# through like views; and ops that are views in Inductor though their schema says otherwise
-_MAY_VANISH = {"aten.clone", "aten._to_copy", "aten.alias", "aten.detach", "aten.lift_fresh_copy",
-               "aten.copy", "aten.contiguous", "aten.expand", "aten.expand_copy", "aten.alias_copy"}
-_VIEW_EXTRA = {"aten._unsafe_view", "aten._reshape_alias"}
-_MAY_COPY = {"aten.reshape"}   # a view where the strides allow, else a copy
 _KERNEL_NAMESPACES = {"aten", "prims", "k3"}
 _COLLECTIVE_NAMESPACES = {"_c10d_functional", "c10d_functional"}
 
@@ -106,120 +109,76 @@ def _k3_op(node: Node) -> Optional[str]:
     return name if name in STATIC_OPS else None
 
 
-def _packet(target) -> str:
-    # "aten.clone" for aten.clone.default
-    return f"{target.namespace}.{target._schema.name.split('::')[-1]}"
+def _region_call(node: Node) -> Optional[tuple]:
+    """``(body, operands)`` for a call of a region body: ``invoke_subgraph(body, name, *operands)``, or, for a body
+    that writes some of its inputs, ``auto_functionalized_v2(invoke_subgraph, subgraph=body, arg0=..., ...)``, whose
+    written operands (passed through ``_all_bases``) are None here: nothing is proven through them."""
+    from .regions import invoke_subgraph_op
 
-
-def _name(target) -> str:
-    return str(target) if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", str(target))
-
-
-def _arg(node: Node, name: str, default: Any = None) -> Any:
-    """The value bound to schema argument ``name`` (positional or keyword)."""
-    for i, a in enumerate(node.target._schema.arguments):
-        if a.name == name:
-            if i < len(node.args):
-                return node.args[i]
-            return node.kwargs.get(name, default)
-    raise KeyError(name)
-
-
-def _set_arg(node: Node, name: str, value: Any) -> None:
-    for i, a in enumerate(node.target._schema.arguments):
-        if a.name == name:
-            if i < len(node.args):
-                node.update_arg(i, value)
-            else:
-                node.update_kwarg(name, value)
-            return
-    raise KeyError(name)
-
-
-def _returns_alias(t: torch._ops.OpOverload) -> bool:
-    return any(r.alias_info is not None for r in t._schema.returns)
-
-
-def _is_view(node: Node, surely: bool = False) -> bool:
-    """The node's output may alias an input: a view op (or its ``*_copy`` form, which Inductor may lower
-    to a view), an in-place op's return, or getitem of a multi-output view. ``surely``: only ops whose
-    output always aliases (not ``reshape`` or a ``*_copy``, which may copy)."""
-    if node.op != "call_function":
-        return False
-    t = node.target
-    if t is operator.getitem:
-        src = node.args[0]
-        return isinstance(src, Node) and _is_view(src, surely)
-    if not isinstance(t, torch._ops.OpOverload):
-        return False
-    if surely and _packet(t) in _MAY_COPY:
-        return False
-    if _packet(t) in _VIEW_EXTRA or _returns_alias(t):
-        return True
-    if surely:
-        return False
-    name = t._schema.name.split("::")[-1]
-    if name.endswith("_copy"):  # view_copy, permute_copy, ...: functional forms of views
-        base = getattr(getattr(torch.ops, t.namespace), name[:-len("_copy")], None)
-        overload = getattr(base, t._overloadname, None) if base is not None else None
-        return isinstance(overload, torch._ops.OpOverload) and _returns_alias(overload)
-    return False
-
-
-def _may_vanish(node: Node) -> Optional[Node]:
-    """For an op Inductor may turn into an alias of its input (or drop), that input; else None."""
-    t = node.target
-    if not isinstance(t, torch._ops.OpOverload):
+    op, owner = invoke_subgraph_op(), node.graph.owning_module
+    if op is None or owner is None or node.op != "call_function":
         return None
-    if _packet(t) in _MAY_VANISH:
-        src = node.args[1] if _packet(t) == "aten.copy" else node.args[0]
-        return src if isinstance(src, Node) else None
-    try:
-        from torch._inductor.fx_passes.post_grad import noop_registry, same_meta
-    except ImportError:  # pragma: no cover - other torch versions
+    if node.target is op:
+        body, operands = node.args[0], list(node.args[2:])
+    elif node.args and node.args[0] is op and "auto_functionalized" in op_name(node.target):
+        body = node.kwargs.get("subgraph")
+        count = 1 + max((int(k[3:]) for k in node.kwargs if k.startswith("arg") and k[3:].isdigit()), default=-1)
+        count = max([count] + [int(k[4:-len("_base_index")]) + 1 for k in node.kwargs
+                               if k.startswith("_arg") and k.endswith("_base_index")])
+        operands = [node.kwargs.get(f"arg{i}") for i in range(count)]
+    else:
         return None
-    if t not in noop_registry:
+    body = getattr(owner, body.target, None) if isinstance(body, Node) and body.op == "get_attr" else None
+    if not isinstance(body, torch.fx.GraphModule):
         return None
-    _, src_index = noop_registry[t]
-    try:
-        src = node.args[src_index] if isinstance(src_index, int) else src_index(node.args)
-    except Exception:
-        return None
-    # a registered no-op whose output differs from its source (dtype, shape, strides) does real work
-    return src if isinstance(src, Node) and same_meta(node, src) else None
+    # operand i is the body's input i: checked on what both hold (an operand that does not agree is dropped)
+    inputs = body.graph.find_nodes(op="placeholder")
+    for i, operand in enumerate(operands):
+        if isinstance(operand, Node) and not (i < len(inputs) and _same_value_type(operand, inputs[i])):
+            operands[i] = None
+    return body, operands
 
 
-def _source(node: Node, surely: bool) -> Optional[Node]:
-    """The input ``node``'s value is (with ``surely``: certainly) an alias of, or, without ``surely``,
-    may be an alias of because Inductor may drop the op; None when ``node`` computes its value."""
-    if node.op != "call_function":
-        return None
-    if _is_view(node, surely):
-        if node.target is operator.getitem:
-            return _source(node.args[0], surely)
-        return next((a for a in node.args if isinstance(a, Node)), None)
-    return None if surely else _may_vanish(node)
+def _same_value_type(a: Node, b: Node) -> bool:
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.dtype == vb.dtype
+            and va.shape == vb.shape)
 
 
-def _root(node: Any, surely: bool = False) -> tuple[Any, int]:
-    """Walk back through views (``surely``: only certain ones; else also ops that may vanish):
-    (root, number of steps walked)."""
-    steps = 0
-    while isinstance(node, Node):
-        src = _source(node, surely)
-        if src is None:
-            break
-        node, steps = src, steps + 1
-    return node, steps
+def _region_calls(graph: torch.fx.Graph) -> dict:
+    """{region body GraphModule: [(call node, operands)] in ``graph``} (module doc, compile regions)."""
+    out: dict = {}
+    for node in graph.nodes:
+        call = _region_call(node)
+        if call is not None:
+            out.setdefault(call[0], []).append((node, call[1]))
+    return out
 
 
 class _Prover:
-    """Proofs for the k3 nodes of one graph (one instance per graph: it caches what it walks)."""
+    """Proofs for the k3 nodes of one graph (one instance per graph: it caches what it walks). ``sites``: for a
+    region body, its caller's prover and the calls ``[(call node, operands)]`` (module doc, compile regions)."""
 
-    def __init__(self, graph: torch.fx.Graph):
+    def __init__(self, graph: torch.fx.Graph, sites: Optional[tuple] = None):
         self.graph = graph
+        self.sites = sites
         self._from_input: Optional[set] = None
         self._from_memory: Optional[set] = None
+
+    def at_call_sites(self, placeholder: Node, check: str) -> Optional[str]:
+        """None when, at every call of this body, the operand bound to ``placeholder`` passes the caller's
+        ``check`` ("activation_reason" / "weight_reason"); else why not (no sites: not proven)."""
+        if self.sites is None:
+            return "no call site to prove it at"
+        caller, calls = self.sites
+        index = self.graph.find_nodes(op="placeholder").index(placeholder)
+        for _, operands in calls:
+            if index >= len(operands) or operands[index] is None:
+                return "a call of its region binds it to no operand, or to one the region writes"
+            why = getattr(caller, check)(operands[index])
+            if why is not None:
+                return f"at a call of its region: {why}"
+        return None
 
     def read_from_memory(self, node: Node) -> bool:
         """Whether ``node``'s value is read from memory (``inductor_pdl.read_from_memory``)."""
@@ -241,9 +200,11 @@ class _Prover:
         """None when ``act`` comes from a kernel this graph launches before its consumer."""
         if not isinstance(act, Node):
             return "activation is not a graph value"
-        root, steps = _root(act)
+        root, steps = value_root(act)
         of = "a view or copy of " if steps else ""
         if root.op == "placeholder":
+            if self.sites is not None:   # a region body's input: the operand at each of its calls
+                return self.at_call_sites(root, "activation_reason")
             return f"activation is {of}a graph input: the kernel before it may be outside this graph"
         if root.op == "get_attr":
             return f"activation is {of}a constant"
@@ -261,23 +222,23 @@ class _Prover:
             if (t.__name__.startswith("auto_functionalized") and isinstance(wrapped, torch._ops.OpOverload)
                     and wrapped.namespace == "k3"):
                 return None
-            return f"activation comes from higher-order op {_name(t)}"
+            return f"activation comes from higher-order op {op_name(t)}"
         if not isinstance(t, torch._ops.OpOverload):
-            return f"activation comes from {_name(t)}, not an ATen/k3 op"
+            return f"activation comes from {op_name(t)}, not an ATen/k3 op"
         if t.namespace in _COLLECTIVE_NAMESPACES:
             # a collective may run on its own stream: ask that its input be made by a kernel of this graph
             if depth > 8:
                 return "activation comes from a chain of collectives too deep to follow"
             inputs = [a for a in root.args if isinstance(a, Node)]
             if not inputs:
-                return f"activation comes from {_name(t)} without a tensor input"
+                return f"activation comes from {op_name(t)} without a tensor input"
             return self.activation_reason(inputs[0], depth + 1)
         if t.namespace not in _KERNEL_NAMESPACES:
-            return f"activation comes from {_name(t)}, which may launch no kernel"
+            return f"activation comes from {op_name(t)}, which may launch no kernel"
         if t.namespace != "k3" and not self.depends_on_input(root):
-            return f"activation comes from {_name(t)} of constants only (may be folded)"
+            return f"activation comes from {op_name(t)} of constants only (may be folded)"
         if inductor_pdl_on() and not self.read_from_memory(root):
-            return (f"activation comes from {_name(t)}, whose value is read from no graph input or k3 op (a fill, "
+            return (f"activation comes from {op_name(t)}, whose value is read from no graph input or k3 op (a fill, "
                     "or computed only from fills): under Inductor's PDL codegen its kernel may trigger without "
                     "waiting")
         return None
@@ -287,7 +248,7 @@ class _Prover:
         if not isinstance(w, Node):
             return "weight is not a graph value"
         # only certain views: a copy of the weight would be a buffer some kernel of this graph writes
-        root, _ = _root(w, surely=True)
+        root, _ = value_root(w, surely=True)
         if root.op not in ("placeholder", "get_attr"):
             return "weight is computed (or may be copied) in the graph, not a parameter or input"
         # every alias of the root: the root and its views, transitively
@@ -301,20 +262,44 @@ class _Prover:
                     return f"weight is used by a {user.op} node"
                 t = user.target
                 if t is operator.getitem:
-                    if _is_view(user):
+                    if is_view(user):
                         if user not in aliases:
                             aliases.add(user)
                             todo.append(user)
                         continue
                     return "weight is indexed by getitem"
                 if not isinstance(t, torch._ops.OpOverload):
-                    return f"weight is taken by {_name(t)} (higher-order or unknown op)"
-                written = _written_args(user)
-                if any(_mentions(v, aliases) for v in written):
-                    return f"weight (or a view of it) is written in the graph by {_name(t)}"
-                if _is_view(user) and user not in aliases:
+                    why = self.region_writes(user, aliases)
+                    if why is None:
+                        continue
+                    return why
+
+                written = written_args(user)
+                if any(mentions(v, aliases) for v in written):
+                    return f"weight (or a view of it) is written in the graph by {op_name(t)}"
+                if is_view(user) and user not in aliases:
                     aliases.add(user)
                     todo.append(user)
+        if root.op == "placeholder" and self.sites is not None:   # a region body's input: its operands
+            return self.at_call_sites(root, "weight_reason")
+        return None
+
+    def region_writes(self, call: Node, aliases: set) -> Optional[str]:
+        """None when ``call`` is a call of a region body that writes none of the inputs bound to ``aliases``, else
+        why the weight is not proven."""
+        region = _region_call(call)
+        if region is None:
+            return f"weight is taken by {op_name(call.target)} (higher-order or unknown op)"
+        if mentions(call.kwargs.get("_all_bases", []), aliases):
+            return "weight (or a view of it) is written by a region"
+        body, operands = region
+        inputs = body.graph.find_nodes(op="placeholder")
+        inner = _Prover(body.graph)
+        for i, operand in enumerate(operands):
+            if operand in aliases and i < len(inputs):
+                why = inner.weight_reason(inputs[i])
+                if why is not None:
+                    return f"weight is passed to a region whose body does not prove it: {why}"
         return None
 
     def prove(self, node: Node) -> Optional[str]:
@@ -323,36 +308,33 @@ class _Prover:
         act_name, w_name = STATIC_OPS[op]
         if not enabled():
             return f"turned off ({ENV}=0)"
-        return self.weight_reason(_arg(node, w_name)) or self.activation_reason(_arg(node, act_name))
+        return self.weight_reason(schema_arg(node, w_name)) or self.activation_reason(schema_arg(node, act_name))
 
 
-def _written_args(node: Node) -> list:
-    """Values bound to the schema arguments ``node`` writes (``Tensor(a!)``)."""
-    out = []
-    for i, a in enumerate(node.target._schema.arguments):
-        if a.alias_info is not None and a.alias_info.is_write:
-            if i < len(node.args):
-                out.append(node.args[i])
-            elif a.name in node.kwargs:
-                out.append(node.kwargs[a.name])
-    return out
-
-
-def _mentions(value: Any, nodes: set) -> bool:
-    found = []
-    torch.fx.node.map_arg(value, lambda n: found.append(n in nodes))
-    return any(found)
-
-
-def mark_static_weights(graph: torch.fx.Graph) -> dict:
+def mark_static_weights(graph: torch.fx.Graph, bodies: Optional[dict] = None) -> dict:
     """Set ``static_weight=True`` on every k3 GEMM node whose weight is proven static (and, under Inductor's PDL
-    codegen, ``trigger_first=False`` on the skinny GEMMs among them: step 1).
+    codegen, ``trigger_first=False`` on the skinny GEMMs among them: step 1), then prove the region bodies ``graph``
+    calls again at its call sites (module doc, compile regions), their results into ``bodies`` (``{id of the
+    body's graph: (graph, result)}``) where given.
 
     Returns ``{op: {"proven": n, "not proven": {reason: count}}}`` for the ops present (the compile
     record). Never raises: a failed analysis counts as not proven, with the error as its reason.
     """
-    result: dict = {}
     prover = _Prover(graph)
+    result = _mark(graph, prover)
+    try:
+        calls = _region_calls(graph)
+    except Exception:   # pragma: no cover - an odd graph costs the bodies' proofs only
+        calls = {}
+    for body, sites in calls.items():
+        body_result = _mark(body.graph, _Prover(body.graph, (prover, sites)))
+        if bodies is not None:
+            bodies[id(body.graph)] = (body.graph, body_result)
+    return result
+
+
+def _mark(graph: torch.fx.Graph, prover: _Prover) -> dict:
+    result: dict = {}
     for node in list(graph.nodes):
         op = _k3_op(node)
         if op is None:
@@ -364,12 +346,12 @@ def mark_static_weights(graph: torch.fx.Graph) -> dict:
             reason = f"analysis failed ({type(e).__name__}: {e})"
         try:
             if reason is None:
-                _set_arg(node, KEYWORD, True)
+                set_schema_arg(node, KEYWORD, True)
                 trigger_first = not inductor_pdl_on()   # step 1: no (T) under Inductor's PDL codegen
-                if op == "skinny_gemm" and _arg(node, TRIGGER_FIRST, True) is not trigger_first:
-                    _set_arg(node, TRIGGER_FIRST, trigger_first)
-            elif _arg(node, KEYWORD, False) is not False:
-                _set_arg(node, KEYWORD, False)   # a flag that came with the graph is not a proof
+                if op == "skinny_gemm" and schema_arg(node, TRIGGER_FIRST, True) is not trigger_first:
+                    set_schema_arg(node, TRIGGER_FIRST, trigger_first)
+            elif schema_arg(node, KEYWORD, False) is not False:
+                set_schema_arg(node, KEYWORD, False)   # a flag that came with the graph is not a proof
         except Exception as e:
             reason = f"could not set {KEYWORD} ({type(e).__name__}: {e})"
         if reason is None:

@@ -50,7 +50,7 @@ def _trace(fn, *shapes, functional=False) -> torch.fx.Graph:
 
 
 def _static_flags(graph: torch.fx.Graph) -> list:
-    return [static_weights._arg(n, "static_weight", False) for n in graph.nodes if n.target in (GEMM, TAIL)]
+    return [static_weights.schema_arg(n, "static_weight", False) for n in graph.nodes if n.target in (GEMM, TAIL)]
 
 
 def _verdict(graph: torch.fx.Graph) -> tuple[int, list[str]]:
@@ -74,7 +74,7 @@ def test_no_trigger_first_under_inductor_pdl(pdl):
     with torch._inductor.config.patch({"triton.enable_pdl": pdl}):
         assert _verdict(graph) == (1, [])
     (node,) = [n for n in graph.nodes if n.target is GEMM]
-    assert static_weights._arg(node, "trigger_first", True) is (not pdl)
+    assert static_weights.schema_arg(node, "trigger_first", True) is (not pdl)
 
 
 def test_weight_through_views_is_proven():
@@ -387,7 +387,9 @@ def test_proof_runs_after_the_chained_user_pass():
 def test_pass_uuid_covers_the_proof():
     from k3compile import inductor_pdl
 
-    assert {inspect.getfile(static_weights), inspect.getfile(inductor_pdl)} <= set(_source_files())
+    from k3compile import graph_values
+
+    assert {inspect.getfile(m) for m in (static_weights, graph_values, inductor_pdl)} <= set(_source_files())
 
 
 def test_inductor_pdl_codegen_orders_wait_before_launch():
@@ -608,3 +610,51 @@ def test_trigger_only_graphs_launch_their_triggering_kernels_without_pdl():
         assert "tl.extra.cuda.gdc_launch_dependents()" in code
         assert f"'launch_pdl': {launch}" in code and f"'launch_pdl': {not launch}" not in code
 
+
+
+# --- compile regions: a body's GEMM proven at the body's calls (static_weights.py, compile regions) --------------
+
+def _region_verdicts(calls) -> dict:
+    """The static-weight fact (of the region body's skinny GEMM, counted once a call) of a model that calls the body
+    as ``calls(x, w, body)``."""
+    from k3compile import regions
+
+    if regions.available() is not None:
+        pytest.skip(regions.available())
+
+    @torch.compiler.nested_compile_region
+    def body(a, w):
+        return torch.nn.functional.linear(a, w)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(N, K))
+
+        def forward(self, x):
+            return calls(x, self.w, body)
+
+    torch._dynamo.reset()
+    model = k3compile.optimize(Model(), passes=["skinny_gemm"], backend="reference", dynamic=False)
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False), torch.no_grad():   # our pass must run
+        x = torch.randn(M, K)
+        torch.testing.assert_close(model(x), calls(x, model.w, lambda a, w: torch.nn.functional.linear(a, w)))
+    (graph,) = k3compile.report(model).graphs
+    assert graph.record.regions.get("bodies") == 1, graph.record.regions   # counts weigh the body by its calls
+    return graph.record.facts[STATIC_WEIGHT_FACT]["skinny_gemm"]
+
+
+def test_region_body_gemms_proven_where_every_call_passes():
+    # both calls' activations come from kernels of the caller, the weight is a parameter nothing writes
+    v = _region_verdicts(lambda x, w, body: body(torch.relu(x), w) + body(x.sin(), w))
+    assert v == {"proven": 2, "not proven": {}}, v
+
+
+def test_region_body_gemms_not_proven_where_a_call_fails():
+    # one call passes the caller's own input: the kernel before the body may be outside the graph
+    v = _region_verdicts(lambda x, w, body: body(torch.relu(x), w) + body(x, w))
+    assert v["proven"] == 0 and any("at a call of its region: activation is" in r for r in v["not proven"]), v
+    # the weight a call passes is computed in the caller
+    v = _region_verdicts(lambda x, w, body: body(torch.relu(x), w * 2) + body(x.sin(), w * 2))
+    assert v["proven"] == 0 and any("at a call of its region: weight is computed" in r for r in v["not proven"]), v

@@ -197,6 +197,14 @@ def test_regions_match_as_often_as_the_whole_graph(micro, regions_decoded):
     assert {k: with_regions.record.facts[k] for k in counted} == counted
 
 
+def test_regions_prove_as_many_static_weights_as_the_whole_graph(micro, regions_decoded):
+    """A region body's GEMMs read the body's inputs; proven at the body's calls (k3compile/static_weights.py, compile
+    regions), as many are proven as in the whole graph."""
+    (with_regions,), whole = regions_decoded[1].graphs, micro.report.graphs[-1]
+    static = with_regions.record.facts[STATIC_WEIGHT_FACT]
+    assert static == whole.record.facts[STATIC_WEIGHT_FACT], static
+
+
 @pytest.fixture(scope="module")
 def ordered_decoded(micro):
     """(tokens, report) of the micro K3 whose decode step compiles with the same-input products ordered
