@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call that checks and times everything GPU-side on the lent H200s (the figures in the notes):
+# One device call that checks and times everything GPU-side on the lent GPUs (the figures in the notes):
 #   run(kind="nvidia-h200-x2", carry=[".gpu-deps"],
 #       command="source .gpu-deps/activate.sh && bash benchmarks/h200_session.sh")
 # Single-GPU steps use GPU 0; the --tp 2 step needs two GPUs (skipped with one). Each step has its own time
@@ -11,6 +11,8 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || tail -5 "$OUT/install.log"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.device_count(), 'x', torch.cuda.get_device_name())"
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+# the lent card may be an H100 or an H200: the result files carry the card they ran on (h100, h200, ...)
+CARD=$(python3 -c "import torch; n = torch.cuda.get_device_name().lower(); print(next((c for c in ('h100', 'h200', 'b200', 'a100', 'mi300') if c in n), 'gpu'))")
 STEPS=${STEPS:-gpu_tests gpu_model kda_decode kda_prefill moe_tail moe_tail_tp2 skinny decode_tp1 moe_cute moe_cute_tune router_sweep mla_tune mla_tune_len mla_decode}
 step() {  # step NAME SECONDS CMD...
     local name=$1 secs=$2; shift 2
@@ -27,8 +29,8 @@ step kda_prefill  ${T_KDAP:-40}   python3 benchmarks/kda_prefill.py --tokens 512
                                   --out "$OUT/kda_prefill.json"
 step moe_tail     ${T_MOE:-110}   python3 benchmarks/moe_tail.py --m 1 2 4 8 16 --json "$OUT/moe_tail_tp1.json"
 [ "$NGPU" -ge 2 ] && step moe_tail_tp2 ${T_MOE2:-100} python3 benchmarks/moe_tail.py --tp 2 --m 1 4 16 --json "$OUT/moe_tail_tp2.json"
-step skinny       ${T_SKINNY:-300} python3 benchmarks/skinny_gemm.py --json "$OUT/skinny_gemm_h200.json" \
-                                  --png "$OUT/skinny_gemm_h200.png"
+step skinny       ${T_SKINNY:-300} python3 benchmarks/skinny_gemm.py --json "$OUT/skinny_gemm_$CARD.json" \
+                                  --png "$OUT/skinny_gemm_$CARD.png"
 step decode_tp1   ${T_DECODE:-120} python3 benchmarks/tp_decode.py --world-size 1 --backend nccl --config slice \
                                   --batch 1,16 --steps 3 --json "$OUT/decode_tp1.json"
 # the CuTe MoE kernels' GPU tests alone (a fresh machine builds every kernel: the whole gpu_tests step takes > 200 s)
@@ -37,18 +39,18 @@ step moe_cute_tests ${T_MOE_CUTE_TESTS:-150} python3 -m pytest -q -m gpu -p no:c
 # the routed experts with MXFP4 weights: the op (CuTe kernels at M <= 16) against the Triton kernels, then the CuTe
 # kernels' work divisions alone (their picks live in k3compile/ops/moe_experts/cute.py)
 step moe_cute     ${T_MOE_CUTE:-240} python3 benchmarks/moe_experts.py --m 1 2 4 8 12 16 --tp 8 16 --formats mxfp4 \
-                                  --compile-m 1 8 --kernels-m 1 8 --skewed-m 8 --json "$OUT/moe_experts_mxfp4_cute_h200.json"
+                                  --compile-m 1 8 --kernels-m 1 8 --skewed-m 8 --json "$OUT/moe_experts_mxfp4_cute_$CARD.json"
 step moe_cute_tune ${T_MOE_CUTE_TUNE:-150} python3 benchmarks/tune_moe_experts_cute.py 384
 # the router's product and the routing kernel in their decode-step chain, per Triton configuration and PDL launch
 step router_sweep ${T_ROUTER:-150} python3 benchmarks/upcast_router.py --sweep --ms 1,8 --json "$OUT/router_sweep.json"
 # the MLA decode layout table first (written into the tree, so the benchmark's dispatch reads it), then the sweep
-step mla_tune     ${T_MLA_TUNE:-150} python3 benchmarks/tune_mla_decode.py --out "$OUT/mla_decode_table_h200.json" \
+step mla_tune     ${T_MLA_TUNE:-150} python3 benchmarks/tune_mla_decode.py --out "$OUT/mla_decode_table_$CARD.json" \
                                   --log "$OUT/mla_tune_log.json"
 # stage 3 on the table stage 1-2 just wrote: layouts by length at batch 1 and 8 (it rewrites the table in the tree)
 step mla_tune_len ${T_MLA_TUNE_LEN:-200} python3 benchmarks/tune_mla_decode.py --by-length \
-                                  --out "$OUT/mla_decode_table_h200.json" --log "$OUT/mla_tune_len_log.json" \
-                                  --length-json "$OUT/mla_by_length_h200.json"
-step mla_decode   ${T_MLA:-240}   python3 benchmarks/mla_decode.py ${MLA_ARGS:-} --out "$OUT/mla_decode_h200.json"
+                                  --out "$OUT/mla_decode_table_$CARD.json" --log "$OUT/mla_tune_len_log.json" \
+                                  --length-json "$OUT/mla_by_length_$CARD.json"
+step mla_decode   ${T_MLA:-240}   python3 benchmarks/mla_decode.py ${MLA_ARGS:-} --out "$OUT/mla_decode_$CARD.json"
 # not in the default STEPS (about 6 minutes): STEPS=decode_step
 step decode_step  ${T_STEP:-460}  python3 benchmarks/decode_step.py --tp 8 --layers 4 --batch 1,8 --context 1024 \
                                   --providers eager,compile,optimize --json "$OUT/decode_step.json" \
@@ -56,7 +58,7 @@ step decode_step  ${T_STEP:-460}  python3 benchmarks/decode_step.py --tp 8 --lay
 # not in the default STEPS (about 6 minutes): STEPS=decode_step_mxfp4
 step decode_step_mxfp4 ${T_STEP_MX:-300} python3 benchmarks/decode_step.py --tp 8 --layers 4 --experts mxfp4 \
                                   --batch 1,8 --context 1024 --providers compile,optimize \
-                                  --json "$OUT/decode_step_mxfp4_h200.json"
+                                  --json "$OUT/decode_step_mxfp4_$CARD.json"
 # not in the default STEPS (about 6 minutes): the decode step's prepared orderings (docs/tuning/decode_step.md), the
 # PDL ordering tests first, then the MXFP4 step at M 1 as it is, with Inductor's kernels triggering without a PDL
 # launch, with the same-input products ordered, and with both: STEPS="trigger_order decode_ab"
@@ -75,7 +77,7 @@ done
 step compile_time ${T_COMPILE:-560} python3 benchmarks/compile_time.py --device cuda --layers 4 \
                                   --variants torch.compile,optimize-whole,optimize-whole-tritonahead,optimize-regions \
                                   --warm-variants torch.compile,optimize-whole --budget $(( ${T_COMPILE:-560} - 20 )) \
-                                  --child-timeout 220 --out "$OUT/compile_time_h200.json"
+                                  --child-timeout 220 --out "$OUT/compile_time_$CARD.json"
 for f in $STEPS; do
     [ -f "$OUT/$f.log" ] && { echo "----- $f (tail)"; tail -n ${TAIL:-22} "$OUT/$f.log"; }
 done
