@@ -1,6 +1,6 @@
 """Walking values back through an FX graph as Inductor will lower it: which nodes are views (or may become one),
-which arguments an op writes, schema arguments by name. The static-weight proof (``static_weights.py``) reads a
-GEMM's activation and weight with these.
+which arguments an op writes, schema arguments by name, which region body a node calls with which operands. The
+static-weight proof (``static_weights.py``) reads a GEMM's activation and weight with these.
 """
 from __future__ import annotations
 
@@ -142,3 +142,28 @@ def mentions(value: Any, nodes: set) -> bool:
     found = []
     torch.fx.node.map_arg(value, lambda n: found.append(n in nodes))
     return any(found)
+
+
+def invoke_subgraph_op():
+    """The higher-order op a compile region's call becomes (None in a torch without it)."""
+    return getattr(torch.ops.higher_order, "invoke_subgraph", None)
+
+
+def region_call(node: torch.fx.Node) -> Optional[tuple]:
+    """``(body GraphModule, operands)`` where ``node`` calls a region body (operand i: the body's input i): as
+    ``invoke_subgraph(body, name, *operands)``, or, for a body that writes its inputs, ``auto_functionalized_v2(
+    invoke_subgraph, subgraph=body, arg0=..., ...)``, whose written operands (through ``_all_bases``) are None."""
+    op, owner = invoke_subgraph_op(), node.graph.owning_module
+    if op is None or owner is None or node.op != "call_function":
+        return None
+    if node.target is op:
+        body, operands = node.args[0], list(node.args[2:])
+    elif node.args and node.args[0] is op and "auto_functionalized" in str(node.target):
+        last = max([int(k[3:]) for k in node.kwargs if k.startswith("arg") and k[3:].isdigit()]   # unwritten ones
+                   + [int(k[4:-11]) for k in node.kwargs if k.startswith("_arg") and k.endswith("_base_index")],
+                   default=-1)
+        body, operands = node.kwargs.get("subgraph"), [node.kwargs.get(f"arg{i}") for i in range(last + 1)]
+    else:
+        return None
+    body = getattr(owner, body.target, None) if isinstance(body, torch.fx.Node) and body.op == "get_attr" else None
+    return (body, operands) if isinstance(body, torch.fx.GraphModule) else None

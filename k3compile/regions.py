@@ -24,11 +24,9 @@ subclass per class): a region on a bound method (``module.forward = region.__get
 Dynamo reuse the first instance's parameters for every later call of the body (wrong results), a class-level region
 does not. :func:`unmark` restores the classes. Outside ``torch.compile`` a region is a plain call.
 
-Cost (why ``optimize`` leaves regions off by default): kernels do not fuse across a region's boundary, and what
-that costs at run time is unmeasured. The static-weight proof runs on each body alone first, where a GEMM that reads
-the block's input reads a body input, then again at the body's calls from the graph that calls it (each operand made
-by a kernel of that graph, each weight a parameter none writes: ``static_weights.py``, "compile regions"); the micro
-K3's decode step proves 48 of its 48 skinny GEMMs as regions, as in the whole graph.
+Cost (why ``optimize`` leaves regions off by default): kernels do not fuse across a region's boundary, at a run-time
+cost not yet measured. The static-weight proof reaches into the bodies from their calls (``static_weights.py``,
+"compile regions": the micro K3's decode step proves 48 of 48 skinny GEMMs as regions, as in the whole graph).
 
 What the passes did in a body counts once per call of it (``graph_records.merge_records`` weights each record by
 :func:`calls`), so a report over regions reads as one over the whole graph. :func:`inline` turns a Dynamo graph
@@ -48,12 +46,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .graph_values import invoke_subgraph_op, region_call
+
 REGION_OF = "_k3compile_region_of"     # on a region subclass: the class it wraps
 log = logging.getLogger("k3compile")
-
-
-def invoke_subgraph_op():
-    return getattr(torch.ops.higher_order, "invoke_subgraph", None)
 
 
 def available() -> Optional[str]:
@@ -256,25 +252,12 @@ def unmark(model: torch.nn.Module) -> int:
 
 
 def calls(graph: torch.fx.Graph) -> dict[int, int]:
-    """{id of a region body's graph: how many times ``graph`` calls it}: ``invoke_subgraph`` nodes, and those of a
-    body that writes its inputs (after functionalization, ``auto_functionalized_v2(invoke_subgraph, subgraph=...)``)."""
-    op = invoke_subgraph_op()
-    owner = graph.owning_module
-    if op is None or owner is None:
-        return {}
+    """{id of a region body's graph: how many times ``graph`` calls it} (``graph_values.region_call``)."""
     out: dict[int, int] = {}
     for node in graph.nodes:
-        if node.op != "call_function":
-            continue
-        if node.target is op:
-            body = node.args[0]
-        elif node.args and node.args[0] is op and "auto_functionalized" in str(node.target):
-            body = node.kwargs.get("subgraph")
-        else:
-            continue
-        body = getattr(owner, body.target, None) if isinstance(body, torch.fx.Node) else None
-        if isinstance(body, torch.fx.GraphModule):
-            out[id(body.graph)] = out.get(id(body.graph), 0) + 1
+        call = region_call(node)
+        if call is not None:
+            out[id(call[0].graph)] = out.get(id(call[0].graph), 0) + 1
     return out
 
 

@@ -78,7 +78,8 @@ from typing import Any, Optional
 import torch
 from torch.fx import Node
 
-from .graph_values import is_view, mentions, op_name, schema_arg, set_schema_arg, value_root, written_args
+from .graph_values import (is_view, mentions, op_name, region_call, schema_arg, set_schema_arg, value_root,
+                           written_args)
 from .inductor_pdl import on as inductor_pdl_on, read_from_memory
 
 # op name -> (activation argument, weight argument)
@@ -110,28 +111,12 @@ def _k3_op(node: Node) -> Optional[str]:
 
 
 def _region_call(node: Node) -> Optional[tuple]:
-    """``(body, operands)`` for a call of a region body: ``invoke_subgraph(body, name, *operands)``, or, for a body
-    that writes some of its inputs, ``auto_functionalized_v2(invoke_subgraph, subgraph=body, arg0=..., ...)``, whose
-    written operands (passed through ``_all_bases``) are None here: nothing is proven through them."""
-    from .regions import invoke_subgraph_op
-
-    op, owner = invoke_subgraph_op(), node.graph.owning_module
-    if op is None or owner is None or node.op != "call_function":
+    """``graph_values.region_call``'s ``(body, operands)``, nothing proven through a written operand (None) or one
+    whose value differs from the body input it is bound to."""
+    call = region_call(node)
+    if call is None:
         return None
-    if node.target is op:
-        body, operands = node.args[0], list(node.args[2:])
-    elif node.args and node.args[0] is op and "auto_functionalized" in op_name(node.target):
-        body = node.kwargs.get("subgraph")
-        count = 1 + max((int(k[3:]) for k in node.kwargs if k.startswith("arg") and k[3:].isdigit()), default=-1)
-        count = max([count] + [int(k[4:-len("_base_index")]) + 1 for k in node.kwargs
-                               if k.startswith("_arg") and k.endswith("_base_index")])
-        operands = [node.kwargs.get(f"arg{i}") for i in range(count)]
-    else:
-        return None
-    body = getattr(owner, body.target, None) if isinstance(body, Node) and body.op == "get_attr" else None
-    if not isinstance(body, torch.fx.GraphModule):
-        return None
-    # operand i is the body's input i: checked on what both hold (an operand that does not agree is dropped)
+    body, operands = call
     inputs = body.graph.find_nodes(op="placeholder")
     for i, operand in enumerate(operands):
         if isinstance(operand, Node) and not (i < len(inputs) and _same_value_type(operand, inputs[i])):
