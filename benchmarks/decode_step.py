@@ -108,6 +108,7 @@ def parse_args(argv=None):
     p.add_argument("--optimize-option", type=_option, action="append", default=[], metavar="KEY=VALUE",
                    help="an Inductor option for optimize()'s compiles only, e.g. triton.cooperative_reductions=True")
     p.add_argument("--k3-backend", default=None, help="optimize(backend=) (default auto; reference with --dry-run)")
+    p.add_argument("--without-passes", default="", help="comma-separated k3 passes optimize() leaves out (an A/B)")
     p.add_argument("--steps", type=int, default=8, help="teacher-forced steps (also the steps of one CUDA graph)")
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--profile-steps", type=int, default=2, help="steps profiled for the breakdown (0: none)")
@@ -121,6 +122,11 @@ def parse_args(argv=None):
     bad = [s for s in args.providers if s not in PROVIDERS]
     if bad:
         p.error(f"unknown providers {bad}; choose from {PROVIDERS}")
+    from k3compile.patterns import PASS_ORDER
+
+    args.without_passes = [s for s in args.without_passes.split(",") if s]
+    if set(args.without_passes) - set(PASS_ORDER):
+        p.error(f"unknown passes {sorted(set(args.without_passes) - set(PASS_ORDER))}; choose from {PASS_ORDER}")
     if args.dry_run:
         defaults = dict(tp=2, layers=2, num_experts=16, batch=[2], context=[5], steps=2, replays=2,
                         profile_steps=1, dtype="fp32", k3_backend="reference")
@@ -224,7 +230,11 @@ def make_provider(name: str, base, args, options: dict):
     else:
         import k3compile
 
+        from k3compile.patterns import PASS_ORDER
+
         kw["options"].update(args.optimize_option)
+        if args.without_passes:
+            kw["passes"] = [p for p in PASS_ORDER if p not in args.without_passes]
         k3compile.optimize(model, backend=args.k3_backend, **kw)
     return model
 

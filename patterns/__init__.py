@@ -11,6 +11,7 @@ PASS_ORDER: tuple[str, ...] = (
     "latent_moe_tail",  # first: takes its up-projection mm before skinny_gemm would
     "moe_experts",  # before skinny_gemm: on a GPU the dense form's batch-1 bmm's are mm's it would claim
     "moe_route",  # the routing tail after the router's product (no mm inside)
+    "attn_res",  # the Block AttnRes mixes and their norms (no mm inside)
     "kda_decode",  # before skinny_gemm: the KDA step is claimed whole before its projections are considered
     "kda_prefill",  # the prefill recurrence (no mm of its own; placed beside the decode step)
     "mla_decode",  # the MLA attention of a decode step (bmm only: no skinny_gemm candidate inside)

@@ -47,7 +47,7 @@ aten = torch.ops.aten
 __all__ = [
     "aten", "pm", "trace_fn", "fake_mode", "val", "match_val", "is_static_le", "guard_or_false",
     "statically_known_true", "LOW_PRECISION", "TRACE_DTYPES", "Group", "register_groups", "pattern_targets",
-    "GraphFacts", "reusing_search_traces", "search_traces_reused",
+    "GraphFacts", "reusing_search_traces", "search_traces_reused", "online_softmax_pass", "with_online_softmax",
 ]
 
 # Patterns ignore sizes but not dtypes (a 16-bit trace carries converts a fp32 trace lacks), so each
@@ -123,6 +123,34 @@ def is_static_le(size: Any, limit: int) -> bool:
     return bool(statically_known_true(size <= limit))
 
 
+@functools.cache
+def online_softmax_pass() -> Optional[pm.PatternMatcherPass]:
+    """Inductor's post-grad rewrite of a softmax into ``prims.prepare_softmax_online`` (torch/_inductor/fx_passes/
+    post_grad.py), without its device check: Inductor applies it to GPU graphs only (its online-softmax kernels are
+    Triton's), so a search traced on the CPU must be given it to match a GPU graph (``with_online_softmax``). None where
+    torch has no such rewrite."""
+    from torch._inductor.fx_passes import post_grad
+
+    search, replacement = (getattr(post_grad, f"prepare_softmax_{k}", None) for k in ("pattern", "replacement"))
+    if search is None or replacement is None:
+        return None
+    online = pm.PatternMatcherPass()
+    pm.register_replacement(search, replacement, [torch.empty(4, 8)], pm.fwd_only, online,
+                            scalar_workaround={"dim": -1})
+    return online
+
+
+def with_online_softmax(trace: Callable) -> Callable:
+    """``trace`` followed by :func:`online_softmax_pass`: a search's spelling in a GPU graph."""
+    def traced(*args, **kwargs) -> torch.fx.GraphModule:
+        gm = trace(*args, **kwargs)
+        online_softmax_pass().apply(gm.graph)
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        return gm
+    return traced
+
+
 # --- registration groups: trace a pattern only for a graph that could hold its match ----------------------------
 
 @dataclass(frozen=True)
@@ -133,35 +161,43 @@ class Group:
     group registers): a pattern matches only nodes calling its ops, so a graph that calls none of one of them cannot
     match. ``device``: the device type of the group's example inputs, where a pass traces one group per device
     because the spelling differs (the matcher re-traces every match at its own device and checks that trace, so
-    a graph with no tensor on ``device`` gets its matches from the group traced on its own device)."""
+    a graph with no tensor on ``device`` gets its matches from the group traced on its own device). ``cat_inputs``:
+    the number of tensors a ``cat`` of the graph must join, where the group's patterns stack that many (one group
+    per count, so a graph traces only the counts it holds)."""
     name: str
     register: Callable[[pm.PatternMatcherPass], None]
     requires: tuple = ()
     device: Optional[str] = None
+    cat_inputs: Optional[int] = None
 
     def needed(self, facts: Optional["GraphFacts"]) -> bool:
         """Whether a graph with these facts could hold a match (None: any graph, everything is registered)."""
         if facts is None:
             return True
         return all(op in facts.targets for op in self.requires) and (
-            self.device is None or self.device in facts.devices)
+            self.device is None or self.device in facts.devices) and (
+            self.cat_inputs is None or self.cat_inputs in facts.cat_inputs)
 
 
 @dataclass(frozen=True)
 class GraphFacts:
-    """What :meth:`Group.needed` reads of a graph: the ops it calls and the device types of its tensors."""
+    """What :meth:`Group.needed` reads of a graph: the ops it calls, the device types of its tensors and how many
+    tensors each of its ``cat`` calls joins."""
     targets: frozenset
     devices: frozenset
+    cat_inputs: frozenset = frozenset()
 
     @classmethod
     def of(cls, graph: torch.fx.Graph) -> "GraphFacts":
-        targets, devices = set(), set()
+        targets, devices, cat_inputs = set(), set(), set()
         for node in graph.nodes:
             if node.op == "call_function":
                 targets.add(node.target)
+                if node.target is aten.cat.default and isinstance(node.args[0], (list, tuple)):
+                    cat_inputs.add(len(node.args[0]))
             devices.update(v.device.type for v in pytree.tree_leaves(node.meta.get("val"))
                            if isinstance(v, torch.Tensor))
-        return cls(frozenset(targets), frozenset(devices))
+        return cls(frozenset(targets), frozenset(devices), frozenset(cat_inputs))
 
 
 def register_groups(pm_pass: pm.PatternMatcherPass, groups) -> None:

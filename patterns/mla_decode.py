@@ -44,8 +44,8 @@ from typing import Optional
 import torch
 
 from k3compile.patterns._common import (
-    TRACE_DTYPES, Group, aten, is_static_le, match_val, matched_scalar_ok, pm, register_groups, reusing_search_traces,
-    statically_known_true, trace_fn, val,
+    TRACE_DTYPES, Group, aten, is_static_le, match_val, matched_scalar_ok, online_softmax_pass, pm, register_groups,
+    reusing_search_traces, statically_known_true, trace_fn, val,
 )
 
 NAME = "mla_decode"
@@ -178,22 +178,6 @@ def bmm_to_mm_pass() -> pm.PatternMatcherPass:
                             [torch.empty(1, 2, 3), torch.empty(1, 3, 4)], pm.fwd_only, batch_one,
                             extra_check=batch_is_one)
     return batch_one
-
-
-def online_softmax_pass() -> Optional[pm.PatternMatcherPass]:
-    """Inductor's post-grad rewrite of a softmax into ``prims.prepare_softmax_online`` (torch/_inductor/fx_passes/
-    post_grad.py), without its device check: Inductor applies it to GPU graphs only (its online-softmax kernels are
-    Triton's), so a search traced on the CPU must be given it to match a GPU graph. None where torch has no such
-    rewrite."""
-    from torch._inductor.fx_passes import post_grad
-
-    search, replacement = (getattr(post_grad, f"prepare_softmax_{k}", None) for k in ("pattern", "replacement"))
-    if search is None or replacement is None:
-        return None
-    online = pm.PatternMatcherPass()
-    pm.register_replacement(search, replacement, [torch.empty(4, 8)], pm.fwd_only, online,
-                            scalar_workaround={"dim": -1})
-    return online
 
 
 def _trace_online(online: pm.PatternMatcherPass, gpu_joint: Optional[pm.PatternMatcherPass] = None):

@@ -49,6 +49,10 @@ def test_dry_run_defaults_and_what_is_given():
     assert decode_step.parse_args(["--world-size", "4"]).tp == 4
     with pytest.raises(SystemExit):
         decode_step.parse_args(["--providers", "compile,tensorrt"])
+    assert decode_step.parse_args(["--without-passes", "attn_res,moe_route"]).without_passes == ["attn_res",
+                                                                                                 "moe_route"]
+    with pytest.raises(SystemExit):
+        decode_step.parse_args(["--without-passes", "attn_rez"])
 
 
 def test_fill_cache_valid_prefix_only(micro):
@@ -234,6 +238,7 @@ def test_dry_run_one_rank_every_provider_checked_and_broken_down(tmp_path):
         assert set(r["breakdown"]["us"]) == set(bd.CATEGORIES) and r["floor_bytes"]["experts"] > 0
     assert rows["eager"]["check"]["rel_err"] < 1e-4 and rows["optimize"]["check"]["rel_err"] < 1e-4
     assert rows["optimize"]["pass_matches"]["kda_decode"] == 1
+    assert rows["optimize"]["pass_matches"]["attn_res"] == 4   # each layer's two mixes (the first's one), the final
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ from torch._inductor.utils import run_and_get_code
 import k3compile
 from k3compile.model import KimiK3Config, KimiK3ForConditionalGeneration
 from k3compile.passes import PRODUCT_ORDER_FACT, STATIC_WEIGHT_FACT
+from k3compile.patterns.attn_res import FACT as ATTN_RES_FACT
 from k3compile.patterns.moe_experts import FACT as MOE_FACT
 from k3compile.testing import assert_kda_states_not_copied
 
@@ -254,3 +255,20 @@ def test_bf16_routers_rewritten_proven_static_and_tokens_equal_eager(generated_b
     assert graph.record.matches["upcast_matmul"] == graph.record.facts["graph_upcast_gemms"] == MOE_LAYERS
     assert graph.record.facts["static_weight"]["skinny_gemm"] == {"proven": MOE_LAYERS, "not proven": {}}
     assert all(c.key[-1] == torch.float32 for c in rep.choices if c.op == "skinny_gemm")
+
+
+# --- Block AttnRes: each mix and the norm after it one k3::attn_res ------------------------------------------------
+
+def test_attn_res_mixes_rewritten_in_decode_and_prefill_graphs(micro):
+    """Every mix of every graph (two a layer but the first's first, and the final one), each with the RMSNorm after
+    it but the final mix, whose norm the head applies to the last position only (``logits_to_keep``)."""
+    rep = micro.report
+    layers = micro.eager.config.text_config.num_hidden_layers
+    for graph in rep.graphs:
+        assert graph.record.matches["attn_res"] == graph.record.facts[ATTN_RES_FACT] == 2 * layers
+    calls = {}
+    for c in rep.choices:
+        if c.op == "attn_res":
+            calls[c.key[1][3]] = calls.get(c.key[1][3], 0) + c.calls
+    assert calls == {"normed": (2 * layers - 1) * NEW, "mix": NEW}
+    assert {c.impl for c in rep.choices if c.op == "attn_res"} == {"triton"}

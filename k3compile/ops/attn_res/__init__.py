@@ -1,0 +1,38 @@
+"""``k3compile.ops.attn_res``: a Block AttnRes mix, and the RMSNorm the layer puts after it, fused
+(``k3::attn_res``)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .dispatch import ATTN_RES
+from .op import attn_res_op
+
+__all__ = ["attn_res", "ATTN_RES"]
+
+
+def attn_res(sources: list[torch.Tensor], proj_weight: torch.Tensor, mix_norm_weight: torch.Tensor, eps: float,
+             norm_weight: Optional[torch.Tensor] = None, norm_eps: float = 1e-6,
+             backend: str = "auto") -> torch.Tensor:
+    """The softmax-over-depth mix of ``sources`` (``model/attn_res.py``), and ``norm_weight * rms_norm(mix)`` where
+    ``norm_weight`` is given, in one kernel (in place of two Inductor reductions and their launches).
+
+    Args:
+        sources: S tensors [..., D] of one dtype: the completed block sums, then the current partial sum.
+        proj_weight: the mix's pseudo-query projection, D values ([1, D]).
+        mix_norm_weight: the mix's RMSNorm weight [D] (the query is ``mix_norm_weight * proj_weight``).
+        eps: the mix's RMSNorm epsilon.
+        norm_weight: the weight [D] of the RMSNorm applied to the mix, or None for the mix alone.
+        norm_eps: that RMSNorm's epsilon.
+        backend: "auto" | "triton" | "reference" (see ``k3compile.backends``).
+
+    Returns:
+        [..., D]: the mix in the sources' dtype, or the normalised mix in the dtype ``norm_weight * mix`` has.
+
+    Example::
+
+        h = attn_res([*blocks, prefix], layer.mlp_res_proj.weight, layer.mlp_res_norm.weight, 1e-6,
+                     layer.post_attention_layernorm.weight, 1e-6)
+    """
+    return attn_res_op(sources, proj_weight, mix_norm_weight, eps, norm_weight, norm_eps, backend)
