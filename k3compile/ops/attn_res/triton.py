@@ -1,6 +1,6 @@
 """``k3::attn_res`` in one Triton kernel, a program a token. Pass 1 loads up to ``GROUP`` sources' rows at once
 (one round trip for all of them, not one a source), then takes each row's sum of squares and its dot with the
-pseudo-query (its score); the softmax over the S scores stays in registers; pass 2 reads the rows again (L1 / L2)
+pseudo-query in one reduction (its score); the softmax over the S scores stays in registers; pass 2 reads the rows again (L1 / L2)
 for the weighted sum, rounds it to the activations' dtype as the model does and, where the layer normalises the
 mix, writes the normalised row times the norm's weight. In place of Inductor's two reductions a mix (scores; then
 softmax, sum and norm), each a launch of one or two programs at decode sizes."""
@@ -83,10 +83,11 @@ def _rows(x: torch.Tensor, d: int) -> torch.Tensor:
 def attn_res_triton(sources: list[torch.Tensor], proj_weight: torch.Tensor, mix_norm_weight: torch.Tensor,
                     eps: float, norm_weight: Optional[torch.Tensor], norm_eps: float,
                     out: Optional[torch.Tensor] = None, pdl: bool = True, group: Optional[int] = None,
-                    num_warps: Optional[int] = None, paired: bool = False) -> torch.Tensor:
+                    num_warps: Optional[int] = None, paired: bool = True) -> torch.Tensor:
     """The op's arguments (checked by the op) -> the mix, or its normalised row, [..., D]; written into ``out`` when
     given (tests pass poisoned ones). ``pdl``: launched with programmatic dependent launch where the GPU has it.
-    ``group`` (sources loaded at once) and ``num_warps``: the launch's shape, by default ``launch_shape``'s."""
+    ``group`` (sources loaded at once) and ``num_warps``: the launch's shape, by default ``launch_shape``'s;
+    ``paired``: a source's two sums in one reduction (``benchmarks/attn_res.py --sweep`` compares both)."""
     d = sources[0].shape[-1]
     out_dtype = sources[0].dtype if norm_weight is None else torch.promote_types(norm_weight.dtype, sources[0].dtype)
     if out is None:
@@ -111,6 +112,7 @@ def attn_res_triton(sources: list[torch.Tensor], proj_weight: torch.Tensor, mix_
 
 
 def launch_shape(block_d: int, sources: int) -> tuple[int, int]:
-    """(sources loaded at once, warps): eight warps a row of 8192 (32 values a thread); eight rows in flight up to
-    nine sources, two beyond (more spill: 17.5 against 14.2 µs at 16; ``benchmarks/attn_res.py --sweep``, H200)."""
-    return (8 if sources <= 9 else 2), max(1, min(8, block_d // 1024))
+    """(sources loaded at once, warps): eight warps a row of 8192 (32 values a thread); every row at once up to five
+    sources, four at a time beyond (eight spill: at nine sources 7.9 against 6.8 µs; ``benchmarks/attn_res.py
+    --sweep``, H200)."""
+    return (sources if sources <= 5 else 4), max(1, min(8, block_d // 1024))
