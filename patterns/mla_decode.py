@@ -45,7 +45,7 @@ import torch
 
 from k3compile.patterns._common import (
     TRACE_DTYPES, Group, aten, is_static_le, match_val, matched_scalar_ok, online_softmax_pass, pm, register_groups,
-    reusing_search_traces, statically_known_true, trace_fn, val,
+    reusing_search_traces, statically_known_true, trace_fn, val, with_online_softmax,
 )
 
 NAME = "mla_decode"
@@ -180,16 +180,6 @@ def bmm_to_mm_pass() -> pm.PatternMatcherPass:
     return batch_one
 
 
-def _trace_online(online: pm.PatternMatcherPass, gpu_joint: Optional[pm.PatternMatcherPass] = None):
-    def trace(*args, **kwargs) -> torch.fx.GraphModule:
-        gm = _trace(*args, gpu_joint=gpu_joint, **kwargs)
-        online.apply(gm.graph)
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
-        return gm
-    return trace
-
-
 def _register_traces(pm_pass: pm.PatternMatcherPass, options, trace, shapes) -> None:
     forms = ((_search, _replacement(options.backend), False),
              (_search_padded, _replacement_padded(options.backend), True))
@@ -217,10 +207,11 @@ def groups(options) -> list[Group]:
         op = getattr(torch.ops.prims, "prepare_softmax_online", None)
         requires = (op.default,) if op is not None else ()
         out += [Group("online softmax", functools.partial(_register_traces, options=options,
-                                                          trace=_trace_online(online), shapes=TRACE_SHAPES),
+                                                          trace=with_online_softmax(_trace), shapes=TRACE_SHAPES),
                       requires=requires),
                 Group("online softmax, batch-1 mm", functools.partial(
-                    _register_traces, options=options, trace=_trace_online(online, gpu_joint=bmm_to_mm_pass()),
+                    _register_traces, options=options,
+                    trace=with_online_softmax(functools.partial(_trace, gpu_joint=bmm_to_mm_pass())),
                     shapes=GPU_BATCH_ONE_SHAPES), requires=requires)]
     return out
 

@@ -1,9 +1,9 @@
 """``k3::attn_res`` in one Triton kernel, a program a token. Pass 1 loads up to ``GROUP`` sources' rows at once
 (one round trip for all of them, not one a source), then takes each row's sum of squares and its dot with the
-pseudo-query in one reduction (its score); the softmax over the S scores stays in registers; pass 2 reads the rows again (L1 / L2)
-for the weighted sum, rounds it to the activations' dtype as the model does and, where the layer normalises the
-mix, writes the normalised row times the norm's weight. In place of Inductor's two reductions a mix (scores; then
-softmax, sum and norm), each a launch of one or two programs at decode sizes."""
+pseudo-query in one reduction (its score); the softmax over the S scores stays in registers; pass 2 reads the rows
+again (L1 / L2) for the weighted sum, rounds it to the activations' dtype as the model does and, where the layer
+normalises the mix, writes the normalised row times the norm's weight. In place of Inductor's two reductions a mix
+(scores; then softmax, sum and norm), each a launch of one or two programs at decode sizes."""
 from __future__ import annotations
 
 from typing import Optional
