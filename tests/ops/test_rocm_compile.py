@@ -178,6 +178,22 @@ with simulated_rocm() as rec:
         launch(rec, f"moe_route M{m}", moe_route, logits, bias, 16, backend="triton")   # the bitonic form
         launch(rec, f"moe_route rounds M{m}", moe_route_triton, logits, bias, 16, 1e-20, 1.0, sorting_network=False)
 
+    # --- the AttnRes mixes and their norms: K3's width, 2 to 16 sources (every launch shape the op picks), the
+    # mix alone, a source's two sums in two reductions (the sweep's other form)
+    from k3compile.ops.attn_res import attn_res
+    from k3compile.ops.attn_res.dispatch import ATTN_RES
+    from k3compile.ops.attn_res.triton import attn_res_triton
+    d = 7168
+    for s in (2, 5, 9, 16):
+        for m in (1, 16):
+            sources = [gpu(m, 1, d) for _ in range(s)]
+            launch(rec, f"attn_res S{s} M{m}", attn_res, sources, gpu(1, d), gpu(d), 1e-6, gpu(d), 1e-6,
+                   backend="triton")
+        launch(rec, f"attn_res mix S{s}", attn_res, sources, gpu(1, d), gpu(d), 1e-6, backend="triton")
+        launch(rec, f"attn_res unpaired S{s}", attn_res_triton, sources, gpu(1, d), gpu(d), 1e-6, gpu(d), 1e-6,
+               paired=False)
+    decide("attn_res auto", ATTN_RES, ([gpu(1, 1, d)] * 2, gpu(1, d), gpu(d), 1e-6, gpu(d), 1e-6), "auto")
+
 t1 = time.time()
 results = compile_for_gfx942(rec.launches, workers=2)
 for l, r in zip(rec.launches, results):
@@ -218,7 +234,8 @@ def test_every_launch_binds_for_hip(report):
     raises there) and the launchers take the ROCm path without error."""
     assert not report["launch_errors"], report["launch_errors"][:5]
     ops = {l["case"].split()[0] for l in report["launches"]}
-    assert ops == {"skinny_gemm", "latent_moe_tail", "kda_decode", "mla_decode", "moe_experts", "moe_route"}
+    assert ops == {"skinny_gemm", "latent_moe_tail", "kda_decode", "mla_decode", "moe_experts", "moe_route",
+                   "attn_res"}
 
 
 def test_every_kernel_compiles_for_gfx942(report):
@@ -248,7 +265,7 @@ def test_backend_choice_on_rocm(report):
     """``auto``: Triton (the skinny GEMM: the vendor BLAS where this GPU has no measurements and the weight is small);
     a forced ``cute``: BackendUnavailableError, CuTe being NVIDIA-only."""
     c = report["choices"]
-    for op in ("kda_decode", "mla_decode", "moe_experts", "skinny_gemm auto 4608x7168"):
+    for op in ("kda_decode", "mla_decode", "moe_experts", "attn_res", "skinny_gemm auto 4608x7168"):
         key = op if " " in op else f"{op} auto"
         assert c[key][0] == "triton", (key, c[key])
     assert c["skinny_gemm auto 2304x1536"][0] == "aten", c["skinny_gemm auto 2304x1536"]
