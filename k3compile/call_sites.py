@@ -3,10 +3,11 @@
 
 ``call_sites`` reads them off the final graph our pass leaves: each call of a k3 op whose ``OpImpls`` has a ``plan``
 (the skinny GEMM and the latent-MoE tail, whose CuTe kernels are compiled per variant), with its arguments as the op's
-schema names them, each tensor as its shape, strides, offset, dtype and device. A call with a symbolic size is listed
-once per value it is planned at: the tables' M buckets (``tables.M_BUCKETS``) and the example's value where one
-symbol varies, the example's values alone where several do (a size at another value builds at its first call). The
-list is JSON, kept in the graph's record (``passes.GraphRecord.kernel_calls``) so that a warm start plans from it.
+schema names them, each tensor as its shape, strides, offset, dtype and device (a Tensor[] as a list of them). A
+call with a symbolic size is listed once per value it is planned at: the tables' M buckets (``tables.M_BUCKETS``)
+and the example's value where one symbol varies, the example's values alone where several do (a size at another
+value builds at its first call). The list is JSON, kept in the graph's record (``passes.GraphRecord.kernel_calls``)
+so that a warm start plans from it.
 
 ``plan`` asks the op which kernels a call will build (``OpImpls.plan``: the dispatch's own decision and configuration)
 on ``StandIn`` tensors, which carry a tensor's metadata without data.
@@ -101,10 +102,17 @@ def _bound_args(node: torch.fx.Node) -> dict:
 
 
 def _instances(op: str, node: torch.fx.Node) -> list[dict]:
-    args = {name: (v.meta["val"] if isinstance(v, torch.fx.Node) else v) for name, v in _bound_args(node).items()}
+    def value(v):
+        if isinstance(v, (list, tuple)):   # a Tensor[] argument
+            return [value(x) for x in v]
+        return v.meta["val"] if isinstance(v, torch.fx.Node) else v
+
+    args = {name: value(v) for name, v in _bound_args(node).items()}
     exprs, hints = [], {}
     for v in args.values():
-        items = [*v.shape, *v.stride(), v.storage_offset()] if isinstance(v, torch.Tensor) else [v]
+        items = []
+        for t in (v if isinstance(v, list) else [v]):
+            items += [*t.shape, *t.stride(), t.storage_offset()] if isinstance(t, torch.Tensor) else [t]
         for x in items:
             if isinstance(x, torch.SymInt):
                 expr = x.node.expr
@@ -152,10 +160,14 @@ def _spec(v: Any, sizes: dict) -> Any:
         return concrete(v)
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
+    if isinstance(v, list):
+        return [_spec(x, sizes) for x in v]
     raise TypeError(f"an argument of type {type(v).__name__}")
 
 
 def _value(spec: Any) -> Any:
+    if isinstance(spec, list):
+        return [_value(x) for x in spec]
     if isinstance(spec, dict) and "shape" in spec:
         return stand_in(spec["shape"], getattr(torch, spec["dtype"]), spec["device"], spec["stride"], spec["offset"])
     if isinstance(spec, dict) and "dtype" in spec:

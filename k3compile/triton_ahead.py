@@ -72,6 +72,8 @@ class DryTensor(StandIn):
 
 
 def _dry(spec: Any) -> Any:
+    if isinstance(spec, list):
+        return [_dry(x) for x in spec]
     if isinstance(spec, dict) and "shape" in spec:
         return DryTensor(spec["shape"], spec["stride"], getattr(torch, spec["dtype"]), torch.device(spec["device"]),
                          spec["offset"])

@@ -107,3 +107,65 @@ def test_off_unless_asked(monkeypatch):
     assert not triton_ahead.enabled()
     monkeypatch.setenv(triton_ahead.ENV, "1")
     assert triton_ahead.enabled() == hasattr(triton.knobs.runtime, "jit_cache_hook")
+
+
+_ATTN_RES_AHEAD = r"""
+import json, os, sys, tempfile
+import torch
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+from triton.runtime.driver import driver
+from triton.runtime.jit import JITFunction
+from k3compile import triton_ahead
+
+
+class H200:   # as the module's _H200Driver: what Triton's launch path asks before it compiles
+    target = GPUTarget("cuda", 90, 32)
+    def get_current_device(self): return 0
+    def get_current_stream(self, device=None): return 0
+    def get_current_target(self): return self.target
+    def get_active_torch_device(self): return torch.device("cpu")
+    def is_active(self): return True
+
+
+knobs.cache.dir = os.environ["TRITON_CACHE_DIR"] = cache = tempfile.mkdtemp()
+driver._active = H200()
+from k3compile.ops.attn_res.triton import attn_res_triton
+
+site = json.loads(sys.argv[1])["site"]
+args = {k: triton_ahead._dry(v) for k, v in site["args"].items()}
+call = [args[k] for k in ("sources", "proj_weight", "mix_norm_weight", "eps", "norm_weight", "norm_eps")]
+requests = []
+with triton_ahead.capturing(requests):
+    attn_res_triton(*call)
+(request,) = requests
+triton_ahead.build(*request)
+built = set(os.listdir(cache))
+run = JITFunction.run   # the launch itself, compiling (or finding) its kernel without running it
+JITFunction.run = lambda self, *a, grid, warmup, **k: run(self, *a, grid=grid, warmup=True, **k)
+attn_res_triton(*call)
+print(json.dumps(dict(sources=len(json.loads(request[2])["signature"]["sources"]), built=len(built),
+                      hit=set(os.listdir(cache)) == built)))
+"""
+
+
+def test_a_tensor_list_argument_is_planned_dry_launched_built_and_found():
+    """``k3::attn_res`` takes its sources as a Tensor[]: its call site lists each, the dry launch captures the kernel's
+    tuple of pointers, a build compiles it and the launch then finds it (a fresh process: no interpreter)."""
+    from k3compile.call_sites import call_sites
+    from k3compile.passes import K3Options, K3PostGradPass
+    from k3compile.patterns._common import fake_mode, trace_fn
+    from k3compile.patterns.attn_res import _mix_norm, search
+    from k3compile.testing import ptx_in_a_fresh_process
+
+    with fake_mode():
+        t = [torch.empty(1, 1, 7168, dtype=torch.bfloat16) for _ in range(3)]
+        w = [torch.empty(1, 7168, dtype=torch.bfloat16), torch.empty(7168, dtype=torch.bfloat16)]
+        graph = trace_fn(search(_mix_norm, 3), t + w + [1e-6, torch.empty(7168, dtype=torch.bfloat16), 1e-6]).graph
+    K3PostGradPass(K3Options(backend="triton", passes=("attn_res",)))(graph)
+    (site,) = call_sites(graph, ops=triton_ahead.OPS)
+    assert "unplanned" not in site and len(site["args"]["sources"]) == 3
+    assert site["args"]["sources"][0] == {"shape": [1, 1, 7168], "stride": [7168, 7168, 1], "offset": 0,
+                                          "dtype": "bfloat16", "device": "cpu"}
+    out = ptx_in_a_fresh_process(_ATTN_RES_AHEAD, {"site": site})
+    assert out == {"sources": 3, "built": 1, "hit": True}
