@@ -68,6 +68,17 @@ def forms():
     return [c.key[1][3] for c in ATTN_RES.choices() for _ in range(c.calls)]
 
 
+def assert_close_to_eager(out, ref):
+    """fp32: to rounding; 16-bit: within two ulps of the row's scale (one rounding of the mix to 16 bits may fall
+    the other way)."""
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
+        return
+    ulp = torch.finfo(out.dtype).eps
+    assert ((out.float() - ref.float()).abs() <= 2 * ulp * ref.float().abs().amax(-1, keepdim=True)
+            + ulp * ref.float().abs()).all()
+
+
 # each example compiles a graph (about a second): a third of the profile's examples
 @settings(max_examples=max(8, settings.default.max_examples // 3))
 @given(s=st.integers(2, 7), rows=st.sampled_from([(1, 1), (3, 1), (2, 5), (4,)]), d=st.integers(8, 96),
@@ -82,12 +93,7 @@ def test_mix_is_rewritten_and_equals_eager(s, rows, d, dtype, norm, seed):
     out, ref, record = compile_and_run(model, xs)
     assert record.matches["attn_res"] == record.facts[FACT] == 1
     assert forms() == ["normed" if norm else "mix"]
-    if dtype == torch.float32:
-        torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
-    else:   # one rounding of the mix to 16 bits may fall the other way
-        ulp = torch.finfo(dtype).eps
-        assert ((out.float() - ref.float()).abs() <= 2 * ulp * ref.float().abs().amax(-1, keepdim=True)
-                + ulp * ref.float().abs()).all()
+    assert_close_to_eager(out, ref)
 
 
 class Unrounded(Mix):
@@ -163,3 +169,19 @@ def test_only_the_source_counts_a_graph_holds_are_traced():
     traced = [i for name, i in passes.REGISTRATIONS[before:] if name == "attn_res"]
     assert record.matches["attn_res"] == 1
     assert traced in ([], [5 - 2])   # the group of 5 sources (already traced by an earlier test: none)
+
+
+def test_a_symbolic_batch_is_rewritten_once_and_serves_every_m():
+    torch.manual_seed(7)
+    model = Mix(32, torch.bfloat16).eval()
+    inputs = [[torch.randn(m, 1, 32, dtype=torch.bfloat16) for _ in range(3)] for m in (3, 9)]
+    with torch.no_grad():
+        eager = [model(*xs) for xs in inputs]
+        torch._dynamo.reset()
+        ATTN_RES.clear()
+        k3compile.optimize(model, backend="triton", passes=["attn_res"], dynamic=True)
+        outs = [model(*xs) for xs in inputs]
+    (graph,) = k3compile.report(model).graphs
+    assert graph.record.matches["attn_res"] == 1 and forms() == ["normed", "normed"]
+    for out, ref in zip(outs, eager):
+        assert_close_to_eager(out, ref)
