@@ -54,7 +54,7 @@ def _mix32(sources, proj_weight, mix_norm_weight, eps):
     keys = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     query = mix_norm_weight.float() * proj_weight.float().reshape(-1)
     alpha = torch.softmax((keys * query).sum(-1), dim=0)
-    return (alpha.unsqueeze(alpha.dim()) * x).sum(0)   # alpha[..., None] (a fake CUDA tensor cannot be indexed)
+    return (alpha.unsqueeze(alpha.dim()) * x).sum(0)   # alpha[..., None]: CPU-only torch cannot index fake CUDA
 
 
 def _normed(mix32, norm_weight, norm_eps, dtype):
