@@ -11,7 +11,7 @@ from .reference import attn_res_ref
 _TRITON = KernelModule(f"{__package__}.triton")   # imports Triton
 
 MAX_SOURCES = 16   # a pointer argument each; K3 mixes at most ceil(93 / 12) + 1 = 9
-MAX_D = 16384      # the row in registers: 64 fp32 a thread per live vector at 16 warps
+MAX_D = 16384      # the row in registers: 32 fp32 a thread per live vector at 16 warps
 
 
 def _triton_available(sources, proj_weight, mix_norm_weight, eps, norm_weight, norm_eps) -> Reason:

@@ -112,7 +112,7 @@ def attn_res_triton(sources: list[torch.Tensor], proj_weight: torch.Tensor, mix_
 
 
 def launch_shape(block_d: int, sources: int) -> tuple[int, int]:
-    """(sources loaded at once, warps): eight warps a row of 8192 (32 values a thread); every row at once up to five
-    sources, four at a time beyond (eight spill: at nine sources 7.9 against 6.8 µs; ``benchmarks/attn_res.py
-    --sweep``, H200)."""
-    return (sources if sources <= 5 else 4), max(1, min(8, block_d // 1024))
+    """(sources loaded at once, warps): 32 values a thread (eight warps a row of 8192 beat 16 and 32); every row at
+    once up to five sources, four at a time beyond (eight spill: at nine sources 7.9 against 6.8 µs;
+    ``benchmarks/attn_res.py --sweep``, H200)."""
+    return (sources if sources <= 5 else 4), max(1, min(16, block_d // 1024))
