@@ -127,6 +127,8 @@ def parse_args(argv=None):
     args.without_passes = [s for s in args.without_passes.split(",") if s]
     if set(args.without_passes) - set(PASS_ORDER):
         p.error(f"unknown passes {sorted(set(args.without_passes) - set(PASS_ORDER))}; choose from {PASS_ORDER}")
+    # optimize(passes=): every pass but those, in their order; None: the default
+    args.passes = [n for n in PASS_ORDER if n not in args.without_passes] if args.without_passes else None
     if args.dry_run:
         defaults = dict(tp=2, layers=2, num_experts=16, batch=[2], context=[5], steps=2, replays=2,
                         profile_steps=1, dtype="fp32", k3_backend="reference")
@@ -230,11 +232,9 @@ def make_provider(name: str, base, args, options: dict):
     else:
         import k3compile
 
-        from k3compile.patterns import PASS_ORDER
-
         kw["options"].update(args.optimize_option)
-        if args.without_passes:
-            kw["passes"] = [p for p in PASS_ORDER if p not in args.without_passes]
+        if args.passes is not None:
+            kw["passes"] = args.passes
         k3compile.optimize(model, backend=args.k3_backend, **kw)
     return model
 

@@ -165,11 +165,14 @@ def _spec(v: Any, sizes: dict) -> Any:
     raise TypeError(f"an argument of type {type(v).__name__}")
 
 
-def _value(spec: Any) -> Any:
+def spec_value(spec: Any, tensor: type = StandIn) -> Any:
+    """A call site's argument back as a value: a tensor as ``tensor`` (a ``StandIn`` class) with its metadata, a
+    list of them as a list, a dtype as the dtype."""
     if isinstance(spec, list):
-        return [_value(x) for x in spec]
+        return [spec_value(x, tensor) for x in spec]
     if isinstance(spec, dict) and "shape" in spec:
-        return stand_in(spec["shape"], getattr(torch, spec["dtype"]), spec["device"], spec["stride"], spec["offset"])
+        return tensor(tuple(spec["shape"]), tuple(spec["stride"]), getattr(torch, spec["dtype"]),
+                      torch.device(spec["device"]), spec["offset"])
     if isinstance(spec, dict) and "dtype" in spec:
         return getattr(torch, spec["dtype"])
     return spec
@@ -178,4 +181,4 @@ def _value(spec: Any) -> Any:
 def plan(site: dict) -> list[Build]:
     """The kernels a call builds at its first call (the op's dispatch decides, on stand-in tensors)."""
     with torch._subclasses.fake_tensor.unset_fake_temporarily():
-        return REGISTRY[site["op"]].plan(**{name: _value(v) for name, v in site["args"].items()})
+        return REGISTRY[site["op"]].plan(**{name: spec_value(v) for name, v in site["args"].items()})

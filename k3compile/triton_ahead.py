@@ -27,7 +27,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from . import kernel_cache
-from .call_sites import StandIn
+from .call_sites import StandIn, spec_value
 
 ENV = "K3_PRECOMPILE_TRITON"
 # ops whose implementations launch Triton kernels and communicate with no other rank (a collective would wait)
@@ -72,14 +72,7 @@ class DryTensor(StandIn):
 
 
 def _dry(spec: Any) -> Any:
-    if isinstance(spec, list):
-        return [_dry(x) for x in spec]
-    if isinstance(spec, dict) and "shape" in spec:
-        return DryTensor(spec["shape"], spec["stride"], getattr(torch, spec["dtype"]), torch.device(spec["device"]),
-                         spec["offset"])
-    if isinstance(spec, dict) and "dtype" in spec:
-        return getattr(torch, spec["dtype"])
-    return spec
+    return spec_value(spec, DryTensor)
 
 
 def is_dry() -> bool:

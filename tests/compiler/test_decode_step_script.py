@@ -49,8 +49,10 @@ def test_dry_run_defaults_and_what_is_given():
     assert decode_step.parse_args(["--world-size", "4"]).tp == 4
     with pytest.raises(SystemExit):
         decode_step.parse_args(["--providers", "compile,tensorrt"])
-    assert decode_step.parse_args(["--without-passes", "attn_res,moe_route"]).without_passes == ["attn_res",
-                                                                                                 "moe_route"]
+    args = decode_step.parse_args(["--without-passes", "attn_res,moe_route"])
+    assert args.without_passes == ["attn_res", "moe_route"]
+    assert args.passes and not {"attn_res", "moe_route"} & set(args.passes)
+    assert decode_step.parse_args([]).passes is None
     with pytest.raises(SystemExit):
         decode_step.parse_args(["--without-passes", "attn_rez"])
 
