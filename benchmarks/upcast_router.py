@@ -1,6 +1,6 @@
 """K3's router, ``F.linear(x.float(), w.float())`` with a bf16 w [896, 7168], on the GPU (issue 30): plain
 torch.compile of that expression against ``k3compile.optimize`` of it (the upcast-matmul pass:
-``k3::skinny_gemm`` on the bf16 weight with a fp32 output) and the op alone.
+``k3::skinny_gemm`` on the bf16 weight with a fp32 output), the op alone, and the op's Triton kernel alone.
 
     python benchmarks/upcast_router.py [--ms 1,2,4,8,16] [--json out.json]
 
@@ -112,7 +112,8 @@ def main():
                 json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, sweep=rows), f, indent=1)
         return
     plain = torch.compile(router, dynamic=True)
-    # backend="auto": CuTe refuses the fp32 output, Triton runs; only this pass (registering all takes ~20 s)
+    # backend="auto": CuTe where the table puts it first at the 16-bit shape (the router: every M), else Triton;
+    # only this pass (registering all takes ~20 s)
     optimized = k3compile.optimize(router, dynamic=True, passes=["upcast_matmul"])
     op = torch.ops.k3.skinny_gemm.default
     providers = {
@@ -120,6 +121,7 @@ def main():
         "optimize": optimized,
         "op": lambda x, w: op(x, w, None, None, "auto", 16, False, torch.float32),
         "op+static": lambda x, w: op(x, w, None, None, "auto", 16, True, torch.float32),
+        "triton+static": lambda x, w: op(x, w, None, None, "triton", 16, True, torch.float32),
     }
     rows = []
     print(f"# router {N}x{K} bf16 weight, fp32 output; copy ceiling {ceil:.2f} TB/s; {len(ws)} weight copies")

@@ -144,21 +144,24 @@ def test_config_tag_names_pdl_options():
 
 # ---------------------------------------------------------------------------------------- GPU tests
 
-def _run(m, n, k, dtype, bias, residual, cfg=None, static_weight=False):
+def _run(m, n, k, dtype, bias, residual, cfg=None, static_weight=False, out_dtype=None):
+    """Against the float64 reference, into a NaN-poisoned ``out``; ``out_dtype=float32``: out and residual fp32,
+    held to a tolerance a 16-bit rounding would miss by ~100x."""
+    out_dtype = out_dtype or dtype
     a = torch.randn(m, k, device="cuda", dtype=dtype)
     w = torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5
     b = torch.randn(n, device="cuda", dtype=dtype) if bias else None
-    r = torch.randn(m, n, device="cuda", dtype=dtype) if residual else None
+    r = torch.randn(m, n, device="cuda", dtype=out_dtype) if residual else None
     assert cute_can_run_on(a, w, b, r) is None
-    assert kc.supports(a, w, b, r) is None
-    out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+    assert kc.supports(a, w, b, r, out_dtype) is None
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=out_dtype)
     cfg = cfg or dispatch.cute_config_for(dtype, m, n, k, static_weight, dispatch.gpu_of(a.device).table)
-    kc.skinny_gemm_cute(a, w, b, r, cfg, out=out, static_weight=static_weight)
+    kc.skinny_gemm_cute(a, w, b, r, cfg, out=out, static_weight=static_weight, out_dtype=out_dtype)
     ref = skinny_gemm_reference(a.double(), w.double(), None if b is None else b.double(),
                                 None if r is None else r.double())
     assert not out.isnan().any(), "unwritten or NaN outputs"
     e = rel_err(out, ref)
-    assert e < tol(dtype), f"rel={e:.2e}"
+    assert e < (2e-5 if out_dtype != dtype else tol(dtype)), f"rel={e:.2e}"
 
 
 @pytest.mark.gpu
@@ -196,6 +199,15 @@ def test_matches_reference_random_shapes(m, n, k, dtype, bias, residual):
 @pytest.mark.parametrize("static_weight", [False, True], ids=["dynamic_w", "static_w"])
 def test_every_config_matches_reference(cfg, m, static_weight):
     _run(m, 1000, 2056, torch.bfloat16, True, True, cfg=cfg, static_weight=static_weight)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [mma(1, 1, 4, 4), mma(1, 1, 4, 2, stages=3, split_k=2, early=True, l2_kb=16),
+                                 mma(2, 1, 2, 2, stages=4, split_k=8)], ids=lambda c: c.tag())
+@pytest.mark.parametrize("m", [1, 9, 16], ids=lambda m: f"M{m}")
+def test_fp32_output_matches_unrounded_reference(cfg, m):
+    """bf16 operands, fp32 C and residual (the upcast product), in the block's and the cluster's epilogues."""
+    _run(m, 1000, 2056, torch.bfloat16, True, True, cfg=cfg, static_weight=True, out_dtype=torch.float32)
 
 
 _FROM_CACHE = """

@@ -249,28 +249,41 @@ def test_fused_tail_budget_fits_shared_memory(bn, bk, stages, split, m):
 
 def test_fused_tail_variant_name_spells_the_exact_eps():
     key = (torch.bfloat16, 4, C(), False, True, False)
-    plain, norm5, norm6 = (cc.variant_name(key + (e,)) for e in (None, 1e-5, 1e-6))
+    plain, norm5, norm6 = (cc.variant_name(key + (e, False)) for e in (None, 1e-5, 1e-6))
     assert "_norm" not in plain and len({plain, norm5, norm6}) == 3
+
+
+def test_fp32_output_is_its_own_variant():
+    bf16 = cc.variant(torch.bfloat16, 4, C(), False, False)
+    fp32 = cc.variant(torch.bfloat16, 4, C(), False, False, out_fp32=True)
+    assert bf16 != fp32 and cc.variant_name(fp32) == cc.variant_name(bf16) + "_o32"
 
 
 # ---------------------------------------------------------------------------------------- GPU tests
 
-def _run(m, n, k, dtype, bias, residual, cfg=None, static_weight=False, out_shift=0):
+# a fp32 output holds the fp32 sums unrounded: a 16-bit rounding anywhere would miss this by ~100x
+FP32_OUT_TOL = 2e-5
+
+
+def _run(m, n, k, dtype, bias, residual, cfg=None, static_weight=False, out_shift=0, out_dtype=None):
     """One product against the float64 reference, into a NaN-poisoned ``out`` (contiguous, its start ``out_shift``
-    elements past a 256-byte aligned one)."""
+    elements past a 256-byte aligned one); ``out_dtype=float32``: out and residual fp32."""
     torch.manual_seed(m * 7 + n + k)
+    out_dtype = out_dtype or dtype
     a = torch.randn(m, k, device="cuda", dtype=dtype)
     w = torch.randn(n, k, device="cuda", dtype=dtype) * k ** -0.5
     b = torch.randn(n, device="cuda", dtype=dtype) if bias else None
-    r = torch.randn(m, n, device="cuda", dtype=dtype) if residual else None
-    assert cute_can_run_on(a, w, b, r) is None and kc.supports(a, w, b, r) is None
-    out = torch.full((m * n + 8,), float("nan"), device="cuda", dtype=dtype)[out_shift:out_shift + m * n].view(m, n)
-    kc.skinny_gemm_cute(a, w, b, r, cfg or op_config(m, n, k, static_weight), out=out, static_weight=static_weight)
+    r = torch.randn(m, n, device="cuda", dtype=out_dtype) if residual else None
+    assert cute_can_run_on(a, w, b, r) is None and kc.supports(a, w, b, r, out_dtype) is None
+    out = torch.full((m * n + 8,), float("nan"), device="cuda", dtype=out_dtype)[out_shift:out_shift + m * n]
+    kc.skinny_gemm_cute(a, w, b, r, cfg or op_config(m, n, k, static_weight), out=out.view(m, n),
+                        static_weight=static_weight, out_dtype=out_dtype)
     torch.cuda.synchronize()
     ref = skinny_gemm_reference(a.double(), w.double(), None if b is None else b.double(),
                                 None if r is None else r.double())
-    e = rel_err(out, ref)
-    assert e < tol(dtype), f"rel={e:.2e}"
+    assert not out.isnan().any(), "unwritten or NaN outputs"
+    e = rel_err(out.view(m, n), ref)
+    assert e < (FP32_OUT_TOL if out_dtype == torch.float32 and dtype != out_dtype else tol(dtype)), f"rel={e:.2e}"
 
 
 GPU_CONFIGS = [C(block_n=64, block_k=64, stages=4, split_k=1),
@@ -330,6 +343,35 @@ def test_owner_stores_any_c_alignment(cfg, n, out_shift, m):
 @pytest.mark.parametrize("m", [8, 16], ids=lambda m: f"M{m}")
 def test_dtypes_and_epilogues(dtype, bias, residual, m):
     _run(m, 300, 520, dtype, bias, residual, cfg=C(block_n=64, block_k=64, stages=4, split_k=2))
+
+
+FP32_OUT_CONFIGS = [C(block_n=64, block_k=64, stages=4, split_k=1),                       # one block, read tile
+                    C(block_n=128, block_k=64, stages=6, split_k=3, producer_warp=True),   # partial tiles read
+                    C(block_n=128, block_k=64, stages=4, split_k=2, push_partials=True),   # owners: 16-byte pieces
+                    C(block_n=64, block_k=64, stages=6, split_k=3, producer_warp=True, evict_hints=True,
+                      push_partials=True, owners=3),                                      # owners sharing warps
+                    C(block_n=64, block_k=128, stages=2, split_k=8, producer_warp=True, evict_hints=True,
+                      trigger_first=True, push_partials=True, owners=2, reg_stages=2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", FP32_OUT_CONFIGS, ids=lambda c: c.tag())
+@pytest.mark.parametrize("n,out_shift", [(1000, 0), (1000, 1), (1003, 0)], ids=["N1000", "N1000-C+4B", "N1003"])
+@pytest.mark.parametrize("m", [1, 5, 16], ids=lambda m: f"M{m}")
+def test_fp32_output_every_store_path(cfg, n, out_shift, m):
+    """bf16 operands, fp32 C and residual (the upcast product): each epilogue's stores (read partial tiles, owners'
+    16-byte pieces of 4 floats, owners sharing warps, a misaligned C or row stride, the N tail) write every
+    element (NaN-poisoned), unrounded."""
+    _run(m, n, 2056, torch.bfloat16, True, True, cfg=cfg, out_shift=out_shift, static_weight=True,
+         out_dtype=torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("static_weight", [False, True], ids=["dynamic_w", "static_w"])
+def test_fp32_output_router_table_picks(m, static_weight):
+    """K3's router (896 x 7168, fp32 logits) at the table's picks for its 16-bit shape, as the op runs it."""
+    _run(m, 896, 7168, torch.bfloat16, False, False, static_weight=static_weight, out_dtype=torch.float32)
 
 
 @pytest.mark.gpu

@@ -102,7 +102,8 @@ def test_where_cublas_measured_faster_the_kernel_declines(on_h200):
 
 def test_a_wgmma_pick_is_what_the_cute_implementation_compiles(monkeypatch, on_h200):
     """A table pick naming the wgmma kernel reaches ``cute.skinny_gemm_cute`` with that configuration (and the
-    static-weight flag), whatever its M within the bucket."""
+    static-weight flag), whatever its M within the bucket; a fp32 output of the same operands runs the same
+    configuration's fp32-output variant."""
     wg = WgmmaConfig(block_n=64, block_k=64, stages=8, split_k=2)
     picks = dict(H200.picks)
     for static in (False, True):
@@ -111,12 +112,16 @@ def test_a_wgmma_pick_is_what_the_cute_implementation_compiles(monkeypatch, on_h
     monkeypatch.setattr(dispatch, "_cuda_gpu", lambda index: dispatch.Gpu(table, 132))
     calls = []
     monkeypatch.setattr(cute, "compile_kernel",
-                        lambda dtype, m, cfg, *flags: calls.append((m, cfg, *flags)) or (lambda *args: None))
+                        lambda dtype, m, cfg, *flags, out_fp32=False: calls.append((m, cfg, *flags, out_fp32))
+                        or (lambda *args: None))
     mode, a, w = _cuda(12, 640, 1024)
     assert dispatch._cute_profitable(a, w, None, None) is None
+    assert dispatch._cute_profitable(a, w, None, None, torch.float32) is None
     with mode:
         out = dispatch._cute(a, w, None, None, static_weight=True)
-    assert out.shape == (12, 640) and calls == [(12, wg, False, False, True)]
+        out32 = dispatch._cute(a, w, None, None, torch.float32, static_weight=True)
+    assert out.shape == (12, 640) and out32.dtype == torch.float32
+    assert calls == [(12, wg, False, False, True, False), (12, wg, False, False, True, True)]
 
 
 def test_trigger_first_false_keeps_the_tiles_and_drops_the_early_trigger(monkeypatch, on_h200):
@@ -127,7 +132,7 @@ def test_trigger_first_false_keeps_the_tiles_and_drops_the_early_trigger(monkeyp
     tf = pick.configs["cute"]
     calls = []
     monkeypatch.setattr(cute, "compile_kernel",
-                        lambda dtype, m_, cfg, *flags: calls.append(cfg) or (lambda *args: None))
+                        lambda dtype, m_, cfg, *flags, **kw: calls.append(cfg) or (lambda *args: None))
     mode, a, w = _cuda(m, n, k, getattr(torch, dt))
     with mode:
         dispatch._cute(a, w, None, None, static_weight=True)

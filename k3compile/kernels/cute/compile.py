@@ -1,7 +1,8 @@
 """Compiling the CuTe skinny GEMM kernels: one cache for both (``mma.py`` for an ``MmaConfig``, ``wgmma.py`` for a
 ``WgmmaConfig``).
 
-A variant is (dtype, M, configuration, bias?, residual?, static weight?, fused-norm eps); N, K and the row strides
+A variant is (dtype, M, configuration, bias?, residual?, static weight?, fused-norm eps, fp32 output?); N, K and the
+row strides
 are symbolic in the compiled kernel, so one compile serves every shape. A compiled variant is kept in memory and
 exported to a disk cache so that another process loads it in milliseconds instead of compiling (~0.3 s): the file
 is ``K3_CUTE_CACHE_DIR/<fingerprint>/<variant name>.o`` (default ``~/.cache/k3compile/cute``; "0" turns it off).
@@ -77,28 +78,31 @@ def _mark_imported() -> None:
 
 
 def variant(dtype: torch.dtype, m: int, cfg: KernelConfig, has_bias: bool, has_res: bool,
-            static_weight: bool = False, norm_eps: Optional[float] = None) -> tuple:
+            static_weight: bool = False, norm_eps: Optional[float] = None, out_fp32: bool = False) -> tuple:
     """The key of one compiled kernel (see the module doc)."""
-    return (dtype, m, cfg, has_bias, has_res, static_weight, None if norm_eps is None else float(norm_eps))
+    return (dtype, m, cfg, has_bias, has_res, static_weight, None if norm_eps is None else float(norm_eps),
+            bool(out_fp32))
 
 
 def compile_kernel(dtype: torch.dtype, m: int, cfg: KernelConfig, has_bias: bool, has_res: bool,
-                   static_weight: bool = False, norm_eps: Optional[float] = None):
+                   static_weight: bool = False, norm_eps: Optional[float] = None, out_fp32: bool = False):
     """The compiled kernel for this variant: from memory, else from disk, else compiled (and saved).
 
     ``norm_eps``: fuse the RMSNorm of A with this eps (the latent-MoE tail; ``g`` then is the norm weight). It is
-    baked into the kernel: one model uses one eps.
+    baked into the kernel: one model uses one eps. ``out_fp32``: C (and the residual) fp32, the fp32 sums stored
+    unrounded (the upcast product ``linear(x.float(), w.float())`` of 16-bit operands); the kernels store C's
+    element type, whatever it is.
     """
-    return kernel_cache.get(KIND, variant(dtype, m, cfg, has_bias, has_res, static_weight, norm_eps))
+    return kernel_cache.get(KIND, variant(dtype, m, cfg, has_bias, has_res, static_weight, norm_eps, out_fp32))
 
 
 def variant_name(key) -> str:
     """The variant's file and symbol name: its kernel, dtype, M, configuration tag, flags and the exact eps."""
-    dtype, m, cfg, has_bias, has_res, static_w, eps = key
+    dtype, m, cfg, has_bias, has_res, static_w, eps, out_fp32 = key
     kernel = "skinny" if isinstance(cfg, MmaConfig) else "wgmma"
     norm = "" if eps is None else "_norm" + struct.pack(">d", eps).hex()   # the exact eps, name-safe
     return (f"k3_{kernel}_{str(dtype).split('.')[-1]}_m{m}_{cfg.tag().replace('-', '_')}"
-            f"_b{int(has_bias)}_r{int(has_res)}_s{int(static_w)}{norm}")
+            f"_b{int(has_bias)}_r{int(has_res)}_s{int(static_w)}{norm}{'_o32' if out_fp32 else ''}")
 
 
 def cute_dtype(dtype: torch.dtype):
@@ -204,7 +208,7 @@ def build(key):
     """Compile one variant (no cache)."""
     import cutlass.cute as cute
 
-    dtype, m, cfg, has_bias, has_res, static_w, eps = key
+    dtype, m, cfg, has_bias, has_res, static_w, eps, out_fp32 = key
     if isinstance(cfg, WgmmaConfig):
         bad = cfg.invalid()
         if bad:
@@ -213,15 +217,18 @@ def build(key):
     Kernel = getattr(module.module(), name)
     _mark_imported()
     kernel = Kernel(cute_dtype(dtype), m, cfg, has_bias, has_res, static_w, eps)
-    fake = fake_args(dtype, m, has_bias, has_res, eps is not None, static_m=isinstance(cfg, MmaConfig))
+    fake = fake_args(dtype, m, has_bias, has_res, eps is not None, static_m=isinstance(cfg, MmaConfig),
+                     out_fp32=out_fp32)
     return cute.compile(kernel, *fake, options="--enable-tvm-ffi")
 
 
-def fake_args(dtype: torch.dtype, m: int, has_bias: bool, has_res: bool, has_norm: bool, static_m: bool):
+def fake_args(dtype: torch.dtype, m: int, has_bias: bool, has_res: bool, has_norm: bool, static_m: bool,
+              out_fp32: bool = False):
     """Fake tensors with symbolic N, K and row strides, as the kernels are called: (a, w, out, bias, residual, g,
-    stream). ``static_m``: A's row count is M (the mma.sync kernel); the wgmma kernel leaves it symbolic, because a
+    stream); out and residual fp32 with ``out_fp32``. ``static_m``: A's row count is M (the mma.sync kernel); the wgmma kernel leaves it symbolic, because a
     static extent of 1 collapses its TMA to 1-D (an illegal instruction on the H200 with the 2-D swizzled box) -- its
     M is the compile-time ``m`` all the same."""
+    import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
@@ -230,9 +237,10 @@ def fake_args(dtype: torch.dtype, m: int, has_bias: bool, has_res: bool, has_nor
     lda, ldw = cute.sym_int64(divisibility=VEC), cute.sym_int64(divisibility=VEC)
     a = make_fake_tensor(cd, (m if static_m else cute.sym_int(), k), (lda, 1), assumed_align=16)
     w = make_fake_tensor(cd, (n, k), (ldw, 1), assumed_align=16)
-    c = make_fake_tensor(cd, (m, n), (cute.sym_int64(), 1), assumed_align=2)
+    od = cutlass.Float32 if out_fp32 else cd
+    c = make_fake_tensor(od, (m, n), (cute.sym_int64(), 1), assumed_align=od.width // 8)
     bias = make_fake_tensor(cd, (n,), (1,), assumed_align=2) if has_bias else None
-    res = make_fake_tensor(cd, (m, n), (cute.sym_int64(), 1), assumed_align=2) if has_res else None
+    res = make_fake_tensor(od, (m, n), (cute.sym_int64(), 1), assumed_align=od.width // 8) if has_res else None
     g = make_fake_tensor(cd, (k,), (1,), assumed_align=16) if has_norm else None
     return a, w, c, bias, res, g, make_fake_stream(use_tvm_ffi_env_stream=True)
 

@@ -252,7 +252,7 @@ class MmaSkinnyGemm(RingMainLoop):
             s = s + mBias[n].to(cutlass.Float32)
         if cutlass.const_expr(self.has_res):
             s = s + mRes[m, n].to(cutlass.Float32)
-        mC[m, n] = s.to(self.dtype)
+        mC[m, n] = s.to(mC.element_type)
 
     @cute.jit
     def cluster_epilogue(self, mC: cute.Tensor, mBias, mRes, red: cute.Tensor, ssm, tidx, q, n0, N, K):

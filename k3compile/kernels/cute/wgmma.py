@@ -569,45 +569,47 @@ class WgmmaSkinnyGemm:
                     c = coord[f]
                     n = n0 + c[0]
                     if c[1] < M and n < N:
-                        mC[c[1], n] = acc[f].to(self.dtype)
+                        mC[c[1], n] = acc[f].to(mC.element_type)
 
     @cute.jit
     def store_owned(self, acc: cute.Tensor, coord: cute.Tensor, mC: cute.Tensor, recv: cute.Tensor, q, tl, first,
                     n0):
         """(push_partials, an owner group of whole warps) Stage the group's outputs (acc, bias / residual added) in
-        C's dtype in our own rank's receive slots (nobody pushes there) as [m, the group's n], then store them along
-        n in 16-byte pieces: whole 32-byte segments of C (the fragments' 2-byte stores wrote half segments and cost
-        0.6-2.8% at M16). A C row not 16-byte aligned, or the N tail, takes 2-byte stores."""
+        C's dtype in our own rank's receive slots (nobody pushes there; they hold the group's fragments in fp32, so
+        any C dtype fits) as [m, the group's n], then store them along n in 16-byte pieces: whole 32-byte segments
+        of C (the fragments' 2-byte stores wrote half segments and cost 0.6-2.8% at M16). A C row not 16-byte
+        aligned, or the N tail, takes element stores."""
         M: cutlass.Constexpr = self.m
         MP: cutlass.Constexpr = self.mp
         G: cutlass.Constexpr = 128 // self.owners
         NW: cutlass.Constexpr = G // 32                   # the group's warps: 16 rows of each m64 tile apiece
         ROWW: cutlass.Constexpr = self.bn // 64 * 16 * NW   # the group's n per row of C
-        VPR: cutlass.Constexpr = ROWW // 8                 # 16-byte pieces per row
+        EP: cutlass.Constexpr = 128 // mC.element_type.width   # C elements per 16-byte piece
+        VPR: cutlass.Constexpr = ROWW // EP                # 16-byte pieces per row
         V: cutlass.Constexpr = MP * VPR
         w0 = first // 32
-        stage = cute.recast_ptr(recv.iterator + push_slot(q, 0, 0, G, cute.size(acc)), dtype=self.dtype)
+        stage = cute.recast_ptr(recv.iterator + push_slot(q, 0, 0, G, cute.size(acc)), dtype=mC.element_type)
         sT = cute.make_tensor(stage, cute.make_layout((MP, ROWW), stride=(ROWW, 1)))
         for f in cutlass.range_constexpr(cute.size(acc)):
             c = coord[f]
-            sT[c[1], c[0] // 64 * (16 * NW) + c[0] % 64 - 16 * w0] = acc[f].to(self.dtype)
+            sT[c[1], c[0] // 64 * (16 * NW) + c[0] % 64 - 16 * w0] = acc[f].to(mC.element_type)
         cute.arch.barrier(barrier_id=2, number_of_threads=G)   # the group's warps only (1: the norm warps')
         N = mC.shape[1]
         ldc = mC.layout.stride[0]
-        aligned = mC.iterator.toint() % 16 == 0 and ldc % 8 == 0
+        aligned = mC.iterator.toint() % 16 == 0 and ldc % EP == 0
         for i in cutlass.range_constexpr(-(-V // G)):
             idx = tl + i * G
             if idx < V:
                 m = idx // VPR
-                col = idx % VPR * 8
+                col = idx % VPR * EP
                 n = n0 + col // (16 * NW) * 64 + 16 * w0 + col % (16 * NW)
                 if m < M:
-                    if aligned and n + 8 <= N:
-                        src = cute.make_tensor((sT.iterator + m * ROWW + col).align(16), cute.make_layout((8,)))
-                        dst = cute.make_tensor((mC.iterator + m * ldc + n).align(16), cute.make_layout((8,)))
+                    if aligned and n + EP <= N:
+                        src = cute.make_tensor((sT.iterator + m * ROWW + col).align(16), cute.make_layout((EP,)))
+                        dst = cute.make_tensor((mC.iterator + m * ldc + n).align(16), cute.make_layout((EP,)))
                         cute.autovec_copy(src, dst)
                     else:
-                        for e in cutlass.range_constexpr(8):
+                        for e in cutlass.range_constexpr(EP):
                             if n + e < N:
                                 mC[m, n + e] = sT[m, col + e]
 
@@ -647,4 +649,4 @@ class WgmmaSkinnyGemm:
                 s = s + b
             if cutlass.const_expr(self.has_res):
                 s = s + r
-            mC[m, n] = s.to(self.dtype)
+            mC[m, n] = s.to(mC.element_type)

@@ -17,12 +17,12 @@ Configuration: the table's for the implementation that runs, else its heuristic 
 are sized by it). ``static_weight`` may change the configuration, never the implementation: the choice is cached
 before the op knows it.
 
-A fp32 output of 16-bit operands (``out_dtype``, the rewrite of ``linear(x.float(), w.float())``): the CuTe kernels
-round their output to the operands' dtype, so ``cute.supports`` refuses it (recorded) and the Triton kernel runs,
-table or not: what it replaces is the upcast product (a cast kernel writes the weight in fp32, then an fp32 GEMM
-reads it back: three times the weight bytes the Triton kernel streams), not the 16-bit cuBLAS GEMM the table was
-measured against; the table's Triton configuration for the 16-bit shape is used (the main loop is the same). Rows
-above ``m_limit`` (and a GPU without Triton) run that upcast product, the graph's own math.
+A fp32 output of 16-bit operands (``out_dtype``, the rewrite of ``linear(x.float(), w.float())``): the 16-bit
+shape's kernel and configuration (the main loop and its fp32 sums are the same; only C's stores widen), and a kernel
+of ours wherever one runs, table or not: what it replaces is the upcast product (a cast kernel writes the weight in
+fp32, then an fp32 GEMM reads it back: three times the weight bytes our kernels stream), not the 16-bit cuBLAS GEMM
+the table was measured against. CuTe where the order puts it first, else the Triton kernel. Rows above ``m_limit``
+(and a GPU with neither) run that upcast product, the graph's own math.
 
 Nothing here imports Triton or cutlass: the kernel modules load on first use (``KernelModule``), and where one does
 not import, the implementation's ``available`` says why (recorded as the fallback's reason).
@@ -188,11 +188,12 @@ def _cute_config(a, w, static_weight: bool, trigger_first: bool = True) -> Kerne
 
 def _cute(a, w, bias, residual, out_dtype=None, static_weight=False, trigger_first=True):
     return cute.skinny_gemm_cute(a, w, bias, residual, _cute_config(a, w, static_weight, trigger_first),
-                                 static_weight=static_weight)
+                                 static_weight=static_weight, out_dtype=out_dtype)
 
 
 def _cute_kernels(a, w, bias, residual, out_dtype=None, static_weight=False, trigger_first=True) -> list:
-    return cute.kernels(a, w, bias, residual, _cute_config(a, w, static_weight, trigger_first), static_weight)
+    return cute.kernels(a, w, bias, residual, _cute_config(a, w, static_weight, trigger_first), static_weight,
+                        out_dtype)
 
 
 def _triton(a, w, bias, residual, out_dtype=None, static_weight=False, trigger_first=True):
