@@ -8,6 +8,9 @@
         --providers eager,compile,max-autotune,optimize --json step.json --plot step.svg
     # all 93 layers of a TP = 16 rank with MXFP4 experts (~110 GB; python -m k3compile.model.plan --tp 16)
     python benchmarks/decode_step.py --tp 16 --layers 93 --experts mxfp4 --batch 1,8 --providers compile,optimize
+    # the same with optimize()'s regions (a compile that does not grow with depth), checked against itself
+    python benchmarks/decode_step.py --tp 16 --layers 93 --experts mxfp4 --batch 1 --providers optimize \
+        --reference optimize --regions
     # real TP: one process a GPU (NCCL), each building its own rank
     python benchmarks/decode_step.py --world-size 8 --batch 1,8 --providers compile,optimize
     # the whole script on the CPU with a micro config, in seconds (CI)
@@ -107,6 +110,8 @@ def parse_args(argv=None):
                                                                              "(compiled even when not timed)")
     p.add_argument("--optimize-option", type=_option, action="append", default=[], metavar="KEY=VALUE",
                    help="an Inductor option for optimize()'s compiles only, e.g. triton.cooperative_reductions=True")
+    p.add_argument("--regions", action="store_true", help="optimize(regions=True): each distinct decoder block "
+                                                            "compiled once (what a 93-layer compile needs)")
     p.add_argument("--k3-backend", default=None, help="optimize(backend=) (default auto; reference with --dry-run)")
     p.add_argument("--without-passes", default="", help="comma-separated k3 passes optimize() leaves out (an A/B)")
     p.add_argument("--steps", type=int, default=8, help="teacher-forced steps (also the steps of one CUDA graph)")
@@ -235,7 +240,7 @@ def make_provider(name: str, base, args, options: dict):
         kw["options"].update(args.optimize_option)
         if args.passes is not None:
             kw["passes"] = args.passes
-        k3compile.optimize(model, backend=args.k3_backend, **kw)
+        k3compile.optimize(model, backend=args.k3_backend, regions=args.regions, **kw)
     return model
 
 
@@ -490,7 +495,7 @@ def run_rank(rank: int, world: int, device, args, tp) -> dict:
                 experts=text.num_experts, experts_form=args.experts, dtype=args.dtype, k3_backend=args.k3_backend,
                 vocab=text.vocab_size, steps=args.steps, replays=args.replays, reference=args.reference,
                 weight_bytes=nbytes, copy_ceiling_tbps=ceiling, optimize_options=dict(args.optimize_option),
-                torch=torch.__version__,
+                regions=args.regions, torch=torch.__version__,
                 device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)")
     rows, ok = [], True
     for context in args.context:

@@ -33,10 +33,9 @@ K3_SHAPES = [(4608, 7168), (1536, 7168), (2112, 7168), (2304, 1536), (896, 7168)
              (7168, 3584), (7168, 1536), (7168, 768), (20480, 7168)]
 ROTATE_BYTES = 640 * 2**20
 # shapes whose table rows another benchmark measures, and the note the table keeps about them
-CHAIN_TIMED = {(896, 7168): ("The 896 x 7168 rows serve the router's fp32-output product too (the upcast-matmul rewrite: "
-                             "CuTe's fp32-output variant of the pick); their Triton configurations were timed in the "
-                             "decode step's chain by "
-                             "benchmarks/upcast_router.py --sweep (docs/tuning/moe_route.md run 3), kept by "
+CHAIN_TIMED = {(896, 7168): ("The 896 x 7168 rows serve the router's fp32-output product too (the upcast-matmul "
+                             "rewrite: CuTe's fp32-output variant of the pick); their Triton configurations were timed "
+                             "in the decode step's chain by benchmarks/upcast_router.py --sweep (docs/tuning/moe_route.md run 3), kept by "
                              "benchmarks/tune_skinny_gemm.py. ")}
 
 

@@ -57,6 +57,20 @@ def test_dry_run_defaults_and_what_is_given():
         decode_step.parse_args(["--without-passes", "attn_rez"])
 
 
+def test_regions_reach_optimize_and_nothing_else(monkeypatch):
+    import k3compile
+
+    seen = []
+    monkeypatch.setattr(k3compile, "optimize", lambda model, **kw: seen.append(kw) or model)
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: seen.append(("compile", kw)))
+    for argv in ([], ["--regions"]):
+        args = decode_step.parse_args(["--dry-run", *argv])
+        for name in ("optimize", "compile"):
+            decode_step.make_provider(name, torch.nn.Linear(2, 2), args, {})
+    assert [kw["regions"] for kw in seen if isinstance(kw, dict)] == [False, True]
+    assert all("regions" not in kw[1] for kw in seen if isinstance(kw, tuple))
+
+
 def test_fill_cache_valid_prefix_only(micro):
     model, cache = micro
     assert int(cache.pos) == 6

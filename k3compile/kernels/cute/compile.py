@@ -225,9 +225,9 @@ def build(key):
 def fake_args(dtype: torch.dtype, m: int, has_bias: bool, has_res: bool, has_norm: bool, static_m: bool,
               out_fp32: bool = False):
     """Fake tensors with symbolic N, K and row strides, as the kernels are called: (a, w, out, bias, residual, g,
-    stream); out and residual fp32 with ``out_fp32``. ``static_m``: A's row count is M (the mma.sync kernel); the wgmma kernel leaves it symbolic, because a
-    static extent of 1 collapses its TMA to 1-D (an illegal instruction on the H200 with the 2-D swizzled box) -- its
-    M is the compile-time ``m`` all the same."""
+    stream); out and residual fp32 with ``out_fp32``. ``static_m``: A's row count is M (the mma.sync kernel); the
+    wgmma kernel leaves it symbolic, because a static extent of 1 collapses its TMA to 1-D (an illegal instruction on
+    the H200 with the 2-D swizzled box) -- its M is the compile-time ``m`` all the same."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
