@@ -1,6 +1,7 @@
 """The CuTe MXFP4 experts kernels (``k3compile/ops/moe_experts/cute.py``) alone under a few work divisions (GPU).
 
-    python benchmarks/tune_moe_experts_cute.py [I]      # I = 384 (TP 8, the default) or 192 (TP 16)
+    python benchmarks/tune_moe_experts_cute.py [I] [--compact-only] [--down-only] [--ms=1,8]
+    # I = 384 (TP 8, the default) or 192 (TP 16); --ms: the M values (default 1, 4, 8, 16)
 
 K3 rank widths (E 896, top-16, L 3584), M 1, 4, 8 and 16, random routing; each row first checked against the fp32
 reference (its relative error printed), then timed as 40 calls on 40 different routings in one CUDA graph (the
@@ -18,7 +19,7 @@ from k3compile.ops.moe_experts.reference import moe_experts_ref  # noqa: E402
 from k3compile.testing import rel_err  # noqa: E402
 
 torch.manual_seed(0)
-E, A, L, I = 896, 16, 3584, int(sys.argv[1]) if len(sys.argv) > 1 else 384
+E, A, L, I = 896, 16, 3584, int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 384
 dev = "cuda"
 
 
@@ -46,6 +47,23 @@ DN = [cute.Mxfp4DownConfig(4, 1, 2), cute.Mxfp4DownConfig(4, 1, 2, scan_unrolled
       cute.Mxfp4DownConfig(4, 2, 2, scan_unrolled=True, compact=True),
       cute.Mxfp4DownConfig(8, 1, 1, scan_unrolled=True, compact=True)]
 
+if I < 384:
+    # at TP 16 a block of down's 64 rows holds 6.5 KB of codes (13 at I = 384): larger blocks amortise its prologue;
+    # gate/up has half the rows to divide, so more K-warps a block are candidates too
+    DN += [cute.Mxfp4DownConfig(4, 1, 4, scan_unrolled=True, compact=True),
+           cute.Mxfp4DownConfig(4, 2, 4, scan_unrolled=True, compact=True),
+           cute.Mxfp4DownConfig(8, 1, 2, scan_unrolled=True, compact=True),
+           cute.Mxfp4DownConfig(8, 2, 2, scan_unrolled=True, compact=True),
+           cute.Mxfp4DownConfig(2, 2, 4, scan_unrolled=True, compact=True)]
+    GU += [cute.Mxfp4MmaConfig(8, 1, 1, scan_unrolled=True, compact=True),
+           cute.Mxfp4MmaConfig(8, 1, 1, prefetch=True, scan_unrolled=True, compact=True),
+           cute.Mxfp4MmaConfig(4, 1, 1, scan_unrolled=True, compact=True)]
+if "--compact-only" in sys.argv:   # the forms the picks are drawn from
+    GU, DN = [c for c in GU if c.compact], [c for c in DN if c.compact]
+if "--down-only" in sys.argv:
+    GU = []
+MS = next((tuple(int(v) for v in a[5:].split(",")) for a in sys.argv if a.startswith("--ms=")), (1, 4, 8, 16))
+
 
 def time_config(which, zs, ids, wts, ref):
     """(µs a call of ``which`` alone, the best of 5 replays of one graph of R routings; the op's relative error)."""
@@ -72,7 +90,7 @@ def time_config(which, zs, ids, wts, ref):
     return best, err
 
 
-for m in (1, 4, 8, 16):
+for m in MS:
     R = 40
     zs = [torch.randn(m, L, device=dev).to(torch.bfloat16) for _ in range(R)]
     ids = [torch.stack([torch.randperm(E, device=dev)[:A] for _ in range(m)]) for _ in range(R)]

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from .passes import GraphRecord
+from .passes import STATIC_WEIGHT_FACT, GraphRecord
 from .precompile import PrecompileRecord
 
 log = logging.getLogger("k3compile")
@@ -91,28 +91,36 @@ def merge_records(records: list[GraphRecord]) -> GraphRecord:
     """One record for one compiled graph from the records our pass left: the graph's own and, with compile regions,
     one per region body (compiled once however often it is called). A body's matches and counted facts weigh as
     often as the graph calls it (through the bodies that call it, for nested ones), so the sum reads as the whole
-    graph's; seconds add up unweighted (they were spent once)."""
-    callers: dict = {}
-    for r in records:
-        for body, n in r.calls.items():
-            callers.setdefault(body, []).append((r, n))
+    graph's; seconds add up unweighted (they were spent once). Matches and what the static-weight proof found weigh
+    by the calls left after our rewrites, the facts read before them by the calls there were
+    (``GraphRecord.calls_read``)."""
+    def callers_of(calls) -> dict:
+        callers: dict = {}
+        for r in records:
+            for body, n in calls(r).items():
+                callers.setdefault(body, []).append((r, n))
+        return callers
+    after = callers_of(lambda r: r.calls)
+    before = callers_of(lambda r: r.calls if r.calls_read is None else r.calls_read)
 
-    def weight(r: GraphRecord, depth: int = 0) -> int:
+    def weight(r: GraphRecord, callers: dict, depth: int = 0) -> int:
         if depth > len(records) or r.graph_id not in callers:
             return 1
-        return sum(n * weight(caller, depth + 1) for caller, n in callers[r.graph_id])
+        return sum(n * weight(caller, callers, depth + 1) for caller, n in callers[r.graph_id])
 
     out = GraphRecord()
     for r in records:
-        w = weight(r)
+        w = weight(r, after)
         for name, n in r.matches.items():
             out.matches[name] = out.matches.get(name, 0) + w * n
         out.seconds += r.seconds
         out.registration_seconds += r.registration_seconds
-        out.facts = _merge_facts(out.facts, r.facts, w)
+        read = {k: v for k, v in r.facts.items() if k != STATIC_WEIGHT_FACT}
+        out.facts = _merge_facts(out.facts, read, weight(r, before))
+        out.facts = _merge_facts(out.facts, {k: v for k, v in r.facts.items() if k not in read}, w)
         out.regions = _merge_facts(out.regions, r.regions, 1)
         out.kernel_calls += [c for c in r.kernel_calls if c not in out.kernel_calls]
-        if r.graph_id in callers:
+        if r.graph_id in after and w:   # a body no call is left to was not compiled
             out.regions["bodies"] = out.regions.get("bodies", 0) + 1
             out.regions["calls"] = out.regions.get("calls", 0) + w
     return out

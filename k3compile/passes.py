@@ -109,9 +109,11 @@ class GraphRecord:
     regions: dict = field(default_factory=dict)
     # the calls of k3 ops that JIT-build kernels, as call_sites.call_sites lists them (a warm start plans from these)
     kernel_calls: list = field(default_factory=list)
-    # not stored: which graph the pass saw, and {id of a region body's graph: calls} it makes
+    # not stored: which graph the pass saw, {id of a region body's graph: calls} it makes after our rewrites (a
+    # body's matches count per call left) and before them (its facts count per call they were read for)
     graph_id: Optional[int] = field(default=None, compare=False, repr=False, metadata={"transient": True})
     calls: dict = field(default_factory=dict, compare=False, repr=False, metadata={"transient": True})
+    calls_read: Optional[dict] = field(default=None, compare=False, repr=False, metadata={"transient": True})
 
     def to_json(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.metadata.get("transient")}
@@ -266,7 +268,7 @@ class K3PostGradPass(CustomGraphPass):
         t0 = time.perf_counter()
         passes, reg_s = _register(self.options, graph)
         record = GraphRecord(registration_seconds=reg_s)
-        record.graph_id, record.calls = id(graph), region_calls(graph)   # merge_records weighs region bodies
+        record.graph_id, record.calls_read = id(graph), region_calls(graph)
         for name in passes:
             read_facts = getattr(pattern_module(name), "facts", None)
             if read_facts is not None:
@@ -279,6 +281,9 @@ class K3PostGradPass(CustomGraphPass):
             record.matches[name] = n
             log.debug("k3compile %s: %d matches", name, n)
         graph.eliminate_dead_code()
+        # a rewrite may have taken a call's work out of its body (a body no call is left to weighs 0)
+        left = region_calls(graph)
+        record.calls = {body: left.get(body, 0) for body in record.calls_read}
         if self.options.order_products:
             record.facts[PRODUCT_ORDER_FACT] = order_same_input_products(graph)
         graph.lint()

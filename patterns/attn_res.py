@@ -23,18 +23,28 @@ exponent, dtypes), the epsilons excepted (placeholders, read back).
 
 Guard: the sources one shape and dtype, at most ``MAX_SOURCES`` of at most ``MAX_D`` values (beyond, the op would
 run its reference: Inductor's code is left); the query weights D values; the norm weight [D].
+
+Regions (``optimize(regions=True)``): a layer's mix is a region body (rewritten there, mix alone) and the norm after
+it sits in the caller's graph, so the two would stay two kernels. :func:`postprocess` folds them back in the caller:
+a call of a body that is one mix-alone ``k3::attn_res`` of its inputs, whose result feeds only an RMSNorm, becomes
+one ``k3::attn_res`` with the norm, on the call's operands (the call is then dead). The report counts the mix once
+either way: a body's matches count per call left (``graph_records.merge_records``).
 """
 from __future__ import annotations
 
 import functools
 import inspect
+import operator
+from typing import Optional
 
 import torch
 
+from k3compile.graph_values import invoke_subgraph_op, region_call
 from k3compile.ops.attn_res.dispatch import MAX_D, MAX_SOURCES
-from k3compile.patterns._common import (LOW_PRECISION, TRACE_DTYPES, Group, aten, is_static_le, match_val,
-                                        matched_scalar_ok, online_softmax_pass, pm, register_groups,
-                                        reusing_search_traces, statically_known_true, trace_fn, with_online_softmax)
+from k3compile.patterns._common import (LOW_PRECISION, TRACE_DTYPES, Group, aten, fake_mode, is_static_le,
+                                        match_val, matched_scalar_ok, online_softmax_pass, pm, register_groups,
+                                        reusing_search_traces, statically_known_true, trace_fn, val,
+                                        with_online_softmax)
 
 prims = torch.ops.prims
 
@@ -161,6 +171,89 @@ def groups(options) -> list[Group]:
 
 def register(pm_pass: pm.PatternMatcherPass, options) -> None:
     register_groups(pm_pass, groups(options))
+
+
+# --- a mix compiled as a region, and the norm after it in the caller --------------------------------------------
+
+def _norm_of(mix, norm_weight, norm_eps):
+    return _normed(mix.float(), norm_weight, norm_eps, mix.dtype)
+
+
+def _lone_mix(body: torch.fx.GraphModule) -> Optional[torch.fx.Node]:
+    """The body's ``k3::attn_res`` where the body is that one mix alone of its own inputs, returned as its only
+    output; else None."""
+    nodes = [n for n in body.graph.nodes if n.op not in ("placeholder", "output")]
+    if len(nodes) != 1 or nodes[0].target is not torch.ops.k3.attn_res.default or len(nodes[0].args) != 7:
+        return None
+    mix = nodes[0]
+    sources, proj_weight, mix_norm_weight, _, norm_weight, _, _ = mix.args
+    if norm_weight is not None or list(body.graph.output_node().args[0]) != [mix]:
+        return None
+    tensors = [*sources, proj_weight, mix_norm_weight]
+    return mix if all(isinstance(t, torch.fx.Node) and t.op == "placeholder" for t in tensors) else None
+
+
+def _region_mix(node) -> Optional[tuple]:
+    """``(call, its lone mix, the call's operands)`` where ``node`` is item 0 of a region call whose body is a lone
+    mix (:func:`_lone_mix`) and nothing else reads the call."""
+    if not (isinstance(node, torch.fx.Node) and node.target is operator.getitem and node.args[1] == 0):
+        return None
+    call = node.args[0]
+    if call.target is not invoke_subgraph_op() or len(call.users) != 1:
+        return None
+    body_operands = region_call(call)
+    mix = body_operands and _lone_mix(body_operands[0])
+    return (call, mix, body_operands[1]) if mix is not None else None
+
+
+def _norm_after_region_mix(match: pm.Match) -> bool:
+    out = match.output_node()
+    if _region_mix(match.kwargs["mix"]) is None or not matched_scalar_ok(match, "norm_eps"):
+        return False
+    inner = [n for n in match.nodes if n is not out]
+    if any(u not in match.nodes for n in [*inner, match.kwargs["mix"]] for u in n.users):
+        return False   # a value inside the norm (or the mix) read elsewhere too
+    w, mix = match_val(match, "norm_weight"), val(match.kwargs["mix"])
+    return (isinstance(w, torch.Tensor) and w.dim() == 1 and w.dtype.is_floating_point and w.device == mix.device
+            and statically_known_true(w.shape[0] == mix.shape[-1]))
+
+
+def _fold(match: pm.Match, mix, norm_weight, norm_eps) -> None:
+    """The norm of a region's lone mix -> one ``k3::attn_res`` with the norm, on the call's operands."""
+    call, inner, operands = _region_mix(mix)
+    graph, out = match.graph, match.output_node()
+    outer = dict(zip([p for p in inner.graph.nodes if p.op == "placeholder"], operands))
+    sources, proj_weight, mix_norm_weight, eps, _, _, backend = inner.args
+    with graph.inserting_before(out):
+        fused = graph.call_function(torch.ops.k3.attn_res.default, (
+            [outer[s] for s in sources], outer[proj_weight], outer[mix_norm_weight], eps, norm_weight,
+            float(norm_eps), backend))
+    fused.meta.update(out.meta)
+    out.replace_all_uses_with(fused)
+    for node in [*reversed(match.nodes), mix, call]:   # the norm, then the mix's item and the call: dead now
+        if not node.users:
+            graph.erase_node(node)
+
+
+@functools.cache
+def _region_norm_pass() -> pm.PatternMatcherPass:
+    """The norm of a mix that comes out of a region (rounded to its dtype), as the caller's graph spells it, one
+    pattern a traced dtype, each handled by :func:`_fold`."""
+    pm_pass = pm.PatternMatcherPass(pass_name="attn_res_region_norm")
+    with fake_mode():
+        for dtype in TRACE_DTYPES:
+            pattern = pm.gen_pattern(_norm_of, [torch.empty(_B, _T, _D, dtype=dtype), torch.empty(_D, dtype=dtype)],
+                                     trace_fn, scalar_workaround={"norm_eps": NORM_EPS})
+            pm.register_graph_pattern(pattern, extra_check=_norm_after_region_mix, pass_dict=pm_pass)(_fold)
+    return pm_pass
+
+
+def postprocess(graph: torch.fx.Graph, options) -> int:
+    """Fold each region mix's norm into one op (module doc); the number folded."""
+    op = invoke_subgraph_op()
+    if op is None or not graph.find_nodes(op="call_function", target=op):
+        return 0
+    return _region_norm_pass().apply(graph)
 
 
 # What the pass manager's warning says where a graph had candidates and none was rewritten.

@@ -79,6 +79,23 @@ def test_merge_records_weighs_each_body_by_its_calls():
     assert "graph_id" not in merged.to_json() and "calls" not in merged.to_json()
 
 
+def test_merge_records_counts_a_body_per_call_left_and_its_facts_per_call_read():
+    """A rewrite of the caller took the work of two of a body's three calls out of them (as the AttnRes pass folds
+    a region's mix into its caller's norm): the body's matches and proven weights count once, the facts it was read
+    for three times; a body no call is left to is not a compiled body."""
+    body = GraphRecord(matches={"attn_res": 1}, facts={"graph_attn_res_mixes": 1,
+                                                        "static_weight": {"skinny_gemm": {"proven": 1}}})
+    gone = GraphRecord(matches={"attn_res": 1}, facts={"graph_attn_res_mixes": 1})
+    outer = GraphRecord(matches={"attn_res": 2 + 1}, facts={"graph_attn_res_mixes": 0})
+    body.graph_id, gone.graph_id, outer.graph_id = 1, 2, 3
+    outer.calls_read, outer.calls = {1: 3, 2: 1}, {1: 1, 2: 0}
+    merged = merge_records([body, gone, outer])
+    assert merged.matches == {"attn_res": 1 + 0 + 3}
+    assert merged.facts["graph_attn_res_mixes"] == 3 + 1
+    assert merged.facts["static_weight"] == {"skinny_gemm": {"proven": 1}}
+    assert merged.regions == {"bodies": 1, "calls": 1}
+
+
 def test_regions_count_every_call_of_a_body(no_graph_caches):
     eager = Stack().eval()
     model = copy.deepcopy(eager)

@@ -143,6 +143,33 @@ def test_a_mix_used_beside_its_norm_is_rewritten_without_the_norm():
     torch.testing.assert_close(h, ref_h, rtol=2e-5, atol=2e-5)
 
 
+region_mix = torch.compiler.nested_compile_region(attn_res)   # a mix as optimize(regions=True) compiles it
+
+
+@pytest.mark.parametrize("dtype,s,rows", [(torch.float32, 2, (1, 1)), (torch.bfloat16, 3, (2, 3)),
+                                          (torch.bfloat16, 2, (4,))], ids=["fp32-S2", "bf16-S3", "bf16-S2-2d"])
+def test_a_region_mix_and_the_norm_after_its_call_are_one_op(dtype, s, rows):
+    """The mix is rewritten inside its body (mix alone); the caller's norm of the call's result is then folded into
+    one op on the call's operands (the call left dead), and the report counts the mix once."""
+    torch.manual_seed(4)
+    model = Mix(40, dtype, mix=region_mix).eval()
+    xs = [torch.randn(*rows, 40).to(dtype) * (1 + i) for i in range(s)]
+    out, ref, record = compile_and_run(model, xs)
+    assert record.matches["attn_res"] == record.facts[FACT] == 1
+    assert forms() == ["normed"]   # one call, with the norm: the body's mix-alone op never ran
+    assert_close_to_eager(out, ref)
+
+
+def test_a_region_mix_read_beside_its_norm_keeps_its_call():
+    torch.manual_seed(5)
+    model = Mix(24, torch.float32, mix=region_mix, extra_use=True).eval()
+    xs = [torch.randn(2, 24) for _ in range(3)]
+    (out, h), (ref, ref_h), record = compile_and_run(model, xs)
+    assert record.matches["attn_res"] == 1 and forms() == ["mix"]
+    torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(h, ref_h, rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize("mix", [depth_mean, raw_keys], ids=lambda f: f.__name__)
 def test_other_mixing_math_is_left_alone(mix):
     torch.manual_seed(4)
