@@ -308,8 +308,8 @@ def optimize(model, *, backend: str = "auto", passes=None, strict: bool = False,
         passes down on this device (raised here where the model's device tells).
     small_m_limit: most rows a GEMM may have to become a skinny GEMM.
     regions: compile each distinct block of the decoder layers once (``k3compile/regions.py``); a graph whose
-        regions fail or lose a pass is compiled whole (the reason in ``report``). Off by default: what a
-        region's boundary costs at run time is unmeasured (``regions.py``).
+        regions fail or lose a pass is compiled whole (the reason in ``report``). Off by default: a
+        shallow model compiles slower with them (``regions.py``); a deep one (K3's 93 layers) needs them.
     precompile: build the CuTe kernels a graph calls in worker processes while it compiles, so that its first call
         only loads them (``k3compile/precompile.py``). None (default): ``K3_PRECOMPILE`` ("1" / "0") where set, else
         on, except with ``regions=True``. Builds for graphs on an NVIDIA GPU with CuTe DSL.

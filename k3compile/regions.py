@@ -15,18 +15,20 @@ a mix's sources one by one): a tuple or list among them costs Dynamo a traced ``
 regions too, one body per number of sources (K3: at most 8, one more every 12 layers): left in the outer graph,
 Inductor fused each with its neighbours into kernels that differ with depth and built more of them the deeper the
 model. The norms and residual adds between the regions stay in the outer graph, the same at every layer (the layer
-itself cannot be the region: its output list aliases its input list, which ``invoke_subgraph`` refuses). What a
-region boundary costs at run time: the kernels on either side do not fuse across it (``docs/design.md``, "Compile
-regions", has the figures).
+itself cannot be the region: its output list aliases its input list, which ``invoke_subgraph`` refuses); the
+AttnRes pass folds each mix's norm back into the mix's op there (``patterns/attn_res.py``). What a region boundary
+costs at run time: the kernels on either side do not fuse across it (``docs/design.md``, "Compile regions", has the
+figures).
 
 Marking swaps the instance's class for a subclass whose ``forward`` (a layer's: ``attn_res_mix``) is the region (one
 subclass per class): a region on a bound method (``module.forward = region.__get__(module)``) makes torch 2.13's
 Dynamo reuse the first instance's parameters for every later call of the body (wrong results), a class-level region
 does not. :func:`unmark` restores the classes. Outside ``torch.compile`` a region is a plain call.
 
-Cost (why ``optimize`` leaves regions off by default): kernels do not fuse across a region's boundary, at a run-time
-cost not yet measured. The static-weight proof reaches into the bodies from their calls (``static_weights.py``,
-"compile regions": the micro K3's decode step proves 48 of 48 skinny GEMMs as regions, as in the whole graph).
+Cost (why ``optimize`` leaves regions off by default): a shallow model compiles slower with them; their run time
+measured the whole graph's on the H200 once each mix's norm was folded back (``docs/design.md``, "Compile regions").
+The static-weight proof reaches into the bodies from their calls (``static_weights.py``, "compile regions": the
+micro K3's decode step proves 48 of 48 skinny GEMMs as regions, as in the whole graph).
 
 What the passes did in a body counts once per call of it (``graph_records.merge_records`` weights each record by
 :func:`calls`), so a report over regions reads as one over the whole graph. :func:`inline` turns a Dynamo graph

@@ -299,6 +299,18 @@ def test_gpu_op_picks_cute_and_replays_in_a_graph():
         assert rel_err(out, moe_experts_ref(*args, *K3_BETAS)) < 1e-2, seed
 
 
+def test_down_picks_follow_the_intermediate_width():
+    """TP 16's I 192 takes down's 128-row blocks from M 8 (measured there), TP 8's I 384 from M 9; a width nobody
+    measured takes TP 8's picks; the planned kernel key follows the width."""
+    assert [cute.down_config(m, 192) for m in (1, 7, 8, 16)] == [cute.DOWN_CONFIG] * 2 + [cute.DOWN_CONFIG_SIXTEEN] * 2
+    assert [cute.down_config(m, 384) for m in (1, 8, 9)] == [cute.DOWN_CONFIG] * 2 + [cute.DOWN_CONFIG_SIXTEEN]
+    assert cute.down_config(8, 96) == cute.DOWN_CONFIG == cute.down_config(8)
+    z, experts = torch.empty(8, 3584, dtype=torch.bfloat16), torch.zeros(8, 16, dtype=torch.int64)
+    for i, want in ((192, cute.DOWN_CONFIG_SIXTEEN), (384, cute.DOWN_CONFIG)):
+        w1 = torch.empty(1, i, 1792, dtype=torch.uint8)
+        assert cute.kernels(z, experts, w1, *K3_BETAS)[1][1][3] == want
+
+
 def test_plan_names_the_kernels_the_first_call_builds(monkeypatch):
     """Planning (stand-in tensors on a GPU, nothing allocated) asks for exactly the variants a first call with scales
     at most 2^1 loads: both products, the configuration of its M."""

@@ -98,6 +98,9 @@ GATE_UP_CONFIG_MANY = Mxfp4MmaConfig(warps_k=2, row_groups=1, unroll=2, scan_unr
 GATE_UP_CONFIG_SIXTEEN = Mxfp4MmaConfig(warps_k=2, row_groups=1, unroll=1, scan_unrolled=True, compact=True)
 DOWN_CONFIG = Mxfp4DownConfig(warps=4, row_groups=1, groups=2, scan_unrolled=True, compact=True)
 DOWN_CONFIG_SIXTEEN = Mxfp4DownConfig(warps=4, row_groups=2, groups=2, scan_unrolled=True, compact=True)
+# at TP 16 (I 192) a block of down's 64 rows holds half the codes it does at TP 8: 128 rows from M 8 (36.5 against
+# 39.7 µs at M 8; at M 1 7.1 against 8.4 for 64 rows; M 2-7 unmeasured, so left on the TP 8 pick), run 15
+DOWN_SIXTEEN_FROM_M = {384: 9, 192: 8}   # I -> the M from which DOWN_CONFIG_SIXTEEN runs (other I: TP 8's)
 FEW_TOKENS = 2   # M up to this runs the few-token gate/up pick
 _FORCED: tuple = (None, None)   # configs_forced's (gate/up, down)
 
@@ -121,10 +124,10 @@ def gate_up_config(m: int) -> Mxfp4MmaConfig:
     return GATE_UP_CONFIG_MANY if m <= 8 else GATE_UP_CONFIG_SIXTEEN
 
 
-def down_config(m: int) -> Mxfp4DownConfig:
+def down_config(m: int, i_width: int = 384) -> Mxfp4DownConfig:
     if _FORCED[1] is not None:
         return _FORCED[1]
-    return DOWN_CONFIG if m <= 8 else DOWN_CONFIG_SIXTEEN
+    return DOWN_CONFIG if m < DOWN_SIXTEEN_FROM_M.get(i_width, 9) else DOWN_CONFIG_SIXTEEN
 
 
 def unavailable() -> Reason:
@@ -278,7 +281,8 @@ def kernels(z, experts, w1, beta, linear_beta, big: bool = True) -> list:
     m, a = experts.shape
     ids = _ids_dtype(experts)
     return [(KIND, variant("gate_up", m, a, gate_up_config(m), beta, linear_beta, ids, 0, big)),
-            (KIND, variant("down", m, a, down_config(m), None, None, ids, down_steps(w1.shape[1]), big))]
+            (KIND, variant("down", m, a, down_config(m, w1.shape[1]), None, None, ids, down_steps(w1.shape[1]),
+                           big))]
 
 
 def moe_experts_cute(z: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
