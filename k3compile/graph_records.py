@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from .passes import STATIC_WEIGHT_FACT, GraphRecord
+from .passes import AFTER_REWRITES_FACTS, GraphRecord
 from .precompile import PrecompileRecord
 
 log = logging.getLogger("k3compile")
@@ -91,9 +91,9 @@ def merge_records(records: list[GraphRecord]) -> GraphRecord:
     """One record for one compiled graph from the records our pass left: the graph's own and, with compile regions,
     one per region body (compiled once however often it is called). A body's matches and counted facts weigh as
     often as the graph calls it (through the bodies that call it, for nested ones), so the sum reads as the whole
-    graph's; seconds add up unweighted (they were spent once). Matches and what the static-weight proof found weigh
-    by the calls left after our rewrites, the facts read before them by the calls there were
-    (``GraphRecord.calls_read``)."""
+    graph's; seconds add up unweighted (they were spent once). Matches and the facts found after our rewrites
+    (``AFTER_REWRITES_FACTS``: the static-weight proof's, the products reordered) weigh by the calls left after
+    them, the facts read before them by the calls there were (``GraphRecord.calls_read``)."""
     def callers_of(calls) -> dict:
         callers: dict = {}
         for r in records:
@@ -115,9 +115,9 @@ def merge_records(records: list[GraphRecord]) -> GraphRecord:
             out.matches[name] = out.matches.get(name, 0) + w * n
         out.seconds += r.seconds
         out.registration_seconds += r.registration_seconds
-        read = {k: v for k, v in r.facts.items() if k != STATIC_WEIGHT_FACT}
-        out.facts = _merge_facts(out.facts, read, weight(r, before))
-        out.facts = _merge_facts(out.facts, {k: v for k, v in r.facts.items() if k not in read}, w)
+        found = {k: v for k, v in r.facts.items() if k in AFTER_REWRITES_FACTS}
+        read = {k: v for k, v in r.facts.items() if k not in found}
+        out.facts = _merge_facts(_merge_facts(out.facts, read, weight(r, before)), found, w)
         out.regions = _merge_facts(out.regions, r.regions, 1)
         out.kernel_calls += [c for c in r.kernel_calls if c not in out.kernel_calls]
         if r.graph_id in after and w:   # a body no call is left to was not compiled

@@ -138,6 +138,7 @@ COMPILE_RECORD = _CompileRecord()
 
 STATIC_WEIGHT_FACT = "static_weight"
 PRODUCT_ORDER_FACT = "products reordered"
+AFTER_REWRITES_FACTS = (STATIC_WEIGHT_FACT, PRODUCT_ORDER_FACT)   # found after the passes, not read before them
 
 _register_lock = threading.Lock()
 
