@@ -168,7 +168,7 @@ class K3Inductor(torch._TorchCompileInductorWrapper):
         with torch._inductor.config.patch(self.config):   # the uuid reads this compile's config, as Inductor's does
             key = graph_key(model_, inputs_, pass_.uuid())
         COMPILE_RECORD.take()  # drop records left by an unrelated compile in this thread
-        batch = Batch(*precompile_enabled(state.precompile, regions=not state.regions.startswith("off")))
+        batch = Batch(*precompile_enabled(state.precompile))
         if batch.record.on and should_prestart(devices, load_record(key)):
             batch.prestart()   # the workers import while AOTAutograd, Inductor and our pass run
         before = cache_counters()
@@ -292,7 +292,7 @@ def _skipped_by_dynamo(model: torch.nn.Module) -> bool:
 
 
 def optimize(model, *, backend: str = "auto", passes=None, strict: bool = False,
-             small_m_limit: int = 16, regions: bool = False, precompile: Optional[bool] = None,
+             small_m_limit: int = 16, regions: Optional[bool] = None, precompile: Optional[bool] = None,
              inductor_pdl: Optional[Union[bool, str]] = None, **torch_compile_kwargs):
     """Compile ``model`` with Inductor and the k3 passes; returns the same (now compiled) module.
 
@@ -308,11 +308,10 @@ def optimize(model, *, backend: str = "auto", passes=None, strict: bool = False,
         passes down on this device (raised here where the model's device tells).
     small_m_limit: most rows a GEMM may have to become a skinny GEMM.
     regions: compile each distinct block of the decoder layers once (``k3compile/regions.py``); a graph whose
-        regions fail or lose a pass is compiled whole (the reason in ``report``). Off by default: a
-        shallow model compiles slower with them (``regions.py``); a deep one (K3's 93 layers) needs them.
+        regions fail or lose a pass is compiled whole (the reason in ``report``). None (default): for a layer stack
+        of at least ``regions.FROM_LAYERS`` (K3's 93 layers need them; a shallow model compiles faster whole).
     precompile: build the CuTe kernels a graph calls in worker processes while it compiles, so that its first call
-        only loads them (``k3compile/precompile.py``). None (default): ``K3_PRECOMPILE`` ("1" / "0") where set, else
-        on, except with ``regions=True``. Builds for graphs on an NVIDIA GPU with CuTe DSL.
+        only loads them (``k3compile/precompile.py``). None (default): ``K3_PRECOMPILE`` ("1" / "0"), else on.
     inductor_pdl: True: Inductor's own kernels launch with PDL in these compiles only (``triton.enable_pdl``; CUDA
         sm_90+; it races after a kernel that loads nothing: ``inductor_pdl.py``); "trigger": they let the k3 kernel
         after them start early, launched plain (no race); False: neither. None (default): ``K3_INDUCTOR_PDL`` ("1" /
@@ -369,8 +368,9 @@ def optimize(model, *, backend: str = "auto", passes=None, strict: bool = False,
                     if isinstance(model, torch.nn.Module) else getattr(model, "__name__", "the function"),
                     precompile=precompile_setting(precompile), inductor_pdl=pdl)
     types = {d.type for d in _model_devices(model)}
+    regions, why_not = compile_regions.wanted(model, regions)
     state.regions = compile_regions.mark_model(model, types and stand_down_reason(options, types)) if regions else \
-        "off (regions=False)"
+        f"off ({why_not})"
     compiler = K3Inductor(mode, inductor_options, torch_compile_kwargs.get("dynamic"), state, plain_options)
     state.compiler = compiler
     if isinstance(model, torch.nn.Module):

@@ -71,13 +71,12 @@ def setting(precompile: Optional[bool]) -> Optional[bool]:
     return None if env == "" else env not in ("0", "false", "no")
 
 
-def enabled(choice: Optional[bool], regions: bool = False) -> tuple[bool, str]:
-    """Whether to build a graph's kernels ahead (``choice``: ``setting``'s), and why. On by default, except with
-    regions: each region's compile would start workers of its own (one pool a compiled graph)."""
+def enabled(choice: Optional[bool]) -> tuple[bool, str]:
+    """Whether to build a graph's kernels ahead (``choice``: ``setting``'s), and why. On by default, with compile
+    regions too: a graph's region bodies compile within its compile, into its batch, and every batch of a process
+    builds in the one pool (``workers.shared_pool``)."""
     if choice is False:
         return False, "off: precompile=False (or K3_PRECOMPILE=0)"
-    if choice is None and regions:
-        return False, "off by default with regions=True (each region would start its own workers): precompile=True"
     return True, "precompile=True" if choice else "on by default (precompile=False or K3_PRECOMPILE=0 turns it off)"
 
 

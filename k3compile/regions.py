@@ -25,8 +25,9 @@ subclass per class): a region on a bound method (``module.forward = region.__get
 Dynamo reuse the first instance's parameters for every later call of the body (wrong results), a class-level region
 does not. :func:`unmark` restores the classes. Outside ``torch.compile`` a region is a plain call.
 
-Cost (why ``optimize`` leaves regions off by default): a shallow model compiles slower with them; their run time
-measured the whole graph's on the H200 once each mix's norm was folded back (``docs/design.md``, "Compile regions").
+Cost (why ``optimize`` marks only deep models by default, :func:`wanted`): a shallow model compiles slower with them;
+their run time measured the whole graph's on the H200 once each mix's norm was folded back (``docs/design.md``,
+"Compile regions").
 The static-weight proof reaches into the bodies from their calls (``static_weights.py``, "compile regions": the
 micro K3's decode step proves 48 of 48 skinny GEMMs as regions, as in the whole graph).
 
@@ -208,10 +209,14 @@ def _mix_class(cls: type) -> type:
                                        "__qualname__": cls.__qualname__})
 
 
+def _stacks(model: torch.nn.Module):   # (name, module) of each layer stack: an nn.ModuleList named "layers"
+    return [(name, stack) for name, stack in model.named_modules()
+            if isinstance(stack, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers"]
+
+
 def _layers(model: torch.nn.Module):
-    for name, stack in model.named_modules():
-        if isinstance(stack, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers":
-            yield from ((f"{name}.{i}", layer) for i, layer in enumerate(stack))
+    for name, stack in _stacks(model):
+        yield from ((f"{name}.{i}", layer) for i, layer in enumerate(stack))
 
 
 def blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -311,6 +316,18 @@ def inline(gm: torch.fx.GraphModule) -> int:
         gm.graph.lint()
         gm.recompile()
     return n
+
+
+FROM_LAYERS = 16   # optimize(regions=None) marks a model with a layer stack at least this deep
+
+
+def wanted(model, choice: Optional[bool]) -> tuple[bool, str]:
+    """``optimize(regions=choice)``: whether to mark the model's blocks, and where not why; None: by depth (the
+    figures that set ``FROM_LAYERS``: ``docs/design.md``, "Compile regions")."""
+    layers = max((len(stack) for _, stack in _stacks(model)), default=0) if isinstance(model, torch.nn.Module) else 0
+    if choice is None and layers < FROM_LAYERS:
+        return False, f"{layers} layers, under {FROM_LAYERS}: regions=None marks deeper ones; regions=True forces them"
+    return choice is not False, "regions=False"
 
 
 def mark_model(model, stood_down: Optional[str]) -> str:

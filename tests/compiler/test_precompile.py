@@ -219,11 +219,10 @@ def test_a_broken_build_is_reported_with_its_key_and_its_calls_fall_back(fake_cu
     assert "failed: k3_skinny_bfloat16_m4_" in str(rep)
 
 
-def test_precompile_is_on_by_default_except_with_regions(monkeypatch):
+def test_precompile_is_on_by_default(monkeypatch):
     monkeypatch.delenv("K3_PRECOMPILE", raising=False)
     assert setting(None) is None and enabled(None)[0] and "K3_PRECOMPILE=0" in enabled(None)[1]
-    assert not enabled(None, regions=True)[0] and "precompile=True" in enabled(None, regions=True)[1]
-    assert not enabled(False)[0] and enabled(True)[0] and enabled(True, regions=True)[0]
+    assert not enabled(False)[0] and enabled(True)[0]
     monkeypatch.setenv("K3_PRECOMPILE", "0")
     assert setting(None) is False and setting(True) is True and not enabled(setting(None))[0]
     monkeypatch.setenv("K3_PRECOMPILE", "1")

@@ -116,6 +116,22 @@ def test_regions_off_compiles_one_graph(no_graph_caches):
     assert rep.matches["skinny_gemm"] == LAYERS
 
 
+def test_regions_by_default_from_sixteen_layers(no_graph_caches):
+    """optimize(regions=None): a shallow stack compiles whole (its reason in the report), a deep one as regions, and
+    a given choice stands either way."""
+    deep = Stack()
+    deep.layers.extend(Layer() for _ in range(regions.FROM_LAYERS - LAYERS))
+    assert regions.wanted(deep, None)[0] is True and regions.wanted(deep, False) == (False, "regions=False")
+    assert regions.wanted(Stack(), True)[0] and regions.wanted(lambda x: x, None)[0] is False
+    out, x, rep = _compiled(Stack().eval(), regions=None)
+    assert rep.regions == f"off ({LAYERS} layers, under {regions.FROM_LAYERS}: regions=None marks deeper ones; " \
+        "regions=True forces them)" and rep.graphs[0].regions == ""
+    eager = copy.deepcopy(deep).eval()
+    out, x, rep = _compiled(deep.eval(), regions=None)
+    assert rep.regions == f"{regions.FROM_LAYERS} Block" and rel_err(out, eager(x)) < 1e-6
+    assert rep.matches["skinny_gemm"] == regions.FROM_LAYERS
+
+
 def test_regions_that_lose_a_pass_compile_the_whole_graph(no_graph_caches, monkeypatch):
     """A pass expected on the graph but silent in its regions: the regions are inlined and the whole graph compiled,
     the reason in the report."""
