@@ -111,7 +111,7 @@ def parse_args(argv=None):
     p.add_argument("--optimize-option", type=_option, action="append", default=[], metavar="KEY=VALUE",
                    help="an Inductor option for optimize()'s compiles only, e.g. triton.cooperative_reductions=True")
     p.add_argument("--regions", action="store_true", help="optimize(regions=True): each distinct decoder block "
-                                                            "compiled once (what a 93-layer compile needs)")
+                                                            "compiled once (default: optimize()'s, by depth)")
     p.add_argument("--k3-backend", default=None, help="optimize(backend=) (default auto; reference with --dry-run)")
     p.add_argument("--without-passes", default="", help="comma-separated k3 passes optimize() leaves out (an A/B)")
     p.add_argument("--steps", type=int, default=8, help="teacher-forced steps (also the steps of one CUDA graph)")
@@ -240,7 +240,7 @@ def make_provider(name: str, base, args, options: dict):
         kw["options"].update(args.optimize_option)
         if args.passes is not None:
             kw["passes"] = args.passes
-        k3compile.optimize(model, backend=args.k3_backend, regions=args.regions, **kw)
+        k3compile.optimize(model, backend=args.k3_backend, regions=args.regions or None, **kw)
     return model
 
 

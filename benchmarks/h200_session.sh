@@ -61,6 +61,16 @@ step decode_step  ${T_STEP:-460}  python3 benchmarks/decode_step.py --tp 8 --lay
 step decode_step_mxfp4 ${T_STEP_MX:-300} python3 benchmarks/decode_step.py --tp 8 --layers 4 --experts mxfp4 \
                                   --batch 1,8 --context 1024 --providers compile,optimize \
                                   --json "$OUT/decode_step_mxfp4_$CARD.json"
+# not in the default STEPS (about 2 and 4 minutes): a TP 16 rank's 4-layer step, whole graph then regions; all 93
+# layers of a TP 16 rank (108 GB of weights, regions: optimize()'s default at this depth), M 1 then M 8:
+# STEPS="decode_tp16 decode_93"
+step decode_tp16  ${T_STEP16:-300} python3 benchmarks/decode_step.py --tp 16 --layers 4 --experts mxfp4 \
+                                  --batch 1,8 --context 1024 --providers compile,optimize \
+                                  --json "$OUT/decode_step_mxfp4_tp16_$CARD.json"
+step decode_93    ${T_STEP93:-560} python3 benchmarks/decode_step.py --tp 16 --layers 93 --experts mxfp4 \
+                                  --batch 1,8 --context 1024 --providers optimize --reference optimize --regions \
+                                  --steps 2 --replays 5 --profile-steps 1 \
+                                  --json "$OUT/decode_step_mxfp4_tp16_93_$CARD.json"
 # not in the default STEPS (about 6 minutes): the decode step's prepared orderings (docs/tuning/decode_step.md), the
 # PDL ordering tests first, then the MXFP4 step at M 1 as it is, with Inductor's kernels triggering without a PDL
 # launch, with the same-input products ordered, and with both: STEPS="trigger_order decode_ab"
