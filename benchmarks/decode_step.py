@@ -495,7 +495,7 @@ def run_rank(rank: int, world: int, device, args, tp) -> dict:
                 experts=text.num_experts, experts_form=args.experts, dtype=args.dtype, k3_backend=args.k3_backend,
                 vocab=text.vocab_size, steps=args.steps, replays=args.replays, reference=args.reference,
                 weight_bytes=nbytes, copy_ceiling_tbps=ceiling, optimize_options=dict(args.optimize_option),
-                regions=args.regions, torch=torch.__version__,
+                regions=args.regions or None, torch=torch.__version__,   # None: optimize()'s default, by depth
                 device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)")
     rows, ok = [], True
     for context in args.context:

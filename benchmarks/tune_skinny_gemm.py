@@ -35,7 +35,8 @@ ROTATE_BYTES = 640 * 2**20
 # shapes whose table rows another benchmark measures, and the note the table keeps about them
 CHAIN_TIMED = {(896, 7168): ("The 896 x 7168 rows serve the router's fp32-output product too (the upcast-matmul "
                              "rewrite: CuTe's fp32-output variant of the pick); their Triton configurations were timed "
-                             "in the decode step's chain by benchmarks/upcast_router.py --sweep (docs/tuning/moe_route.md run 3), kept by "
+                             "in the decode step's chain by benchmarks/upcast_router.py --sweep "
+                             "(docs/tuning/moe_route.md run 3), kept by "
                              "benchmarks/tune_skinny_gemm.py. ")}
 
 
