@@ -9,9 +9,9 @@ ncu, caches flushed between passes: durations are cold-cache and at ncu's locked
     python benchmarks/profile_kernels.py                        # the default cases below
     python benchmarks/profile_kernels.py --cases moe:mxfp4:1 mla:1:1024 --out profile.json
 
-Cases: ``moe:<bf16|mxfp4|mxfp4-cute>:<M>`` (``k3::moe_experts`` at TP 8: E 896, top-16, L 3584, I 384, random routing;
-the Triton kernels at the table's configuration, or with ``mxfp4-cute`` the CuTe kernels, M <= 16) and ``mla:<B>:<valid
-length>`` (``k3::mla_decode`` at TP 8: 12 heads, a 128K allocation).
+Cases: ``moe:<bf16|mxfp4|mxfp4-cute>:<M>[:<I>]`` (``k3::moe_experts`` at TP 8: E 896, top-16, L 3584, I 384 unless
+given (192: TP 16), random routing; the Triton kernels at the table's configuration, or with ``mxfp4-cute`` the CuTe
+kernels, M <= 16) and ``mla:<B>:<valid length>`` (``k3::mla_decode`` at TP 8: 12 heads, a 128K allocation).
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def child(case: str) -> None:
         from k3compile.ops.moe_experts.triton import moe_experts_triton
 
         fmt, m = args[0], int(args[1])
-        E, A, L, I = 896, 16, 3584, 384
+        E, A, L, I = 896, 16, 3584, int(args[2]) if len(args) > 2 else 384
 
         def scales(rows, cols, width):
             c = 127 - round(math.log2(2.2 * width ** 0.5))

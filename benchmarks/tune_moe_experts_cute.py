@@ -1,13 +1,16 @@
 """The CuTe MXFP4 experts kernels (``k3compile/ops/moe_experts/cute.py``) alone under a few work divisions (GPU).
 
-    python benchmarks/tune_moe_experts_cute.py [I] [--compact-only] [--down-only] [--ms=1,8]
-    # I = 384 (TP 8, the default) or 192 (TP 16); --ms: the M values (default 1, 4, 8, 16)
+    python benchmarks/tune_moe_experts_cute.py [I] [--compact-only] [--down-only | --gate-up-only] [--ahead]
+        [--ms=1,8]
+    # I = 384 (TP 8, the default) or 192 (TP 16); --ms: the M values (default 1, 4, 8, 16); --ahead: down's
+    # divisions with their groups' loads ahead too
 
 K3 rank widths (E 896, top-16, L 3584), M 1, 4, 8 and 16, random routing; each row first checked against the fp32
 reference (its relative error printed), then timed as 40 calls on 40 different routings in one CUDA graph (the
 experts stream from HBM, not L2), the best of 5 replays, µs a call. The picks live in ``cute.py``
 (``gate_up_config``, ``down_config``); ``docs/tuning/moe_experts.md`` has the runs (8, 10, 12, 13 and 14).
 """
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -55,13 +58,19 @@ if I < 384:
            cute.Mxfp4DownConfig(8, 1, 2, scan_unrolled=True, compact=True),
            cute.Mxfp4DownConfig(8, 2, 2, scan_unrolled=True, compact=True),
            cute.Mxfp4DownConfig(2, 2, 4, scan_unrolled=True, compact=True)]
-    GU += [cute.Mxfp4MmaConfig(8, 1, 1, scan_unrolled=True, compact=True),
-           cute.Mxfp4MmaConfig(8, 1, 1, prefetch=True, scan_unrolled=True, compact=True),
-           cute.Mxfp4MmaConfig(4, 1, 1, scan_unrolled=True, compact=True)]
+    GU += [cute.Mxfp4MmaConfig(4, 1, 1, scan_unrolled=True, compact=True)]
+# more K-warps a block: at M 1 a block's chain of K steps is the kernel's latency (16 experts fill few SMs' warps)
+GU += [cute.Mxfp4MmaConfig(8, 1, 1, scan_unrolled=True, compact=True),
+       cute.Mxfp4MmaConfig(8, 1, 1, prefetch=True, scan_unrolled=True, compact=True)]
 if "--compact-only" in sys.argv:   # the forms the picks are drawn from
     GU, DN = [c for c in GU if c.compact], [c for c in DN if c.compact]
 if "--down-only" in sys.argv:
     GU = []
+if "--gate-up-only" in sys.argv:
+    DN = []
+if "--ahead" in sys.argv:   # each compact down division with its groups' loads ahead too, and one group a warp
+    DN += [dataclasses.replace(c, ahead=True) for c in DN if c.compact]
+    DN += [cute.Mxfp4DownConfig(4, 1, 1, True, True, True), cute.Mxfp4DownConfig(8, 1, 1, True, True, True)]
 MS = next((tuple(int(v) for v in a[5:].split(",")) for a in sys.argv if a.startswith("--ms=")), (1, 4, 8, 16))
 
 

@@ -163,11 +163,32 @@ def test_gpu_every_token_column_forms_match_reference(m, a, e, i, l, routing):
     assert not out.isnan().any() and rel_err(out, want) < 1e-2, rel_err(out, want)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("division", [(4, 1, 2), (4, 2, 4)], ids=["w4r1g2", "w4r2g4"])
+@pytest.mark.parametrize("big", [False, True], ids=["scales<=2", "scales>2"])
+@pytest.mark.parametrize("m,a,e,i,l,routing", CASES, ids=lambda v: str(v))
+def test_gpu_down_loads_ahead_match_reference(m, a, e, i, l, routing, big, division):
+    """Down with each group's loads ahead of the group before it: lanes past K read their row's last group (scales up
+    to 2^1) or nothing (the variant exact for any scale); the output NaN-poisoned."""
+    if not _cute_ready():
+        pytest.skip("needs sm_90+ and CuTe DSL")
+    args = list(moe_experts_inputs(m, a, e, i, l, torch.bfloat16, routing, mxfp4=True, seed=m * 3 + a, device="cuda"))
+    if big:
+        args[8].view(-1)[::97] = 129
+    down = cute.Mxfp4DownConfig(*division, scan_unrolled=True, compact=True, ahead=True)
+    with cute.configs_forced(None, down):
+        out = _run(args)
+    torch.cuda.synchronize()
+    want = moe_experts_ref(*args, *K3_BETAS)
+    assert not out.isnan().any() and rel_err(out, want) < 1e-2, rel_err(out, want)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="CuTe DSL (nvidia-cutlass-dsl) not installed")
 @pytest.mark.parametrize("m", [1, 8, 16], ids=lambda m: f"M{m}")
 def test_picks_and_other_scans_build_for_sm90a_without_gpu(monkeypatch, m):
-    """Each pick (compact), and each with every token's column (the id scan unrolled, and looped), compiles for sm_90a
-    (what the GPU tests cannot show on a host without one: a DSL error in a variant no pick takes yet)."""
+    """Each pick (compact; TP 16's too), and each with every token's column (the id scan unrolled, and looped),
+    compiles for sm_90a (what the GPU tests cannot show on a host without one: a DSL error in a variant no pick takes
+    yet)."""
     if torch.cuda.is_available():
         pytest.skip("GPU present: the GPU tests compile for the real device")
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
@@ -184,7 +205,11 @@ def test_picks_and_other_scans_build_for_sm90a_without_gpu(monkeypatch, m):
                 cute.variant("gate_up", m, 16, looped(up), 4.0, 25.0, torch.int64),
                 cute.variant("down", m, 16, down, None, None, torch.int64, steps),
                 cute.variant("down", m, 16, unrolled(down), None, None, torch.int64, steps),
-                cute.variant("down", m, 16, looped(down), None, None, torch.int32, steps)):
+                cute.variant("down", m, 16, looped(down), None, None, torch.int32, steps),
+                # TP 16's picks: a step and a half of K, loads ahead at few tokens; exact for any scale too
+                cute.variant("down", m, 16, cute.down_config(m, 192), None, None, torch.int64, cute.down_steps(192)),
+                cute.variant("down", m, 16, cute.down_config(m, 192), None, None, torch.int64, cute.down_steps(192),
+                             big_scales=False)):
         assert cute.build(key) is not None, cute.variant_name(key)
 
 
@@ -193,23 +218,25 @@ SCANS = st.sampled_from([(False, False), (True, False), (True, True)])
 
 
 @pytest.mark.gpu
-@settings(max_examples=16)   # each draw may build two kernels (a second or two each)
+@settings(max_examples=24)   # each draw may build two kernels (a second or two each)
 @given(m=st.integers(1, 16), a=st.integers(1, 8) | st.sampled_from([16, 20, 32]), e=st.integers(1, 40),
        i=st.sampled_from([32, 64, 96, 160, 224]), l=st.sampled_from([32, 64, 160, 416]),
        routing=st.sampled_from(["random", "repeat", "one", "skewed"]), big=st.booleans(), ids32=st.booleans(),
        seed=st.integers(0, 2 ** 16), warps_k=st.sampled_from([1, 2, 4, 8]), row_groups=st.integers(1, 2),
-       unroll=st.integers(1, 2), prefetch=st.booleans(), up_scan=SCANS, down_scan=SCANS)
+       unroll=st.integers(1, 2), prefetch=st.booleans(), up_scan=SCANS, down_scan=SCANS,
+       down_division=st.sampled_from([(4, 1, 2), (4, 2, 2), (8, 1, 1), (2, 1, 3), (4, 2, 4)]), ahead=st.booleans())
 def test_gpu_drawn_shapes_match_reference(m, a, e, i, l, routing, big, ids32, seed, warps_k, row_groups, unroll,
-                                          prefetch, up_scan, down_scan):
+                                          prefetch, up_scan, down_scan, down_division, ahead):
     """Drawn tokens, experts, widths (K tails of 32 / 64 / 96 past a step of 128), routings (duplicates within a
     token, every pair on one expert: past 8 tokens a second compact block, experts nobody chose), top-k whose
     tokens straddle the scan's 32-pair rounds, int32 or int64 ids, scales above 2^1 or not, gate/up work divisions
-    (warps with no K step; prefetching or not: odd and even counts of chunks a warp), the id scan looped, unrolled or
-    compact, in both products; the output NaN-poisoned."""
+    (warps with no K step; prefetching or not: odd and even counts of chunks a warp), down's (groups past the
+    rows, their loads ahead or not), the id scan looped, unrolled or compact, in both products; the output
+    NaN-poisoned."""
     if not _cute_ready():
         pytest.skip("needs sm_90+ and CuTe DSL")
     gate_up = cute.Mxfp4MmaConfig(warps_k, row_groups, unroll, prefetch, *up_scan)
-    down = dataclasses.replace(cute.DOWN_CONFIG, scan_unrolled=down_scan[0], compact=down_scan[1])
+    down = cute.Mxfp4DownConfig(*down_division, *down_scan, ahead=ahead)
     with cute.configs_forced(gate_up, down):
         _drawn_case(m, a, e, i, l, routing, big, ids32, seed)
 
@@ -300,13 +327,15 @@ def test_gpu_op_picks_cute_and_replays_in_a_graph():
 
 
 def test_down_picks_follow_the_intermediate_width():
-    """TP 16's I 192 takes down's 128-row blocks from M 8 (measured there), TP 8's I 384 from M 9; a width nobody
-    measured takes TP 8's picks; the planned kernel key follows the width."""
-    assert [cute.down_config(m, 192) for m in (1, 7, 8, 16)] == [cute.DOWN_CONFIG] * 2 + [cute.DOWN_CONFIG_SIXTEEN] * 2
-    assert [cute.down_config(m, 384) for m in (1, 8, 9)] == [cute.DOWN_CONFIG] * 2 + [cute.DOWN_CONFIG_SIXTEEN]
+    """Each measured I has its picks by M (TP 16's I 192 its own: loads ahead at few tokens, four groups a warp from M
+    8), a width nobody measured takes TP 8's; the planned kernel key follows the width."""
+    at_192 = [cute.down_config(m, 192) for m in (1, 2, 7, 8, 16)]
+    assert [c.ahead for c in at_192] == [True, True, True, False, False]
+    assert [c.groups for c in at_192] == [1, 2, 2, 4, 4]
+    assert [cute.down_config(m, 384) for m in (1, 8, 9, 16)] == [cute.DOWN_CONFIG] * 2 + [cute.DOWN_CONFIG_SIXTEEN] * 2
     assert cute.down_config(8, 96) == cute.DOWN_CONFIG == cute.down_config(8)
     z, experts = torch.empty(8, 3584, dtype=torch.bfloat16), torch.zeros(8, 16, dtype=torch.int64)
-    for i, want in ((192, cute.DOWN_CONFIG_SIXTEEN), (384, cute.DOWN_CONFIG)):
+    for i, want in ((192, at_192[3]), (384, cute.DOWN_CONFIG)):
         w1 = torch.empty(1, i, 1792, dtype=torch.uint8)
         assert cute.kernels(z, experts, w1, *K3_BETAS)[1][1][3] == want
 
@@ -334,6 +363,6 @@ def test_plan_names_the_kernels_the_first_call_builds(monkeypatch):
             want = cute.kernels(z, experts, w1, *K3_BETAS, big=False)
             assert [(b.kind, b.key) for b in builds] == want
             assert want[0][1][3] == cute.gate_up_config(m) and want[1][1][3] == cute.down_config(m)
-            assert want[1][1][7] == 3
+            assert want[1][1][7] == 6   # I 384 in steps of 64
     finally:
         MOE_EXPERTS.clear()

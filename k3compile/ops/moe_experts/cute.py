@@ -66,19 +66,21 @@ class Mxfp4MmaConfig:
 class Mxfp4DownConfig:
     """The down product's work division (``cute_gate_up.Mxfp4DownMma``): ``warps`` a block, each taking
     ``row_groups`` groups of 16 rows at a time, ``groups`` times; ``scan_unrolled``: as the gate/up product's, and
-    before the PDL wait (the ids precede the op); ``compact``: as the gate/up product's."""
+    before the PDL wait (the ids precede the op); ``compact``: as the gate/up product's; ``ahead``: the first group's
+    codes loaded with h's rows, and each next group's while one multiplies (two groups' registers)."""
     warps: int = 4
     row_groups: int = 2
     groups: int = 2
     scan_unrolled: bool = False
     compact: bool = False
+    ahead: bool = False
 
     def __post_init__(self):
         _check_compact(self)
 
     def tag(self) -> str:
         return (f"w{self.warps}r{self.row_groups}g{self.groups}" + ("s" if self.scan_unrolled else "")
-                + ("c" if self.compact else ""))
+                + ("c" if self.compact else "") + ("a" if self.ahead else ""))
 
 
 def _check_compact(cfg) -> None:
@@ -98,9 +100,15 @@ GATE_UP_CONFIG_MANY = Mxfp4MmaConfig(warps_k=2, row_groups=1, unroll=2, scan_unr
 GATE_UP_CONFIG_SIXTEEN = Mxfp4MmaConfig(warps_k=2, row_groups=1, unroll=1, scan_unrolled=True, compact=True)
 DOWN_CONFIG = Mxfp4DownConfig(warps=4, row_groups=1, groups=2, scan_unrolled=True, compact=True)
 DOWN_CONFIG_SIXTEEN = Mxfp4DownConfig(warps=4, row_groups=2, groups=2, scan_unrolled=True, compact=True)
-# at TP 16 (I 192) a block of down's 64 rows holds half the codes it does at TP 8: 128 rows from M 8 (36.5 against
-# 39.7 µs at M 8; at M 1 7.1 against 8.4 for 64 rows; M 2-7 unmeasured, so left on the TP 8 pick), run 15
-DOWN_SIXTEEN_FROM_M = {384: 9, 192: 8}   # I -> the M from which DOWN_CONFIG_SIXTEEN runs (other I: TP 8's)
+# at TP 16 (I 192: K in a step and a half step) the loads ahead win where a block's chain is the kernel's time (M 1:
+# one group a warp, 5.3 against 6.4 µs for the TP 8 pick; M 4 16.8 against 17.3), four groups a warp from M 8 (31.0
+# against 33.1); M 2-3 and 9-16 unmeasured, the neighbouring M's pick (run 16)
+DOWN_PICKS = {   # I -> [(the largest M, the configuration)]; other I: TP 8's
+    384: [(8, DOWN_CONFIG), (16, DOWN_CONFIG_SIXTEEN)],
+    192: [(1, Mxfp4DownConfig(4, 1, 1, scan_unrolled=True, compact=True, ahead=True)),
+          (7, Mxfp4DownConfig(4, 1, 2, scan_unrolled=True, compact=True, ahead=True)),
+          (16, Mxfp4DownConfig(4, 1, 4, scan_unrolled=True, compact=True))],
+}
 FEW_TOKENS = 2   # M up to this runs the few-token gate/up pick
 _FORCED: tuple = (None, None)   # configs_forced's (gate/up, down)
 
@@ -127,7 +135,7 @@ def gate_up_config(m: int) -> Mxfp4MmaConfig:
 def down_config(m: int, i_width: int = 384) -> Mxfp4DownConfig:
     if _FORCED[1] is not None:
         return _FORCED[1]
-    return DOWN_CONFIG if m < DOWN_SIXTEEN_FROM_M.get(i_width, 9) else DOWN_CONFIG_SIXTEEN
+    return next(cfg for last, cfg in DOWN_PICKS.get(i_width, DOWN_PICKS[384]) if m <= last)
 
 
 def unavailable() -> Reason:
@@ -163,7 +171,7 @@ def supports(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, smal
 
 def variant(mode: str, m: int, a: int, cfg, beta, linear_beta, ids_dtype: torch.dtype, n_steps: int = 0,
             big_scales: bool = True) -> tuple:
-    """The key of one compiled kernel. Down: no SiTU-GLU constants, and the steps of 128 its K (I) takes.
+    """The key of one compiled kernel. Down: no SiTU-GLU constants, and the steps of 64 its K (I) takes.
     ``big_scales``: the variant exact for scale bytes above 128 too (``cute_gate_up.py``)."""
     if mode == "down":
         return (mode, m, a, cfg, None, None, ids_dtype, n_steps, big_scales)
@@ -228,7 +236,7 @@ def build(key):
     mode, m, a, cfg, beta, linear_beta, ids_dtype, n_steps, big = key
     if mode == "down":
         kernel = _DOWN.Mxfp4DownMma(m, a, cfg.warps, cfg.row_groups, cfg.groups, n_steps, big, cfg.scan_unrolled,
-                                    cfg.compact)
+                                    cfg.compact, cfg.ahead)
     else:
         kernel = _GATE_UP.Mxfp4GateUpMma(m, a, cfg.warps_k, cfg.row_groups, cfg.unroll, beta, linear_beta, big,
                                          cfg.prefetch, cfg.scan_unrolled, cfg.compact)
@@ -250,8 +258,8 @@ def _ids_dtype(experts: torch.Tensor) -> torch.dtype:
 
 
 def down_steps(i_width: int) -> int:
-    """Steps of 128 the down kernel holds h for: its K is I."""
-    return (i_width + 127) // 128
+    """Steps of 64 the down kernel holds h for (its K is I), which it takes two at a time (``cute_down.py``)."""
+    return (i_width + 63) // 64
 
 
 # scale tensors seen, by id: (a weak reference, the version and address then, whether a byte was above 128)

@@ -418,12 +418,13 @@ class Mxfp4GateUpMma:
 
     @cute.jit
     def group_mmas(self, rW32: cute.Tensor, rS: cute.Tensor, slot0: cutlass.Constexpr, rD: cute.Tensor, xp: list,
-                   acc: cute.Tensor, exact: cutlass.Constexpr):
+                   acc: cute.Tensor, exact: cutlass.Constexpr, mmas: cutlass.Constexpr = 8):
         """One row group's step (both kernels): its row halves (slots ``slot0``, ``slot0 + 1``) dequantised into rD,
-        then its 8 MMAs against each block b of 8 tokens (``xp[b]``: the block's 16 bf16x2), into ``acc[:, b]``."""
+        then its 8 MMAs against each block b of 8 tokens (``xp[b]``: the block's 16 bf16x2), into ``acc[:, b]``;
+        ``mmas`` 4: a half step (each lane's first 16 values only)."""
         for h in cutlass.range_constexpr(2):   # rD[:, h]: row half h's 16 bf16x2
-            self.dequantize(rW32, rS[slot0 + h], slot0 + h, rD, h, exact)
-        for j in cutlass.range_constexpr(8):
+            self.dequantize(rW32, rS[slot0 + h], slot0 + h, rD, h, exact, mmas // 2)
+        for j in cutlass.range_constexpr(mmas):
             a = (rD[2 * j, 0], rD[2 * j, 1], rD[2 * j + 1, 0], rD[2 * j + 1, 1])
             for b in cutlass.range_constexpr(len(xp)):
                 d = mma_16816(a, (xp[b][2 * j], xp[b][2 * j + 1]), (acc[0, b], acc[1, b], acc[2, b], acc[3, b]),
@@ -433,13 +434,13 @@ class Mxfp4GateUpMma:
 
     @cute.jit
     def dequantize(self, rW32: cute.Tensor, s, slot: cutlass.Constexpr, rD: cute.Tensor, h: cutlass.Constexpr,
-                   exact: cutlass.Constexpr):
-        """The 32 values of one row's step slot as 16 bf16x2 into rD[:, h] (word by word, ``e2m1x8_bf16``'s
-        order), times 2^(s - 127): 2^(min(s, 128) - 1) with the conversion, and with ``exact`` 2^(max(s, 128) - 128)
-        after it (255: NaN)."""
+                   exact: cutlass.Constexpr, words: cutlass.Constexpr = 4):
+        """The 32 values (``words`` 2: the first 16) of one row's step slot as 16 (8) bf16x2 into rD[:, h] (word by
+        word, ``e2m1x8_bf16``'s order), times 2^(s - 127): 2^(min(s, 128) - 1) with the conversion, and with
+        ``exact`` 2^(max(s, 128) - 128) after it (255: NaN)."""
         # bf16x2 bits of 2^(min(s, 128) - 1): the biased exponent min(s, 128) + 126 in both halves (one imad)
         f = cutlass.min(s, 128) * 0x00800080 + 126 * 0x00800080
-        for q in cutlass.range_constexpr(4):
+        for q in cutlass.range_constexpr(words):
             four = e2m1x8_bf16(rW32[q, slot], f)
             for k in cutlass.range_constexpr(4):
                 rD[4 * q + k, h] = four[k]
@@ -447,7 +448,7 @@ class Mxfp4GateUpMma:
             f2 = cutlass.max(s, 128) * 0x00800080 - 0x00800080     # 2^(s - 128), 1 where s <= 128
             if s == 255:
                 f2 = cutlass.Int32(0x7FC07FC0)
-            for q in cutlass.range_constexpr(16):
+            for q in cutlass.range_constexpr(4 * words):
                 rD[q, h] = mul_bf16x2(rD[q, h], f2)
 
     @cute.jit
