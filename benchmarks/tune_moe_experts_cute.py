@@ -1,9 +1,9 @@
 """The CuTe MXFP4 experts kernels (``k3compile/ops/moe_experts/cute.py``) alone under a few work divisions (GPU).
 
     python benchmarks/tune_moe_experts_cute.py [I] [--compact-only] [--down-only | --gate-up-only] [--ahead]
-        [--ms=1,8]
+        [--ms=1,8] [--configs=w4r1g2sc,...]
     # I = 384 (TP 8, the default) or 192 (TP 16); --ms: the M values (default 1, 4, 8, 16); --ahead: down's
-    # divisions with their groups' loads ahead too
+    # divisions with their groups' loads ahead too; --configs: only the divisions with these tags
 
 K3 rank widths (E 896, top-16, L 3584), M 1, 4, 8 and 16, random routing; each row first checked against the fp32
 reference (its relative error printed), then timed as 40 calls on 40 different routings in one CUDA graph (the
@@ -72,6 +72,9 @@ if "--ahead" in sys.argv:   # each compact down division with its groups' loads 
     DN += [dataclasses.replace(c, ahead=True) for c in DN if c.compact]
     DN += [cute.Mxfp4DownConfig(4, 1, 1, True, True, True), cute.Mxfp4DownConfig(8, 1, 1, True, True, True)]
 MS = next((tuple(int(v) for v in a[5:].split(",")) for a in sys.argv if a.startswith("--ms=")), (1, 4, 8, 16))
+TAGS = next((set(a[10:].split(",")) for a in sys.argv if a.startswith("--configs=")), None)
+if TAGS is not None:   # only these (their tags), from every form above
+    GU, DN = [c for c in GU if c.tag() in TAGS], [c for c in DN if c.tag() in TAGS]
 
 
 def time_config(which, zs, ids, wts, ref):

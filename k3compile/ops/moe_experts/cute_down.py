@@ -154,19 +154,7 @@ class Mxfp4DownMma(Mxfp4GateUpMma):
             for j in cutlass.range(self.groups, unroll=1):
                 base = n0 + (j * self.wn + wn) * 16 * RG
                 if base < N:
-                    # every step of the group's rows in flight at once
-                    rW32.fill(0)
-                    rS.fill(127)
-                    for r in cutlass.range_constexpr(RG):
-                        for h in cutlass.range_constexpr(2):
-                            row = cutlass.min(base + r * 16 + 8 * h + g, N - 1)
-                            scales = mS[e, row, None]
-                            for st in cutlass.range_constexpr(NS):
-                                k0 = self.lane_k(st, t)
-                                slot = (st * RG + r) * 2 + h
-                                if k0 < K:
-                                    self.load_codes(gW, gW8, e, row, k0, st, rW, slot)
-                                    rS[slot] = scales[k0 // 32].to(cutlass.Int32)
+                    self.load_group(gW, gW8, mS, e, base, N, K, t, g, rW, rS, 0)
                     self.group_rows(mWts, mOut, rW32, rS, rD, rXp, acc, slots, outs, base, N, g, 0)
 
     @cute.jit
@@ -180,7 +168,10 @@ class Mxfp4DownMma(Mxfp4GateUpMma):
         NS: cutlass.Constexpr = self.ns
         clamp: cutlass.Constexpr = self.ahead and not self.big_scales
         rW32 = cute.recast_tensor(rW, cutlass.Int32)
-        if cutlass.const_expr(not clamp):
+        if cutlass.const_expr(not self.ahead):   # one buffer
+            rW32.fill(0)
+            rS.fill(127)
+        elif cutlass.const_expr(not clamp):
             for st in cutlass.range_constexpr(NS):
                 for q in cutlass.range_constexpr(2 * RG):
                     slot = ((buf * NS + st) * RG + q // 2) * 2 + q % 2
