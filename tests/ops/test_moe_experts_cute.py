@@ -164,18 +164,18 @@ def test_gpu_every_token_column_forms_match_reference(m, a, e, i, l, routing):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("division", [(4, 1, 2), (4, 2, 4)], ids=["w4r1g2", "w4r2g4"])
 @pytest.mark.parametrize("big", [False, True], ids=["scales<=2", "scales>2"])
 @pytest.mark.parametrize("m,a,e,i,l,routing", CASES, ids=lambda v: str(v))
-def test_gpu_down_loads_ahead_match_reference(m, a, e, i, l, routing, big, division):
-    """Down with each group's loads ahead of the group before it: lanes past K read their row's last group (scales up
-    to 2^1) or nothing (the variant exact for any scale); the output NaN-poisoned."""
+def test_gpu_down_loads_ahead_match_reference(m, a, e, i, l, routing, big):
+    """Down with each group's loads ahead of the group before it (two groups a warp: both buffers; the drawn test
+    draws other divisions): lanes past K read their row's last group (scales up to 2^1) or nothing (the variant
+    exact for any scale); the output NaN-poisoned."""
     if not _cute_ready():
         pytest.skip("needs sm_90+ and CuTe DSL")
     args = list(moe_experts_inputs(m, a, e, i, l, torch.bfloat16, routing, mxfp4=True, seed=m * 3 + a, device="cuda"))
     if big:
         args[8].view(-1)[::97] = 129
-    down = cute.Mxfp4DownConfig(*division, scan_unrolled=True, compact=True, ahead=True)
+    down = cute.Mxfp4DownConfig(4, 1, 2, scan_unrolled=True, compact=True, ahead=True)
     with cute.configs_forced(None, down):
         out = _run(args)
     torch.cuda.synchronize()
@@ -218,7 +218,7 @@ SCANS = st.sampled_from([(False, False), (True, False), (True, True)])
 
 
 @pytest.mark.gpu
-@settings(max_examples=24)   # each draw may build two kernels (a second or two each)
+@settings(max_examples=16)   # each draw may build two kernels (a second or two each)
 @given(m=st.integers(1, 16), a=st.integers(1, 8) | st.sampled_from([16, 20, 32]), e=st.integers(1, 40),
        i=st.sampled_from([32, 64, 96, 160, 224]), l=st.sampled_from([32, 64, 160, 416]),
        routing=st.sampled_from(["random", "repeat", "one", "skewed"]), big=st.booleans(), ids32=st.booleans(),
