@@ -17,9 +17,9 @@ class Mxfp4DownMma(Mxfp4GateUpMma):
     R = 16 · ``row_groups`` · ``warps`` · ``groups``, its warps taking ``row_groups`` groups of 16 rows at a time in
     turn. K = I is short (384 at K3 TP 8): each warp loads h's rows for the whole of it once (``n_steps`` steps of
     64, taken two at a time: a lane owns 32 values of a step of 128, or 16 of a last half step), permuted to the
-    conversion's order, and every group of rows reuses them; the rows past I are zeros. The
-    partials go straight from the MMA's registers to each pair of the token holding the expert (a bit mask of its
-    slots, built once). ``compact``: the B columns are the expert's tokens only, as in the gate/up kernel."""
+    conversion's order, and every group of rows reuses them; the rows past I are zeros. The partials go straight
+    from the MMA's registers to each pair of the token holding the expert (a bit mask of its slots, built once).
+    ``compact``: the B columns are the expert's tokens only, as in the gate/up kernel; ``ahead``: see ``rows``."""
 
     def __init__(self, m: int, a: int, warps: int, row_groups: int, groups: int, n_steps: int, big_scales: bool,
                  scan_unrolled: bool = False, compact: bool = False, ahead: bool = False):
