@@ -33,8 +33,9 @@ step skinny       ${T_SKINNY:-300} python3 benchmarks/skinny_gemm.py --json "$OU
                                   --png "$OUT/skinny_gemm_$CARD.png"
 step decode_tp1   ${T_DECODE:-120} python3 benchmarks/tp_decode.py --world-size 1 --backend nccl --config slice \
                                   --batch 1,16 --steps 3 --json "$OUT/decode_tp1.json"
-# the CuTe MoE kernels' GPU tests alone (a fresh machine builds every kernel: the whole gpu_tests step takes > 200 s)
-step moe_cute_tests ${T_MOE_CUTE_TESTS:-150} python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
+# the CuTe MoE kernels' GPU tests alone (a fresh machine builds every kernel: the whole gpu_tests step takes > 200 s;
+# this file alone ~4 s a test, 70 of its fixed tests took 270 s on a fresh H200)
+step moe_cute_tests ${T_MOE_CUTE_TESTS:-420} python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
                                   tests/ops/test_moe_experts_cute.py
 # a Block AttnRes mix and its norm: k3::attn_res against torch.compile of the model's code (K3's width, 2-9 sources)
 step attn_res     ${T_ATTN_RES:-90} python3 benchmarks/attn_res.py --json "$OUT/attn_res_$CARD.json"
@@ -43,6 +44,9 @@ step attn_res     ${T_ATTN_RES:-90} python3 benchmarks/attn_res.py --json "$OUT/
 step moe_cute     ${T_MOE_CUTE:-240} python3 benchmarks/moe_experts.py --m 1 2 4 8 12 16 --tp 8 16 --formats mxfp4 \
                                   --compile-m 1 8 --kernels-m 1 8 --skewed-m 8 --json "$OUT/moe_experts_mxfp4_cute_$CARD.json"
 step moe_cute_tune ${T_MOE_CUTE_TUNE:-150} python3 benchmarks/tune_moe_experts_cute.py 384
+# not in the default STEPS (about 3 minutes): TP 16's widths (I 192: its own down picks), every compact form with the
+# loads ahead too: STEPS=moe_cute_tune16
+step moe_cute_tune16 ${T_MOE_CUTE_TUNE16:-240} python3 benchmarks/tune_moe_experts_cute.py 192 --compact-only --ahead
 # the router's product and the routing kernel in their decode-step chain, per Triton configuration and PDL launch
 step router_sweep ${T_ROUTER:-150} python3 benchmarks/upcast_router.py --sweep --ms 1,8 --json "$OUT/router_sweep.json"
 # the MLA decode layout table first (written into the tree, so the benchmark's dispatch reads it), then the sweep
