@@ -8,7 +8,7 @@
 K3 rank widths (E 896, top-16, L 3584), M 1, 4, 8 and 16, random routing; each row first checked against the fp32
 reference (its relative error printed), then timed as 40 calls on 40 different routings in one CUDA graph (the
 experts stream from HBM, not L2), the best of 5 replays, µs a call. The picks live in ``cute.py``
-(``gate_up_config``, ``down_config``); ``docs/tuning/moe_experts.md`` has the runs (8, 10, 12, 13 and 14).
+(``gate_up_config``, ``down_config``); ``docs/tuning/moe_experts.md`` has the runs (8, 10, 12-16).
 """
 import dataclasses
 import sys
@@ -70,7 +70,7 @@ if "--gate-up-only" in sys.argv:
     DN = []
 if "--ahead" in sys.argv:   # each compact down division with its groups' loads ahead too, and one group a warp
     DN += [dataclasses.replace(c, ahead=True) for c in DN if c.compact]
-    DN += [cute.Mxfp4DownConfig(4, 1, 1, True, True, True), cute.Mxfp4DownConfig(8, 1, 1, True, True, True)]
+    DN += [cute.Mxfp4DownConfig(4, 1, 1, scan_unrolled=True, compact=True, ahead=True)]
 MS = next((tuple(int(v) for v in a[5:].split(",")) for a in sys.argv if a.startswith("--ms=")), (1, 4, 8, 16))
 TAGS = next((set(a[10:].split(",")) for a in sys.argv if a.startswith("--configs=")), None)
 if TAGS is not None:   # only these (their tags), from every form above

@@ -171,13 +171,11 @@ class Mxfp4DownMma(Mxfp4GateUpMma):
         if cutlass.const_expr(not self.ahead):   # one buffer
             rW32.fill(0)
             rS.fill(127)
-        elif cutlass.const_expr(not clamp):
-            for st in cutlass.range_constexpr(NS):
-                for q in cutlass.range_constexpr(2 * RG):
-                    slot = ((buf * NS + st) * RG + q // 2) * 2 + q % 2
-                    for w in cutlass.range_constexpr(4):
-                        rW32[w, slot] = 0
-                    rS[slot] = 127
+        elif cutlass.const_expr(not clamp):   # this buffer's slots only: the other one's loads are in flight
+            for slot in cutlass.range_constexpr(buf * 2 * RG * NS, (buf + 1) * 2 * RG * NS):
+                for w in cutlass.range_constexpr(4):
+                    rW32[w, slot] = 0
+                rS[slot] = 127
         for r in cutlass.range_constexpr(RG):
             for h in cutlass.range_constexpr(2):
                 row = cutlass.min(base + r * 16 + 8 * h + g, N - 1)
