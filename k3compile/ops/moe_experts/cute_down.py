@@ -137,7 +137,7 @@ class Mxfp4DownMma(Mxfp4GateUpMma):
                     if tok < self.m:
                         for a in cutlass.range_constexpr(self.a):
                             if mIds[tok * self.a + a].to(cutlass.Int32) == e:
-                                mask = mask | (1 << a)
+                                mask = mask | (cutlass.Int32(1) << a)   # an Int32 at A = 32: 1 << 31 is not one
                 slots.append(mask)
 
         rD = cute.make_rmem_tensor((16, 2), cutlass.Int32)
