@@ -112,6 +112,8 @@ def _run(args, betas=K3_BETAS):
 CASES = [  # m, a, e, i, l, routing
     (1, 16, 896, 384, 3584, "random"), (8, 16, 896, 384, 3584, "random"), (4, 16, 896, 192, 3584, "skewed"),
     (3, 4, 16, 96, 160, "repeat"), (8, 2, 3, 32, 32, "one"), (5, 6, 40, 224, 416, "random"), (2, 1, 1, 64, 96, "one"),
+    # TP 16's own picks of both products at M 7 and 8
+    (7, 16, 896, 192, 3584, "repeat"), (8, 16, 896, 192, 3584, "random"),
     # two blocks of 8 tokens
     (16, 16, 896, 384, 3584, "random"), (12, 16, 896, 192, 3584, "skewed"), (9, 3, 10, 96, 160, "repeat"),
 ]
@@ -200,13 +202,15 @@ def test_picks_and_other_scans_build_for_sm90a_without_gpu(monkeypatch, m):
 
     def looped(cfg):
         return dataclasses.replace(cfg, compact=False, scan_unrolled=False)
+    # the forms with every token's column at top-k 32 too: a token's slot mask fills all 32 bits
     for key in (cute.variant("gate_up", m, 16, up, 4.0, 25.0, torch.int64),
-                cute.variant("gate_up", m, 16, unrolled(up), 4.0, 25.0, torch.int32),
+                cute.variant("gate_up", m, 32, unrolled(up), 4.0, 25.0, torch.int32),
                 cute.variant("gate_up", m, 16, looped(up), 4.0, 25.0, torch.int64),
                 cute.variant("down", m, 16, down, None, None, torch.int64, steps),
-                cute.variant("down", m, 16, unrolled(down), None, None, torch.int64, steps),
-                cute.variant("down", m, 16, looped(down), None, None, torch.int32, steps),
+                cute.variant("down", m, 32, unrolled(down), None, None, torch.int64, steps),
+                cute.variant("down", m, 32, looped(down), None, None, torch.int32, steps),
                 # TP 16's picks: a step and a half of K, loads ahead at few tokens; exact for any scale too
+                cute.variant("gate_up", m, 16, cute.gate_up_config(m, 192), 4.0, 25.0, torch.int64),
                 cute.variant("down", m, 16, cute.down_config(m, 192), None, None, torch.int64, cute.down_steps(192)),
                 cute.variant("down", m, 16, cute.down_config(m, 192), None, None, torch.int64, cute.down_steps(192),
                              big_scales=False)):
@@ -326,18 +330,26 @@ def test_gpu_op_picks_cute_and_replays_in_a_graph():
         assert rel_err(out, moe_experts_ref(*args, *K3_BETAS)) < 1e-2, seed
 
 
-def test_down_picks_follow_the_intermediate_width():
-    """Each measured I has its picks by M (TP 16's I 192 its own: loads ahead at few tokens, four groups a warp from M
-    8), a width nobody measured takes TP 8's; the planned kernel key follows the width."""
+def test_picks_follow_the_intermediate_width():
+    """Each measured I has its picks by M (TP 16's I 192 its own: down's loads ahead at few tokens, four groups a warp
+    from M 8; gate/up's 4 K-warps without the prefetch at M 7-8), a width nobody measured takes TP 8's; the planned
+    kernel keys follow the width."""
     at_192 = [cute.down_config(m, 192) for m in (1, 2, 7, 8, 16)]
     assert [c.ahead for c in at_192] == [True, True, True, False, False]
     assert [c.groups for c in at_192] == [1, 2, 2, 4, 4]
     assert [cute.down_config(m, 384) for m in (1, 8, 9, 16)] == [cute.DOWN_CONFIG] * 2 + [cute.DOWN_CONFIG_SIXTEEN] * 2
     assert cute.down_config(8, 96) == cute.DOWN_CONFIG == cute.down_config(8)
+    up_192 = [cute.gate_up_config(m, 192) for m in (1, 2, 3, 6, 7, 8, 9, 16)]
+    few, many, sixteen = cute.GATE_UP_CONFIG, cute.GATE_UP_CONFIG_MANY, cute.GATE_UP_CONFIG_SIXTEEN
+    assert up_192[:4] == [few, few, many, many] and up_192[6:] == [sixteen, sixteen]
+    assert up_192[4] == up_192[5] and (up_192[5].warps_k, up_192[5].prefetch, up_192[5].compact) == (4, False, True)
+    assert [cute.gate_up_config(m, 384) for m in (2, 3, 8, 9)] == [few, many, many, sixteen]
+    assert cute.gate_up_config(8, 96) == many == cute.gate_up_config(8)
     z, experts = torch.empty(8, 3584, dtype=torch.bfloat16), torch.zeros(8, 16, dtype=torch.int64)
-    for i, want in ((192, at_192[3]), (384, cute.DOWN_CONFIG)):
+    for i, want_up, want_down in ((192, up_192[5], at_192[3]), (384, many, cute.DOWN_CONFIG)):
         w1 = torch.empty(1, i, 1792, dtype=torch.uint8)
-        assert cute.kernels(z, experts, w1, *K3_BETAS)[1][1][3] == want
+        (_, up), (_, down) = cute.kernels(z, experts, w1, *K3_BETAS)
+        assert (up[3], down[3]) == (want_up, want_down)
 
 
 def test_plan_names_the_kernels_the_first_call_builds(monkeypatch):

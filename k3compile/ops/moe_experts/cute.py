@@ -98,6 +98,14 @@ def _check_compact(cfg) -> None:
 GATE_UP_CONFIG = Mxfp4MmaConfig(warps_k=4, row_groups=1, unroll=1, prefetch=True, scan_unrolled=True, compact=True)
 GATE_UP_CONFIG_MANY = Mxfp4MmaConfig(warps_k=2, row_groups=1, unroll=2, scan_unrolled=True, compact=True)
 GATE_UP_CONFIG_SIXTEEN = Mxfp4MmaConfig(warps_k=2, row_groups=1, unroll=1, scan_unrolled=True, compact=True)
+# at TP 16 (I 192: half the rows to divide) 4 K-warps a block without the prefetch at M 8 (35.1 against 37.7 µs);
+# M 1-4 and 16 keep TP 8's (within 2%), M 5-7 unmeasured: the nearer measured M's pick (run 17)
+GATE_UP_PICKS = {   # I -> [(the largest M, the configuration)]; other I: TP 8's
+    384: [(2, GATE_UP_CONFIG), (8, GATE_UP_CONFIG_MANY), (16, GATE_UP_CONFIG_SIXTEEN)],
+    192: [(2, GATE_UP_CONFIG), (6, GATE_UP_CONFIG_MANY),
+          (8, Mxfp4MmaConfig(warps_k=4, row_groups=1, unroll=1, scan_unrolled=True, compact=True)),
+          (16, GATE_UP_CONFIG_SIXTEEN)],
+}
 DOWN_CONFIG = Mxfp4DownConfig(warps=4, row_groups=1, groups=2, scan_unrolled=True, compact=True)
 DOWN_CONFIG_SIXTEEN = Mxfp4DownConfig(warps=4, row_groups=2, groups=2, scan_unrolled=True, compact=True)
 # at TP 16 (I 192: K in a step and a half step) the loads ahead win where a block's chain is the kernel's time (M 1:
@@ -109,7 +117,6 @@ DOWN_PICKS = {   # I -> [(the largest M, the configuration)]; other I: TP 8's
           (7, Mxfp4DownConfig(4, 1, 2, scan_unrolled=True, compact=True, ahead=True)),
           (16, Mxfp4DownConfig(4, 1, 4, scan_unrolled=True, compact=True))],
 }
-FEW_TOKENS = 2   # M up to this runs the few-token gate/up pick
 _FORCED: tuple = (None, None)   # configs_forced's (gate/up, down)
 
 
@@ -124,12 +131,10 @@ def configs_forced(gate_up: Optional[Mxfp4MmaConfig] = None, down: Optional[Mxfp
         _FORCED = saved
 
 
-def gate_up_config(m: int) -> Mxfp4MmaConfig:
+def gate_up_config(m: int, i_width: int = 384) -> Mxfp4MmaConfig:
     if _FORCED[0] is not None:
         return _FORCED[0]
-    if m <= FEW_TOKENS:
-        return GATE_UP_CONFIG
-    return GATE_UP_CONFIG_MANY if m <= 8 else GATE_UP_CONFIG_SIXTEEN
+    return next(cfg for last, cfg in GATE_UP_PICKS.get(i_width, GATE_UP_PICKS[384]) if m <= last)
 
 
 def down_config(m: int, i_width: int = 384) -> Mxfp4DownConfig:
@@ -288,7 +293,7 @@ def kernels(z, experts, w1, beta, linear_beta, big: bool = True) -> list:
     """[(kind, key)] of the two products a call with these arguments builds at its first call."""
     m, a = experts.shape
     ids = _ids_dtype(experts)
-    return [(KIND, variant("gate_up", m, a, gate_up_config(m), beta, linear_beta, ids, 0, big)),
+    return [(KIND, variant("gate_up", m, a, gate_up_config(m, w1.shape[1]), beta, linear_beta, ids, 0, big)),
             (KIND, variant("down", m, a, down_config(m, w1.shape[1]), None, None, ids, down_steps(w1.shape[1]),
                            big))]
 
