@@ -183,6 +183,8 @@ def cute_can_run_on(*tensors: torch.Tensor) -> Reason:
             continue
         if t.device.type != "cuda":
             return f"tensor on {t.device.type} (CuTe kernels need CUDA tensors)"
+        if not torch.cuda.is_available():   # fake CUDA tensors traced on a host without one: no device to ask
+            return "no CUDA device in this process (CuTe kernels are built for the device they run on)"
         major, _ = torch.cuda.get_device_capability(t.device)
         if major < 9:
             return f"GPU capability sm_{major}x < sm_90"

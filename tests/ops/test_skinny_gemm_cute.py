@@ -75,48 +75,50 @@ def test_compiles_for_sm90a_without_gpu(monkeypatch, tmp_path):
     assert len([p for p in tmp_path.rglob("*.so")]) == 5  # the on-disk cache a second process loads
 
 
+# one process compiles every variant of a config (importing CuTe DSL takes seconds): prints, for each (trigger_first,
+# static weight), the PDL instructions of its PTX in order
 _PTX_ORDER = """
-import glob, json, os, sys, torch
+import dataclasses, glob, json, os, sys, torch
 from k3compile.ops.skinny_gemm import cute as kc
 from k3compile.kernels.cute.configs import MmaConfig, WgmmaConfig
-cfg, static = eval(sys.argv[1]), sys.argv[2] == "1"
-kc.compile_kernel(torch.bfloat16, 3, cfg, False, True, static)
-(ptx,) = glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx"))
-lines = [ln.strip() for ln in open(ptx)]
-print(json.dumps([ln.rstrip(";") for ln in lines if ln.startswith("griddepcontrol.")]))
+cfg, orders = eval(sys.argv[1]), {}
+for tf in (False, True):
+    for static in (False, True):
+        for old in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
+            os.remove(old)
+        kc.compile_kernel(torch.bfloat16, 3, dataclasses.replace(cfg, trigger_first=tf), False, True, static)
+        (ptx,) = glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx"))
+        lines = [ln.strip() for ln in open(ptx)]
+        orders[f"{int(tf)}{int(static)}"] = [ln.rstrip(";") for ln in lines if ln.startswith("griddepcontrol.")]
+print(json.dumps(orders))
 """
 
 
 @needs_cutlass
-@pytest.mark.parametrize("cfg", [mma(1, 1, 4, 2, stages=3, split_k=2, a_ring=True, trigger_first=True),
-                                 mma(1, 1, 4, 4, trigger_first=True),
+@pytest.mark.parametrize("cfg", [mma(1, 1, 4, 2, stages=3, split_k=2, a_ring=True),
+                                 mma(1, 1, 4, 4),
                                  WgmmaConfig(block_n=64, block_k=64, stages=4, split_k=2, producer_warp=True,
-                                             evict_hints=True, trigger_first=True),
+                                             evict_hints=True),
                                  WgmmaConfig(block_n=64, block_k=64, stages=4, split_k=4, producer_warp=True,
-                                             evict_hints=True, trigger_first=True, push_partials=True)],
+                                             evict_hints=True, push_partials=True)],
                          ids=lambda c: c.tag())
-@pytest.mark.parametrize("static_weight", [False, True], ids=["dynamic_w", "static_w"])
-def test_trigger_first_only_with_a_static_weight(tmp_path, cfg, static_weight):
+def test_trigger_first_only_with_a_static_weight(tmp_path, cfg):
     """The PDL instructions in PTX order (sm_90a, compiled here): with ``trigger_first`` and a static weight a block
     triggers before it waits; without a static weight, as without the flag, no trigger comes before the first wait
     (what step 1 of the static-weight proof rests on: k3compile/static_weights.py)."""
-    import dataclasses
     import json
     import subprocess
     import sys
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", K3_CUTE_CACHE_DIR="0", CUTE_DSL_KEEP="ptx",
                CUTE_DSL_DUMP_DIR=str(tmp_path))
-    order = {}
-    for tf in (False, True):
-        out = subprocess.run([sys.executable, "-c", _PTX_ORDER, repr(dataclasses.replace(cfg, trigger_first=tf)),
-                              str(int(static_weight))], env=env, capture_output=True, text=True, check=True).stdout
-        order[tf] = json.loads(out.splitlines()[-1])
-        for p in tmp_path.glob("*.ptx"):
-            p.unlink()
-    for tf, ops in order.items():
-        assert "griddepcontrol.wait" in ops and "griddepcontrol.launch_dependents" in ops, ops
-        first_trigger = tf and static_weight
-        assert (ops[0] == "griddepcontrol.launch_dependents") == first_trigger, (tf, ops)
+    out = subprocess.run([sys.executable, "-c", _PTX_ORDER, repr(cfg)], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    orders = json.loads(out.splitlines()[-1])
+    assert len(orders) == 4
+    for key, ops in orders.items():
+        tf, static_weight = key[0] == "1", key[1] == "1"
+        assert "griddepcontrol.wait" in ops and "griddepcontrol.launch_dependents" in ops, (key, ops)
+        assert (ops[0] == "griddepcontrol.launch_dependents") == (tf and static_weight), (key, ops)
 
 
 @pytest.mark.parametrize("kwargs", [dict(split_k=0), dict(split_k=9), dict(stages=0), dict(warps_k=64)],

@@ -164,7 +164,7 @@ def test_run_auto_decides_as_the_op_and_records_nothing(monkeypatch):
 ], ids=lambda v: str(v).removeprefix("torch."))
 def test_unmeasured_architecture_runs_the_vendor_blas_but_for_large_weights(monkeypatch, n, k, dtype, impl):
     monkeypatch.setattr(dispatch, "_cuda_gpu", lambda index: dispatch.Gpu(None, 304, "gfx942"))
-    monkeypatch.setattr(dispatch, "_cute_available", lambda *args: "CuTe DSL is NVIDIA-only")
+    monkeypatch.setattr(dispatch, "cute_can_run_on", lambda *tensors: "CuTe DSL is NVIDIA-only")
     mode, a, w = _cuda(4, n, k, dtype)
     with mode:
         pick, why = dispatch.SKINNY_GEMM.decide("auto", (a, w, None, None))
