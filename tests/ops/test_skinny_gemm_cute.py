@@ -75,13 +75,13 @@ def test_compiles_for_sm90a_without_gpu(monkeypatch, tmp_path):
     assert len([p for p in tmp_path.rglob("*.so")]) == 5  # the on-disk cache a second process loads
 
 
-# one process compiles every variant of a config (importing CuTe DSL takes seconds): prints, for each (trigger_first,
-# static weight), the PDL instructions of its PTX in order
+# one process compiles every variant of a config (importing CuTe DSL takes seconds): prints [trigger_first, static
+# weight, the PDL instructions of its PTX in order] for each
 _PTX_ORDER = """
 import dataclasses, glob, json, os, sys, torch
 from k3compile.ops.skinny_gemm import cute as kc
 from k3compile.kernels.cute.configs import MmaConfig, WgmmaConfig
-cfg, orders = eval(sys.argv[1]), {}
+cfg, orders = eval(sys.argv[1]), []
 for tf in (False, True):
     for static in (False, True):
         for old in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
@@ -89,7 +89,7 @@ for tf in (False, True):
         kc.compile_kernel(torch.bfloat16, 3, dataclasses.replace(cfg, trigger_first=tf), False, True, static)
         (ptx,) = glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx"))
         lines = [ln.strip() for ln in open(ptx)]
-        orders[f"{int(tf)}{int(static)}"] = [ln.rstrip(";") for ln in lines if ln.startswith("griddepcontrol.")]
+        orders.append([tf, static, [ln.rstrip(";") for ln in lines if ln.startswith("griddepcontrol.")]])
 print(json.dumps(orders))
 """
 
@@ -115,10 +115,9 @@ def test_trigger_first_only_with_a_static_weight(tmp_path, cfg):
                          check=True).stdout
     orders = json.loads(out.splitlines()[-1])
     assert len(orders) == 4
-    for key, ops in orders.items():
-        tf, static_weight = key[0] == "1", key[1] == "1"
-        assert "griddepcontrol.wait" in ops and "griddepcontrol.launch_dependents" in ops, (key, ops)
-        assert (ops[0] == "griddepcontrol.launch_dependents") == (tf and static_weight), (key, ops)
+    for tf, static_weight, ops in orders:
+        assert "griddepcontrol.wait" in ops and "griddepcontrol.launch_dependents" in ops, (tf, static_weight, ops)
+        assert (ops[0] == "griddepcontrol.launch_dependents") == (tf and static_weight), (tf, static_weight, ops)
 
 
 @pytest.mark.parametrize("kwargs", [dict(split_k=0), dict(split_k=9), dict(stages=0), dict(warps_k=64)],
