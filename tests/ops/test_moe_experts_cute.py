@@ -221,16 +221,26 @@ def test_picks_and_other_scans_build_for_sm90a_without_gpu(monkeypatch, m):
 SCANS = st.sampled_from([(False, False), (True, False), (True, True)])
 
 
+# the drawn GPU test's cases: shapes, routings and both products' work divisions (its kernels also build on the CPU
+# host: test_drawn_kernels_build_for_sm90a_without_gpu)
+DRAWS = given(
+    m=st.integers(1, 16), a=st.integers(1, 8) | st.sampled_from([16, 20, 32]), e=st.integers(1, 40),
+    i=st.sampled_from([32, 64, 96, 160, 224]), l=st.sampled_from([32, 64, 160, 416]),
+    routing=st.sampled_from(["random", "repeat", "one", "skewed"]), big=st.booleans(), ids32=st.booleans(),
+    seed=st.integers(0, 2 ** 16), warps_k=st.sampled_from([1, 2, 4, 8]), row_groups=st.integers(1, 2),
+    unroll=st.integers(1, 2), prefetch=st.booleans(), up_scan=SCANS, down_scan=SCANS,
+    down_division=st.sampled_from([(4, 1, 2), (4, 2, 2), (8, 1, 1), (2, 1, 3), (4, 2, 4)]), ahead=st.booleans())
+
+
+def _drawn_configs(warps_k, row_groups, unroll, prefetch, up_scan, down_scan, down_division, ahead):
+    return (cute.Mxfp4MmaConfig(warps_k, row_groups, unroll, prefetch, *up_scan),
+            cute.Mxfp4DownConfig(*down_division, *down_scan, ahead=ahead))
+
+
 @pytest.mark.gpu
 @settings(max_examples=16)   # each draw may build two kernels (a second or two each)
-@given(m=st.integers(1, 16), a=st.integers(1, 8) | st.sampled_from([16, 20, 32]), e=st.integers(1, 40),
-       i=st.sampled_from([32, 64, 96, 160, 224]), l=st.sampled_from([32, 64, 160, 416]),
-       routing=st.sampled_from(["random", "repeat", "one", "skewed"]), big=st.booleans(), ids32=st.booleans(),
-       seed=st.integers(0, 2 ** 16), warps_k=st.sampled_from([1, 2, 4, 8]), row_groups=st.integers(1, 2),
-       unroll=st.integers(1, 2), prefetch=st.booleans(), up_scan=SCANS, down_scan=SCANS,
-       down_division=st.sampled_from([(4, 1, 2), (4, 2, 2), (8, 1, 1), (2, 1, 3), (4, 2, 4)]), ahead=st.booleans())
-def test_gpu_drawn_shapes_match_reference(m, a, e, i, l, routing, big, ids32, seed, warps_k, row_groups, unroll,
-                                          prefetch, up_scan, down_scan, down_division, ahead):
+@DRAWS
+def test_gpu_drawn_shapes_match_reference(m, a, e, i, l, routing, big, ids32, seed, **division):
     """Drawn tokens, experts, widths (K tails of 32 / 64 / 96 past a step of 128), routings (duplicates within a
     token, every pair on one expert: past 8 tokens a second compact block, experts nobody chose), top-k whose
     tokens straddle the scan's 32-pair rounds, int32 or int64 ids, scales above 2^1 or not, gate/up work divisions
@@ -239,10 +249,23 @@ def test_gpu_drawn_shapes_match_reference(m, a, e, i, l, routing, big, ids32, se
     NaN-poisoned."""
     if not _cute_ready():
         pytest.skip("needs sm_90+ and CuTe DSL")
-    gate_up = cute.Mxfp4MmaConfig(warps_k, row_groups, unroll, prefetch, *up_scan)
-    down = cute.Mxfp4DownConfig(*down_division, *down_scan, ahead=ahead)
-    with cute.configs_forced(gate_up, down):
+    with cute.configs_forced(*_drawn_configs(**division)):
         _drawn_case(m, a, e, i, l, routing, big, ids32, seed)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="CuTe DSL (nvidia-cutlass-dsl) not installed")
+@settings(max_examples=16)   # two builds a draw, about a second each
+@DRAWS
+def test_drawn_kernels_build_for_sm90a_without_gpu(m, a, e, i, l, routing, big, ids32, seed, **division):
+    """Each drawn case's two kernels compile for sm_90a on the CPU host (conftest.py sets the arch): a DSL error in a
+    drawn variant shows here, not first as a GPU test's failure."""
+    if torch.cuda.is_available():
+        pytest.skip("GPU present: the drawn GPU test compiles for the real device")
+    up, down = _drawn_configs(**division)
+    ids = torch.int32 if ids32 else torch.int64
+    for key in (cute.variant("gate_up", m, a, up, *K3_BETAS, ids, 0, big),
+                cute.variant("down", m, a, down, None, None, ids, cute.down_steps(i), big)):
+        assert cute.build(key) is not None, cute.variant_name(key)
 
 
 def _drawn_case(m, a, e, i, l, routing, big, ids32, seed):
