@@ -37,6 +37,9 @@ step decode_tp1   ${T_DECODE:-120} python3 benchmarks/tp_decode.py --world-size 
 # this file alone ~4 s a test, 70 of its fixed tests took 270 s on a fresh H200)
 step moe_cute_tests ${T_MOE_CUTE_TESTS:-420} python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
                                   tests/ops/test_moe_experts_cute.py
+# not in the default STEPS (8 cases): TP 16's own picks (I 192) against the reference: STEPS=moe_cute_tests16
+step moe_cute_tests16 ${T_MOE_CUTE_TESTS16:-150} python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
+                                  tests/ops/test_moe_experts_cute.py -k "test_gpu_matches_reference and 192"
 # a Block AttnRes mix and its norm: k3::attn_res against torch.compile of the model's code (K3's width, 2-9 sources)
 step attn_res     ${T_ATTN_RES:-90} python3 benchmarks/attn_res.py --json "$OUT/attn_res_$CARD.json"
 # the routed experts with MXFP4 weights: the op (CuTe kernels at M <= 16) against the Triton kernels, then the CuTe
