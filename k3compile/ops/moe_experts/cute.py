@@ -131,16 +131,17 @@ def configs_forced(gate_up: Optional[Mxfp4MmaConfig] = None, down: Optional[Mxfp
         _FORCED = saved
 
 
+def _pick(picks: dict, m: int, i_width: int):
+    """``picks``' configuration (I -> [(the largest M, the configuration)]) for M at width I; unmeasured I: TP 8's."""
+    return next(cfg for last, cfg in picks.get(i_width, picks[384]) if m <= last)
+
+
 def gate_up_config(m: int, i_width: int = 384) -> Mxfp4MmaConfig:
-    if _FORCED[0] is not None:
-        return _FORCED[0]
-    return next(cfg for last, cfg in GATE_UP_PICKS.get(i_width, GATE_UP_PICKS[384]) if m <= last)
+    return _FORCED[0] if _FORCED[0] is not None else _pick(GATE_UP_PICKS, m, i_width)
 
 
 def down_config(m: int, i_width: int = 384) -> Mxfp4DownConfig:
-    if _FORCED[1] is not None:
-        return _FORCED[1]
-    return next(cfg for last, cfg in DOWN_PICKS.get(i_width, DOWN_PICKS[384]) if m <= last)
+    return _FORCED[1] if _FORCED[1] is not None else _pick(DOWN_PICKS, m, i_width)
 
 
 def unavailable() -> Reason:
