@@ -37,7 +37,7 @@ INDUCTOR_KERNEL = ("triton_", "cpp_", "graph_")
 COPIES = ("Memcpy", "Memset")   # the profiler's names of device copies and fills
 FX_GEMM = re.compile(r"^aten\.(mm|addmm|bmm|baddbmm|_scaled_mm)\b")
 K3_OPS = {"kda_decode": "KDA", "kda_prefill": "KDA", "mla_decode": "MLA", "moe_experts": "experts",
-          "moe_route": "router", "attn_res": "AttnRes and norms",
+          "moe_route": "router", "attn_res": "AttnRes and norms", "attn_res_add": "AttnRes and norms",
           "all_reduce_": "collectives", "latent_moe_tail": "dense GEMMs",
           "skinny_gemm": None}   # None: by shape
 

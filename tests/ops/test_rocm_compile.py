@@ -193,6 +193,13 @@ with simulated_rocm() as rec:
         launch(rec, f"attn_res unpaired S{s}", attn_res_triton, sources, gpu(1, d), gpu(d), 1e-6, gpu(d), 1e-6,
                paired=False)
     decide("attn_res auto", ATTN_RES, ([gpu(1, 1, d)] * 2, gpu(1, d), gpu(d), 1e-6, gpu(d), 1e-6), "auto")
+    # ... with the residual add that makes the last source (k3::attn_res_add)
+    from k3compile.ops.attn_res import attn_res_add
+    for s in (2, 9):
+        for m in (1, 16):
+            sources = [gpu(m, 1, d) for _ in range(s)]
+            launch(rec, f"attn_res_add S{s} M{m}", attn_res_add, sources, gpu(m, 1, d), gpu(1, d), gpu(d), 1e-6,
+                   gpu(d), 1e-6, backend="triton")
 
 t1 = time.time()
 results = compile_for_gfx942(rec.launches, workers=2)
@@ -235,7 +242,7 @@ def test_every_launch_binds_for_hip(report):
     assert not report["launch_errors"], report["launch_errors"][:5]
     ops = {l["case"].split()[0] for l in report["launches"]}
     assert ops == {"skinny_gemm", "latent_moe_tail", "kda_decode", "mla_decode", "moe_experts", "moe_route",
-                   "attn_res"}
+                   "attn_res", "attn_res_add"}
 
 
 def test_every_kernel_compiles_for_gfx942(report):

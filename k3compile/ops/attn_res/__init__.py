@@ -1,15 +1,15 @@
 """``k3compile.ops.attn_res``: a Block AttnRes mix, and the RMSNorm the layer puts after it, fused
-(``k3::attn_res``)."""
+(``k3::attn_res``); with the residual add that makes its last source, too (``k3::attn_res_add``)."""
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
 
-from .dispatch import ATTN_RES
-from .op import attn_res_op
+from .dispatch import ATTN_RES, ATTN_RES_ADD
+from .op import attn_res_add_op, attn_res_op
 
-__all__ = ["attn_res", "ATTN_RES"]
+__all__ = ["attn_res", "attn_res_add", "ATTN_RES", "ATTN_RES_ADD"]
 
 
 def attn_res(sources: list[torch.Tensor], proj_weight: torch.Tensor, mix_norm_weight: torch.Tensor, eps: float,
@@ -36,3 +36,25 @@ def attn_res(sources: list[torch.Tensor], proj_weight: torch.Tensor, mix_norm_we
                      layer.post_attention_layernorm.weight, 1e-6)
     """
     return attn_res_op(sources, proj_weight, mix_norm_weight, eps, norm_weight, norm_eps, backend)
+
+
+def attn_res_add(sources: list[torch.Tensor], addend: torch.Tensor, proj_weight: torch.Tensor,
+                 mix_norm_weight: torch.Tensor, eps: float, norm_weight: Optional[torch.Tensor] = None,
+                 norm_eps: float = 1e-6, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attn_res` whose last source is the layer's residual add ``sources[-1] + addend`` (the partial sum
+    ``prefix + a``, ``model/modeling.py``), made in the same kernel and returned beside the mix.
+
+    Args:
+        sources, proj_weight, mix_norm_weight, eps, norm_weight, norm_eps, backend: as :func:`attn_res`, with
+            ``sources[-1]`` the add's first operand.
+        addend: the add's second operand, shaped as ``sources[-1]``, in its dtype.
+
+    Returns:
+        (the mix or its normalised row, as :func:`attn_res`; ``sources[-1] + addend`` [..., D] in the sources' dtype).
+
+    Example::
+
+        h, prefix = attn_res_add([*blocks, prefix], a, layer.mlp_res_proj.weight, layer.mlp_res_norm.weight, 1e-6,
+                                 layer.post_attention_layernorm.weight, 1e-6)
+    """
+    return attn_res_add_op(sources, addend, proj_weight, mix_norm_weight, eps, norm_weight, norm_eps, backend)

@@ -1,12 +1,13 @@
-"""Which implementation of ``k3::attn_res`` runs: the Triton kernel (``triton.py``) wherever it can run and takes the
-shapes (up to ``MAX_SOURCES`` sources, rows up to ``MAX_D`` values: one program holds a row), else the reference. No
-table: one program a row at every M. Nothing here imports Triton: the kernel module loads on first use."""
+"""Which implementation of ``k3::attn_res`` (and of ``k3::attn_res_add``, its last source a residual add) runs: the
+Triton kernel (``triton.py``) wherever it can run and takes the shapes (up to ``MAX_SOURCES`` sources, rows up to
+``MAX_D`` values: one program holds a row), else the reference. No table: one program a row at every M. Nothing here
+imports Triton: the kernel module loads on first use."""
 from __future__ import annotations
 
 from k3compile.backends import Impl, OpImpls, Reason, register_op_impls, triton_can_run_on
 from k3compile.kernel_module import KernelModule
 
-from .reference import attn_res_ref
+from .reference import attn_res_add_ref, attn_res_ref
 
 _TRITON = KernelModule(f"{__package__}.triton")   # imports Triton
 
@@ -29,10 +30,23 @@ def _triton(*args):
     return _TRITON.attn_res_triton(*args)
 
 
+def _triton_add_available(sources, addend, *rest) -> Reason:
+    return _triton_available(sources, *rest) or triton_can_run_on(addend)
+
+
+def _triton_add(*args):
+    return _TRITON.attn_res_add_triton(*args)
+
+
 ATTN_RES = register_op_impls(OpImpls(
     "attn_res",
     reference=Impl(attn_res_ref),
     triton=Impl(_triton, available=_triton_available, supports=_triton_supports),
+))
+ATTN_RES_ADD = register_op_impls(OpImpls(
+    "attn_res_add",
+    reference=Impl(attn_res_add_ref),
+    triton=Impl(_triton_add, available=_triton_add_available, supports=_triton_supports),
 ))
 
 
@@ -47,3 +61,9 @@ def select(backend: str, *args):
     """The implementation to run for the op's arguments (``fn(*args)``), its choice recorded."""
     sources, _, _, _, norm_weight, _ = args
     return ATTN_RES.select(backend, key(sources, norm_weight), *args)
+
+
+def select_add(backend: str, *args):
+    """As :func:`select`, for ``k3::attn_res_add`` (``args`` with the addend after the sources)."""
+    sources, _, _, _, _, norm_weight, _ = args
+    return ATTN_RES_ADD.select(backend, key(sources, norm_weight), *args)

@@ -1,4 +1,4 @@
-"""``k3::attn_res``: schema, checks and fake; ``dispatch.py`` picks what runs."""
+"""``k3::attn_res`` and ``k3::attn_res_add``: schemas, checks and fakes; ``dispatch.py`` picks what runs."""
 from __future__ import annotations
 
 from typing import Optional
@@ -51,3 +51,31 @@ def attn_res_op(sources: list[torch.Tensor], proj_weight: torch.Tensor, mix_norm
 def _(sources, proj_weight, mix_norm_weight, eps, norm_weight, norm_eps, backend):
     dtype = check_attn_res_args(sources, proj_weight, mix_norm_weight, norm_weight)
     return sources[0].new_empty(sources[0].shape, dtype=dtype)
+
+
+def check_addend(sources: list, addend: torch.Tensor) -> None:
+    """The residual addend of ``k3::attn_res_add``: the last source's shape, dtype and device (no broadcast, no
+    promotion: the model's add of two activations)."""
+    last = sources[-1]
+    same = addend.dim() == last.dim() and all(guard_or_true(a == b) for a, b in zip(addend.shape, last.shape))
+    if not same or addend.dtype != last.dtype or addend.device != last.device:
+        raise ValueError(f"attn_res_add: the addend {tuple(addend.shape)} {addend.dtype} {addend.device} is not "
+                         f"shaped as the last source {tuple(last.shape)} {last.dtype} {last.device}")
+
+
+@torch.library.custom_op("k3::attn_res_add", mutates_args=())
+def attn_res_add_op(sources: list[torch.Tensor], addend: torch.Tensor, proj_weight: torch.Tensor,
+                    mix_norm_weight: torch.Tensor, eps: float, norm_weight: Optional[torch.Tensor], norm_eps: float,
+                    backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    check_attn_res_args(sources, proj_weight, mix_norm_weight, norm_weight)
+    check_addend(sources, addend)
+    args = (list(sources), addend, proj_weight, mix_norm_weight, eps, norm_weight, norm_eps)
+    return dispatch.select_add(backend, *args)(*args)
+
+
+@attn_res_add_op.register_fake
+def _(sources, addend, proj_weight, mix_norm_weight, eps, norm_weight, norm_eps, backend):
+    dtype = check_attn_res_args(sources, proj_weight, mix_norm_weight, norm_weight)
+    check_addend(sources, addend)
+    last = sources[-1]
+    return last.new_empty(last.shape, dtype=dtype), last.new_empty(last.shape)

@@ -1,5 +1,6 @@
 """Plain-PyTorch AttnRes mix and the RMSNorm after it: the ground truth of ``k3::attn_res`` (``model/attn_res.py``
-``attn_res``, then ``model/layers.py`` ``rms_norm`` where the layer normalises the mix; K3 spec §7)."""
+``attn_res``, then ``model/layers.py`` ``rms_norm`` where the layer normalises the mix; K3 spec §7) and of
+``k3::attn_res_add`` (the same, its last source the layer's residual add ``prefix + a``, ``model/modeling.py``)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -20,3 +21,12 @@ def attn_res_ref(sources: list[torch.Tensor], proj_weight: torch.Tensor, mix_nor
         return mix
     mix32 = mix.float()
     return norm_weight * (mix32 * torch.rsqrt(mix32.pow(2).mean(-1, keepdim=True) + norm_eps)).to(mix.dtype)
+
+
+def attn_res_add_ref(sources: list[torch.Tensor], addend: torch.Tensor, proj_weight: torch.Tensor,
+                     mix_norm_weight: torch.Tensor, eps: float, norm_weight: Optional[torch.Tensor],
+                     norm_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attn_res_ref`` with the last source ``sources[-1] + addend`` (added in the sources' dtype, as the model's
+    residual add is) -> (its output, that sum [..., D], contiguous)."""
+    partial = (sources[-1] + addend).contiguous()
+    return attn_res_ref([*sources[:-1], partial], proj_weight, mix_norm_weight, eps, norm_weight, norm_eps), partial
