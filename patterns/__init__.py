@@ -5,7 +5,8 @@ claim the same nodes: the latent-MoE tail consumes its up-projection ``mm`` befo
 pass would turn it into ``k3::skinny_gemm``, the routed experts are claimed whole before their products are
 considered, the KDA decode step is claimed whole before its
 projections are considered, and a product of an upcast 16-bit weight is claimed with its casts before the
-skinny-GEMM pass would take the fp32 ``mm`` alone.
+skinny-GEMM pass would take the fp32 ``mm`` alone; the residual adds left before the AttnRes mixes are folded
+into them last, after the skinny-GEMM pass has taken those it fuses into a product.
 """
 PASS_ORDER: tuple[str, ...] = (
     "latent_moe_tail",  # first: takes its up-projection mm before skinny_gemm would
@@ -16,5 +17,6 @@ PASS_ORDER: tuple[str, ...] = (
     "kda_prefill",  # the prefill recurrence (no mm of its own; placed beside the decode step)
     "mla_decode",  # the MLA attention of a decode step (bmm only: no skinny_gemm candidate inside)
     "upcast_matmul",  # before skinny_gemm: takes linear(x.float(), w.float()) on the 16-bit weight, cast and all
-    "skinny_gemm",  # last: claims the GEMMs no earlier pass fused
+    "skinny_gemm",  # claims the GEMMs no earlier pass fused
+    "attn_res_add",  # after skinny_gemm: a residual add a product takes as its residual stays the product's
 )

@@ -25,6 +25,7 @@ import k3compile
 from k3compile.model import KimiK3Config, KimiK3ForConditionalGeneration
 from k3compile.passes import PRODUCT_ORDER_FACT, STATIC_WEIGHT_FACT
 from k3compile.patterns.attn_res import FACT as ATTN_RES_FACT
+from k3compile.patterns.attn_res_add import FACT as ADD_FACT
 from k3compile.patterns.moe_experts import FACT as MOE_FACT
 from k3compile.testing import assert_kda_states_not_copied
 
@@ -266,9 +267,18 @@ def test_attn_res_mixes_rewritten_in_decode_and_prefill_graphs(micro):
     layers = micro.eager.config.text_config.num_hidden_layers
     for graph in rep.graphs:
         assert graph.record.matches["attn_res"] == graph.record.facts[ATTN_RES_FACT] == 2 * layers
-    calls = {}
+    calls = {}   # the mixes whose residual add was folded in run as k3::attn_res_add
     for c in rep.choices:
-        if c.op == "attn_res":
+        if c.op in ("attn_res", "attn_res_add"):
             calls[c.key[1][3]] = calls.get(c.key[1][3], 0) + c.calls
     assert calls == {"normed": (2 * layers - 1) * NEW, "mix": NEW}
-    assert {c.impl for c in rep.choices if c.op == "attn_res"} == {"triton"}
+    assert {c.impl for c in rep.choices if c.op in ("attn_res", "attn_res_add")} == {"triton"}
+
+
+def test_residual_adds_folded_where_no_product_took_them(micro):
+    """Each MoE layer's ``prefix + ffn`` (the latent tail's output: no product's residual) is folded into the mix
+    that reads it, in decode and prefill; the sums the later layers read come out of the op (tokens equal eager)."""
+    for graph in micro.report.graphs:
+        facts, folded = graph.record.facts[ADD_FACT], graph.record.matches["attn_res_add"]
+        assert MOE_LAYERS <= folded <= facts
+    assert sum(c.calls for c in micro.report.choices if c.op == "attn_res_add") >= MOE_LAYERS * NEW
