@@ -13,7 +13,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 # the lent card may be an H100 or an H200: the result files carry the card they ran on (h100, h200, ...)
 CARD=$(python3 -c "import torch; n = torch.cuda.get_device_name().lower(); print(next((c for c in ('h100', 'h200', 'b200', 'a100', 'mi300') if c in n), 'gpu'))")
-STEPS=${STEPS:-gpu_tests gpu_model kda_decode kda_prefill moe_tail moe_tail_tp2 skinny decode_tp1 attn_res moe_cute moe_cute_tune router_sweep mla_tune mla_tune_len mla_decode}
+STEPS=${STEPS:-gpu_tests gpu_model kda_decode kda_prefill moe_tail moe_tail_tp2 skinny decode_tp1 attn_res attn_res_add moe_cute moe_cute_tune router_sweep mla_tune mla_tune_len mla_decode}
 step() {  # step NAME SECONDS CMD...
     local name=$1 secs=$2; shift 2
     case " $STEPS " in *" $name "*) ;; *) return ;; esac
@@ -42,6 +42,8 @@ step moe_cute_tests16 ${T_MOE_CUTE_TESTS16:-150} python3 -m pytest -q -m gpu -p 
                                   tests/ops/test_moe_experts_cute.py -k "test_gpu_matches_reference and 192"
 # a Block AttnRes mix and its norm: k3::attn_res against torch.compile of the model's code (K3's width, 2-9 sources)
 step attn_res     ${T_ATTN_RES:-90} python3 benchmarks/attn_res.py --json "$OUT/attn_res_$CARD.json"
+# ... with the residual add before it: the add's kernel then k3::attn_res against k3::attn_res_add
+step attn_res_add ${T_ATTN_RES_ADD:-90} python3 benchmarks/attn_res.py --add --json "$OUT/attn_res_add_$CARD.json"
 # the routed experts with MXFP4 weights: the op (CuTe kernels at M <= 16) against the Triton kernels, then the CuTe
 # kernels' work divisions alone (their picks live in k3compile/ops/moe_experts/cute.py)
 step moe_cute     ${T_MOE_CUTE:-240} python3 benchmarks/moe_experts.py --m 1 2 4 8 12 16 --tp 8 16 --formats mxfp4 \
