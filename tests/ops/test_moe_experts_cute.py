@@ -112,8 +112,8 @@ def _run(args, betas=K3_BETAS):
 CASES = [  # m, a, e, i, l, routing
     (1, 16, 896, 384, 3584, "random"), (8, 16, 896, 384, 3584, "random"), (4, 16, 896, 192, 3584, "skewed"),
     (3, 4, 16, 96, 160, "repeat"), (8, 2, 3, 32, 32, "one"), (5, 6, 40, 224, 416, "random"), (2, 1, 1, 64, 96, "one"),
-    # TP 16's own picks of both products at M 7 and 8
-    (7, 16, 896, 192, 3584, "repeat"), (8, 16, 896, 192, 3584, "random"),
+    # TP 16's own picks of both products at M 2, 7 and 8
+    (2, 16, 896, 192, 3584, "random"), (7, 16, 896, 192, 3584, "repeat"), (8, 16, 896, 192, 3584, "random"),
     # two blocks of 8 tokens
     (16, 16, 896, 384, 3584, "random"), (12, 16, 896, 192, 3584, "skewed"), (9, 3, 10, 96, 160, "repeat"),
 ]
@@ -355,12 +355,13 @@ def test_gpu_op_picks_cute_and_replays_in_a_graph():
 
 
 def test_picks_follow_the_intermediate_width():
-    """Each measured I has its picks by M (TP 16's I 192 its own: down's loads ahead at few tokens, four groups a warp
-    from M 8; gate/up's 4 K-warps without the prefetch at M 7-8), a width nobody measured takes TP 8's; the planned
-    kernel keys follow the width."""
+    """Each measured I has its picks by M (TP 16's I 192 its own: down's loads ahead at few tokens but M 2, four
+    groups a warp from M 8; gate/up's 4 K-warps without the prefetch at M 7-8), a width nobody measured takes TP 8's;
+    the planned kernel keys follow the width."""
     at_192 = [cute.down_config(m, 192) for m in (1, 2, 7, 8, 16)]
-    assert [c.ahead for c in at_192] == [True, True, True, False, False]
-    assert [c.groups for c in at_192] == [1, 2, 2, 4, 4]
+    assert [c.ahead for c in at_192] == [True, False, True, False, False]
+    assert [(c.warps, c.row_groups, c.groups) for c in at_192] == [(4, 1, 1), (8, 1, 1), (4, 1, 2), (4, 1, 4),
+                                                                   (4, 2, 4)]
     assert [cute.down_config(m, 384) for m in (1, 8, 9, 16)] == [cute.DOWN_CONFIG] * 2 + [cute.DOWN_CONFIG_SIXTEEN] * 2
     assert cute.down_config(8, 96) == cute.DOWN_CONFIG == cute.down_config(8)
     up_192 = [cute.gate_up_config(m, 192) for m in (1, 2, 3, 6, 7, 8, 9, 16)]

@@ -109,13 +109,16 @@ GATE_UP_PICKS = {   # I -> [(the largest M, the configuration)]; other I: TP 8's
 DOWN_CONFIG = Mxfp4DownConfig(warps=4, row_groups=1, groups=2, scan_unrolled=True, compact=True)
 DOWN_CONFIG_SIXTEEN = Mxfp4DownConfig(warps=4, row_groups=2, groups=2, scan_unrolled=True, compact=True)
 # at TP 16 (I 192: K in a step and a half step) the loads ahead win where a block's chain is the kernel's time (M 1:
-# one group a warp, 5.3 against 6.4 µs for the TP 8 pick; M 4 16.8 against 17.3), four groups a warp from M 8 (31.0
-# against 33.1); M 2-3 and 9-16 unmeasured, the neighbouring M's pick (run 16)
+# one group a warp, 5.3 against 6.4 µs for the TP 8 pick; M 4 16.8 against 17.3), but at M 2 eight warps of one group
+# (8.9 against 10.2); four groups a warp from M 8 (31.0 against 33.1), two row groups at a time too from M 12 (42.9
+# against 44.8, M 16 55.6 against 57.7); M 3, 5-7 and 9-11 unmeasured, the neighbouring M's pick (runs 16, 18)
 DOWN_PICKS = {   # I -> [(the largest M, the configuration)]; other I: TP 8's
     384: [(8, DOWN_CONFIG), (16, DOWN_CONFIG_SIXTEEN)],
     192: [(1, Mxfp4DownConfig(4, 1, 1, scan_unrolled=True, compact=True, ahead=True)),
+          (2, Mxfp4DownConfig(8, 1, 1, scan_unrolled=True, compact=True)),
           (7, Mxfp4DownConfig(4, 1, 2, scan_unrolled=True, compact=True, ahead=True)),
-          (16, Mxfp4DownConfig(4, 1, 4, scan_unrolled=True, compact=True))],
+          (8, Mxfp4DownConfig(4, 1, 4, scan_unrolled=True, compact=True)),
+          (16, Mxfp4DownConfig(4, 2, 4, scan_unrolled=True, compact=True))],
 }
 _FORCED: tuple = (None, None)   # configs_forced's (gate/up, down)
 
