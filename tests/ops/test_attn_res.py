@@ -152,7 +152,7 @@ def assert_sum_is_the_models_add(partial, want):
        dtype=st.sampled_from(list(DTYPES)), norm=st.booleans(), seed=st.integers(0, 99),
        group=st.sampled_from([None, 1, 3]))
 @example(s=2, rows=(1, 1), d=7168, dtype="bf16", norm=True, seed=0, group=None)   # K3's first mix after an add
-@example(s=9, rows=(8, 1), d=7168, dtype="bf16", norm=True, seed=1, group=None)
+@example(s=9, rows=(1, 1), d=7168, dtype="bf16", norm=True, seed=1, group=None)   # K3's widest, four at a time
 @example(s=5, rows=(2, 3), d=130, dtype="fp16", norm=False, seed=2, group=None)   # five sources and the addend
 def test_add_kernel_equals_reference(s, rows, d, dtype, norm, seed, group):
     """The last source made from its two addends: the sum written out as torch's add, the mix read from it."""
