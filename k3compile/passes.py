@@ -57,7 +57,7 @@ class K3Options:
     passes: tuple[str, ...] = ()                # enabled pass names; () = all of patterns.PASS_ORDER
     small_m_limit: int = 16                     # skinny GEMM / fused tails only up to this many rows
     inductor_trigger: bool = False              # Inductor's kernels trigger, launched without PDL (inductor_pdl.py)
-    # same-input skinny GEMMs largest first (product_order.py); K3_ORDER_PRODUCTS=1 (measured: no gain)
+    # same-input skinny GEMMs largest first (product_order.py, where its measurements are); K3_ORDER_PRODUCTS=1
     order_products: bool = field(default_factory=lambda: os.environ.get("K3_ORDER_PRODUCTS", "") not in ("", "0"))
 
     def __post_init__(self):
