@@ -75,8 +75,9 @@ def _fold_at(mix: torch.fx.Node, order: dict) -> Optional[torch.fx.Node]:
         out = graph.call_function(operator.getitem, (fused, 0))
     with graph.inserting_after(out):
         partial = graph.call_function(operator.getitem, (fused, 1))
-    out.meta["val"], partial.meta["val"] = val(mix), val(add)
-    fused.meta["val"] = (val(mix), val(add))
+    total = val(add)
+    out.meta["val"], partial.meta["val"] = val(mix), total.new_empty(total.shape)   # the op's sum is contiguous
+    fused.meta["val"] = (out.meta["val"], partial.meta["val"])
     for meta in ("stack_trace", "nn_module_stack"):
         if meta in mix.meta:
             fused.meta[meta] = mix.meta[meta]
