@@ -270,11 +270,16 @@ def _is_depth_softmax(node: torch.fx.Node) -> bool:
             and list(src.args[1]) == [-1])
 
 
-def facts(graph: torch.fx.Graph, options) -> dict:
-    """Read before any rewrite: the AttnRes mixes the graph holds."""
+def depth_softmaxes(graph: torch.fx.Graph) -> list:
+    """The softmaxes over depth of ``graph``'s mixes, in either spelling (:func:`_is_depth_softmax`)."""
     targets = [aten.amax.default] + ([prims.prepare_softmax_online.default]
                                      if hasattr(prims, "prepare_softmax_online") else [])
-    return {FACT: sum(_is_depth_softmax(n) for t in targets for n in graph.find_nodes(op="call_function", target=t))}
+    return [n for t in targets for n in graph.find_nodes(op="call_function", target=t) if _is_depth_softmax(n)]
+
+
+def facts(graph: torch.fx.Graph, options) -> dict:
+    """Read before any rewrite: the AttnRes mixes the graph holds."""
+    return {FACT: len(depth_softmaxes(graph))}
 
 
 def expected(summary: dict) -> bool:

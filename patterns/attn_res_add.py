@@ -2,7 +2,7 @@
 
 A layer's mixes read the partial sum of the current block as their last source, made by the residual adds of
 ``model/modeling.py`` (``prefix + a`` after the attention, ``prefix + ffn`` after the FFN). Under tensor parallelism
-each add sits behind an all-reduce, alone in an Inductor kernel of its own: at decode sizes a launch of ~1.1 µs a add,
+each add sits behind an all-reduce, alone in an Inductor kernel of its own: at decode sizes a launch of ~1.1 µs an add,
 two a layer (docs/tuning/decode_step.md). A graph walk, run after every other pass (the skinny-GEMM pass keeps the adds
 it fuses into a product as its residual), rewrites::
 
@@ -119,15 +119,12 @@ def _last_sources(graph: torch.fx.Graph) -> list:
     """The last source of each mix of ``graph`` before our passes: the last tensor its depth softmax's ``cat``
     stacks, or the operand a region call hands its body's mix (a body is rewritten before its caller)."""
     from k3compile.graph_values import invoke_subgraph_op, region_call
-    from k3compile.patterns.attn_res import _is_depth_softmax, _lone_mix
+    from k3compile.patterns.attn_res import _lone_mix, depth_softmaxes
 
-    softmaxes = graph.find_nodes(op="call_function", target=aten.amax.default)
-    if hasattr(torch.ops.prims, "prepare_softmax_online"):
-        softmaxes += graph.find_nodes(op="call_function", target=torch.ops.prims.prepare_softmax_online.default)
     lasts = []
-    for softmax in softmaxes:
-        cat = _is_depth_softmax(softmax) and _cat_of(softmax.args[0])
-        if cat:   # through the views a stack of sources of another rank may add
+    for softmax in depth_softmaxes(graph):
+        cat = _cat_of(softmax.args[0])
+        if cat:   # through the views (unsqueeze) a stack of sources may put before the cat
             last = cat.args[0][-1]
             while isinstance(last, torch.fx.Node) and last.target in _VIEWS:
                 last = last.args[0]
