@@ -1,8 +1,8 @@
 """Which implementation of a k3 op runs, and why.
 
-Every op in ``k3compile/ops/<op>/`` has up to three implementations side by side: ``reference``
-(plain PyTorch, any device, the ground truth), ``triton`` (any GPU; CPU tensors under
-``TRITON_INTERPRET=1``) and ``cute`` (NVIDIA sm_90+, CuTe DSL). The op's ``dispatch.py`` declares them once::
+Every op in ``k3compile/ops/<op>/`` has up to three implementations side by side: ``reference`` (plain PyTorch, any
+device, the ground truth), ``triton`` (any GPU; CPU tensors under ``TRITON_INTERPRET=1``) and ``cute`` (NVIDIA sm_90+,
+CuTe DSL). The op's ``dispatch.py`` declares them once::
 
     SKINNY_GEMM = OpImpls("skinny_gemm", reference=Impl(...), triton=Impl(...), cute=Impl(...), aten=Impl(...))
 
@@ -17,16 +17,15 @@ pass and a human-readable reason when they do not:
 Rules:
 - ``backend="auto"``: CuTe on CUDA (not ROCm) if available and supported, else Triton on any GPU,
   else the reference. Every step down is recorded with its reason.
-- ``backend="cute"`` or ``"triton"`` (forced): if the implementation is not *available* the
-  call raises ``BackendUnavailableError`` (the user asked for something this machine cannot do);
-  if it is available but does not *support* the shape, the next implementation down runs and the
-  fallback is recorded. Never a silently wrong result.
+- ``backend="cute"`` or ``"triton"`` (forced): if the implementation is not *available* the call raises
+  ``BackendUnavailableError`` (the user asked for something this machine cannot do); if it is available but does not
+  *support* the shape, the next implementation down runs and the fallback is recorded. Never a silently wrong result.
 - ``backend="reference"``: always the reference.
 
-Choices are cached per (op, backend, key) so dispatch costs one dict lookup after the first call;
-``key`` must capture everything the predicates read (dtypes, shapes or shape classes, device,
-contiguity). The cache is the whole process's record; each model ``optimize`` compiled keeps its own
-(``choices.recording_choices``, set around its calls), which ``k3compile.report`` prints.
+Choices are cached per (op, backend, key) so dispatch costs one dict lookup after the first call; ``key`` must capture
+everything the predicates read (dtypes, shapes or shape classes, device, contiguity). The cache is the whole process's
+record; each model ``optimize`` compiled keeps its own (``choices.recording_choices``, set around its calls), which
+``k3compile.report`` prints.
 """
 from __future__ import annotations
 
@@ -259,6 +258,7 @@ class OpImpls:
     aten: Optional[Impl] = None      # the fallback an unprofitable kernel yields to (e.g. cuBLAS)
     # the op's call (its schema's arguments, by name) -> the Builds of its first call (the op's ``dispatch.kernels``)
     plan: Optional[Callable[..., list]] = None
+    composes: tuple[str, ...] = ()   # no kernel of its own: it runs these ops (a backend is its if theirs)
     _choices: dict = field(default_factory=dict, repr=False)
     _decided: dict = field(default_factory=dict, repr=False)   # decide_once's cache
     _broken: dict = field(default_factory=dict, repr=False)    # (key, impl) -> why it may not run (mark_broken)
@@ -266,6 +266,10 @@ class OpImpls:
 
     def impl(self, impl_name: str) -> Optional[Impl]:
         return getattr(self, impl_name)
+
+    def has(self, impl_name: str) -> bool:
+        """Whether ``backend=impl_name`` can be asked of this op (of every op it composes)."""
+        return all(REGISTRY[n].has(impl_name) for n in self.composes) if self.composes else bool(self.impl(impl_name))
 
     def decide(self, backend: str, args: tuple, key: Hashable = None) -> tuple[str, str]:
         """(the implementation to run for these arguments, why), by the rules of the module doc; nothing recorded

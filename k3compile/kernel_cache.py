@@ -72,6 +72,10 @@ def is_planning_ahead() -> bool:
     return getattr(_AHEAD, "on", False)
 
 
+def is_dry_running() -> bool:
+    return getattr(_AHEAD, "dry", False)
+
+
 class DryRun(RuntimeError):
     """A kernel asked for during a dry run (``triton_ahead.dry_run``): that call stops there."""
 

@@ -247,7 +247,7 @@ def _check_backend(options: K3Options, model, strict: bool) -> None:
         raise BackendUnavailableError(f"backend={backend!r} cannot run here: {why}")
     if backend in ("cute", "triton"):
         # a pass is named after the op it emits (patterns/<op>.py -> k3compile/ops/<op>)
-        lacking = [name for name in options.enabled if name in REGISTRY and REGISTRY[name].impl(backend) is None]
+        lacking = [name for name in options.enabled if name in REGISTRY and not REGISTRY[name].has(backend)]
         if lacking:
             raise BackendUnavailableError(
                 f"backend={backend!r}: {', '.join(f'k3::{n}' for n in lacking)} "

@@ -1,5 +1,6 @@
 """Prove in the post-grad graph that a k3 GEMM's weight is static, so its kernel may stream it before
-the PDL wait (``static_weight=True`` on ``k3::skinny_gemm`` / ``k3::latent_moe_tail``).
+the PDL wait (``static_weight=True`` on ``k3::skinny_gemm`` / ``k3::latent_moe_tail``, and the flags of each of
+``k3::route_beside``'s two products).
 
 Our CuTe and Triton GEMMs are launched with programmatic dependent launch (PDL): kernel C may start once
 the kernel before it in the stream triggers (``griddepcontrol.launch_dependents`` in each of its blocks, or
@@ -50,6 +51,10 @@ custom ops are ``auto_functionalized``), and Inductor's later passes add no writ
 The proof runs last, after a chained user pass too. At run time the ops pass the flag on only for a
 non-empty activation (an empty one may have been made by no kernel at all).
 
+``k3::route_beside`` queues its routing kernel on a second stream, after a full wait on the current stream (its
+router product's output) and before the current stream's own wait on it: every kernel after the op starts after the
+routing has completed, so the argument above, about one stream, holds for both streams.
+
 Assumptions left: (P); a vendor kernel in the graph (cuBLAS, NCCL, fla) launched with PDL that triggers
 before its own wait would not be (W), against step 2 (a); none does by default. Whether Inductor's PDL
 codegen is on is read from Inductor's config as the graph compiles (``optimize(inductor_pdl=True)`` turns it on
@@ -82,13 +87,16 @@ from .graph_values import (is_view, mentions, op_name, region_call, schema_arg, 
                            written_args)
 from .inductor_pdl import on as inductor_pdl_on, read_from_memory
 
-# op name -> (activation argument, weight argument)
-STATIC_OPS: dict[str, tuple[str, str]] = {
-    "skinny_gemm": ("a", "w"),
-    "latent_moe_tail": ("latent", "up_weight"),
-}
 KEYWORD = "static_weight"
-TRIGGER_FIRST = "trigger_first"   # k3::skinny_gemm only (step 1)
+TRIGGER_FIRST = "trigger_first"   # the skinny GEMMs' (step 1)
+# op name -> its GEMMs: (activation argument, weight argument, flag, trigger-first flag or None) each
+STATIC_OPS: dict[str, tuple[tuple[str, str, str, Optional[str]], ...]] = {
+    "skinny_gemm": (("a", "w", KEYWORD, TRIGGER_FIRST),),
+    "latent_moe_tail": (("latent", "up_weight", KEYWORD, None),),
+    # both products on the current stream, the router's first; the routing between them runs on a side stream
+    "route_beside": (("a", "router_w", "router_static_weight", "router_trigger_first"),
+                     ("a", "w", KEYWORD, TRIGGER_FIRST)),
+}
 ENV = "K3_STATIC_WEIGHT"
 
 
@@ -287,10 +295,8 @@ class _Prover:
                     return f"weight is passed to a region whose body does not prove it: {why}"
         return None
 
-    def prove(self, node: Node) -> Optional[str]:
-        """None when ``node``'s weight may be streamed before its PDL wait, else the reason."""
-        op = _k3_op(node)
-        act_name, w_name = STATIC_OPS[op]
+    def prove(self, node: Node, act_name: str, w_name: str) -> Optional[str]:
+        """None when ``node``'s weight ``w_name`` may be streamed before its PDL wait, else the reason."""
         if not enabled():
             return f"turned off ({ENV}=0)"
         return self.weight_reason(schema_arg(node, w_name)) or self.activation_reason(schema_arg(node, act_name))
@@ -325,22 +331,30 @@ def _mark(graph: torch.fx.Graph, prover: _Prover) -> dict:
         if op is None:
             continue
         entry = result.setdefault(op, {"proven": 0, "not proven": {}})
-        try:
-            reason = prover.prove(node)
-        except Exception as e:  # an odd graph must cost speed only, never the compile
-            reason = f"analysis failed ({type(e).__name__}: {e})"
-        try:
+        for act_name, w_name, flag, trigger in STATIC_OPS[op]:
+            reason = _mark_one(node, prover, act_name, w_name, flag, trigger)
             if reason is None:
-                set_schema_arg(node, KEYWORD, True)
-                trigger_first = not inductor_pdl_on()   # step 1: no (T) under Inductor's PDL codegen
-                if op == "skinny_gemm" and schema_arg(node, TRIGGER_FIRST, True) is not trigger_first:
-                    set_schema_arg(node, TRIGGER_FIRST, trigger_first)
-            elif schema_arg(node, KEYWORD, False) is not False:
-                set_schema_arg(node, KEYWORD, False)   # a flag that came with the graph is not a proof
-        except Exception as e:
-            reason = f"could not set {KEYWORD} ({type(e).__name__}: {e})"
-        if reason is None:
-            entry["proven"] += 1
-        else:
-            entry["not proven"][reason] = entry["not proven"].get(reason, 0) + 1
+                entry["proven"] += 1
+            else:
+                entry["not proven"][reason] = entry["not proven"].get(reason, 0) + 1
     return result
+
+
+def _mark_one(node: Node, prover: _Prover, act_name: str, w_name: str, flag: str, trigger: Optional[str]
+              ) -> Optional[str]:
+    """Prove one GEMM of ``node`` and set its flags; None where proven, else why not."""
+    try:
+        reason = prover.prove(node, act_name, w_name)
+    except Exception as e:  # an odd graph must cost speed only, never the compile
+        reason = f"analysis failed ({type(e).__name__}: {e})"
+    try:
+        if reason is None:
+            set_schema_arg(node, flag, True)
+            trigger_first = not inductor_pdl_on()   # step 1: no (T) under Inductor's PDL codegen
+            if trigger is not None and schema_arg(node, trigger, True) is not trigger_first:
+                set_schema_arg(node, trigger, trigger_first)
+        elif schema_arg(node, flag, False) is not False:
+            set_schema_arg(node, flag, False)   # a flag that came with the graph is not a proof
+    except Exception as e:
+        reason = f"could not set {flag} ({type(e).__name__}: {e})"
+    return reason

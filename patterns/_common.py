@@ -103,6 +103,16 @@ def val(node: Any) -> Optional[torch.Tensor]:
     return None
 
 
+def fold_each(graph: torch.fx.Graph, target, fold: Callable) -> int:
+    """For a graph walk's ``postprocess``: ``fold(node, order)`` on each call of ``target``, ``order`` the nodes'
+    positions in the graph (a fold gives the nodes it adds a place in it); the number of calls it folded."""
+    nodes = graph.find_nodes(op="call_function", target=target)
+    if not nodes:
+        return 0
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return sum(bool(fold(node, order)) for node in nodes)
+
+
 def match_val(match: pm.Match, name: str) -> Any:
     """The fake value bound to keyword ``name`` in a match (a tensor, or a plain Python value)."""
     v = match.kwargs[name]

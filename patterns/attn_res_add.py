@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 import k3compile.ops.attn_res  # noqa: F401  (registers k3::attn_res_add)
-from k3compile.patterns._common import aten, statically_known_true, val
+from k3compile.patterns._common import aten, fold_each, statically_known_true, val
 
 NAME = "attn_res_add"
 FACT = "graph_attn_res_residual_adds"
@@ -92,11 +92,7 @@ def _fold_at(mix: torch.fx.Node, order: dict) -> Optional[torch.fx.Node]:
 
 def postprocess(graph: torch.fx.Graph, options) -> int:
     """Fold each foldable residual add into the mix that reads it (module doc); the number folded."""
-    mixes = graph.find_nodes(op="call_function", target=torch.ops.k3.attn_res.default)
-    if not mixes:
-        return 0
-    order = {n: i for i, n in enumerate(graph.nodes)}   # graph positions, the nodes a fold adds placed in it
-    return sum(_fold_at(mix, order) is not None for mix in mixes)
+    return fold_each(graph, torch.ops.k3.attn_res.default, _fold_at)
 
 
 _VIEWS = (aten.unsqueeze.default, aten.view.default, aten.reshape.default)

@@ -354,7 +354,7 @@ def test_odd_graphs_never_raise(monkeypatch):
     odd.output(odd.call_function(GEMM, (x, 3.0)))          # a weight that is no tensor
     assert _verdict(odd) == (0, ["weight is not a graph value"])
 
-    def boom(self, node):
+    def boom(self, node, act_name, w_name):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(static_weights._Prover, "prove", boom)

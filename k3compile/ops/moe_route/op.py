@@ -14,13 +14,18 @@ def check_moe_route_args(logits: torch.Tensor, bias: torch.Tensor, top_k: int) -
     if logits.dim() != 2 or logits.dtype != torch.float32:
         raise ValueError(f"moe_route: logits must be [M, E] fp32, got {tuple(logits.shape)} {logits.dtype}")
     m, e = logits.shape
-    if bias.dim() != 1 or not guard_or_true(bias.shape[0] == e) or bias.dtype != torch.float32:
-        raise ValueError(f"moe_route: bias must be [E={e}] fp32, got {tuple(bias.shape)} {bias.dtype}")
-    if not 1 <= top_k <= e:
-        raise ValueError(f"moe_route: top_k must be in [1, E={e}], got {top_k}")
+    check_bias_and_top_k("moe_route", bias, e, top_k)
     if bias.device != logits.device:
         raise ValueError(f"moe_route: bias on {bias.device}, logits on {logits.device}")
     return m, e
+
+
+def check_bias_and_top_k(op: str, bias: torch.Tensor, e, top_k: int) -> None:
+    """Raise ``ValueError`` (naming ``op``) unless bias is [E] fp32 and 1 <= top_k <= E."""
+    if bias.dim() != 1 or not guard_or_true(bias.shape[0] == e) or bias.dtype != torch.float32:
+        raise ValueError(f"{op}: bias must be [E={e}] fp32, got {tuple(bias.shape)} {bias.dtype}")
+    if not 1 <= top_k <= e:
+        raise ValueError(f"{op}: top_k must be in [1, E={e}], got {top_k}")
 
 
 @torch.library.custom_op("k3::moe_route", mutates_args=())
