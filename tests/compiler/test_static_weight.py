@@ -570,14 +570,14 @@ def test_gpu_micro_k3_bf16_decode_proves_and_matches_eager(mode):
     decode = rep.graphs[-1].record
     static = decode.facts[STATIC_WEIGHT_FACT]
     assert decode.matches["skinny_gemm"] > 0 and decode.matches["latent_moe_tail"] >= 1
-    # each MoE router multiplies in fp32 (model/moe.py): its weight is cast by a kernel of this graph, which a
-    # stream-early load could overtake, so those products (one per MoE layer) must stay unproven
-    routers = decode.matches["latent_moe_tail"]
-    assert static["latent_moe_tail"] == {"proven": routers, "not proven": {}}, static
-    assert static["skinny_gemm"] == {
-        "proven": decode.matches["skinny_gemm"] - routers,
-        "not proven": {"weight is computed (or may be copied) in the graph, not a parameter or input": routers},
-    }, static
+    # every product proven: the routers' on their 16-bit weights (patterns/upcast_matmul.py, no cast kernel left), and
+    # each MoE layer's router product and latent down-projection inside its k3::route_beside
+    folded = decode.matches["route_beside"]
+    assert folded == decode.matches["latent_moe_tail"]
+    assert static["latent_moe_tail"] == {"proven": decode.matches["latent_moe_tail"], "not proven": {}}, static
+    assert static["route_beside"] == {"proven": 2 * folded, "not proven": {}}, static
+    products = decode.matches["skinny_gemm"] + decode.matches["upcast_matmul"] - 2 * folded
+    assert static["skinny_gemm"] == {"proven": products, "not proven": {}}, static
 
 
 def test_trigger_only_graphs_launch_their_triggering_kernels_without_pdl():
