@@ -94,6 +94,16 @@ for ab in "base K3_INDUCTOR_PDL=0" "trigger K3_INDUCTOR_PDL=trigger" "order K3_O
                                   --batch 1 --context 1024 --providers optimize --profile-steps 1 \
                                   --json "$OUT/decode_step_ab_$name.json"
 done
+# not in the default STEPS (about 5 minutes): the routing beside the latent product (k3::route_beside) against the
+# routing in turn, interleaved twice, at a TP 8 rank (BESIDE_TP=16: TP 16's): STEPS=beside_ab
+case " $STEPS " in *" beside_ab "*) STEPS="$STEPS beside_1 inturn_1 beside_2 inturn_2" ;; esac
+for ab in "beside_1" "inturn_1 --without-passes route_beside" "beside_2" "inturn_2 --without-passes route_beside"; do
+    set -- $ab
+    name=$1; shift
+    step $name ${T_AB:-100} python3 benchmarks/decode_step.py --tp ${BESIDE_TP:-8} --layers 4 --experts mxfp4 \
+                                  --batch 1,8 --context 1024 --providers optimize --reference optimize \
+                                  --profile-steps 0 --replays 40 "$@" --json "$OUT/decode_step_$name.json"
+done
 # not in the default STEPS (about 5 minutes, fresh caches in each child): STEPS=compile_time
 step compile_time ${T_COMPILE:-560} python3 benchmarks/compile_time.py --device cuda --layers 4 \
                                   --variants torch.compile,optimize-whole,optimize-whole-tritonahead,optimize-regions \
