@@ -20,6 +20,7 @@ from typing import Any, Optional
 import torch
 
 from .backends import REGISTRY
+from .graph_values import bound_args
 from .kernel_cache import Build
 from .tables import M_BUCKETS
 
@@ -87,27 +88,13 @@ def call_sites(graph: torch.fx.Graph, ops=None) -> list[dict]:
     return sites
 
 
-def _bound_args(node: torch.fx.Node) -> dict:
-    out = {}
-    for i, arg in enumerate(node.target._schema.arguments):
-        if i < len(node.args):
-            out[arg.name] = node.args[i]
-        elif arg.name in node.kwargs:
-            out[arg.name] = node.kwargs[arg.name]
-        elif arg.has_default_value():
-            out[arg.name] = arg.default_value
-        else:
-            raise ValueError(f"argument {arg.name!r} is missing")
-    return out
-
-
 def _instances(op: str, node: torch.fx.Node) -> list[dict]:
     def value(v):
         if isinstance(v, (list, tuple)):   # a Tensor[] argument
             return [value(x) for x in v]
         return v.meta["val"] if isinstance(v, torch.fx.Node) else v
 
-    args = {name: value(v) for name, v in _bound_args(node).items()}
+    args = {name: value(v) for name, v in bound_args(node).items()}
     exprs, hints = [], {}
     for v in args.values():
         items = []

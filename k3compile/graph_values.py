@@ -38,6 +38,27 @@ def schema_arg(node: Node, name: str, default: Any = None) -> Any:
     raise KeyError(name)
 
 
+def bound_args(node: Node) -> dict:
+    """Every schema argument of ``node``'s call by name: positional, keyword, or the schema's default."""
+    out = {}
+    for i, arg in enumerate(node.target._schema.arguments):
+        if i < len(node.args):
+            out[arg.name] = node.args[i]
+        elif arg.name in node.kwargs:
+            out[arg.name] = node.kwargs[arg.name]
+        elif arg.has_default_value():
+            out[arg.name] = arg.default_value
+        else:
+            raise ValueError(f"argument {arg.name!r} is missing")
+    return out
+
+
+def tensor_bytes(node: Any) -> int:
+    """Bytes of the tensor an FX node's value is (0 for anything else)."""
+    v = node.meta.get("val") if isinstance(node, Node) else None
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
 def set_schema_arg(node: Node, name: str, value: Any) -> None:
     for i, a in enumerate(node.target._schema.arguments):
         if a.name == name:

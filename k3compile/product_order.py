@@ -19,17 +19,13 @@ from __future__ import annotations
 import torch
 from torch.fx import Graph, Node
 
+from .graph_values import tensor_bytes
+
 
 def _skinny_gemm():
     import k3compile.ops.skinny_gemm  # noqa: F401  (registers k3::skinny_gemm)
 
     return torch.ops.k3.skinny_gemm.default
-
-
-def _weight_bytes(node: Node) -> int:
-    w = node.args[1] if len(node.args) > 1 else None
-    val = w.meta.get("val") if isinstance(w, Node) else None
-    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
 def order_same_input_products(graph: Graph) -> int:
@@ -50,7 +46,8 @@ def order_same_input_products(graph: Graph) -> int:
         if len(movable) < 2:
             continue
         before = list(movable)
-        movable.sort(key=lambda n: -_weight_bytes(n))   # stable: equal weights keep their order
+        # stable: equal weights keep their order
+        movable.sort(key=lambda n: -tensor_bytes(n.args[1] if len(n.args) > 1 else None))
         anchor = first.prev
         for n in movable:
             anchor.append(n)

@@ -26,7 +26,7 @@ import torch
 import k3compile.ops.moe_route  # noqa: F401  (registers k3::moe_route)
 import k3compile.ops.route_beside  # noqa: F401  (registers k3::route_beside)
 import k3compile.ops.skinny_gemm  # noqa: F401  (registers k3::skinny_gemm)
-from k3compile.graph_values import schema_arg
+from k3compile.graph_values import bound_args, schema_arg, tensor_bytes
 from k3compile.patterns._common import aten, fold_each, val
 
 NAME = "route_beside"
@@ -49,9 +49,7 @@ def register(pm_pass, options) -> None:
 
 
 def _arg(node: torch.fx.Node, name: str):
-    """Schema argument ``name`` of ``node``, its schema default where the call leaves it out."""
-    (arg,) = [x for x in node.target._schema.arguments if x.name == name]
-    return schema_arg(node, name, arg.default_value if arg.has_default_value() else None)
+    return bound_args(node)[name]
 
 
 def _plain_product(node, a=None) -> bool:
@@ -60,11 +58,6 @@ def _plain_product(node, a=None) -> bool:
             and node.target is torch.ops.k3.skinny_gemm.default
             and (a is None or schema_arg(node, "a") is a)
             and schema_arg(node, "bias") is None and schema_arg(node, "residual") is None)
-
-
-def _weight_bytes(node: torch.fx.Node) -> int:
-    w = val(schema_arg(node, "w"))
-    return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else -1
 
 
 def _beside(route: torch.fx.Node) -> Optional[tuple]:
@@ -84,7 +77,7 @@ def _beside(route: torch.fx.Node) -> Optional[tuple]:
               and all(_arg(u, k) == _arg(logits, k) for k in same)]
     if not others:
         return None
-    return logits, max(others, key=_weight_bytes)
+    return logits, max(others, key=lambda u: tensor_bytes(_arg(u, "w")))
 
 
 def _hoist(node: torch.fx.Node, before: torch.fx.Node, order: dict) -> bool:
