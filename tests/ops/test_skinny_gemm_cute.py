@@ -75,45 +75,51 @@ def test_compiles_for_sm90a_without_gpu(monkeypatch, tmp_path):
     assert len([p for p in tmp_path.rglob("*.so")]) == 5  # the on-disk cache a second process loads
 
 
-# one process compiles every variant of a config (importing CuTe DSL takes seconds): prints [trigger_first, static
-# weight, the PDL instructions of its PTX in order] for each
+# one process compiles every variant of every config (importing CuTe DSL takes ~8 s a process): prints, by config
+# tag, [trigger_first, static weight, the PDL instructions of its PTX in order] for each variant
 _PTX_ORDER = """
 import dataclasses, glob, json, os, sys, torch
 from k3compile.ops.skinny_gemm import cute as kc
 from k3compile.kernels.cute.configs import MmaConfig, WgmmaConfig
-cfg, orders = eval(sys.argv[1]), []
-for tf in (False, True):
-    for static in (False, True):
-        for old in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
-            os.remove(old)
-        kc.compile_kernel(torch.bfloat16, 3, dataclasses.replace(cfg, trigger_first=tf), False, True, static)
-        (ptx,) = glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx"))
-        lines = [ln.strip() for ln in open(ptx)]
-        orders.append([tf, static, [ln.rstrip(";") for ln in lines if ln.startswith("griddepcontrol.")]])
-print(json.dumps(orders))
+by_tag = {}
+for cfg in eval(sys.argv[1]):
+    orders = by_tag[cfg.tag()] = []
+    for tf in (False, True):
+        for static in (False, True):
+            for old in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
+                os.remove(old)
+            kc.compile_kernel(torch.bfloat16, 3, dataclasses.replace(cfg, trigger_first=tf), False, True, static)
+            (ptx,) = glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx"))
+            lines = [ln.strip() for ln in open(ptx)]
+            orders.append([tf, static, [ln.rstrip(";") for ln in lines if ln.startswith("griddepcontrol.")]])
+print(json.dumps(by_tag))
 """
+PTX_ORDER_CONFIGS = [mma(1, 1, 4, 2, stages=3, split_k=2, a_ring=True), mma(1, 1, 4, 4),
+                     WgmmaConfig(block_n=64, block_k=64, stages=4, split_k=2, producer_warp=True, evict_hints=True),
+                     WgmmaConfig(block_n=64, block_k=64, stages=4, split_k=4, producer_warp=True, evict_hints=True,
+                                 push_partials=True)]
 
 
-@needs_cutlass
-@pytest.mark.parametrize("cfg", [mma(1, 1, 4, 2, stages=3, split_k=2, a_ring=True),
-                                 mma(1, 1, 4, 4),
-                                 WgmmaConfig(block_n=64, block_k=64, stages=4, split_k=2, producer_warp=True,
-                                             evict_hints=True),
-                                 WgmmaConfig(block_n=64, block_k=64, stages=4, split_k=4, producer_warp=True,
-                                             evict_hints=True, push_partials=True)],
-                         ids=lambda c: c.tag())
-def test_trigger_first_only_with_a_static_weight(tmp_path, cfg):
-    """The PDL instructions in PTX order (sm_90a, compiled here): with ``trigger_first`` and a static weight a block
-    triggers before it waits; without a static weight, as without the flag, no trigger comes before the first wait
-    (what step 1 of the static-weight proof rests on: k3compile/static_weights.py)."""
+@pytest.fixture(scope="module")
+def ptx_orders(tmp_path_factory):
+    """{config tag: the PDL orders of its four variants}, every config compiled in one process."""
     import json
     import subprocess
     import sys
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", K3_CUTE_CACHE_DIR="0", CUTE_DSL_KEEP="ptx",
-               CUTE_DSL_DUMP_DIR=str(tmp_path))
-    out = subprocess.run([sys.executable, "-c", _PTX_ORDER, repr(cfg)], env=env, capture_output=True, text=True,
-                         check=True).stdout
-    orders = json.loads(out.splitlines()[-1])
+               CUTE_DSL_DUMP_DIR=str(tmp_path_factory.mktemp("ptx")))
+    out = subprocess.run([sys.executable, "-c", _PTX_ORDER, repr(PTX_ORDER_CONFIGS)], env=env, capture_output=True,
+                         text=True, check=True).stdout
+    return json.loads(out.splitlines()[-1])
+
+
+@needs_cutlass
+@pytest.mark.parametrize("cfg", PTX_ORDER_CONFIGS, ids=lambda c: c.tag())
+def test_trigger_first_only_with_a_static_weight(ptx_orders, cfg):
+    """The PDL instructions in PTX order (sm_90a, compiled here): with ``trigger_first`` and a static weight a block
+    triggers before it waits; without a static weight, as without the flag, no trigger comes before the first wait
+    (what step 1 of the static-weight proof rests on: k3compile/static_weights.py)."""
+    orders = ptx_orders[cfg.tag()]
     assert len(orders) == 4
     for tf, static_weight, ops in orders:
         assert "griddepcontrol.wait" in ops and "griddepcontrol.launch_dependents" in ops, (tf, static_weight, ops)
