@@ -1,6 +1,6 @@
 """Prove in the post-grad graph that a k3 GEMM's weight is static, so its kernel may stream it before
 the PDL wait (``static_weight=True`` on ``k3::skinny_gemm`` / ``k3::latent_moe_tail``, and the flags of each of
-``k3::route_beside``'s two products).
+``k3::route_beside``'s two products and ``k3::experts_beside``'s three).
 
 Our CuTe and Triton GEMMs are launched with programmatic dependent launch (PDL): kernel C may start once
 the kernel before it in the stream triggers (``griddepcontrol.launch_dependents`` in each of its blocks, or
@@ -53,7 +53,11 @@ non-empty activation (an empty one may have been made by no kernel at all).
 
 ``k3::route_beside`` queues its routing kernel on a second stream, after a full wait on the current stream (its
 router product's output) and before the current stream's own wait on it: every kernel after the op starts after the
-routing has completed, so the argument above, about one stream, holds for both streams.
+routing has completed, so the argument above, about one stream, holds for both streams. ``k3::experts_beside`` is
+the same with the routed experts on the side stream; its shared chain runs on the current stream, gate and up
+products of ``x``, the SiTU-GLU kernel (W: it waits before it loads), then the down product, whose activation that
+kernel made inside the op, after ``x``'s producer: proving ``x`` proves it too (the latent tail's inner GEMM is
+proven through ``latent`` alike).
 
 Assumptions left: (P); a vendor kernel in the graph (cuBLAS, NCCL, fla) launched with PDL that triggers
 before its own wait would not be (W), against step 2 (a); none does by default. Whether Inductor's PDL
@@ -96,6 +100,11 @@ STATIC_OPS: dict[str, tuple[tuple[str, str, str, Optional[str]], ...]] = {
     # both products on the current stream, the router's first; the routing between them runs on a side stream
     "route_beside": (("a", "router_w", "router_static_weight", "router_trigger_first"),
                      ("a", "w", KEYWORD, TRIGGER_FIRST)),
+    # the shared chain on the current stream, the routed experts on a side stream; the down product's input is the
+    # op's own SiTU-GLU kernel's output, made from x's products after x: proven through x (module doc)
+    "experts_beside": (("x", "w_gate", "gate_static_weight", "gate_trigger_first"),
+                       ("x", "w_up", "up_static_weight", "up_trigger_first"),
+                       ("x", "w_down", "down_static_weight", "down_trigger_first")),
 }
 ENV = "K3_STATIC_WEIGHT"
 

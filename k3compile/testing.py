@@ -17,6 +17,23 @@ _KDA_DECODE_CALL = re.compile(r"torch\.ops\.k3\.kda_decode\.default\(([^)]*)\)")
 _KDA_DECODE_MUTATED = (3, 4, 5, 16)   # conv_state_q/k/v, state in k3::kda_decode's schema
 
 
+def eager_then_optimized(model: torch.nn.Module, *inputs, passes, records=(), backend: str = "triton"):
+    """(outputs of ``model`` optimized with ``passes`` on ``inputs``, its eager outputs before, the compiled graph's
+    record), from a fresh Dynamo and with each of ``records`` (an op's ``OpImpls``) cleared first: a pattern test's
+    one compile."""
+    import k3compile
+
+    torch._dynamo.reset()
+    for record in records:
+        record.clear()
+    model.eval()
+    with torch.no_grad():
+        ref = model(*inputs)
+        k3compile.optimize(model, backend=backend, passes=list(passes), dynamic=False)
+        out = model(*inputs)
+    return out, ref, k3compile.report(model).graphs[0].record
+
+
 def assert_kda_states_not_copied(code: str) -> int:
     """In Inductor's output ``code``, every state a ``k3::kda_decode`` call mutates is a graph input used by the op
     call alone (and ``del``): no copy of it. Returns the number of calls (the op mutates in place, so only the

@@ -7,7 +7,7 @@ other pass (the products are ``k3::skinny_gemm`` calls by then), rewrites::
 
     logits           = k3::skinny_gemm(a, router_w, out_dtype=float32)       # read by the routing only
     weights, experts = k3::moe_route(logits, bias, k, eps, scaling, route_backend)
-    y                = k3::skinny_gemm(a, w)                                  # the largest such product of ``a``
+    y                = k3::skinny_gemm(a, w)      # the routed experts' input, else the largest such product of ``a``
 
 to ``weights, experts, y = k3::route_beside(a, router_w, bias, k, eps, scaling, w, ...)``, placed where the first
 of the three was (an input computed later, such as the bias's cast, moved before it where its own inputs allow).
@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+import k3compile.ops.moe_experts  # noqa: F401  (registers k3::moe_experts)
 import k3compile.ops.moe_route  # noqa: F401  (registers k3::moe_route)
 import k3compile.ops.route_beside  # noqa: F401  (registers k3::route_beside)
 import k3compile.ops.skinny_gemm  # noqa: F401  (registers k3::skinny_gemm)
@@ -77,7 +78,11 @@ def _beside(route: torch.fx.Node) -> Optional[tuple]:
               and all(_arg(u, k) == _arg(logits, k) for k in same)]
     if not others:
         return None
-    return logits, max(others, key=lambda u: tensor_bytes(_arg(u, "w")))
+    # the latent down-projection, which the routed experts read (their own op may then take the shared experts
+    # beside them: patterns/experts_beside.py), else the largest
+    latent = [u for u in others if any(v.target is torch.ops.k3.moe_experts.default and _arg(v, "z") is u
+                                       for v in u.users)]
+    return logits, max(latent or others, key=lambda u: tensor_bytes(_arg(u, "w")))
 
 
 def _hoist(node: torch.fx.Node, before: torch.fx.Node, order: dict) -> bool:

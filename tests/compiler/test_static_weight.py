@@ -549,34 +549,52 @@ def test_static_weight_is_no_expected_pass_in_strict_mode(compiled_cases):
 
 # --- GPU ------------------------------------------------------------------------------------------
 
+def teacher_forced_logits(model, ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """fp32 logits [B, n, V] of ``model`` on the prompt ``ids`` (a prefill), then on each of ``tokens[:, :n - 1]`` fed
+    one at a time (decode steps): every model sees the same inputs, whatever it would have picked itself."""
+    cache = model.allocate_cache(ids.shape[0], ids.shape[1] + tokens.shape[1])
+    logits = [model(ids, cache=cache, logits_to_keep=1)[:, -1].float()]
+    for j in range(tokens.shape[1] - 1):
+        logits.append(model(tokens[:, j:j + 1], cache=cache, logits_to_keep=1)[:, -1].float())
+    return torch.stack(logits, 1)
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"], ids=["default", "reduce-overhead"])
 @torch.no_grad()
 def test_gpu_micro_k3_bf16_decode_proves_and_matches_eager(mode):
+    """Teacher-forced against the eager model (greedy tokens compared bit for bit fail at bf16 near-ties: the micro
+    K3's first token has a top-2 margin of 0 in one row): each (step, row)'s logits' relative error, their median
+    within the decode benchmarks' bf16 tolerance (``benchmarks/_common.py``: a row may move by 10-40% where its top-k
+    picks another expert at a near-tie of the router's scores, which is no error)."""
     from k3compile.model import KimiK3Config, KimiK3ForConditionalGeneration
 
     torch.manual_seed(0)
     eager = KimiK3ForConditionalGeneration(KimiK3Config.micro()).eval().cuda().set_dtype(torch.bfloat16)
     model = copy.deepcopy(eager)
     ids = torch.randint(0, eager.config.text_config.vocab_size, (2, 12), device="cuda")
-    ref = eager.generate(ids, 6)
+    tokens = eager.generate(ids, 6)
+    ref = teacher_forced_logits(eager, ids, tokens)
     torch._dynamo.reset()
     k3compile.optimize(model, dynamic=False, mode=mode)
-    out = model.generate(ids, 6)
+    out = teacher_forced_logits(model, ids, tokens)
     rep = k3compile.report(model)
     print(rep.format())
-    assert torch.equal(out, ref), f"tokens differ:\n{out}\n{ref}"
+    rows = ((out.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1)).flatten()
+    assert out.isfinite().all() and rows.median() <= 2e-2, rows
     decode = rep.graphs[-1].record
     static = decode.facts[STATIC_WEIGHT_FACT]
     assert decode.matches["skinny_gemm"] > 0 and decode.matches["latent_moe_tail"] >= 1
     # every product proven: the routers' on their 16-bit weights (patterns/upcast_matmul.py, no cast kernel left), and
-    # each MoE layer's router product and latent down-projection inside its k3::route_beside
-    folded = decode.matches["route_beside"]
-    assert folded == decode.matches["latent_moe_tail"]
+    # each MoE layer's router product and latent down-projection inside its k3::route_beside, its shared experts'
+    # three products inside its k3::experts_beside
+    folded, beside = decode.matches["route_beside"], decode.matches["experts_beside"]
+    assert folded == beside == decode.matches["latent_moe_tail"]
     assert static["latent_moe_tail"] == {"proven": decode.matches["latent_moe_tail"], "not proven": {}}, static
     assert static["route_beside"] == {"proven": 2 * folded, "not proven": {}}, static
-    products = decode.matches["skinny_gemm"] + decode.matches["upcast_matmul"] - 2 * folded
+    assert static["experts_beside"] == {"proven": 3 * beside, "not proven": {}}, static
+    products = decode.matches["skinny_gemm"] + decode.matches["upcast_matmul"] - 2 * folded - 3 * beside
     assert static["skinny_gemm"] == {"proven": products, "not proven": {}}, static
 
 

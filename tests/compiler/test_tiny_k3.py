@@ -156,10 +156,14 @@ def test_decode_graph_proves_its_gemms_and_tail(micro):
     assert decode.matches["latent_moe_tail"] >= 1 and decode.matches["skinny_gemm"] > 0
     # every skinny GEMM (after an RMSNorm, the KDA step, attention) and every tail (after the MoE combine)
     assert static["latent_moe_tail"] == {"proven": decode.matches["latent_moe_tail"], "not proven": {}}, static
-    # the routing beside a product took two of the skinny GEMMs of each MoE layer into its op, both proven there
-    folded = decode.matches["route_beside"]
-    assert folded == MOE_LAYERS and static["route_beside"] == {"proven": 2 * folded, "not proven": {}}, static
-    assert static["skinny_gemm"] == {"proven": decode.matches["skinny_gemm"] - 2 * folded, "not proven": {}}, static
+    # the routing beside a product took two of the skinny GEMMs of each MoE layer into its op, the routed experts
+    # beside the shared chain three more (patterns/experts_beside.py), all proven there
+    folded, beside = decode.matches["route_beside"], decode.matches["experts_beside"]
+    assert folded == beside == MOE_LAYERS == decode.facts["graph_shared_beside_experts"]
+    assert static["route_beside"] == {"proven": 2 * folded, "not proven": {}}, static
+    assert static["experts_beside"] == {"proven": 3 * beside, "not proven": {}}, static
+    products = decode.matches["skinny_gemm"] - 2 * folded - 3 * beside
+    assert static["skinny_gemm"] == {"proven": products, "not proven": {}}, static
     assert "proven" in micro.report.format(verbose=True)
 
 

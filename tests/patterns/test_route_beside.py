@@ -9,11 +9,10 @@ import torch.nn.functional as F
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-import k3compile
 from k3compile.model.moe import route
 from k3compile.ops.route_beside import ROUTE_BESIDE
 from k3compile.patterns.route_beside import FACT
-from k3compile.testing import rel_err
+from k3compile.testing import eager_then_optimized, rel_err
 
 pytestmark = pytest.mark.usefixtures("no_graph_caches")   # tests/conftest.py
 
@@ -40,13 +39,7 @@ class Front(torch.nn.Module):
 
 
 def compile_and_run(model, x, passes=PASSES):
-    torch._dynamo.reset()
-    ROUTE_BESIDE.clear()
-    with torch.no_grad():
-        ref = model(x)
-        k3compile.optimize(model, backend="triton", passes=list(passes), dynamic=False)
-        out = model(x)
-    return out, ref, k3compile.report(model).graphs[0].record
+    return eager_then_optimized(model, x, passes=passes, records=(ROUTE_BESIDE,))
 
 
 def assert_equal_to_eager(out, ref, dtype):

@@ -9,9 +9,7 @@ for the routing before the op returns. Measured on one H200 at a TP 16 rank (doc
 kernels 18.8 against 22.1-23.1 µs in turn; the router's product on the second stream too gained nothing (it loses
 its PDL overlap and shares the SMs with the other product).
 
-Every tensor the side stream touches is made before its work is queued and read after the join, so the caching
-allocator's stream bookkeeping holds without ``record_stream``; under CUDA-graph capture the side stream joins the
-capture (its allocations go to the graph's pool) and is joined back before the op returns.
+The second stream and its rules: ``k3compile/ops/side_stream.py``.
 
 In turn, on one stream: tensors not on a CUDA (or ROCm) device, ``backend="reference"``, no rows, and a dry run
 (``k3compile/triton_ahead.py``: nothing launches). The products and the routing each dispatch as their own ops do
@@ -20,43 +18,15 @@ In turn, on one stream: tensors not on a CUDA (or ROCm) device, ``backend="refer
 """
 from __future__ import annotations
 
-import threading
-from typing import Optional
-
 import torch
 
-from k3compile import kernel_cache
 from k3compile.backends import Impl, OpImpls, register_op_impls
 from k3compile.ops.moe_route.op import moe_route_op
+from k3compile.ops.side_stream import in_turn_reason, side_stream
 from k3compile.ops.skinny_gemm import dispatch as skinny_gemm_dispatch
 from k3compile.ops.skinny_gemm.op import skinny_gemm_op
 
 from .reference import route_beside_ref
-
-_SIDE: dict[torch.device, torch.cuda.Stream] = {}
-_SIDE_LOCK = threading.Lock()
-
-
-def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream of ``device`` (one a device, made at first use)."""
-    with _SIDE_LOCK:
-        stream = _SIDE.get(device)
-        if stream is None:
-            stream = _SIDE[device] = torch.cuda.Stream(device)
-        return stream
-
-
-def in_turn_reason(a: torch.Tensor, backend: str) -> Optional[str]:
-    """Why the routing runs in turn on the current stream, or None for beside the product."""
-    if a.device.type != "cuda":
-        return f"{a.device.type} tensors: no second stream"
-    if backend == "reference":
-        return "backend='reference' requested"
-    if a.shape[0] == 0:
-        return "no rows"
-    if kernel_cache.is_dry_running():
-        return "a dry run launches nothing"
-    return None
 
 
 def run(a, router_w, bias, top_k, renorm_eps, scaling, w, backend, route_backend, m_limit, router_static_weight,
