@@ -172,6 +172,12 @@ with simulated_rocm() as rec:
     # (moe_experts' table applies to a GPU named H200 only, config.gpu_name: nothing of it reaches ROCm. Its MXFP4
     # weight-rows configuration does not compile for gfx942: Triton 3.7's AMD pointer canonicalisation fails.)
 
+    # --- the shared experts' SiTU-GLU beside the routed experts (k3::experts_beside; its products and routed experts
+    # are the ops above): K3's shared width at TP 8
+    from k3compile.ops.experts_beside.triton import situ_glu_triton
+    for m in (1, 16):
+        launch(rec, f"experts_beside glue M{m}", situ_glu_triton, gpu(m, 768), gpu(m, 768), 4.0, 25.0)
+
     # --- the routing tail: K3's router (E 896, top-16), both top-k forms
     for m in (1, 16):
         logits, bias = gpu(m, 896, dtype=torch.float32), gpu(896, dtype=torch.float32)
@@ -241,8 +247,8 @@ def test_every_launch_binds_for_hip(report):
     raises there) and the launchers take the ROCm path without error."""
     assert not report["launch_errors"], report["launch_errors"][:5]
     ops = {l["case"].split()[0] for l in report["launches"]}
-    assert ops == {"skinny_gemm", "latent_moe_tail", "kda_decode", "mla_decode", "moe_experts", "moe_route",
-                   "attn_res", "attn_res_add"}
+    assert ops == {"skinny_gemm", "latent_moe_tail", "kda_decode", "mla_decode", "moe_experts", "experts_beside",
+                   "moe_route", "attn_res", "attn_res_add"}
 
 
 def test_every_kernel_compiles_for_gfx942(report):
