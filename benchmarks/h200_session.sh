@@ -94,10 +94,12 @@ for ab in "base K3_INDUCTOR_PDL=0" "trigger K3_INDUCTOR_PDL=trigger" "order K3_O
                                   --batch 1 --context 1024 --providers optimize --profile-steps 1 \
                                   --json "$OUT/decode_step_ab_$name.json"
 done
-# not in the default STEPS (about 5 minutes): the routing beside the latent product (k3::route_beside) against the
-# routing in turn, interleaved twice, at a TP 8 rank (BESIDE_TP=16: TP 16's): STEPS=beside_ab
+# not in the default STEPS (about 5 minutes): a second-stream fold (BESIDE_PASS: route_beside, the routing beside the
+# latent product; experts_beside, the routed experts beside the shared chain) against its chains in turn, interleaved
+# twice, at a TP 8 rank (BESIDE_TP=16: TP 16's): STEPS=beside_ab
 case " $STEPS " in *" beside_ab "*) STEPS="$STEPS beside_1 inturn_1 beside_2 inturn_2" ;; esac
-for ab in "beside_1" "inturn_1 --without-passes route_beside" "beside_2" "inturn_2 --without-passes route_beside"; do
+BESIDE_PASS=${BESIDE_PASS:-experts_beside}
+for ab in "beside_1" "inturn_1 --without-passes $BESIDE_PASS" "beside_2" "inturn_2 --without-passes $BESIDE_PASS"; do
     set -- $ab
     name=$1; shift
     step $name ${T_AB:-100} python3 benchmarks/decode_step.py --tp ${BESIDE_TP:-8} --layers 4 --experts mxfp4 \
