@@ -39,6 +39,7 @@ FX_GEMM = re.compile(r"^aten\.(mm|addmm|bmm|baddbmm|_scaled_mm)\b")
 K3_OPS = {"kda_decode": "KDA", "kda_prefill": "KDA", "mla_decode": "MLA", "moe_experts": "experts",
           "moe_route": "router", "attn_res": "AttnRes and norms", "attn_res_add": "AttnRes and norms",
           "all_reduce_": "collectives", "latent_moe_tail": "dense GEMMs",
+          "experts_beside": "glue",   # its own kernel is the shared experts' SiTU-GLU; its nested ops are theirs
           "skinny_gemm": None}   # None: by shape
 
 # model source (file, function) -> category; file-wide rules after the function rules

@@ -86,7 +86,9 @@ def _plain_product(node) -> bool:
 
 
 def layer_input(routed: torch.fx.Node) -> Optional[torch.fx.Node]:
-    """The node whose product made the routed experts' ``z``: route_beside's ``a``, or a plain product's ``a``."""
+    """The layer input whose latent down-projection the routed experts read: route_beside's ``a``, or a plain
+    product's ``a``; else None (a MoE without a latent projection: there the shared experts' down product takes the
+    routed experts' output as its residual, and no chain is left beside them)."""
     z = schema_arg(routed, "z")
     if (isinstance(z, torch.fx.Node) and z.target is operator.getitem and z.args[1] == 2
             and getattr(z.args[0], "target", None) is torch.ops.k3.route_beside.default):
@@ -108,9 +110,8 @@ def shared_chain(down: torch.fx.Node) -> Optional[tuple]:
     gate, up = match.kwargs["gate"], match.kwargs["up"]
     if not (_plain_product(gate) and _plain_product(up)) or gate is up:
         return None
-    same = ("a", "backend", "m_limit")
-    if any(schema_arg(gate, k) != schema_arg(up, k) or schema_arg(gate, k) != schema_arg(down, k)
-           for k in same[1:]) or schema_arg(gate, "a") is not schema_arg(up, "a"):
+    if schema_arg(gate, "a") is not schema_arg(up, "a") or any(
+            schema_arg(gate, k) != schema_arg(p, k) for p in (up, down) for k in ("backend", "m_limit")):
         return None
     inside = set(match.nodes)
     if any(u not in inside for p in (gate, up) for u in p.users):
@@ -156,50 +157,61 @@ def _fold(routed: torch.fx.Node, order: dict, chains: dict) -> bool:
     return True
 
 
-def postprocess(graph: torch.fx.Graph, options) -> int:
-    """Fold each routed experts' call with its layer's shared chain (module doc); the number folded."""
+def shared_chains(graph: torch.fx.Graph) -> dict:
+    """{x: [(down, gate, up, glue match)]}: the shared experts' chains of k3 products in ``graph``, by their input."""
     chains: dict = {}
     for down in graph.find_nodes(op="call_function", target=torch.ops.k3.skinny_gemm.default):
         found = shared_chain(down)
         if found is not None:
             chains.setdefault(schema_arg(found[0], "a"), []).append((down, *found))
+    return chains
+
+
+def postprocess(graph: torch.fx.Graph, options) -> int:
+    """Fold each routed experts' call with its layer's shared chain (module doc); the number folded."""
+    chains = shared_chains(graph)
     if not chains:
         return 0
     return fold_each(graph, torch.ops.k3.moe_experts.default,
                      lambda routed, order: _fold(routed, order, chains))
 
 
-def facts(graph: torch.fx.Graph, options) -> dict:
-    """Read before any rewrite: the shared experts' chains (a product of the model's SiTU-GLU of two products, the
-    three of weights) whose input, small-M rows, is a router top-k's input."""
-    from k3compile.patterns.moe_route import _is_router_topk
-    from k3compile.patterns.route_beside import _router_mm
+def small_m_shared_mm_chains(graph: torch.fx.Graph, options) -> list:
+    """Before any rewrite: ``(x, gate mm, up mm)`` of each shared experts' chain (a product of weights of the model's
+    SiTU-GLU of two products of weights of ``x``) whose input has small-M rows."""
     from k3compile.patterns.skinny_gemm import small_m, transposed_weight
-    from k3compile.patterns.upcast_matmul import _upcast_source
 
-    inputs = set()
-    for topk in graph.find_nodes(op="call_function", target=aten.topk.default):
-        mm = _router_mm(topk) if _is_router_topk(topk) else None
-        if mm is not None:
-            inputs.add(_upcast_source(mm.args[0]) or mm.args[0])
-
-    def product_of(node, a=None) -> bool:
+    def product_of(node, a) -> bool:
         return (isinstance(node, torch.fx.Node) and node.target is aten.mm.default
-                and transposed_weight(node.args[1]) and (a is None or node.args[0] is a))
+                and transposed_weight(node.args[1]) and node.args[0] is a)
 
-    downs = [(d, d.args[0], d.args[1]) for d in graph.find_nodes(op="call_function", target=aten.mm.default)]
+    downs = [(d.args[0], d.args[1]) for d in graph.find_nodes(op="call_function", target=aten.mm.default)]
     # Inductor may have taken the add after the down product (the latent tail's, before its pass) as addmm's input
-    downs += [(d, d.args[1], d.args[2]) for d in graph.find_nodes(op="call_function", target=aten.addmm.default)]
-    n = 0
-    for down, h, w in downs:
+    downs += [(d.args[1], d.args[2]) for d in graph.find_nodes(op="call_function", target=aten.addmm.default)]
+    found = []
+    for h, w in downs:
         match = match_glue(h) if transposed_weight(w) else None
         if match is None:
             continue
-        x = getattr(match.kwargs["gate"], "args", (None,))[0]
-        x_val = val(x) if isinstance(x, torch.fx.Node) else None
-        n += (x in inputs and product_of(match.kwargs["gate"], x) and product_of(match.kwargs["up"], x)
-              and isinstance(x_val, torch.Tensor) and x_val.dim() == 2 and small_m(x_val.shape[0],
-                                                                                   options.small_m_limit))
+        gate, up = match.kwargs["gate"], match.kwargs["up"]
+        x = gate.args[0] if isinstance(gate, torch.fx.Node) and gate.args else None
+        x_val = val(x)
+        if (product_of(gate, x) and product_of(up, x) and isinstance(x_val, torch.Tensor) and x_val.dim() == 2
+                and small_m(x_val.shape[0], options.small_m_limit)):
+            found.append((x, gate, up))
+    return found
+
+
+def facts(graph: torch.fx.Graph, options) -> dict:
+    """Read before any rewrite: the small-M shared experts' chains whose input is a router top-k's input that a
+    latent down-projection reads too (a product of a weight besides the router's and the chain's)."""
+    from k3compile.patterns.route_beside import router_inputs
+    from k3compile.patterns.skinny_gemm import transposed_weight
+
+    inputs, n = router_inputs(graph), 0
+    for x, gate, up in small_m_shared_mm_chains(graph, options):
+        n += x in inputs and any(u not in (inputs[x], gate, up) and u.target is aten.mm.default and u.args[0] is x
+                                 and transposed_weight(u.args[1]) for u in x.users)
     return {FACT: n}
 
 

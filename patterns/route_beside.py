@@ -139,19 +139,28 @@ def _router_mm(topk: torch.fx.Node) -> Optional[torch.fx.Node]:
     return node if ok else None
 
 
+def router_inputs(graph: torch.fx.Graph) -> dict:
+    """Before any rewrite: {a router's input (of its upcast, where the router upcasts): its product ``mm``} for each
+    routing top-k whose router product is an ``mm`` / ``addmm`` of a weight."""
+    from k3compile.patterns.moe_route import _is_router_topk
+    from k3compile.patterns.skinny_gemm import transposed_weight
+    from k3compile.patterns.upcast_matmul import _upcast_source
+
+    inputs = {}
+    for topk in graph.find_nodes(op="call_function", target=aten.topk.default):
+        mm = _router_mm(topk) if _is_router_topk(topk) else None
+        if mm is not None and transposed_weight(mm.args[1]):
+            inputs[_upcast_source(mm.args[0]) or mm.args[0]] = mm
+    return inputs
+
+
 def facts(graph: torch.fx.Graph, options) -> dict:
     """Read before any rewrite: the routing top-k's whose router product is a small-M product of a weight (of the
     upcast operands, or in fp32) and whose input some other product of a weight reads."""
-    from k3compile.patterns.moe_route import _is_router_topk
     from k3compile.patterns.skinny_gemm import small_m, transposed_weight
-    from k3compile.patterns.upcast_matmul import _upcast_source
 
     n = 0
-    for topk in graph.find_nodes(op="call_function", target=aten.topk.default):
-        mm = _router_mm(topk) if _is_router_topk(topk) else None
-        if mm is None or not transposed_weight(mm.args[1]):
-            continue
-        a = _upcast_source(mm.args[0]) or mm.args[0]
+    for a, mm in router_inputs(graph).items():
         a_val, limit = val(a), options.small_m_limit
         if not (isinstance(a_val, torch.Tensor) and a_val.dim() == 2 and small_m(a_val.shape[0], limit)):
             continue

@@ -67,6 +67,16 @@ def test_routed_and_shared_experts_fold_and_equal_eager(m, dtype, seed):
     assert rel_err(out, ref) <= TOL[dtype]
 
 
+def test_without_a_latent_projection_nothing_is_folded_or_expected():
+    """The routed experts read the layer's input itself and the shared down product takes their output as its
+    residual: no chain beside them. The routing beside a product still takes a product of the input."""
+    model = Layer(torch.float32, routed_expert_hidden_size=None)
+    out, ref, record = compile_and_run(model, torch.randn(1, 2, 128))
+    assert record.matches["experts_beside"] == record.facts[FACT] == 0 and record.matches["moe_experts"] == 1
+    assert record.matches["route_beside"] == 1
+    assert rel_err(out, ref) <= 1e-5
+
+
 def test_silu_shared_experts_are_not_folded():
     """Kimi Linear's SiLU: the glue is not the SiTU-GLU the op's pattern spells (nor the routed experts' op's)."""
     model = Layer(torch.float32, hidden_act="silu")
