@@ -72,6 +72,18 @@ def test_report_shows_matches_on_decode_graph(micro):
     assert micro.report.op_calls["skinny_gemm"] >= n_decode * (NEW - 1)
 
 
+def test_every_call_site_of_the_decode_graph_plans(micro):
+    """Planning each k3 call of the decode graph on stand-ins (precompile's first step, ``k3compile/call_sites.py``)
+    raises nothing: an op's plan reads metadata only, its composed ops' plans included."""
+    from k3compile.call_sites import plan
+
+    sites = micro.report.graphs[-1].record.kernel_calls
+    assert {"experts_beside", "route_beside", "skinny_gemm"} <= {s["op"] for s in sites}
+    for site in sites:
+        assert "unplanned" not in site, site
+        plan(site)
+
+
 def test_prefill_graph_fuses_only_its_small_m_product(micro):
     prefill = micro.report.graphs[0]
     # every prefill GEMM has M = B * T = 40 > 16 and is left alone, except the lm_head, which
