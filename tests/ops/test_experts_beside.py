@@ -134,12 +134,13 @@ def test_plan_is_the_routed_experts_and_the_three_products(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 8, 40])
+@pytest.mark.parametrize("m", [1, 8, 16, 40])
 def test_gpu_two_streams_in_a_graph_equal_the_chains_in_turn(m):
     """K3's widths at a TP 16 rank (E 896, top-16, latent 3584, I 192 in MXFP4; the shared experts 384 x 7168), the
     op captured in a CUDA graph behind the kernels that write its inputs, replayed on fresh inputs with the outputs
-    poisoned before each replay; each replay equals the op run in turn on one stream and the reference. M 40 takes the
-    routed experts' sorted form and the products' large-M path."""
+    poisoned before each replay; each replay equals the op run in turn on one stream and the reference. M 16 is the
+    decode form's largest (two blocks of 8 tokens); M 40 takes the routed experts' sorted form and the products' large-M
+    path."""
     routed = list(moe_experts_inputs(m, 16, 896, 192, 3584, torch.bfloat16, mxfp4=True, seed=m, device="cuda"))
     shared = list(shared_inputs(m, 7168, 384, torch.bfloat16, m, "cuda"))
     z_src, x_src = torch.empty_like(routed[0]), torch.empty_like(shared[0])
