@@ -1,6 +1,7 @@
 """k3compile/product_order.py: the skinny GEMMs of one input moved together, largest weight first, on drawn graphs
 of products (a KDA-like group: equal and smaller weights, a low-rank chain hanging off one of them, a product whose
-residual is computed after the group starts); the reordered graph computes the same values bit for bit."""
+residual is computed after the group starts); the reordered graph computes the same values bit for bit. One compile
+through ``optimize()`` with the setting on."""
 from __future__ import annotations
 
 import pytest
@@ -76,3 +77,26 @@ def test_options_follow_the_environment(monkeypatch):
     monkeypatch.setenv("K3_ORDER_PRODUCTS", "1")
     assert K3Options().order_products
     assert K3PostGradPass(K3Options()).uuid() != K3PostGradPass(K3Options(order_products=False)).uuid()
+
+
+@pytest.mark.usefixtures("no_graph_caches")   # tests/conftest.py
+def test_optimize_orders_a_compiled_graphs_products_under_the_setting(monkeypatch):
+    """Through ``optimize()`` (the pass manager's call, ``k3compile/passes.py``): with ``K3_ORDER_PRODUCTS=1`` the
+    decode graph's same-input products are reordered, the count in the record, the outputs equal eager's."""
+    from k3compile.passes import PRODUCT_ORDER_FACT
+    from k3compile.testing import eager_then_optimized
+
+    class Group(torch.nn.Module):   # a KDA-like group: a small product ahead of two larger ones of one input
+        def __init__(self):
+            super().__init__()
+            self.small, self.big, self.mid = (torch.nn.Linear(K, n, bias=False) for n in (4, 48, 24))
+
+        def forward(self, x):
+            x = torch.tanh(x)
+            return self.small(x), self.big(x), self.mid(x)
+
+    monkeypatch.setenv("K3_ORDER_PRODUCTS", "1")
+    out, ref, record = eager_then_optimized(Group(), torch.randn(2, K), passes=("skinny_gemm",))
+    assert record.matches["skinny_gemm"] == 3 and record.facts[PRODUCT_ORDER_FACT] > 0
+    for o, r in zip(out, ref):
+        torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-6)

@@ -241,6 +241,8 @@ def ordered_decoded(micro):
     return torch.cat(tokens, 1), k3compile.report(model)
 
 
+@pytest.mark.deep   # a third compile of the micro K3 (~30 s); the pass manager's ordering call is covered by
+# tests/compiler/test_product_order.py::test_optimize_orders_a_compiled_graphs_products_under_the_setting
 def test_ordered_products_decode_eager_tokens(micro, ordered_decoded):
     tokens, rep = ordered_decoded
     assert torch.equal(tokens, micro.ref)
