@@ -106,6 +106,10 @@ for ab in "beside_1" "inturn_1 --without-passes $BESIDE_PASS" "beside_2" "inturn
                                   --batch 1,8 --context 1024 --providers optimize --reference optimize \
                                   --profile-steps 0 --replays 40 "$@" --json "$OUT/decode_step_$name.json"
 done
+# not in the default STEPS (about 2 minutes on a fresh machine): the routed experts beside the shared chain, the op
+# against itself in turn and each half alone, TP 16's shapes: STEPS=experts_beside
+step experts_beside ${T_BESIDE:-150} python3 benchmarks/experts_beside.py --tp ${BESIDE_TP:-16} \
+                                  --json "$OUT/experts_beside_$CARD.json"
 # not in the default STEPS (about 5 minutes, fresh caches in each child): STEPS=compile_time
 step compile_time ${T_COMPILE:-560} python3 benchmarks/compile_time.py --device cuda --layers 4 \
                                   --variants torch.compile,optimize-whole,optimize-whole-tritonahead,optimize-regions \

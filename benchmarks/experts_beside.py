@@ -1,0 +1,110 @@
+"""A latent MoE layer's routed experts and its shared experts' chain on the GPU: ``k3::experts_beside`` (the routed
+experts on a second stream while the chain runs) against the same op run in turn on one stream, and each half alone.
+
+    python benchmarks/experts_beside.py [--tp 16] [--ms 1,4,8,16] [--format mxfp4|bf16] [--json out.json]
+
+K3's rank shapes: E 896, top-16, latent 3584, hidden 7168, routed I 3072 / TP, the shared experts twice that. Medians
+of CUDA-graph replays of 30 calls (``_common.graph_replay_us``), the providers timed in interleaved passes; each
+output checked against the plain reference first. Latency figures (the halves' bytes are a few MB): the step-level
+effect is ``benchmarks/decode_step.py``'s, with and without ``--without-passes experts_beside``
+(``docs/tuning/decode_step.md``).
+"""
+import argparse
+import json
+import math
+import os
+import sys
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import graph_replay_us, interleaved_passes  # noqa: E402
+
+E, TOP_K, LATENT, HIDDEN, FULL_I = 896, 16, 3584, 7168, 3072
+BETAS = (4.0, 25.0)
+
+
+def inputs(m: int, tp: int, fmt: str, seed: int = 0):
+    """(routed args as ``moe_experts`` takes them, shared args (x, w_gate, w_up, w_down)) on the GPU."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    i, si = FULL_I // tp, 2 * FULL_I // tp
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
+
+    scores = torch.sigmoid(torch.randn(m, E, generator=g, device="cuda"))
+    weights, experts = scores.topk(TOP_K, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    if fmt == "bf16":
+        stacks = [randn(E, i, LATENT, scale=LATENT ** -0.5), randn(E, i, LATENT, scale=LATENT ** -0.5),
+                  randn(E, LATENT, i, scale=i ** -0.5), None, None, None]
+    else:
+        def codes(rows, cols):
+            return torch.randint(0, 256, (E, rows, cols // 2), generator=g, device="cuda", dtype=torch.uint8)
+
+        def scale(rows, cols):
+            center = 127 - round(math.log2(2.2 * cols ** 0.5))
+            return torch.randint(center - 2, center + 3, (E, rows, cols // 32), generator=g, device="cuda",
+                                 dtype=torch.uint8)
+        stacks = [codes(i, LATENT), codes(i, LATENT), codes(LATENT, i), scale(i, LATENT), scale(i, LATENT),
+                  scale(LATENT, i)]
+    routed = (randn(m, LATENT), experts, weights, *stacks)
+    shared = (randn(m, HIDDEN), randn(si, HIDDEN, scale=HIDDEN ** -0.5), randn(si, HIDDEN, scale=HIDDEN ** -0.5),
+              randn(HIDDEN, si, scale=si ** -0.5))
+    return routed, shared
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, default=16)
+    ap.add_argument("--ms", default="1,4,8,16")
+    ap.add_argument("--format", choices=("mxfp4", "bf16"), default="mxfp4")
+    ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    from k3compile.ops.experts_beside import dispatch, experts_beside_op, experts_beside_ref
+    from k3compile.ops.moe_experts import moe_experts
+    from k3compile.testing import rel_err
+
+    rows = []
+    print(f"{'M':>4} {'routed':>8} {'shared':>8} {'in turn':>8} {'beside':>8} {'saved':>7}   (µs, TP {args.tp}, "
+          f"{args.format})")
+    for m in (int(x) for x in args.ms.split(",")):
+        routed, shared = inputs(m, args.tp, args.format, seed=m)
+        z, experts, weights, w1, w3, w2, s1, s3, s2 = routed
+
+        def op():   # the three products' weights static, as the step's proof finds them
+            return experts_beside_op(z, experts, weights, w1, w3, w2, s1, s3, s2, *BETAS, "auto", 16, *shared, *BETAS,
+                                     gate_static_weight=True, up_static_weight=True, down_static_weight=True)
+
+        def in_turn():
+            with mock.patch.object(dispatch, "in_turn_reason", lambda *a: "timed in turn"):
+                return op()
+
+        ref = experts_beside_ref(*routed, *BETAS, *shared, *BETAS)
+        for name, fn in (("beside", op), ("in turn", in_turn)):
+            out = fn()
+            torch.cuda.synchronize()
+            errs = [rel_err(o, r) for o, r in zip(out, ref)]
+            assert max(errs) <= 2e-2, f"M {m} {name}: relative errors {errs}"
+        timers = {
+            "routed": lambda: graph_replay_us(lambda: moe_experts(*routed, *BETAS), iters=30, replays=20, warmup=3),
+            "shared": lambda: graph_replay_us(lambda: dispatch.shared_chain(*shared, *BETAS, "auto", 16, *(True,) * 6),
+                                              iters=30, replays=20, warmup=3),
+            "in turn": lambda: graph_replay_us(in_turn, iters=30, replays=20, warmup=3),
+            "beside": lambda: graph_replay_us(op, iters=30, replays=20, warmup=3),
+        }
+        samples = interleaved_passes(timers, args.passes)
+        us = {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
+        rows.append(dict(m=m, tp=args.tp, format=args.format, us=us, samples=samples))
+        print(f"{m:>4} {us['routed']:>8.2f} {us['shared']:>8.2f} {us['in turn']:>8.2f} {us['beside']:>8.2f} "
+              f"{us['in turn'] - us['beside']:>7.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, argv=sys.argv[1:], rows=rows),
+                      f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
