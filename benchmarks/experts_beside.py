@@ -3,15 +3,14 @@ experts on a second stream while the chain runs) against the same op run in turn
 
     python benchmarks/experts_beside.py [--tp 16] [--ms 1,4,8,16] [--format mxfp4|bf16] [--json out.json]
 
-K3's rank shapes: E 896, top-16, latent 3584, hidden 7168, routed I 3072 / TP, the shared experts twice that. Medians
-of CUDA-graph replays of 30 calls (``_common.graph_replay_us``), the providers timed in interleaved passes; each
-output checked against the plain reference first. Latency figures (the halves' bytes are a few MB): the step-level
+K3's rank shapes (``benchmarks/moe_experts.py``'s: E 896, top-16, latent 3584, I 3072 / TP), hidden 7168, the shared
+experts twice the routed width. Medians of CUDA-graph replays of 30 calls (``_common.graph_replay_us``), the providers
+timed in interleaved passes; each output checked against the plain reference first. Latency figures (the halves' bytes are a few MB): the step-level
 effect is ``benchmarks/decode_step.py``'s, with and without ``--without-passes experts_beside``
 (``docs/tuning/decode_step.md``).
 """
 import argparse
 import json
-import math
 import os
 import sys
 from unittest import mock
@@ -20,39 +19,25 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import graph_replay_us, interleaved_passes  # noqa: E402
+from moe_experts import BETAS, make_routing, make_weights, shapes  # noqa: E402
 
-E, TOP_K, LATENT, HIDDEN, FULL_I = 896, 16, 3584, 7168, 3072
-BETAS = (4.0, 25.0)
+HIDDEN = 7168
 
 
 def inputs(m: int, tp: int, fmt: str, seed: int = 0):
-    """(routed args as ``moe_experts`` takes them, shared args (x, w_gate, w_up, w_down)) on the GPU."""
+    """(routed args as ``moe_experts`` takes them, shared args (x, w_gate, w_up, w_down)) on the GPU: the routed
+    experts as ``benchmarks/moe_experts.py`` draws them, the shared experts twice their width."""
+    s = shapes(tp)
+    z, experts, weights = make_routing(m, s, "random", 0, seed)
     g = torch.Generator(device="cuda").manual_seed(seed)
-    i, si = FULL_I // tp, 2 * FULL_I // tp
 
     def randn(*shape, scale=1.0):
         return (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
 
-    scores = torch.sigmoid(torch.randn(m, E, generator=g, device="cuda"))
-    weights, experts = scores.topk(TOP_K, dim=-1)
-    weights = weights / weights.sum(-1, keepdim=True)
-    if fmt == "bf16":
-        stacks = [randn(E, i, LATENT, scale=LATENT ** -0.5), randn(E, i, LATENT, scale=LATENT ** -0.5),
-                  randn(E, LATENT, i, scale=i ** -0.5), None, None, None]
-    else:
-        def codes(rows, cols):
-            return torch.randint(0, 256, (E, rows, cols // 2), generator=g, device="cuda", dtype=torch.uint8)
-
-        def scale(rows, cols):
-            center = 127 - round(math.log2(2.2 * cols ** 0.5))
-            return torch.randint(center - 2, center + 3, (E, rows, cols // 32), generator=g, device="cuda",
-                                 dtype=torch.uint8)
-        stacks = [codes(i, LATENT), codes(i, LATENT), codes(LATENT, i), scale(i, LATENT), scale(i, LATENT),
-                  scale(LATENT, i)]
-    routed = (randn(m, LATENT), experts, weights, *stacks)
+    si = 2 * s["i"]
     shared = (randn(m, HIDDEN), randn(si, HIDDEN, scale=HIDDEN ** -0.5), randn(si, HIDDEN, scale=HIDDEN ** -0.5),
               randn(HIDDEN, si, scale=si ** -0.5))
-    return routed, shared
+    return (z, experts, weights, *make_weights(s, fmt, seed)), shared
 
 
 def main():
@@ -63,6 +48,7 @@ def main():
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    from k3compile.ops import side_stream
     from k3compile.ops.experts_beside import dispatch, experts_beside_op, experts_beside_ref
     from k3compile.ops.moe_experts import moe_experts
     from k3compile.testing import rel_err
@@ -79,7 +65,7 @@ def main():
                                      gate_static_weight=True, up_static_weight=True, down_static_weight=True)
 
         def in_turn():
-            with mock.patch.object(dispatch, "in_turn_reason", lambda *a: "timed in turn"):
+            with mock.patch.object(side_stream, "in_turn_reason", lambda *a: "timed in turn"):
                 return op()
 
         ref = experts_beside_ref(*routed, *BETAS, *shared, *BETAS)

@@ -35,6 +35,7 @@ import k3compile.ops.skinny_gemm  # noqa: F401  (registers k3::skinny_gemm)
 from k3compile.graph_values import bound_args, schema_arg
 from k3compile.patterns._common import LOW_PRECISION, aten, fake_mode, fold_each, pm, trace_fn, val
 from k3compile.patterns.moe_experts import SCALARS, _situ_glu   # the model's SiTU-GLU, copied there
+from k3compile.patterns.route_beside import plain_product
 
 NAME = "experts_beside"
 FACT = "graph_shared_beside_experts"
@@ -77,12 +78,8 @@ def match_glue(h: torch.fx.Node) -> Optional[pm.Match]:
 
 
 def _plain_product(node) -> bool:
-    """``node`` is ``k3::skinny_gemm(a, w)`` without bias or residual, in its input's dtype."""
-    if not (isinstance(node, torch.fx.Node) and node.op == "call_function"
-            and node.target is torch.ops.k3.skinny_gemm.default):
-        return False
-    args = bound_args(node)
-    return args["bias"] is None and args["residual"] is None and args["out_dtype"] in (None, val(args["a"]).dtype)
+    """``node`` is a plain ``k3::skinny_gemm(a, w)`` (``route_beside.plain_product``) in its input's dtype."""
+    return plain_product(node) and schema_arg(node, "out_dtype") in (None, val(schema_arg(node, "a")).dtype)
 
 
 def layer_input(routed: torch.fx.Node) -> Optional[torch.fx.Node]:

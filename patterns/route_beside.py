@@ -53,7 +53,7 @@ def _arg(node: torch.fx.Node, name: str):
     return bound_args(node)[name]
 
 
-def _plain_product(node, a=None) -> bool:
+def plain_product(node, a=None) -> bool:
     """``node`` is ``k3::skinny_gemm(a, w)`` without bias or residual (of ``a`` where given)."""
     return (isinstance(node, torch.fx.Node) and node.op == "call_function"
             and node.target is torch.ops.k3.skinny_gemm.default
@@ -65,7 +65,7 @@ def _beside(route: torch.fx.Node) -> Optional[tuple]:
     """(the router's product, the other product) the op would take for ``route``, or None (module doc's guard)."""
     logits = _arg(route, "logits")
     logits_val = val(logits)
-    if not (_plain_product(logits) and isinstance(logits_val, torch.Tensor) and logits_val.dtype == torch.float32
+    if not (plain_product(logits) and isinstance(logits_val, torch.Tensor) and logits_val.dtype == torch.float32
             and len(logits.users) == 1):
         return None
     a = schema_arg(logits, "a")
@@ -73,7 +73,7 @@ def _beside(route: torch.fx.Node) -> Optional[tuple]:
     if not isinstance(a_val, torch.Tensor):
         return None
     same = ("backend", "m_limit")
-    others = [u for u in a.users if u is not logits and _plain_product(u, a)
+    others = [u for u in a.users if u is not logits and plain_product(u, a)
               and _arg(u, "out_dtype") in (None, a_val.dtype)
               and all(_arg(u, k) == _arg(logits, k) for k in same)]
     if not others:

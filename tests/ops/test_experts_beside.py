@@ -10,6 +10,7 @@ import torch
 from hypothesis import example, given, settings, strategies as st
 
 from k3compile.ops.experts_beside import EXPERTS_BESIDE, experts_beside, experts_beside_ref
+from k3compile.ops import side_stream
 from k3compile.ops.experts_beside import dispatch
 from k3compile.ops.experts_beside.reference import situ_glu_ref
 from k3compile.ops.experts_beside.triton import situ_glu_triton
@@ -161,7 +162,7 @@ def test_gpu_two_streams_in_a_graph_equal_the_chains_in_turn(m):
         graph.replay()
         torch.cuda.synchronize()
         fresh_routed, fresh_shared = [z_src.clone(), *routed[1:]], [x_src.clone(), *shared[1:]]
-        with mock.patch.object(dispatch, "in_turn_reason", lambda *args: "forced"):
+        with mock.patch.object(side_stream, "in_turn_reason", lambda *args: "forced"):
             in_turn = call(fresh_routed, fresh_shared, backend="auto")
         ref = reference(fresh_routed, fresh_shared)
         for o, t, r in zip(outs, in_turn, ref):

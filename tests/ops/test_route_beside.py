@@ -10,7 +10,7 @@ import torch
 from hypothesis import example, given, strategies as st
 
 from k3compile.ops.route_beside import ROUTE_BESIDE, route_beside, route_beside_ref
-from k3compile.ops.route_beside import dispatch
+from k3compile.ops import side_stream
 from k3compile.testing import rel_err
 
 
@@ -112,7 +112,7 @@ def test_gpu_two_streams_in_a_graph_equal_the_chains_in_turn(m):
             o.fill_(-1 if o.dtype == torch.int64 else float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        with mock.patch.object(dispatch, "in_turn_reason", lambda *args: "forced"):
+        with mock.patch.object(side_stream, "in_turn_reason", lambda *args: "forced"):
             ref = route_beside(src, router_w, bias, 16, w, 1e-20, 2.5)
         for o, r in zip(outs, ref):
             assert torch.equal(o, r)

@@ -19,7 +19,7 @@ import torch
 from k3compile.backends import Impl, OpImpls, register_op_impls, triton_can_run_on
 from k3compile.ops.moe_experts import dispatch as moe_experts_dispatch
 from k3compile.ops.moe_experts.op import moe_experts_op
-from k3compile.ops.side_stream import in_turn_reason, side_stream
+from k3compile.ops.side_stream import beside
 from k3compile.ops.skinny_gemm import dispatch as skinny_gemm_dispatch
 from k3compile.ops.skinny_gemm.op import skinny_gemm_op
 
@@ -48,22 +48,13 @@ def run(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, beta, lin
         small_m_limit, x, w_gate, w_up, w_down, shared_beta, shared_linear_beta, backend, m_limit, *flags):
     """The op's outputs ``(routed, shared)``, the routed experts beside the shared chain where they can be (module
     doc); the choice recorded for the report."""
-    routed_args = (z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, beta, linear_beta, experts_backend,
-                   small_m_limit)
-    why = in_turn_reason(z, backend)
     key = (z.device.type, f"E={w1.shape[0]}", f"N={w_down.shape[0]}")
-    if why is not None:
-        EXPERTS_BESIDE.select_fixed(backend, key, "in turn", why, run)
-        routed = moe_experts_op(*routed_args)
-        return routed, shared_chain(x, w_gate, w_up, w_down, shared_beta, shared_linear_beta, backend, m_limit, *flags)
-    EXPERTS_BESIDE.select_fixed(backend, key, "two streams", "the routed experts on a side stream", run)
-    main, side = torch.cuda.current_stream(z.device), side_stream(z.device)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        routed = moe_experts_op(*routed_args)
-    shared = shared_chain(x, w_gate, w_up, w_down, shared_beta, shared_linear_beta, backend, m_limit, *flags)
-    main.wait_stream(side)
-    return routed, shared
+    return beside(z, backend,
+                  lambda: moe_experts_op(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, beta,
+                                         linear_beta, experts_backend, small_m_limit),
+                  lambda: shared_chain(x, w_gate, w_up, w_down, shared_beta, shared_linear_beta, backend, m_limit,
+                                       *flags),
+                  EXPERTS_BESIDE, key, "the routed experts", run)
 
 
 def kernels(z, experts, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, beta, linear_beta, experts_backend,

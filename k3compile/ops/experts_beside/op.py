@@ -5,13 +5,9 @@ from typing import Optional
 
 import torch
 
-from k3compile.ops.moe_experts.op import FLOAT_DTYPES, check_inputs as check_experts_inputs
+from k3compile.ops.moe_experts.op import FLOAT_DTYPES, _shape, check_inputs as check_experts_inputs
 
 from . import dispatch
-
-
-def _shape(t: torch.Tensor) -> list:
-    return list(t.shape)
 
 
 def check_shared_args(z: torch.Tensor, x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,

@@ -22,7 +22,7 @@ import torch
 
 from k3compile.backends import Impl, OpImpls, register_op_impls
 from k3compile.ops.moe_route.op import moe_route_op
-from k3compile.ops.side_stream import in_turn_reason, side_stream
+from k3compile.ops.side_stream import beside
 from k3compile.ops.skinny_gemm import dispatch as skinny_gemm_dispatch
 from k3compile.ops.skinny_gemm.op import skinny_gemm_op
 
@@ -35,20 +35,11 @@ def run(a, router_w, bias, top_k, renorm_eps, scaling, w, backend, route_backend
     the choice recorded for the report."""
     logits = skinny_gemm_op(a, router_w, None, None, backend, m_limit, router_static_weight, torch.float32,
                             router_trigger_first)
-    why = in_turn_reason(a, backend)
     key = (a.device.type, f"E={router_w.shape[0]}", f"N={w.shape[0]}")
-    if why is not None:
-        ROUTE_BESIDE.select_fixed(backend, key, "in turn", why, run)
-        weights, experts = moe_route_op(logits, bias, top_k, renorm_eps, scaling, route_backend)
-    else:
-        ROUTE_BESIDE.select_fixed(backend, key, "two streams", "the routing on a side stream", run)
-        main, side = torch.cuda.current_stream(a.device), side_stream(a.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            weights, experts = moe_route_op(logits, bias, top_k, renorm_eps, scaling, route_backend)
-    out = skinny_gemm_op(a, w, None, None, backend, m_limit, static_weight, None, trigger_first)
-    if why is None:
-        main.wait_stream(side)
+    (weights, experts), out = beside(
+        a, backend, lambda: moe_route_op(logits, bias, top_k, renorm_eps, scaling, route_backend),
+        lambda: skinny_gemm_op(a, w, None, None, backend, m_limit, static_weight, None, trigger_first),
+        ROUTE_BESIDE, key, "the routing", run)
     return weights, experts, out
 
 
