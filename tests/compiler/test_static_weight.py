@@ -32,6 +32,7 @@ import k3compile.ops.skinny_gemm  # noqa: F401  (registers k3::skinny_gemm)
 from k3compile import static_weights
 from k3compile.passes import STATIC_WEIGHT_FACT, _source_files
 from k3compile.static_weights import mark_static_weights
+from k3compile.testing import assert_within_bf16_noise, teacher_forced_logits
 
 aten = torch.ops.aten
 GEMM = torch.ops.k3.skinny_gemm.default
@@ -549,25 +550,14 @@ def test_static_weight_is_no_expected_pass_in_strict_mode(compiled_cases):
 
 # --- GPU ------------------------------------------------------------------------------------------
 
-def teacher_forced_logits(model, ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """fp32 logits [B, n, V] of ``model`` on the prompt ``ids`` (a prefill), then on each of ``tokens[:, :n - 1]`` fed
-    one at a time (decode steps): every model sees the same inputs, whatever it would have picked itself."""
-    cache = model.allocate_cache(ids.shape[0], ids.shape[1] + tokens.shape[1])
-    logits = [model(ids, cache=cache, logits_to_keep=1)[:, -1].float()]
-    for j in range(tokens.shape[1] - 1):
-        logits.append(model(tokens[:, j:j + 1], cache=cache, logits_to_keep=1)[:, -1].float())
-    return torch.stack(logits, 1)
-
-
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"], ids=["default", "reduce-overhead"])
 @torch.no_grad()
 def test_gpu_micro_k3_bf16_decode_proves_and_matches_eager(mode):
-    """Teacher-forced against the eager model (greedy tokens compared bit for bit fail at bf16 near-ties: the micro
-    K3's first token has a top-2 margin of 0 in one row): each (step, row)'s logits' relative error, their median
-    within the decode benchmarks' bf16 tolerance (``benchmarks/_common.py``: a row may move by 10-40% where its top-k
-    picks another expert at a near-tie of the router's scores, which is no error)."""
+    """Every product proven in the micro K3's bf16 decode graph, and its logits, teacher-forced on eager's tokens,
+    within bf16 noise (``k3compile.testing.assert_within_bf16_noise``: greedy tokens compared bit for bit fail at
+    bf16 near-ties, and one of the two prompts is ill-conditioned in 16 bits at every step)."""
     from k3compile.model import KimiK3Config, KimiK3ForConditionalGeneration
 
     torch.manual_seed(0)
@@ -575,14 +565,12 @@ def test_gpu_micro_k3_bf16_decode_proves_and_matches_eager(mode):
     model = copy.deepcopy(eager)
     ids = torch.randint(0, eager.config.text_config.vocab_size, (2, 12), device="cuda")
     tokens = eager.generate(ids, 6)
-    ref = teacher_forced_logits(eager, ids, tokens)
     torch._dynamo.reset()
     k3compile.optimize(model, dynamic=False, mode=mode)
-    out = teacher_forced_logits(model, ids, tokens)
+    teacher_forced_logits(model, ids, tokens)   # the prefill and decode graphs, compiled
     rep = k3compile.report(model)
     print(rep.format())
-    rows = ((out.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1)).flatten()
-    assert out.isfinite().all() and rows.median() <= 2e-2, rows
+    assert_within_bf16_noise(model, eager, ids, tokens)
     decode = rep.graphs[-1].record
     static = decode.facts[STATIC_WEIGHT_FACT]
     assert decode.matches["skinny_gemm"] > 0 and decode.matches["latent_moe_tail"] >= 1
