@@ -57,7 +57,8 @@ routing has completed, so the argument above, about one stream, holds for both s
 the same with the routed experts on the side stream; its shared chain runs on the current stream, gate and up
 products of ``x``, the SiTU-GLU kernel (W: it waits before it loads), then the down product, whose activation that
 kernel made inside the op, after ``x``'s producer: proving ``x`` proves it too (the latent tail's inner GEMM is
-proven through ``latent`` alike).
+proven through ``latent`` alike). ``k3::products_beside``: small products of ``x`` (and products of their outputs,
+made inside the op after ``x``) on the side stream, its large ones on the current one; weights and flags are lists.
 
 Assumptions left: (P); a vendor kernel in the graph (cuBLAS, NCCL, fla) launched with PDL that triggers
 before its own wait would not be (W), against step 2 (a); none does by default. Whether Inductor's PDL
@@ -105,6 +106,10 @@ STATIC_OPS: dict[str, tuple[tuple[str, str, str, Optional[str]], ...]] = {
     "experts_beside": (("x", "w_gate", "gate_static_weight", "gate_trigger_first"),
                        ("x", "w_up", "up_static_weight", "up_trigger_first"),
                        ("x", "w_down", "down_static_weight", "down_trigger_first")),
+    # lists of weights, a flag each (module doc)
+    "products_beside": (("x", "w_main", "main_static_weight", "main_trigger_first"),
+                        ("x", "w_side", "side_static_weight", None),
+                        ("x", "w_chain", "chain_static_weight", None)),
 }
 ENV = "K3_STATIC_WEIGHT"
 
@@ -304,11 +309,15 @@ class _Prover:
                     return f"weight is passed to a region whose body does not prove it: {why}"
         return None
 
-    def prove(self, node: Node, act_name: str, w_name: str) -> Optional[str]:
-        """None when ``node``'s weight ``w_name`` may be streamed before its PDL wait, else the reason."""
+    def prove(self, node: Node, act_name: str, w_name: str, index: Optional[int] = None) -> Optional[str]:
+        """None when ``node``'s weight ``w_name`` (its element ``index`` for a list of weights) may be streamed
+        before its PDL wait, else the reason."""
         if not enabled():
             return f"turned off ({ENV}=0)"
-        return self.weight_reason(schema_arg(node, w_name)) or self.activation_reason(schema_arg(node, act_name))
+        w = schema_arg(node, w_name)
+        if index is not None:
+            w = w[index]
+        return self.weight_reason(w) or self.activation_reason(schema_arg(node, act_name))
 
 
 def mark_static_weights(graph: torch.fx.Graph, bodies: Optional[dict] = None) -> dict:
@@ -341,21 +350,43 @@ def _mark(graph: torch.fx.Graph, prover: _Prover) -> dict:
             continue
         entry = result.setdefault(op, {"proven": 0, "not proven": {}})
         for act_name, w_name, flag, trigger in STATIC_OPS[op]:
-            reason = _mark_one(node, prover, act_name, w_name, flag, trigger)
-            if reason is None:
-                entry["proven"] += 1
+            weights = schema_arg(node, w_name)
+            if isinstance(weights, (list, tuple)):   # a list of weights: a list of flags, one a weight
+                reasons = _mark_list(node, prover, act_name, w_name, flag, trigger, len(weights))
             else:
-                entry["not proven"][reason] = entry["not proven"].get(reason, 0) + 1
+                reasons = [_mark_one(node, prover, act_name, w_name, flag, trigger)]
+            for reason in reasons:
+                if reason is None:
+                    entry["proven"] += 1
+                else:
+                    entry["not proven"][reason] = entry["not proven"].get(reason, 0) + 1
     return result
+
+
+def _proof(prover: _Prover, node: Node, act_name: str, w_name: str, index: Optional[int] = None) -> Optional[str]:
+    try:
+        return prover.prove(node, act_name, w_name, index)
+    except Exception as e:  # an odd graph must cost speed only, never the compile
+        return f"analysis failed ({type(e).__name__}: {e})"
+
+
+def _mark_list(node: Node, prover: _Prover, act_name: str, w_name: str, flag: str, trigger: Optional[str],
+               n: int) -> list:
+    """``_mark_one`` for each of the ``n`` weights of list argument ``w_name``, the flags list arguments."""
+    reasons = [_proof(prover, node, act_name, w_name, i) for i in range(n)]
+    try:
+        set_schema_arg(node, flag, [r is None for r in reasons])
+        if trigger is not None:
+            set_schema_arg(node, trigger, [not inductor_pdl_on()] * n)   # step 1: no (T) under Inductor's PDL
+    except Exception as e:
+        reasons = [f"could not set {flag} ({type(e).__name__}: {e})"] * n
+    return reasons
 
 
 def _mark_one(node: Node, prover: _Prover, act_name: str, w_name: str, flag: str, trigger: Optional[str]
               ) -> Optional[str]:
     """Prove one GEMM of ``node`` and set its flags; None where proven, else why not."""
-    try:
-        reason = prover.prove(node, act_name, w_name)
-    except Exception as e:  # an odd graph must cost speed only, never the compile
-        reason = f"analysis failed ({type(e).__name__}: {e})"
+    reason = _proof(prover, node, act_name, w_name)
     try:
         if reason is None:
             set_schema_arg(node, flag, True)

@@ -32,7 +32,7 @@ from .call_sites import StandIn, spec_value
 ENV = "K3_PRECOMPILE_TRITON"
 # ops whose implementations launch Triton kernels and communicate with no other rank (a collective would wait)
 OPS = frozenset({"attn_res", "attn_res_add", "experts_beside", "kda_decode", "mla_decode", "moe_experts", "moe_route",
-                 "route_beside", "skinny_gemm", "latent_moe_tail"})
+                 "products_beside", "route_beside", "skinny_gemm", "latent_moe_tail"})
 _STATE = threading.local()
 
 

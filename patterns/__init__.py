@@ -7,7 +7,8 @@ considered, the KDA decode step is claimed whole before its
 projections are considered, and a product of an upcast 16-bit weight is claimed with its casts before the
 skinny-GEMM pass would take the fp32 ``mm`` alone; the residual adds left before the AttnRes mixes are folded
 into them after the skinny-GEMM pass has taken those it fuses into a product; a MoE layer's routing joins a product
-of its input, and its routed experts its shared experts' chain, in one op each after every rewrite has made them.
+of its input, and its routed experts its shared experts' chain, in one op each after every rewrite has made them;
+then the small products left of an input go beside its large ones.
 """
 PASS_ORDER: tuple[str, ...] = (
     "latent_moe_tail",  # first: takes its up-projection mm before skinny_gemm would
@@ -21,5 +22,6 @@ PASS_ORDER: tuple[str, ...] = (
     "skinny_gemm",  # claims the GEMMs no earlier pass fused
     "attn_res_add",  # after skinny_gemm: a residual add a product takes as its residual stays the product's
     "route_beside",  # folds a routing with a product of its input, both k3 ops by then
-    "experts_beside",  # last: folds the routed experts with the shared experts' chain, k3 ops by then
+    "experts_beside",  # folds the routed experts with the shared experts' chain, k3 ops by then
+    "products_beside",  # last: an input's small products beside its large ones, of the products no fold took
 )

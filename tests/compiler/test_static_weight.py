@@ -582,7 +582,11 @@ def test_gpu_micro_k3_bf16_decode_proves_and_matches_eager(mode):
     assert static["latent_moe_tail"] == {"proven": decode.matches["latent_moe_tail"], "not proven": {}}, static
     assert static["route_beside"] == {"proven": 2 * folded, "not proven": {}}, static
     assert static["experts_beside"] == {"proven": 3 * beside, "not proven": {}}, static
-    products = decode.matches["skinny_gemm"] + decode.matches["upcast_matmul"] - 2 * folded - 3 * beside
+    # each KDA layer's seven input products inside its k3::products_beside
+    beside_kda = decode.matches["products_beside"]
+    assert static["products_beside"] == {"proven": 7 * beside_kda, "not proven": {}}, static
+    products = (decode.matches["skinny_gemm"] + decode.matches["upcast_matmul"] - 2 * folded - 3 * beside
+                - 7 * beside_kda)
     assert static["skinny_gemm"] == {"proven": products, "not proven": {}}, static
 
 

@@ -78,7 +78,7 @@ def test_every_call_site_of_the_decode_graph_plans(micro):
     from k3compile.call_sites import plan
 
     sites = micro.report.graphs[-1].record.kernel_calls
-    assert {"experts_beside", "route_beside", "skinny_gemm"} <= {s["op"] for s in sites}
+    assert {"experts_beside", "products_beside", "route_beside", "skinny_gemm"} <= {s["op"] for s in sites}
     for site in sites:
         assert "unplanned" not in site, site
         plan(site)
@@ -174,7 +174,12 @@ def test_decode_graph_proves_its_gemms_and_tail(micro):
     assert folded == beside == MOE_LAYERS == decode.facts["graph_shared_beside_experts"]
     assert static["route_beside"] == {"proven": 2 * folded, "not proven": {}}, static
     assert static["experts_beside"] == {"proven": 3 * beside, "not proven": {}}, static
-    products = decode.matches["skinny_gemm"] - 2 * folded - 3 * beside
+    # each KDA layer's seven input products (q, k, v, the gate; beta, the gate's rank product and its up-projection
+    # beside them: patterns/products_beside.py), the MLA layer's none (no small product there)
+    beside_kda = decode.matches["products_beside"]
+    assert beside_kda == KDA_LAYERS == decode.facts["graph_small_products_beside_large"]
+    assert static["products_beside"] == {"proven": 7 * beside_kda, "not proven": {}}, static
+    products = decode.matches["skinny_gemm"] - 2 * folded - 3 * beside - 7 * beside_kda
     assert static["skinny_gemm"] == {"proven": products, "not proven": {}}, static
     assert "proven" in micro.report.format(verbose=True)
 
