@@ -27,7 +27,8 @@ def run_poisoned(logits, bias, k, eps, scaling, network=False):
     return moe_route_triton(logits, bias, k, eps, scaling, out=out, sorting_network=network)
 
 
-@given(m=st.integers(1, 12), e=st.integers(1, 300), k_frac=st.floats(0, 1), renorm=st.booleans(),
+# drawn rows up to 4 (a program a row: a fifth row is the same program again; the examples take 5 and 8)
+@given(m=st.integers(1, 4), e=st.integers(1, 300), k_frac=st.floats(0, 1), renorm=st.booleans(),
        scaling=st.sampled_from([1.0, 2.5]), bias_scale=st.sampled_from([0.0, 0.1, 10.0]), seed=st.integers(0, 99),
        network=st.booleans())
 @example(m=1, e=896, k_frac=15 / 895, renorm=True, scaling=1.0, bias_scale=0.1, seed=0, network=True)  # K3
