@@ -51,7 +51,8 @@ def assert_close_to_reference(out, ref, dtype):
        dtype=st.sampled_from(list(DTYPES)), norm=st.booleans(), norm_fp32=st.booleans(), seed=st.integers(0, 99),
        group=st.sampled_from([None, 1, 3]), paired=st.booleans())
 @example(s=2, rows=(1, 1), d=7168, dtype="bf16", norm=True, norm_fp32=False, seed=0, group=None, paired=False)  # K3
-@example(s=9, rows=(2, 1), d=7168, dtype="bf16", norm=True, norm_fp32=False, seed=1, group=None, paired=True)
+# K3's widest mix (nine sources, four at a time) at one row (two rows: 22 -> ~12 s interpreted; the rows are drawn)
+@example(s=9, rows=(1, 1), d=7168, dtype="bf16", norm=True, norm_fp32=False, seed=1, group=None, paired=True)
 @example(s=10, rows=(2, 3), d=130, dtype="fp32", norm=False, norm_fp32=False, seed=2, group=4, paired=False)
 def test_kernel_equals_reference(s, rows, d, dtype, norm, norm_fp32, seed, group, paired):
     """Any number of sources, widths, dtypes, with and without the norm; the launch shapes the sweep tries (sources
