@@ -4,14 +4,10 @@ A KDA layer's input projections at decode size are four large products of one in
 each streaming its weight near the copy ceiling behind the one before it under PDL) and a chain of small ones (the
 beta and gate-rank products, then the gate's up-projection of the second), which cost their launches, not their
 bytes. Here the small chain runs on the device's side stream while the large products run on the current one, which
-waits for the chain before the op returns (``k3compile/ops/side_stream.py``; in turn where that says so). Measured on
-one H200 in CUDA graphs (``docs/tuning/decode_step.md``), µs the layer's products take behind the kernel that makes
-their input, M 1 / 8: at a TP 8 rank 30.6 / 31.4 in turn, 23.1 / 23.7 with the small chain on the side stream through
-the Triton kernel (22.4 / 22.8 for the large products alone), 29.0 / 29.1 through the CuTe kernels; at a TP 16 rank
-20.4 / 21.4 in turn, 16.3 / 16.1 through CuTe (11.6 / 12.3 alone), 18.8 / 18.7 through Triton. The Triton kernels
-leave the large products' blocks their SMs, but their chain alone is longer (13.5 µs against CuTe's 7.2): it hides
-only under large products that last longer. So the side chain runs the Triton kernel beside at least
-``SIDE_TRITON_FROM_BYTES`` of large weights, the dispatch's pick (``backend``) below that.
+waits for the chain before the op returns (``k3compile/ops/side_stream.py``; in turn where that says so). The chain
+runs the Triton kernel beside ``SIDE_TRITON_FROM_BYTES`` of large weights or more (its blocks leave the large
+products' SMs their room, but the chain takes longer alone than the dispatch's CuTe kernels), the dispatch's pick
+below; measured in ``docs/tuning/decode_step.md``.
 
 Every product dispatches as ``k3::skinny_gemm`` does, with the flags the static-weight proof set on this op
 (``k3compile/static_weights.py``): the chained products' inputs are made inside the op, after ``x``, on the side
@@ -26,7 +22,8 @@ from k3compile.ops.skinny_gemm.op import skinny_gemm_op
 
 from .reference import products_beside_ref
 
-# large weights (bytes, all the main products together) from which the side chain runs the Triton kernel
+# large weights (bytes, the main products together) from which the side chain runs the Triton kernel: hidden beside
+# a TP 8 rank's 88 MB of KDA products, not beside a TP 16 rank's 44 MB (H200)
 SIDE_TRITON_FROM_BYTES = 64 << 20
 
 
