@@ -92,6 +92,29 @@ def test_tail_proven_after_the_moe_combine():
     assert _static_flags(graph) == [True]
 
 
+@pytest.mark.parametrize("pdl", [False, True])
+def test_lists_of_weights_get_a_flag_each(pdl):
+    """``k3::products_beside`` (``STATIC_OPS``: lists of weights): each weight proven on its own, its flag in a list of
+    the list's length; a main product's weight written first (the op reads the new value) is the one not proven, and
+    the main products' trigger-first flags follow Inductor's PDL codegen (step 1)."""
+    import k3compile.ops.products_beside  # noqa: F401  (registers k3::products_beside)
+
+    def fn(x, w0, w1, ws, wc):
+        w1.add_(1)
+        return torch.ops.k3.products_beside(_norm(x), [w0, w1], [ws], [wc], [0])
+
+    graph = _trace(fn, (M, K), (N, K), (N, K), (2, K), (N, 2), functional=True)
+    with torch._inductor.config.patch({"triton.enable_pdl": pdl}):
+        proven, why = _verdict(graph)
+    assert proven == 3 and len(why) == 1 and "computed (or may be copied) in the graph" in why[0]
+    (node,) = [n for n in graph.nodes if n.target is torch.ops.k3.products_beside.default]
+    flags = {k: static_weights.schema_arg(node, k) for k in ("main_static_weight", "main_trigger_first",
+                                                               "side_static_weight", "chain_static_weight")}
+    assert flags == {"main_static_weight": [True, False], "main_trigger_first": [not pdl] * 2,
+                     "side_static_weight": [True], "chain_static_weight": [True]}
+    graph.lint()
+
+
 def _gemm_on(make_a):
     return lambda x, w: GEMM(make_a(x), w)
 
