@@ -110,6 +110,9 @@ done
 # against itself in turn and each half alone, TP 16's shapes: STEPS=experts_beside
 step experts_beside ${T_BESIDE:-150} python3 benchmarks/experts_beside.py --tp ${BESIDE_TP:-16} \
                                   --json "$OUT/experts_beside_$CARD.json"
+# not in the default STEPS (about a minute): a KDA layer's small products beside its large ones, the op against itself
+# in turn, the side chain through each backend, TP 8 and 16 shapes: STEPS=products_beside
+step products_beside ${T_PRODUCTS:-120} python3 benchmarks/products_beside.py --json "$OUT/products_beside_$CARD.json"
 # not in the default STEPS (about 5 minutes, fresh caches in each child): STEPS=compile_time
 step compile_time ${T_COMPILE:-560} python3 benchmarks/compile_time.py --device cuda --layers 4 \
                                   --variants torch.compile,optimize-whole,optimize-whole-tritonahead,optimize-regions \
