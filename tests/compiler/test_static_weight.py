@@ -378,7 +378,7 @@ def test_odd_graphs_never_raise(monkeypatch):
     odd.output(odd.call_function(GEMM, (x, 3.0)))          # a weight that is no tensor
     assert _verdict(odd) == (0, ["weight is not a graph value"])
 
-    def boom(self, node, act_name, w_name):
+    def boom(self, node, act_name, w_name, index=None):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(static_weights._Prover, "prove", boom)
