@@ -79,6 +79,22 @@ def interleaved_passes(timers: dict, passes: int) -> dict:
     return samples
 
 
+def medians(samples: dict) -> dict:
+    """{key: the median of its passes} of ``interleaved_passes``' result."""
+    return {key: sorted(v)[len(v) // 2] for key, v in samples.items()}
+
+
+def write_rows(path, rows: list) -> None:
+    """A micro-benchmark's JSON where ``path`` is given: the device, torch, its argv and its rows."""
+    import json
+    import sys
+
+    if path:
+        with open(path, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, argv=sys.argv[1:], rows=rows),
+                      f, indent=1)
+
+
 # Teacher-forced checks (every decode benchmark): each step's logits against a reference's for the same given tokens.
 # Free-running greedy tokens fail at bf16 ties and hide real errors behind them. Rows can also differ for a reason
 # that is no error: in 16 bits a token's top-k may pick another expert at a near-tie of the router's scores (at K3's

@@ -10,7 +10,6 @@ effect is ``benchmarks/decode_step.py``'s, with and without ``--without-passes e
 (``docs/tuning/decode_step.md``).
 """
 import argparse
-import json
 import os
 import sys
 from unittest import mock
@@ -18,7 +17,7 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import graph_replay_us, interleaved_passes  # noqa: E402
+from _common import graph_replay_us, interleaved_passes, medians, write_rows  # noqa: E402
 from moe_experts import BETAS, make_routing, make_weights, shapes  # noqa: E402
 
 HIDDEN = 7168
@@ -82,14 +81,11 @@ def main():
             "beside": lambda: graph_replay_us(op, iters=30, replays=20, warmup=3),
         }
         samples = interleaved_passes(timers, args.passes)
-        us = {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
+        us = medians(samples)
         rows.append(dict(m=m, tp=args.tp, format=args.format, us=us, samples=samples))
         print(f"{m:>4} {us['routed']:>8.2f} {us['shared']:>8.2f} {us['in turn']:>8.2f} {us['beside']:>8.2f} "
               f"{us['in turn'] - us['beside']:>7.2f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, argv=sys.argv[1:], rows=rows),
-                      f, indent=1)
+    write_rows(args.json, rows)
 
 
 if __name__ == "__main__":

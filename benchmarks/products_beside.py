@@ -12,7 +12,6 @@ checked against the plain reference first. The step-level effect is ``benchmarks
 ``--without-passes products_beside`` (``docs/tuning/decode_step.md``).
 """
 import argparse
-import json
 import os
 import sys
 from unittest import mock
@@ -20,7 +19,7 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import graph_replay_us, interleaved_passes  # noqa: E402
+from _common import graph_replay_us, interleaved_passes, medians, write_rows  # noqa: E402
 
 HIDDEN, HEADS, HEAD_DIM = 7168, 96, 128
 
@@ -92,14 +91,11 @@ def main():
             samples = interleaved_passes({"producer": lambda: graph_replay_us(producer, iters=30, replays=20,
                                                                               warmup=3),
                                           **{k: timer(f) for k, f in runs.items()}}, args.passes)
-            med = {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
+            med = medians(samples)
             us = {k: med[k] - med["producer"] for k in forms}
             rows.append(dict(tp=tp, m=m, us=us, producer_us=med["producer"], samples=samples))
             print(f"{tp:>3} {m:>3} " + " ".join(f"{us[f]:>13.2f}" for f in forms))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, argv=sys.argv[1:], rows=rows),
-                      f, indent=1)
+    write_rows(args.json, rows)
 
 
 if __name__ == "__main__":
