@@ -4,7 +4,7 @@ Triton kernel (``triton.py``) wherever it can run and takes the shapes (up to ``
 imports Triton: the kernel module loads on first use."""
 from __future__ import annotations
 
-from k3compile.backends import Impl, OpImpls, Reason, register_op_impls, triton_can_run_on
+from k3compile.backends import Impl, OpImpls, Reason, register_op_impls, triton_can_run_on, triton_interpret
 from k3compile.kernel_module import KernelModule
 
 from .reference import attn_res_add_ref, attn_res_ref
@@ -26,8 +26,15 @@ def _triton_supports(sources, *args) -> Reason:
     return None
 
 
+def _paired() -> bool:
+    """A source's two sums in one reduction (the GPU's pick, ``docs/tuning/attn_res.md``), but under Triton's
+    interpreter, which runs a reduction's custom combine in Python element by element (the micro K3's prefill took
+    32.5 s paired, 13.4 s with the two plain sums)."""
+    return not triton_interpret()
+
+
 def _triton(*args):
-    return _TRITON.attn_res_triton(*args)
+    return _TRITON.attn_res_triton(*args, paired=_paired())
 
 
 def _triton_add_available(sources, addend, *rest) -> Reason:
@@ -35,7 +42,7 @@ def _triton_add_available(sources, addend, *rest) -> Reason:
 
 
 def _triton_add(*args):
-    return _TRITON.attn_res_add_triton(*args)
+    return _TRITON.attn_res_add_triton(*args, paired=_paired())
 
 
 ATTN_RES = register_op_impls(OpImpls(
