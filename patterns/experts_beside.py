@@ -35,7 +35,7 @@ import k3compile.ops.skinny_gemm  # noqa: F401  (registers k3::skinny_gemm)
 from k3compile.graph_values import bound_args, schema_arg
 from k3compile.patterns._common import LOW_PRECISION, aten, fake_mode, fold_each, pm, trace_fn, val
 from k3compile.patterns.moe_experts import SCALARS, _situ_glu   # the model's SiTU-GLU, copied there
-from k3compile.patterns.route_beside import plain_product
+from k3compile.patterns.route_beside import plain_product_in_its_dtype
 
 NAME = "experts_beside"
 FACT = "graph_shared_beside_experts"
@@ -77,11 +77,6 @@ def match_glue(h: torch.fx.Node) -> Optional[pm.Match]:
     return None
 
 
-def _plain_product(node) -> bool:
-    """``node`` is a plain ``k3::skinny_gemm(a, w)`` (``route_beside.plain_product``) in its input's dtype."""
-    return plain_product(node) and schema_arg(node, "out_dtype") in (None, val(schema_arg(node, "a")).dtype)
-
-
 def layer_input(routed: torch.fx.Node) -> Optional[torch.fx.Node]:
     """The layer input whose latent down-projection the routed experts read: route_beside's ``a``, or a plain
     product's ``a``; else None (a MoE without a latent projection: there the shared experts' down product takes the
@@ -90,13 +85,13 @@ def layer_input(routed: torch.fx.Node) -> Optional[torch.fx.Node]:
     if (isinstance(z, torch.fx.Node) and z.target is operator.getitem and z.args[1] == 2
             and getattr(z.args[0], "target", None) is torch.ops.k3.route_beside.default):
         return schema_arg(z.args[0], "a")
-    return schema_arg(z, "a") if _plain_product(z) else None
+    return schema_arg(z, "a") if plain_product_in_its_dtype(z) else None
 
 
 def shared_chain(down: torch.fx.Node) -> Optional[tuple]:
     """(gate product, up product, glue match) of a plain down product whose input is the model's SiTU-GLU of two
     plain products of one input, each read by the glue alone, else None."""
-    if not _plain_product(down):
+    if not plain_product_in_its_dtype(down):
         return None
     h = schema_arg(down, "a")
     if not isinstance(h, torch.fx.Node) or len(h.users) != 1:
@@ -105,7 +100,7 @@ def shared_chain(down: torch.fx.Node) -> Optional[tuple]:
     if match is None:
         return None
     gate, up = match.kwargs["gate"], match.kwargs["up"]
-    if not (_plain_product(gate) and _plain_product(up)) or gate is up:
+    if not (plain_product_in_its_dtype(gate) and plain_product_in_its_dtype(up)) or gate is up:
         return None
     if schema_arg(gate, "a") is not schema_arg(up, "a") or any(
             schema_arg(gate, k) != schema_arg(p, k) for p in (up, down) for k in ("backend", "m_limit")):

@@ -31,7 +31,7 @@ import k3compile.ops.products_beside  # noqa: F401  (registers k3::products_besi
 import k3compile.ops.skinny_gemm  # noqa: F401  (registers k3::skinny_gemm)
 from k3compile.graph_values import bound_args, schema_arg
 from k3compile.patterns._common import aten, val
-from k3compile.patterns.route_beside import plain_product
+from k3compile.patterns.route_beside import plain_product_in_its_dtype
 
 NAME = "products_beside"
 FACT = "graph_small_products_beside_large"
@@ -71,16 +71,12 @@ def split(weights: list) -> Optional[tuple[list, list]]:
     return large, small
 
 
-def _plain(node, x=None) -> bool:
-    return plain_product(node, x) and schema_arg(node, "out_dtype") in (None, val(schema_arg(node, "a")).dtype)
-
-
 def _chained(side: torch.fx.Node, largest: int) -> Optional[torch.fx.Node]:
     """The plain product of ``side``'s output that alone reads it, with a small weight, else None."""
     if len(side.users) != 1:
         return None
     (user,) = side.users
-    if not (_plain(user, side) and _numel(schema_arg(user, "w")) * SMALL <= largest):
+    if not (plain_product_in_its_dtype(user, side) and _numel(schema_arg(user, "w")) * SMALL <= largest):
         return None
     return user if _launch(user) == _launch(side) else None
 
@@ -134,7 +130,7 @@ def postprocess(graph: torch.fx.Graph, options) -> int:
     by_input: dict = {}
     for node in graph.find_nodes(op="call_function", target=torch.ops.k3.skinny_gemm.default):
         x = schema_arg(node, "a")
-        if isinstance(x, torch.fx.Node) and _plain(node, x):
+        if isinstance(x, torch.fx.Node) and plain_product_in_its_dtype(node, x):
             by_input.setdefault(x, []).append(node)
     folded = 0
     for x, products in by_input.items():

@@ -61,6 +61,11 @@ def plain_product(node, a=None) -> bool:
             and schema_arg(node, "bias") is None and schema_arg(node, "residual") is None)
 
 
+def plain_product_in_its_dtype(node, a=None) -> bool:
+    """``plain_product`` whose output is in its input's dtype (no fp32 output of 16-bit operands)."""
+    return plain_product(node, a) and schema_arg(node, "out_dtype") in (None, val(schema_arg(node, "a")).dtype)
+
+
 def _beside(route: torch.fx.Node) -> Optional[tuple]:
     """(the router's product, the other product) the op would take for ``route``, or None (module doc's guard)."""
     logits = _arg(route, "logits")

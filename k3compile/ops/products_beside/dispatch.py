@@ -35,8 +35,14 @@ def side_backend(x, w_main, backend: str) -> str:
     return "triton" if large >= SIDE_TRITON_FROM_BYTES else backend
 
 
-def _flags(flags, n: int, default: bool) -> list:
-    return [default] * n if flags is None else list(flags)
+def _flags(w_main, w_side, w_chain, main_static_weight, main_trigger_first, side_static_weight,
+           chain_static_weight) -> tuple[list, list, list, list]:
+    """(main static, main trigger-first, side static, chain static) flag lists, the schema's None as its defaults."""
+    def given(flags, n: int, default: bool) -> list:
+        return [default] * n if flags is None else list(flags)
+
+    return (given(main_static_weight, len(w_main), False), given(main_trigger_first, len(w_main), True),
+            given(side_static_weight, len(w_side), False), given(chain_static_weight, len(w_chain), False))
 
 
 def side_chain(x, w_side, w_chain, chain_of, backend, m_limit, side_static, chain_static) -> list:
@@ -54,10 +60,9 @@ def run(x, w_main, w_side, w_chain, chain_of, backend, m_limit, main_static_weig
         side_static_weight=None, chain_static_weight=None) -> list:
     """The op's outputs (main products, side products, chained products), the side chain beside the main products
     where it can be (module doc); the choice recorded for the report."""
-    main_static = _flags(main_static_weight, len(w_main), False)
-    trigger = _flags(main_trigger_first, len(w_main), True)
-    side_static = _flags(side_static_weight, len(w_side), False)
-    chain_static = _flags(chain_static_weight, len(w_chain), False)
+    main_static, trigger, side_static, chain_static = _flags(w_main, w_side, w_chain, main_static_weight,
+                                                            main_trigger_first, side_static_weight,
+                                                            chain_static_weight)
     key = (x.device.type, "N=" + "+".join(str(w.shape[0]) for w in w_main),
            "side=" + "+".join(str(w.shape[0]) for w in w_side))
     sb = side_backend(x, w_main, backend)
@@ -74,10 +79,9 @@ def kernels(x, w_main, w_side, w_chain, chain_of, backend="auto", m_limit=16, ma
     product's input, made inside the op, as a stand-in of its shape: planning reads metadata)."""
     from k3compile.call_sites import stand_in
 
-    main_static = _flags(main_static_weight, len(w_main), False)
-    trigger = _flags(main_trigger_first, len(w_main), True)
-    side_static = _flags(side_static_weight, len(w_side), False)
-    chain_static = _flags(chain_static_weight, len(w_chain), False)
+    main_static, trigger, side_static, chain_static = _flags(w_main, w_side, w_chain, main_static_weight,
+                                                            main_trigger_first, side_static_weight,
+                                                            chain_static_weight)
     sb = side_backend(x, w_main, backend)
     out = []
     for w, s, t in zip(w_main, main_static, trigger):
