@@ -14,7 +14,7 @@ from unittest import mock
 
 import pytest
 import torch
-from hypothesis import example, given, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from k3compile.model.mla import mla_attend
 from k3compile.ops.mla_decode import MLA_DECODE, mla_decode
@@ -85,6 +85,8 @@ def case_id(B, T, H, dims, S, pos, dtype, start) -> str:
 # ---------------------------------------------------------------------------------------------------
 # The kernel against the reference
 
+# interpreted kernels, a third of a second a draw: a third of the profile's draws
+@settings(max_examples=max(8, settings.default.max_examples // 3))
 @given(
     B=st.integers(1, 3), T=st.integers(1, 3), H=st.integers(1, 6), dims=st.sampled_from(DIMS),
     S=st.integers(3, 80), where=st.floats(0, 1), padded=st.booleans(), data=st.data(),

@@ -7,7 +7,7 @@ from unittest import mock
 
 import pytest
 import torch
-from hypothesis import example, given, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from k3compile.ops.route_beside import ROUTE_BESIDE, route_beside, route_beside_ref
 from k3compile.ops import side_stream
@@ -32,6 +32,7 @@ def separated(a, router_w, bias, top_k) -> bool:
     return bool((top[:, -2] - top[:, -1] > 1e-4).all())
 
 
+@settings(max_examples=max(8, settings.default.max_examples // 3))   # interpreted kernels
 @given(m=st.integers(1, 20), k=st.integers(8, 96), e=st.integers(2, 40), k_frac=st.floats(0, 1),
        n=st.integers(1, 80), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
        renorm=st.booleans(), scaling=st.sampled_from([1.0, 2.5]), backend=st.sampled_from(["reference", "triton"]),
