@@ -17,6 +17,9 @@ def run_child(cache_dir: Path, limit: int) -> dict:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("TORCHINDUCTOR_", "TRITON_CACHE", "TORCH_COMPILE"))}
     env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
+    # conftest.py's CPU settings (no compile-worker pool, plain C++ builds) kept: the same for all three runs
+    env.update({k: os.environ[k] for k in ("TORCHINDUCTOR_COMPILE_THREADS", "TORCHINDUCTOR_DEBUG_COMPILE",
+                                           "TORCHINDUCTOR_VEC_ISA_OK") if k in os.environ})
     proc = subprocess.run([sys.executable, str(CHILD), str(limit)], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
