@@ -80,6 +80,19 @@ def is_dry() -> bool:
     return getattr(_STATE, "requests", None) is not None
 
 
+def _with_target(specialization: str) -> str:
+    """The specialisation with the GPU target the launch compiles for: Triton 3.6 leaves it out (its ``preload``
+    takes the current device's), and a worker, GPU-blind, has no current device to take it from."""
+    obj = json.loads(specialization)
+    if "target" not in obj:
+        from triton.runtime.driver import driver
+
+        target = driver.active.get_current_target()
+        obj["target"] = dict(backend=target.backend, arch=target.arch, warp_size=target.warp_size)
+        specialization = json.dumps(obj)
+    return specialization
+
+
 @contextlib.contextmanager
 def capturing(requests: list):
     """Within this block, in this thread, a Triton launch is a compile request appended to ``requests``
@@ -96,7 +109,7 @@ def capturing(requests: list):
     def hook(**kw):
         if not is_dry():
             return outer(**kw) if outer is not None else None
-        _STATE.requests.append((kw["fn"].module, kw["fn"].name, kw["compile"]["specialization_data"],
+        _STATE.requests.append((kw["fn"].module, kw["fn"].name, _with_target(kw["compile"]["specialization_data"]),
                                 knobs.cache.dir))   # where this process's first call will look
         return True   # not compiled here: a worker compiles it
 
@@ -116,7 +129,8 @@ def dry_run(sites: list[dict]) -> tuple[list, dict]:
 
     requests: list = []
     skipped: dict = {}
-    tables = {impls: (dict(impls._choices), dict(impls._decided)) for impls in REGISTRY.values()}
+    # by op name: OpImpls, a dataclass with __eq__, does not hash
+    tables = {name: (impls, dict(impls._choices), dict(impls._decided)) for name, impls in REGISTRY.items()}
     token = _MODEL_CHOICES.set(None)   # the dry calls count in no model's report
     try:
         with torch._subclasses.fake_tensor.unset_fake_temporarily(), torch.no_grad(), \
@@ -133,7 +147,7 @@ def dry_run(sites: list[dict]) -> tuple[list, dict]:
                     skipped[why] = skipped.get(why, 0) + 1
     finally:
         _MODEL_CHOICES.reset(token)
-        for impls, (choices, decided) in tables.items():   # no choice made by a dry call survives it
+        for impls, choices, decided in tables.values():   # no choice made by a dry call survives it
             with impls._lock:
                 impls._choices.clear(), impls._choices.update(choices)
                 impls._decided.clear(), impls._decided.update(decided)

@@ -4,6 +4,7 @@ for sm_90 into Triton's disk cache; the launch that follows then finds it there 
 ``benchmarks/compile_time.py`` covers the ops' own launchers."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -62,9 +63,24 @@ def _entries(folder) -> set:
     return {p.name for p in folder.iterdir()}
 
 
-def test_a_dry_launch_is_a_compile_request_whose_build_the_launch_then_finds(h200):
+def _without_target(serialize):
+    """Triton 3.6's specialisation data (the H200 image's): no target in it."""
+    def serialize_36(*args, **kwargs):
+        obj = json.loads(serialize(*args, **kwargs))
+        del obj["target"]
+        return json.dumps(obj)
+    return serialize_36
+
+
+@pytest.mark.parametrize("target_in_data", [True, False], ids=["triton-3.7", "triton-3.6"])
+def test_a_dry_launch_is_a_compile_request_whose_build_the_launch_then_finds(h200, monkeypatch, target_in_data):
     """Captured with the launch's own specialisation, built by a worker whose environment names another cache folder
-    (Inductor may set Triton's after the workers started), found by the launch."""
+    (Inductor may set Triton's after the workers started), found by the launch. Where Triton's specialisation data
+    has no target (3.6), the request takes the launching device's."""
+    import triton.runtime.jit as jit
+
+    if not target_in_data:
+        monkeypatch.setattr(jit, "serialize_specialization_data", _without_target(jit.serialize_specialization_data))
     x = triton_ahead.DryTensor((1000,), (1,), torch.bfloat16, torch.device("cpu"))
     y = triton_ahead.DryTensor((1000,), (1,), torch.bfloat16, torch.device("cpu"), offset=3)[1:]   # 8 bytes in
     requests = []
@@ -73,6 +89,7 @@ def test_a_dry_launch_is_a_compile_request_whose_build_the_launch_then_finds(h20
     ((module, name, spec, cache),) = requests
     assert (module, name, cache) == (__name__, "_copy", str(h200)) and not _entries(h200)
     assert '"attrs_vals": [[["tt.divisibility", 16]], [], [], []]' in spec   # x aligned; y at 8 bytes; n = 1000
+    assert json.loads(spec)["target"] == {"backend": "cuda", "arch": 90, "warp_size": 32}
     # a worker compiles it (a fresh process: no interpreter patches), into the folder the request names
     pool = workers.WorkerPool(1, {"TRITON_CACHE_DIR": str(h200 / "elsewhere")}, timeout=600)
     try:
@@ -169,3 +186,40 @@ def test_a_tensor_list_argument_is_planned_dry_launched_built_and_found():
                                           "dtype": "bfloat16", "device": "cpu"}
     out = ptx_in_a_fresh_process(_ATTN_RES_AHEAD, {"site": site})
     assert out == {"sources": 3, "built": 1, "hit": True}
+
+
+_DRY_RUN_SITE = r"""
+import json, sys
+import k3compile.ops.attn_res  # noqa: F401 - registers k3::attn_res, as the compiled graph's process has
+from k3compile import triton_ahead
+from k3compile.backends import REGISTRY
+
+site = json.loads(sys.argv[1])["site"]
+before = {name: dict(impls._choices) for name, impls in REGISTRY.items()}
+requests, skipped = triton_ahead.dry_run([site])
+after = {name: dict(impls._choices) for name, impls in REGISTRY.items()}
+print(json.dumps(dict(requests=len(requests), skipped=list(skipped), restored=before == after)))
+"""
+
+
+def test_dry_run_follows_a_site_through_the_op_and_restores_the_choices():
+    """``dry_run`` calls the op of each site (here ``k3::attn_res`` asked for Triton on CPU tensors, which a process
+    without Triton's interpreter cannot run: the call is left to its first call, with the op's reason) and puts
+    every op's choice tables back as they were. The requests a GPU site makes: ``benchmarks/compile_time.py``'s
+    ``optimize-whole-tritonahead`` (its JSON's ``ahead.unplanned`` lists what was not followed)."""
+    from k3compile.call_sites import call_sites
+    from k3compile.passes import K3Options, K3PostGradPass
+    from k3compile.patterns._common import fake_mode, trace_fn
+    from k3compile.patterns.attn_res import _mix_norm, search
+    from k3compile.testing import ptx_in_a_fresh_process
+
+    with fake_mode():
+        t = [torch.empty(1, 1, 256, dtype=torch.bfloat16) for _ in range(2)]
+        w = [torch.empty(1, 256, dtype=torch.bfloat16), torch.empty(256, dtype=torch.bfloat16)]
+        graph = trace_fn(search(_mix_norm, 2), t + w + [1e-6, torch.empty(256, dtype=torch.bfloat16), 1e-6]).graph
+    K3PostGradPass(K3Options(backend="triton", passes=("attn_res",)))(graph)
+    (site,) = call_sites(graph, ops=triton_ahead.OPS)
+    out = ptx_in_a_fresh_process(_DRY_RUN_SITE, {"site": site})
+    assert out["requests"] == 0 and out["restored"]
+    (why,) = out["skipped"]
+    assert why.startswith("k3::attn_res: BackendUnavailableError") and "cannot run here" in why
