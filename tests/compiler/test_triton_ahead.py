@@ -5,7 +5,6 @@ for sm_90 into Triton's disk cache; the launch that follows then finds it there 
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
