@@ -59,8 +59,8 @@ def assert_close_to_eager(out, ref):
         assert rel_err(out, ref) <= 2 * torch.finfo(out.dtype).eps
 
 
-# each example compiles a graph (a few seconds): a third of the profile's examples
-@settings(max_examples=max(6, settings.default.max_examples // 3))
+# each example compiles a graph (a few seconds): a sixth of the profile's examples (the deep profile draws many)
+@settings(max_examples=max(4, settings.default.max_examples // 6))
 @given(blocks=st.integers(1, 5), rows=st.sampled_from([(1, 1), (3, 1), (2, 5), (4,)]), d=st.integers(8, 96),
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), seed=st.integers(0, 99))
 @example(blocks=1, rows=(1, 1), d=64, dtype=torch.bfloat16, seed=0)    # K3's first block, a decode step

@@ -50,8 +50,8 @@ def assert_equal_to_eager(out, ref, dtype):
     assert rel_err(down, ref[2]) <= tol and rel_err(shared, ref[3]) <= tol
 
 
-# each example compiles a graph (a few seconds): a third of the profile's examples
-@settings(max_examples=max(4, settings.default.max_examples // 4))
+# each example compiles a graph (a few seconds): an eighth of the profile's examples (the deep profile draws many)
+@settings(max_examples=max(3, settings.default.max_examples // 8))
 @given(m=st.integers(1, 16), d=st.sampled_from([32, 48, 64]), e=st.integers(8, 24), latent=st.integers(8, 40),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 99))
 @example(m=1, d=64, e=16, latent=40, dtype=torch.bfloat16, seed=0)    # a decode step, the upcast router
