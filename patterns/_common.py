@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -173,12 +173,15 @@ class Group:
     because the spelling differs (the matcher re-traces every match at its own device and checks that trace, so
     a graph with no tensor on ``device`` gets its matches from the group traced on its own device). ``cat_inputs``:
     the number of tensors a ``cat`` of the graph must join, where the group's patterns stack that many (one group
-    per count, so a graph traces only the counts it holds)."""
+    per count, so a graph traces only the counts it holds). ``when``: the pass's own test of the graph
+    (``facts.graph``), where what a match needs is finer than the ops it calls (e.g. the sizes its trace was made
+    at); it must answer True wherever it cannot tell."""
     name: str
     register: Callable[[pm.PatternMatcherPass], None]
     requires: tuple = ()
     device: Optional[str] = None
     cat_inputs: Optional[int] = None
+    when: Optional[Callable[["GraphFacts"], bool]] = None
 
     def needed(self, facts: Optional["GraphFacts"]) -> bool:
         """Whether a graph with these facts could hold a match (None: any graph, everything is registered)."""
@@ -186,16 +189,18 @@ class Group:
             return True
         return all(op in facts.targets for op in self.requires) and (
             self.device is None or self.device in facts.devices) and (
-            self.cat_inputs is None or self.cat_inputs in facts.cat_inputs)
+            self.cat_inputs is None or self.cat_inputs in facts.cat_inputs) and (
+            self.when is None or facts.graph is None or self.when(facts))
 
 
 @dataclass(frozen=True)
 class GraphFacts:
     """What :meth:`Group.needed` reads of a graph: the ops it calls, the device types of its tensors and how many
-    tensors each of its ``cat`` calls joins."""
+    tensors each of its ``cat`` calls joins; the graph itself for a group's ``when``."""
     targets: frozenset
     devices: frozenset
     cat_inputs: frozenset = frozenset()
+    graph: Optional[torch.fx.Graph] = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, graph: torch.fx.Graph) -> "GraphFacts":
@@ -207,7 +212,7 @@ class GraphFacts:
                     cat_inputs.add(len(node.args[0]))
             devices.update(v.device.type for v in pytree.tree_leaves(node.meta.get("val"))
                            if isinstance(v, torch.Tensor))
-        return cls(frozenset(targets), frozenset(devices), frozenset(cat_inputs))
+        return cls(frozenset(targets), frozenset(devices), frozenset(cat_inputs), graph)
 
 
 def register_groups(pm_pass: pm.PatternMatcherPass, groups) -> None:

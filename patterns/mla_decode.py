@@ -25,7 +25,8 @@ alone, which is the same wherever the model's output is finite (start_b <= pos: 
 The einsums' decomposition depends on the sizes: a reshape that cannot view becomes clone + reshape where T > 1,
 differently for B = 1. So each dtype and form (with and without ``start``) is traced at three (B, T): (2, 1),
 (2, 2) and (1, 2); and on a GPU, where Inductor turns a batch-1 ``bmm`` into ``mm``, batch 1 is traced in that form
-too, at T = 1 and 2. The search ignores sizes and other literals; the guard re-checks what that leaves open: the
+too, at T = 1 and 2. Each size is traced only for a graph holding a decode step it stands for (``groups``; torch 2.13
+happens to spell every size alike, but the traces cost ~0.2 s each). The search ignores sizes and other literals; the guard re-checks what that leaves open: the
 shapes the op accepts, a static T <= ``MAX_DECODE_TOKENS`` (a longer or symbolic-length prompt stays on the plain
 path; a prompt this short is one more thing the op computes), w_kv_b split at N, the mask's fill -inf, start ``[B]``
 integer.
@@ -194,25 +195,55 @@ def _register_traces(pm_pass: pm.PatternMatcherPass, options, trace, shapes) -> 
                 )
 
 
+def _decode_sizes(graph: torch.fx.Graph) -> set:
+    """(B, T) of each decode step's masked scores in ``graph`` (B None where symbolic)."""
+    out = set()
+    for node in graph.find_nodes(op="call_function", target=aten.where.self):
+        if _is_decode_mask(node):
+            B, _, T, _ = val(node).shape
+            out.add((B if isinstance(B, int) else None, int(T)))
+    return out
+
+
+def _traces_for(B: Optional[int], T: int, batch_one_form: bool) -> set:
+    """The trace sizes (module doc) whose patterns a decode step of B x T tokens is spelt like: B > 1 as (2, 1) or
+    (2, 2) by T, B 1 as (1, 2) (at T 1 also (2, 1)), and on a GPU B 1 in the batch-1 ``mm`` form as (1, T); a
+    symbolic B as any."""
+    if batch_one_form:
+        return set(GPU_BATCH_ONE_SHAPES) if B is None else {(1, min(T, 2))} if B == 1 else set()
+    if B is None:
+        return set(TRACE_SHAPES)
+    if B > 1:
+        return {(2, 1) if T == 1 else (2, 2)}
+    return {(2, 1), (1, 2)} if T == 1 else {(1, 2)}
+
+
+def _wants(facts, shape: tuple, batch_one_form: bool) -> bool:
+    return any(shape in _traces_for(B, T, batch_one_form) for B, T in _decode_sizes(facts.graph))
+
+
 def groups(options) -> list[Group]:
     """The softmax as the model writes it (a CPU graph: ``amax`` ... ``div``), and Inductor's online form (a GPU
-    graph: ``prims.prepare_softmax_online``), the latter also with batch-1 ``bmm``'s as ``mm``'s: each group only for
-    a graph that calls its softmax's op."""
+    graph: ``prims.prepare_softmax_online``), the latter also with batch-1 ``bmm``'s as ``mm``'s: a group a form and
+    trace size, each only for a graph that calls its softmax's op and holds a decode step of its size
+    (:func:`_traces_for`: a B 2 decode graph on a GPU traces 4 of the 20 searches)."""
     import k3compile.ops.mla_decode  # noqa: F401  (registers k3::mla_decode)
 
-    out = [Group("plain softmax", functools.partial(_register_traces, options=options, trace=_trace,
-                                                    shapes=TRACE_SHAPES), requires=(aten.amax.default,))]
+    def sized(name, trace, shapes, requires, batch_one_form=False):
+        return [Group(f"{name}, B {b} T {t}", functools.partial(_register_traces, options=options, trace=trace,
+                                                                 shapes=((b, t),)),
+                      requires=requires, when=functools.partial(_wants, shape=(b, t), batch_one_form=batch_one_form))
+                for b, t in shapes]
+
+    out = sized("plain softmax", _trace, TRACE_SHAPES, (aten.amax.default,))
     online = online_softmax_pass()
     if online is not None:
         op = getattr(torch.ops.prims, "prepare_softmax_online", None)
         requires = (op.default,) if op is not None else ()
-        out += [Group("online softmax", functools.partial(_register_traces, options=options,
-                                                          trace=with_online_softmax(_trace), shapes=TRACE_SHAPES),
-                      requires=requires),
-                Group("online softmax, batch-1 mm", functools.partial(
-                    _register_traces, options=options,
-                    trace=with_online_softmax(functools.partial(_trace, gpu_joint=bmm_to_mm_pass())),
-                    shapes=GPU_BATCH_ONE_SHAPES), requires=requires)]
+        out += sized("online softmax", with_online_softmax(_trace), TRACE_SHAPES, requires)
+        out += sized("online softmax, batch-1 mm",
+                     with_online_softmax(functools.partial(_trace, gpu_joint=bmm_to_mm_pass())),
+                     GPU_BATCH_ONE_SHAPES, requires, batch_one_form=True)
     return out
 
 
