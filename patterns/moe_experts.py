@@ -335,13 +335,23 @@ def _register_form(pm_pass: pm.PatternMatcherPass, options, device: str, coordin
             )
 
 
+def _compiling_with(facts, coordinate_descent: bool) -> bool:
+    """Whether the compile our pass runs in has Inductor's coordinate-descent setting (max-autotune's), which
+    decides how its decompositions spell the graph."""
+    from torch._inductor import config
+
+    return bool(config.coordinate_descent_tuning) == coordinate_descent
+
+
 def groups(options, variants=None) -> list[Group]:
-    """One group per (device kind, coordinate-descent setting, form) (see ``FORMS``)."""
+    """One group per (device kind, coordinate-descent setting, form) (see ``FORMS``); a CUDA graph traces only the
+    setting it is compiled under (~1-2 s of tracing a form), the CPU spelling is traced without it."""
     import k3compile.ops.moe_experts  # noqa: F401  (registers k3::moe_experts)
 
     return [Group(f"{form} {device}{' coordinate-descent' if cd else ''}",
                   functools.partial(_register_form, options=options, device=device, coordinate_descent=cd, form=form),
-                  requires=FORMS[form][0], device=device)
+                  requires=FORMS[form][0], device=device,
+                  when=functools.partial(_compiling_with, coordinate_descent=cd) if device == "cuda" else None)
             for device, cd in variants or _trace_variants() for form in FORMS]
 
 

@@ -118,3 +118,20 @@ def test_a_search_is_traced_once_for_matches_of_the_same_shapes(monkeypatch):
     at_graph_shapes = [fn for fn, shapes in calls if shapes[-1] == (4, 6)]
     assert sum(fn in searches for fn in at_graph_shapes) == 1     # the check's trace, once
     assert sum(fn not in searches for fn in at_graph_shapes) == 3  # each replacement traced anew
+
+
+def test_a_cuda_graph_traces_the_coordinate_descent_setting_it_is_compiled_under():
+    """moe_experts' CUDA spellings differ with Inductor's coordinate-descent setting (max-autotune's): a graph is
+    compiled under one, so only that one's group is traced for it."""
+    from torch._inductor import config as inductor_config
+
+    from k3compile.patterns._common import GraphFacts
+
+    options = K3Options(backend="reference", passes=("moe_experts",))
+    gathered = [g for g in moe_experts.groups(options, ALL_DEVICES) if g.name.startswith("gathered ")]
+    facts = GraphFacts(frozenset({torch.ops.aten.index.Tensor}), frozenset({"cpu", "cuda"}), graph=torch.fx.Graph())
+    for cd in (False, True):
+        with inductor_config.patch(coordinate_descent_tuning=cd):
+            assert [g.name for g in gathered if g.needed(facts)] == (
+                ["gathered cpu", "gathered cuda coordinate-descent"] if cd else ["gathered cpu", "gathered cuda"])
+    assert all(g.needed(GraphFacts(facts.targets, facts.devices)) for g in gathered)   # no graph: every group
