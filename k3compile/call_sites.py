@@ -24,6 +24,8 @@ from .graph_values import bound_args
 from .kernel_cache import Build
 from .tables import M_BUCKETS
 
+_AUTO_FUNCTIONALIZED = getattr(torch.ops.higher_order, "auto_functionalized", None)
+
 
 class StandIn(torch.Tensor):
     """A tensor's metadata without data, on any device (nothing allocated, no GPU touched): what a dispatch's
@@ -56,9 +58,38 @@ def stand_in(shape, dtype: torch.dtype, device, stride=None, offset: int = 0) ->
     return StandIn(shape, tuple(stride), dtype, torch.device(device), offset)
 
 
-def _planned_op(node: torch.fx.Node, ops=None) -> Optional[str]:
+def _k3_overload(node: torch.fx.Node) -> Optional[torch._ops.OpOverload]:
+    """The k3 op ``node`` calls: directly, or through ``auto_functionalized`` (an op that writes an input, e.g.
+    ``k3::kda_decode``'s state, until Inductor decomposes the wrapper after our pass)."""
+    if node.op != "call_function":
+        return None
     target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or target.namespace != "k3":
+    if target is _AUTO_FUNCTIONALIZED and node.args:
+        target = node.args[0]
+    if isinstance(target, torch._ops.OpOverload) and target.namespace == "k3":
+        return target
+    return None
+
+
+def _call_args(node: torch.fx.Node) -> dict:
+    """Every schema argument of the k3 call ``node`` by name (an ``auto_functionalized`` call passes them by
+    keyword)."""
+    if node.target is not _AUTO_FUNCTIONALIZED:
+        return bound_args(node)
+    out = {}
+    for arg in node.args[0]._schema.arguments:
+        if arg.name in node.kwargs:
+            out[arg.name] = node.kwargs[arg.name]
+        elif arg.has_default_value():
+            out[arg.name] = arg.default_value
+        else:
+            raise ValueError(f"argument {arg.name!r} is missing")
+    return out
+
+
+def _planned_op(node: torch.fx.Node, ops=None) -> Optional[str]:
+    target = _k3_overload(node)
+    if target is None:
         return None
     name = target._schema.name.split("::", 1)[1]
     if ops is not None:
@@ -94,7 +125,7 @@ def _instances(op: str, node: torch.fx.Node) -> list[dict]:
             return [value(x) for x in v]
         return v.meta["val"] if isinstance(v, torch.fx.Node) else v
 
-    args = {name: value(v) for name, v in bound_args(node).items()}
+    args = {name: value(v) for name, v in _call_args(node).items()}
     exprs, hints = [], {}
     for v in args.values():
         items = []

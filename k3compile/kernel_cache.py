@@ -76,12 +76,14 @@ def is_dry_running() -> bool:
     return getattr(_AHEAD, "dry", False)
 
 
-class DryRun(RuntimeError):
-    """A kernel asked for during a dry run (``triton_ahead.dry_run``): that call stops there."""
+def _dry_kernel(*args, **kwargs) -> None:
+    """What ``get`` gives during a dry run: a kernel that does nothing (the call goes on to its next launch)."""
 
 
 def dry_running():
-    """Within this block (in this thread) no kernel is loaded, built or called: ``get`` raises ``DryRun``."""
+    """Within this block (in this thread) no kernel is loaded, built or called: ``get`` gives one that does
+    nothing, so that a dry call (``triton_ahead.dry_run``) goes past a CuTe kernel to the Triton launches after it
+    (precompile's planning has the CuTe kernels)."""
     return _thread_flag("dry")
 
 
@@ -122,7 +124,7 @@ def available(kind: str, key: Hashable) -> bool:
 def get(kind: str, key: Hashable):
     """The kernel: from memory, else from the disk cache, else built here (and stored)."""
     if getattr(_AHEAD, "dry", False):
-        raise DryRun(f"a {kind} kernel during a dry run")
+        return _dry_kernel
     fn = _kernels.get((kind, key))
     if fn is not None:
         return fn

@@ -7,7 +7,9 @@
    ``JITFunction.run`` is made a warmup (nothing launches) and Triton's ``jit_cache_hook`` records the exact
    specialisation the launcher asked for (signature, constexprs, the alignment and divisibility attributes, options,
    target: ``serialize_specialization_data``, what Triton's own ``preload`` reads) and skips the compile. No k3 kernel
-   is loaded or built (``kernel_cache.dry_running``), no choice is recorded.
+   is loaded or built: a CuTe kernel asked for on the way does nothing (``kernel_cache.dry_running``), so a call that
+   composes ops (``k3::experts_beside``) reaches the Triton launches after it; no choice is recorded. An op that
+   writes an input (``k3::kda_decode``) is listed through its ``auto_functionalized`` call (``call_sites``).
 2. ``build`` (a worker's job, GPU-blind) compiles a request for its target into Triton's disk cache, under the key the
    first call computes: that call then only loads the kernel.
 
@@ -140,8 +142,6 @@ def dry_run(sites: list[dict]) -> tuple[list, dict]:
                     continue
                 try:
                     OPDEFS[f"k3::{site['op']}"]._init_fn(**{k: _dry(v) for k, v in site["args"].items()})
-                except kernel_cache.DryRun:   # a CuTe kernel: precompile's planning has it
-                    pass
                 except Exception as e:   # left to the first call
                     why = f"k3::{site['op']}: {type(e).__name__}: {str(e)[:160]}"
                     skipped[why] = skipped.get(why, 0) + 1
