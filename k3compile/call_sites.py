@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 
 from .backends import REGISTRY
-from .graph_values import bound_args
+from .graph_values import bind_schema, bound_args
 from .kernel_cache import Build
 from .tables import M_BUCKETS
 
@@ -76,15 +76,7 @@ def _call_args(node: torch.fx.Node) -> dict:
     keyword)."""
     if node.target is not _AUTO_FUNCTIONALIZED:
         return bound_args(node)
-    out = {}
-    for arg in node.args[0]._schema.arguments:
-        if arg.name in node.kwargs:
-            out[arg.name] = node.kwargs[arg.name]
-        elif arg.has_default_value():
-            out[arg.name] = arg.default_value
-        else:
-            raise ValueError(f"argument {arg.name!r} is missing")
-    return out
+    return bind_schema(node.args[0]._schema, (), node.kwargs)
 
 
 def _planned_op(node: torch.fx.Node, ops=None) -> Optional[str]:

@@ -40,12 +40,17 @@ def schema_arg(node: Node, name: str, default: Any = None) -> Any:
 
 def bound_args(node: Node) -> dict:
     """Every schema argument of ``node``'s call by name: positional, keyword, or the schema's default."""
+    return bind_schema(node.target._schema, node.args, node.kwargs)
+
+
+def bind_schema(schema, args: tuple, kwargs: dict) -> dict:
+    """Every argument of ``schema`` by name, from ``args`` (positional), ``kwargs``, or the schema's default."""
     out = {}
-    for i, arg in enumerate(node.target._schema.arguments):
-        if i < len(node.args):
-            out[arg.name] = node.args[i]
-        elif arg.name in node.kwargs:
-            out[arg.name] = node.kwargs[arg.name]
+    for i, arg in enumerate(schema.arguments):
+        if i < len(args):
+            out[arg.name] = args[i]
+        elif arg.name in kwargs:
+            out[arg.name] = kwargs[arg.name]
         elif arg.has_default_value():
             out[arg.name] = arg.default_value
         else:

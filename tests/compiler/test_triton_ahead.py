@@ -129,6 +129,24 @@ def test_off_unless_asked(monkeypatch):
     assert triton_ahead.enabled() == hasattr(triton.knobs.runtime, "jit_cache_hook")
 
 
+def _attn_res_site(sources: int, width: int) -> dict:
+    """The call site of ``k3::attn_res`` over ``sources`` bf16 rows of ``width`` (Triton asked for) that our pass
+    leaves in the mix's graph."""
+    from k3compile.call_sites import call_sites
+    from k3compile.passes import K3Options, K3PostGradPass
+    from k3compile.patterns._common import fake_mode, trace_fn
+    from k3compile.patterns.attn_res import _mix_norm, search
+
+    with fake_mode():
+        t = [torch.empty(1, 1, width, dtype=torch.bfloat16) for _ in range(sources)]
+        w = [torch.empty(1, width, dtype=torch.bfloat16), torch.empty(width, dtype=torch.bfloat16)]
+        graph = trace_fn(search(_mix_norm, sources),
+                         t + w + [1e-6, torch.empty(width, dtype=torch.bfloat16), 1e-6]).graph
+    K3PostGradPass(K3Options(backend="triton", passes=("attn_res",)))(graph)
+    (site,) = call_sites(graph, ops=triton_ahead.OPS)
+    return site
+
+
 _ATTN_RES_AHEAD = r"""
 import json, os, sys, tempfile
 import torch
@@ -172,18 +190,9 @@ print(json.dumps(dict(sources=len(json.loads(request[2])["signature"]["sources"]
 def test_a_tensor_list_argument_is_planned_dry_launched_built_and_found():
     """``k3::attn_res`` takes its sources as a Tensor[]: its call site lists each, the dry launch captures the kernel's
     tuple of pointers, a build compiles it and the launch then finds it (a fresh process: no interpreter)."""
-    from k3compile.call_sites import call_sites
-    from k3compile.passes import K3Options, K3PostGradPass
-    from k3compile.patterns._common import fake_mode, trace_fn
-    from k3compile.patterns.attn_res import _mix_norm, search
     from k3compile.testing import ptx_in_a_fresh_process
 
-    with fake_mode():
-        t = [torch.empty(1, 1, 7168, dtype=torch.bfloat16) for _ in range(3)]
-        w = [torch.empty(1, 7168, dtype=torch.bfloat16), torch.empty(7168, dtype=torch.bfloat16)]
-        graph = trace_fn(search(_mix_norm, 3), t + w + [1e-6, torch.empty(7168, dtype=torch.bfloat16), 1e-6]).graph
-    K3PostGradPass(K3Options(backend="triton", passes=("attn_res",)))(graph)
-    (site,) = call_sites(graph, ops=triton_ahead.OPS)
+    site = _attn_res_site(3, 7168)
     assert "unplanned" not in site and len(site["args"]["sources"]) == 3
     assert site["args"]["sources"][0] == {"shape": [1, 1, 7168], "stride": [7168, 7168, 1], "offset": 0,
                                           "dtype": "bfloat16", "device": "cpu"}
@@ -210,19 +219,9 @@ def test_dry_run_follows_a_site_through_the_op_and_restores_the_choices():
     without Triton's interpreter cannot run: the call is left to its first call, with the op's reason) and puts
     every op's choice tables back as they were. The requests a GPU site makes: ``benchmarks/compile_time.py``'s
     ``optimize-whole-tritonahead`` (its JSON's ``ahead.unplanned`` lists what was not followed)."""
-    from k3compile.call_sites import call_sites
-    from k3compile.passes import K3Options, K3PostGradPass
-    from k3compile.patterns._common import fake_mode, trace_fn
-    from k3compile.patterns.attn_res import _mix_norm, search
     from k3compile.testing import ptx_in_a_fresh_process
 
-    with fake_mode():
-        t = [torch.empty(1, 1, 256, dtype=torch.bfloat16) for _ in range(2)]
-        w = [torch.empty(1, 256, dtype=torch.bfloat16), torch.empty(256, dtype=torch.bfloat16)]
-        graph = trace_fn(search(_mix_norm, 2), t + w + [1e-6, torch.empty(256, dtype=torch.bfloat16), 1e-6]).graph
-    K3PostGradPass(K3Options(backend="triton", passes=("attn_res",)))(graph)
-    (site,) = call_sites(graph, ops=triton_ahead.OPS)
-    out = ptx_in_a_fresh_process(_DRY_RUN_SITE, {"site": site})
+    out = ptx_in_a_fresh_process(_DRY_RUN_SITE, {"site": _attn_res_site(2, 256)})
     assert out["requests"] == 0 and out["restored"]
     (why,) = out["skipped"]
     assert why.startswith("k3::attn_res: BackendUnavailableError") and "cannot run here" in why
