@@ -20,11 +20,9 @@ from typing import Any, Optional
 import torch
 
 from .backends import REGISTRY
-from .graph_values import bind_schema, bound_args
+from .graph_values import auto_functionalized_k3_op, bind_schema, bound_args
 from .kernel_cache import Build
 from .tables import M_BUCKETS
-
-_AUTO_FUNCTIONALIZED = getattr(torch.ops.higher_order, "auto_functionalized", None)
 
 
 class StandIn(torch.Tensor):
@@ -59,22 +57,18 @@ def stand_in(shape, dtype: torch.dtype, device, stride=None, offset: int = 0) ->
 
 
 def _k3_overload(node: torch.fx.Node) -> Optional[torch._ops.OpOverload]:
-    """The k3 op ``node`` calls: directly, or through ``auto_functionalized`` (an op that writes an input, e.g.
-    ``k3::kda_decode``'s state, until Inductor decomposes the wrapper after our pass)."""
-    if node.op != "call_function":
-        return None
+    """The k3 op ``node`` calls: directly, or through ``auto_functionalized`` (e.g. ``k3::kda_decode``, which
+    writes its state)."""
     target = node.target
-    if target is _AUTO_FUNCTIONALIZED and node.args:
-        target = node.args[0]
-    if isinstance(target, torch._ops.OpOverload) and target.namespace == "k3":
+    if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target.namespace == "k3":
         return target
-    return None
+    return auto_functionalized_k3_op(node)
 
 
 def _call_args(node: torch.fx.Node) -> dict:
     """Every schema argument of the k3 call ``node`` by name (an ``auto_functionalized`` call passes them by
-    keyword)."""
-    if node.target is not _AUTO_FUNCTIONALIZED:
+    keyword; its v2 form, which passes the written inputs as bases, raises: that call is left unplanned)."""
+    if isinstance(node.target, torch._ops.OpOverload):
         return bound_args(node)
     return bind_schema(node.args[0]._schema, (), node.kwargs)
 

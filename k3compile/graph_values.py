@@ -38,6 +38,19 @@ def schema_arg(node: Node, name: str, default: Any = None) -> Any:
     raise KeyError(name)
 
 
+def auto_functionalized_k3_op(node: Node) -> Optional[torch._ops.OpOverload]:
+    """The k3 op an ``auto_functionalized`` call (v1 or v2: how a graph calls an op that writes an input, until
+    Inductor unwraps it after our pass) wraps; None for any other node."""
+    t = node.target
+    if node.op != "call_function" or not isinstance(t, torch._ops.HigherOrderOperator) or not node.args:
+        return None
+    wrapped = node.args[0]
+    if (t.__name__.startswith("auto_functionalized") and isinstance(wrapped, torch._ops.OpOverload)
+            and wrapped.namespace == "k3"):
+        return wrapped
+    return None
+
+
 def bound_args(node: Node) -> dict:
     """Every schema argument of ``node``'s call by name: positional, keyword, or the schema's default."""
     return bind_schema(node.target._schema, node.args, node.kwargs)

@@ -29,6 +29,7 @@ import torch
 from torch.fx import Node
 
 from .backends import is_rocm
+from .graph_values import auto_functionalized_k3_op
 
 log = logging.getLogger("k3compile")
 
@@ -189,9 +190,7 @@ def read_from_memory(graph: torch.fx.Graph) -> set:
         elif n.target is operator.getitem:
             yes = isinstance(n.args[0], Node) and n.args[0] in found
         elif isinstance(n.target, torch._ops.HigherOrderOperator):
-            wrapped = n.args[0] if n.args else None
-            yes = (n.target.__name__.startswith("auto_functionalized")
-                   and isinstance(wrapped, torch._ops.OpOverload) and wrapped.namespace == "k3")
+            yes = auto_functionalized_k3_op(n) is not None
         elif isinstance(n.target, torch._ops.OpOverload):
             yes = n.target.namespace == "k3" or any(a in found for a in _value_inputs(n))
         else:

@@ -88,7 +88,7 @@ from typing import Any, Optional
 import torch
 from torch.fx import Node
 
-from .graph_values import (is_view, mentions, op_name, region_call, schema_arg, set_schema_arg, value_root,
+from .graph_values import (auto_functionalized_k3_op, is_view, mentions, op_name, region_call, schema_arg, set_schema_arg, value_root,
                            written_args)
 from .inductor_pdl import on as inductor_pdl_on, read_from_memory
 
@@ -225,9 +225,7 @@ class _Prover:
             root, t = src, src.target
         if isinstance(t, torch._ops.HigherOrderOperator):
             # auto_functionalized(op, ...): the wrapped custom op runs here; only our own ops are known to launch
-            wrapped = root.args[0] if root.args else None
-            if (t.__name__.startswith("auto_functionalized") and isinstance(wrapped, torch._ops.OpOverload)
-                    and wrapped.namespace == "k3"):
+            if auto_functionalized_k3_op(root) is not None:
                 return None
             return f"activation comes from higher-order op {op_name(t)}"
         if not isinstance(t, torch._ops.OpOverload):
