@@ -50,12 +50,12 @@ def _patch_language_once_a_launch():
         return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
 
     def patch_once(fn):
-        done = getattr(state, "langs", None)
-        if done is not None and langs_of(fn) <= done:
+        done, langs = getattr(state, "langs", None), langs_of(fn)
+        if done is not None and langs <= done:
             return interpreter._LangPatchScope()   # nothing to restore
         scope = patch_lang(fn)
         if done is not None:
-            state.langs = done | langs_of(fn)
+            state.langs = done | langs
         return scope
 
     def launch_once(self, *args, **kwargs):
@@ -70,6 +70,7 @@ def _patch_language_once_a_launch():
 
 
 _patch_language_once_a_launch()
+
 from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 
 # On a GPU a failing draw is reported as drawn, not shrunk: a draw there may build kernels for seconds each, and
