@@ -17,13 +17,13 @@
    choices) and the kernels of the implementation that runs instead are planned in turn. A kernel the workers could
    not even attempt (a worker that does not start) is left to its first call, as without this, and reported so.
 
-The Triton kernels our ops launch are built ahead only with ``K3_PRECOMPILE_TRITON=1`` (``triton_ahead.py``: each
-call dry-run on storage-less tensors, its launches captured as Triton's exact compile requests, compiled by the same
-workers into Triton's disk cache), not yet measured on a GPU. Triton specialises a compiled kernel on its launch
-arguments (16-byte alignment of every pointer, divisibility by 16 and equality to 1 of every integer, the constexprs
-each launcher derives), so only the launcher's own request serves the first call; without it they compile at their
-first call. Triton keeps what it compiles on disk, so a warm start does not compile them again; Inductor's own Triton
-kernels are built by Inductor's compile workers.
+The Triton kernels our ops launch are built ahead too (``triton_ahead.py``: each call dry-run on storage-less tensors,
+its launches captured as Triton's exact compile requests, compiled with their launchers by the same workers into
+Triton's disk cache; ``K3_PRECOMPILE_TRITON=0`` leaves them to their first calls). Triton specialises a compiled
+kernel on its launch arguments (16-byte alignment of every pointer, divisibility by 16 and equality to 1 of every
+integer, the constexprs each launcher derives), so only the launcher's own request serves the first call. Triton
+keeps what it compiles on disk, so a warm start does not compile them again; Inductor's own Triton kernels are built
+by Inductor's compile workers.
 
 The workers start as the graph's compile starts (``Batch.prestart``, where no record of the graph is on disk: a cold
 compile) and import what a build needs (``Builder.warm_up``) while AOTAutograd, Inductor and our passes run: a fresh
@@ -108,8 +108,8 @@ _ACTIVE = threading.local()
 
 
 def found(sites: list[dict], graph=None) -> None:
-    """Our pass's call: the batch ``optimize`` runs in this thread (if any) starts building these calls' kernels (and,
-    with ``K3_PRECOMPILE_TRITON=1``, the Triton kernels of ``graph``'s k3 calls: ``triton_ahead.py``)."""
+    """Our pass's call: the batch ``optimize`` runs in this thread (if any) starts building these calls' kernels and
+    the Triton kernels of ``graph``'s k3 calls (``triton_ahead.py``)."""
     batch = getattr(_ACTIVE, "batch", None)
     if batch is not None:
         batch.submit(sites, in_pass=True)

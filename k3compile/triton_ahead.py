@@ -1,5 +1,5 @@
-"""Building the Triton kernels our ops launch ahead of the first call, in the precompile workers (opt-in:
-``K3_PRECOMPILE_TRITON=1``; ``precompile.py`` runs it on each graph our pass rewrote).
+"""Building the Triton kernels our ops launch ahead of the first call, in the precompile workers (``precompile.py``
+runs it on each graph our pass rewrote wherever it builds ahead; ``K3_PRECOMPILE_TRITON=0`` turns this part off).
 
 1. ``dry_run`` calls each k3 op of the graph that launches Triton kernels (``OPS``: no collective) once, on
    ``DryTensor`` arguments -- the call's shapes, strides, offsets and dtypes on its device, without storage: every
@@ -11,7 +11,8 @@
    composes ops (``k3::experts_beside``) reaches the Triton launches after it; no choice is recorded. An op that
    writes an input (``k3::kda_decode``) is listed through its ``auto_functionalized`` call (``call_sites``).
 2. ``build`` (a worker's job, GPU-blind) compiles a request for its target into Triton's disk cache, under the key the
-   first call computes: that call then only loads the kernel.
+   first call computes, and the kernel's launcher where Triton compiles one per signature: that call then only loads
+   them.
 
 A call the dry run cannot follow (a data-dependent size, an op without a meta kernel, an argument it cannot stand in
 for) is left to its first call, as without this; so is a kernel whose build fails in a worker.
@@ -39,8 +40,9 @@ _STATE = threading.local()
 
 
 def enabled() -> bool:
-    """``K3_PRECOMPILE_TRITON=1`` and a Triton with the hook this needs."""
-    if os.environ.get(ENV, "") != "1":
+    """Wherever the precompile builds (its ``Batch`` decides that), unless ``K3_PRECOMPILE_TRITON=0``; and only with a
+    Triton that has the hook this needs."""
+    if os.environ.get(ENV, "") in ("0", "false", "no"):
         return False
     try:
         from triton import knobs
@@ -68,10 +70,24 @@ class DryTensor(StandIn):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        nested = _launching_k3_op(func)
+        if nested is not None:   # a k3 op another one calls (k3::experts_beside's k3::moe_experts): its launches too
+            return nested(*args, **(kwargs or {}))
         device = next(a.device for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, DryTensor))
         out = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs or {}))
         return tree_map(lambda t: DryTensor(t.shape, t.stride(), t.dtype, device, t.storage_offset())
                         if isinstance(t, torch.Tensor) else t, out)
+
+
+def _launching_k3_op(func) -> Any:
+    """The implementation of ``func`` where it is a k3 op of ``OPS`` (the one its registration runs on a device),
+    else None: such a call, reached through the dispatcher, would otherwise run its meta kernel and launch nothing."""
+    if getattr(func, "namespace", None) != "k3" or func._opname not in OPS:
+        return None
+    from torch._library.custom_ops import OPDEFS
+
+    opdef = OPDEFS.get(f"k3::{func._opname}")
+    return None if opdef is None else opdef._init_fn
 
 
 def _dry(spec: Any) -> Any:
@@ -156,7 +172,7 @@ def dry_run(sites: list[dict]) -> tuple[list, dict]:
 
 def build(module: str, qualname: str, specialization: str, cache_dir: str) -> str:
     """Compile one request for its target into Triton's disk cache ``cache_dir`` (a worker's job; no GPU needed), and
-    its launcher where this process's Triton driver can build one. Returns the kernel's name."""
+    its launcher (``_build_launcher``). Returns the kernel's name."""
     os.environ["TRITON_CACHE_DIR"] = cache_dir   # the compiling process's, whatever this worker inherited
     import triton
     import triton.language as tl
@@ -188,12 +204,22 @@ def build(module: str, qualname: str, specialization: str, cache_dir: str) -> st
     signature = {k: tuples(v) for k, v in obj["signature"].items()}
     options = {k: tuple(v) if isinstance(v, list) else v for k, v in obj["options"].items()}
     source = getattr(fn, "ASTSource", None) or triton.compiler.ASTSource
-    kernel = triton.compile(source(fn, signature, constexprs, attrs), target=GPUTarget(**obj["target"]),
-                            options=options)
-    try:   # the launcher is cached on disk too; a driver that needs a GPU to start leaves it to the first call
-        from triton.runtime.driver import driver
-
-        driver.active.launcher_cls(kernel.src, kernel.metadata)
-    except Exception:
-        pass
+    target = GPUTarget(**obj["target"])
+    kernel = triton.compile(source(fn, signature, constexprs, attrs), target=target, options=options)
+    _build_launcher(kernel, target)
     return obj.get("name", qualname)
+
+
+def _build_launcher(kernel: Any, target: Any) -> None:
+    """Build the kernel's launcher into Triton's disk cache where its Triton compiles one per signature (Triton 3.6:
+    a C module, ~0.35 s of a C compiler each, which the first call would otherwise pay). Through the target's own
+    backend driver, not the active one: a worker sees no GPU (``CUDA_VISIBLE_DEVICES=""``), so it has no active driver.
+    The launcher needs no GPU to build; a driver that cannot start here, or a Triton whose launcher is generic (3.7),
+    leaves nothing to do or nothing done, and the first call builds or loads it as without this."""
+    from triton.backends import backends
+
+    drivers = [b.driver for b in backends.values() if b.compiler.supports_target(target)]
+    try:
+        drivers[0]().launcher_cls(kernel.src, kernel.metadata)
+    except Exception:   # the kernel itself is built; only its launcher is left to the first call
+        pass

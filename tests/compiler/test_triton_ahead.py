@@ -115,6 +115,29 @@ def test_dry_tensors_follow_views_and_refuse_data():
         a.sum().item()   # a value: the dry call stops there (its kernels are left to the first call)
 
 
+def test_a_k3_op_called_inside_another_runs_its_implementation_dry(monkeypatch):
+    """``k3::experts_beside`` calls ``k3::moe_experts`` (and ``k3::route_beside`` ``k3::moe_route``, ...) through the
+    dispatcher: on DryTensors that call reaches ``DryTensor.__torch_dispatch__``, which must run the op's
+    implementation (its Triton launches are requests) rather than its meta kernel (which launches nothing)."""
+    from torch._library.custom_ops import OPDEFS
+
+    import k3compile.ops.skinny_gemm  # noqa: F401 - registers k3::skinny_gemm
+
+    calls = []
+
+    def impl(a, w, bias=None, residual=None, backend="auto", m_limit=16, *rest):
+        calls.append((type(a), type(w), backend, m_limit))
+        return a.new_empty((a.shape[0], w.shape[0]))
+
+    monkeypatch.setattr(OPDEFS["k3::skinny_gemm"], "_init_fn", impl)
+    a = triton_ahead.DryTensor((2, 64), (64, 1), torch.bfloat16, torch.device("cpu"))
+    w = triton_ahead.DryTensor((32, 64), (64, 1), torch.bfloat16, torch.device("cpu"))
+    out = torch.ops.k3.skinny_gemm(a, w, None, None, "triton", 8, False, None, True)
+    assert calls == [(triton_ahead.DryTensor, triton_ahead.DryTensor, "triton", 8)]
+    assert isinstance(out, triton_ahead.DryTensor) and out.shape == (2, 32)
+    assert triton_ahead._launching_k3_op(torch.ops.aten.mm.default) is None
+
+
 def test_no_kernel_is_loaded_during_a_dry_run():
     """A dry call asking for a kernel gets one that does nothing: nothing loaded, built or run."""
     with kernel_cache.dry_running():
@@ -122,11 +145,57 @@ def test_no_kernel_is_loaded_during_a_dry_run():
     assert ("cute", ("any",)) not in kernel_cache._kernels
 
 
-def test_off_unless_asked(monkeypatch):
+def test_on_unless_turned_off(monkeypatch):
+    hook = hasattr(triton.knobs.runtime, "jit_cache_hook")
     monkeypatch.delenv(triton_ahead.ENV, raising=False)
-    assert not triton_ahead.enabled()
+    assert triton_ahead.enabled() == hook
     monkeypatch.setenv(triton_ahead.ENV, "1")
-    assert triton_ahead.enabled() == hasattr(triton.knobs.runtime, "jit_cache_hook")
+    assert triton_ahead.enabled() == hook
+    monkeypatch.setenv(triton_ahead.ENV, "0")
+    assert not triton_ahead.enabled()
+
+
+def test_the_launcher_is_built_through_the_targets_driver_without_an_active_one(h200, monkeypatch):
+    """A worker sees no GPU: no active driver. The launcher (a C module a signature on Triton 3.6, which the first
+    call would otherwise compile) comes from the driver of the target's backend; a driver that cannot start there
+    leaves the launcher to the first call, the kernel built."""
+    import dataclasses
+    import sys
+
+    from triton.backends import backends
+    from triton.backends.compiler import GPUTarget
+
+    x = triton_ahead.DryTensor((1000,), (1,), torch.bfloat16, torch.device("cpu"))
+    requests = []
+    with triton_ahead.capturing(requests):
+        _copy[(8,)](x, x, 1000, BLOCK=128)
+    ((module, name, spec, cache),) = requests
+
+    def no_gpu():
+        raise RuntimeError("0 active drivers")
+
+    driver_module = sys.modules["triton.runtime.driver"]   # the package's name `driver` is the module's object
+
+    built = []
+
+    class Driver:   # the target's backend driver: starts without a GPU
+        def __init__(self):
+            self.launcher_cls = lambda src, metadata: built.append((src, metadata))
+
+    class BrokenDriver:
+        def __init__(self):
+            raise RuntimeError("libcuda.so cannot be found")
+
+    monkeypatch.setattr(driver_module.driver, "_active", None)
+    monkeypatch.setattr(driver_module.driver, "_default", None)
+    monkeypatch.setattr(driver_module, "_create_driver", no_gpu)
+    (nvidia,) = [n for n, b in backends.items() if b.compiler.supports_target(GPUTarget("cuda", 90, 32))]
+    monkeypatch.setitem(backends, nvidia, dataclasses.replace(backends[nvidia], driver=Driver))
+    assert triton_ahead.build(module, name, spec, cache).endswith("_copy")
+    ((src, metadata),) = built
+    assert src.fn is _copy and metadata.name == "_copy"
+    monkeypatch.setitem(backends, nvidia, dataclasses.replace(backends[nvidia], driver=BrokenDriver))
+    assert triton_ahead.build(module, name, spec, cache).endswith("_copy") and len(built) == 1
 
 
 def _attn_res_site(sources: int, width: int) -> dict:
@@ -218,7 +287,7 @@ def test_dry_run_follows_a_site_through_the_op_and_restores_the_choices():
     """``dry_run`` calls the op of each site (here ``k3::attn_res`` asked for Triton on CPU tensors, which a process
     without Triton's interpreter cannot run: the call is left to its first call, with the op's reason) and puts
     every op's choice tables back as they were. The requests a GPU site makes: ``benchmarks/compile_time.py``'s
-    ``optimize-whole-tritonahead`` (its JSON's ``ahead.unplanned`` lists what was not followed)."""
+    ``optimize-whole`` (its JSON's ``ahead.unplanned`` lists what was not followed)."""
     from k3compile.testing import ptx_in_a_fresh_process
 
     out = ptx_in_a_fresh_process(_DRY_RUN_SITE, {"site": _attn_res_site(2, 256)})
