@@ -80,3 +80,44 @@ def test_reduce_overhead_keeps_cuda_graphs():
     assert counters["inductor"]["cudagraph_skips"] == 0, (
         "CUDA graphs skipped (see the 'skipping cudagraphs' log lines)")
     assert torch.equal(out, ref) and torch.equal(out_again, ref)
+
+
+@torch.no_grad()
+def test_first_decode_step_compiles_none_of_our_triton_kernels(monkeypatch, tmp_path):
+    """The precompile builds our ops' Triton kernels ahead (``k3compile/triton_ahead.py``), each with its launcher
+    where Triton compiles one per signature: the first decode step after a cold compile (empty Triton cache, no
+    Inductor cache) finds every kernel of ours on disk and builds no launcher. Prefill is not covered (its KDA
+    kernels are fla's, autotuned at their first call)."""
+    import triton
+    from triton import knobs
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    eager, model, ids = _models()
+    torch._dynamo.reset()
+    k3compile.optimize(model, dynamic=False)
+    cache = model.allocate_cache(BATCH, PROMPT + 2, device="cuda")
+    token = model(ids, cache=cache, logits_to_keep=1).argmax(-1)      # prefill: its own graph, not checked
+
+    ours, launchers = [], []
+
+    def listener(*, src, cache_hit, **_):
+        fn = getattr(src, "fn", None)
+        if fn is not None and fn.__module__.startswith("k3compile."):
+            ours.append((fn.__name__, cache_hit))
+
+    monkeypatch.setattr(knobs.compilation, "listener", listener)
+    build = getattr(triton.runtime.build, "_build", None)
+    if build is not None:   # Triton 3.6: a C launcher a kernel signature
+        def recording_build(name, *args, **kwargs):
+            launchers.append(name)
+            return build(name, *args, **kwargs)
+        monkeypatch.setattr(triton.runtime.build, "_build", recording_build)
+    model(token, cache=cache, logits_to_keep=1)                        # the decode step: compiled, then run
+    torch.cuda.synchronize()
+    rep = k3compile.report(model)
+    assert ours, "no Triton kernel of ours was loaded in the decode step"
+    built_then = [name for name, hit in ours if not hit]
+    assert not built_then, (f"built at the first call, not ahead: {built_then}\n" + rep.format(verbose=True))
+    assert "__triton_launcher" not in launchers, launchers
