@@ -48,6 +48,7 @@ __all__ = [
     "aten", "pm", "trace_fn", "fake_mode", "val", "match_val", "is_static_le", "guard_or_false",
     "statically_known_true", "LOW_PRECISION", "TRACE_DTYPES", "Group", "register_groups", "pattern_targets",
     "GraphFacts", "reusing_search_traces", "search_traces_reused", "online_softmax_pass", "with_online_softmax",
+    "trace_dtypes_of",
 ]
 
 # Patterns ignore sizes but not dtypes (a 16-bit trace carries converts a fp32 trace lacks), so each
@@ -101,6 +102,26 @@ def val(node: Any) -> Optional[torch.Tensor]:
     if isinstance(node, torch.fx.Node):
         return node.meta.get("val")
     return None
+
+
+def trace_dtypes_of(node: torch.fx.Node, depth: int = 12, limit: int = 96) -> frozenset:
+    """The ``TRACE_DTYPES`` whose spelling a computation ending at ``node`` can have: ``LOW_PRECISION`` where a 16-bit
+    float tensor is among the values it is computed from (within ``depth`` steps, ``limit`` nodes: its converts
+    are the 16-bit trace's), fp32 where every float value found is fp32, both where none is found."""
+    floats, seen, frontier = set(), {node}, [node]
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            for a in n.all_input_nodes:
+                if a not in seen and len(seen) < limit:
+                    seen.add(a)
+                    nxt.append(a)
+                    floats.update(v.dtype for v in pytree.tree_leaves(a.meta.get("val"))
+                                  if isinstance(v, torch.Tensor) and v.dtype.is_floating_point)
+        frontier = nxt
+    if floats & {torch.bfloat16, torch.float16}:
+        return frozenset({LOW_PRECISION})
+    return frozenset({torch.float32}) if floats else frozenset(TRACE_DTYPES)
 
 
 def fold_each(graph: torch.fx.Graph, target, fold: Callable) -> int:

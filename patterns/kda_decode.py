@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from k3compile.patterns._common import (
-    LOW_PRECISION, aten, match_val, pm, reusing_search_traces, statically_known_true, trace_fn,
+    LOW_PRECISION, Group, aten, match_val, pm, register_groups, reusing_search_traces, statically_known_true,
+    trace_dtypes_of, trace_fn,
 )
 
 NAME = "kda_decode"
@@ -190,11 +191,11 @@ def _can_fuse_kda_decode(match: pm.Match) -> bool:
     return statically_known_true(K == V) and statically_known_true(K <= MAX_HEAD_DIM_FOR_FUSION)
 
 
-def register(pm_pass: pm.PatternMatcherPass, options) -> None:
+def _register_traces(pm_pass: pm.PatternMatcherPass, options, traces=TRACES) -> None:
     import k3compile.ops.kda_decode  # noqa: F401  (registers k3::kda_decode)
 
     trace = reusing_search_traces(trace_fn, (_search_lower_bound, _search_softplus))
-    for act_dtype, param_dtype in TRACES:
+    for act_dtype, param_dtype in traces:
         inputs = get_inputs(act_dtype, param_dtype)
         pm.register_replacement(
             _search_lower_bound, _replace_lower_bound(options.backend), inputs, trace, pm_pass,
@@ -208,16 +209,42 @@ def register(pm_pass: pm.PatternMatcherPass, options) -> None:
         )
 
 
-def facts(graph: torch.fx.Graph, options) -> dict:
-    """Read before any rewrite: how many one-token conv-state windows ``cat([state, x[..., None]], -1)``
-    the graph holds (three per KDA decode step; a prefill concatenates a whole [B, P, T] block)."""
-    n = 0
+def _conv_windows(graph: torch.fx.Graph) -> list:
+    """The one-token conv-state windows ``cat([state, x[..., None]], -1)`` of ``graph`` (three a KDA decode step)."""
+    out = []
     for node in graph.find_nodes(op="call_function", target=torch.ops.aten.cat.default):
         parts = node.args[0]
         if (len(parts) == 2 and isinstance(parts[0], torch.fx.Node) and parts[0].op == "placeholder"
                 and isinstance(parts[1], torch.fx.Node) and parts[1].target == torch.ops.aten.unsqueeze.default):
-            n += 1
-    return {"graph_kda_decode_convs": n}
+            out.append(node)
+    return out
+
+
+def _wants(facts, act_dtype: torch.dtype) -> bool:
+    """A graph with a conv window computed from values of ``act_dtype`` (``trace_dtypes_of``), or with none found."""
+    windows = _conv_windows(facts.graph)
+    return not windows or any(act_dtype in trace_dtypes_of(w) for w in windows)
+
+
+def groups(options) -> list[Group]:
+    """A group an activation dtype (its parameter dtypes together), each traced only for a graph whose conv windows
+    are computed in it: a bf16 model's decode graph traces 4 of the 6 searches, a fp32 one 2."""
+    acts = dict.fromkeys(act for act, _ in TRACES)
+    return [Group(f"{str(act).removeprefix('torch.')} activations",
+                  functools.partial(_register_traces, options=options,
+                                    traces=tuple(t for t in TRACES if t[0] == act)),
+                  requires=REQUIRES, when=functools.partial(_wants, act_dtype=act))
+            for act in acts]
+
+
+def register(pm_pass: pm.PatternMatcherPass, options) -> None:
+    register_groups(pm_pass, groups(options))
+
+
+def facts(graph: torch.fx.Graph, options) -> dict:
+    """Read before any rewrite: how many one-token conv-state windows the graph holds (three per KDA decode step; a
+    prefill concatenates a whole [B, P, T] block)."""
+    return {"graph_kda_decode_convs": len(_conv_windows(graph))}
 
 
 # What the pass manager's warning says where a graph had candidates and none was rewritten.

@@ -25,8 +25,8 @@ alone, which is the same wherever the model's output is finite (start_b <= pos: 
 The einsums' decomposition depends on the sizes: a reshape that cannot view becomes clone + reshape where T > 1,
 differently for B = 1. So each dtype and form (with and without ``start``) is traced at three (B, T): (2, 1),
 (2, 2) and (1, 2); and on a GPU, where Inductor turns a batch-1 ``bmm`` into ``mm``, batch 1 is traced in that form
-too, at T = 1 and 2. Each size is traced only for a graph holding a decode step it stands for (``groups``: a trace
-costs ~0.2 s; on torch 2.13 the fp32 plain-softmax trace of any one size matched every size tried). The search
+too, at T = 1 and 2. Each size and dtype is traced only for a graph holding a decode step it stands for, computed
+from values of that dtype (``groups``: a trace costs ~0.2 s; on torch 2.13 the fp32 plain-softmax trace of any one size matched every size tried). The search
 ignores sizes and other literals; the guard re-checks what that leaves open: the shapes the op accepts, a static
 T <= ``MAX_DECODE_TOKENS`` (a longer or symbolic-length prompt stays on the plain path; a prompt this short is one
 more thing the op computes), w_kv_b split at N, the mask's fill -inf, start ``[B]`` integer.
@@ -46,7 +46,7 @@ import torch
 
 from k3compile.patterns._common import (
     TRACE_DTYPES, Group, aten, is_static_le, match_val, matched_scalar_ok, online_softmax_pass, pm, register_groups,
-    reusing_search_traces, statically_known_true, trace_fn, val, with_online_softmax,
+    reusing_search_traces, statically_known_true, trace_dtypes_of, trace_fn, val, with_online_softmax,
 )
 
 NAME = "mla_decode"
@@ -181,11 +181,11 @@ def bmm_to_mm_pass() -> pm.PatternMatcherPass:
     return batch_one
 
 
-def _register_traces(pm_pass: pm.PatternMatcherPass, options, trace, shapes) -> None:
+def _register_traces(pm_pass: pm.PatternMatcherPass, options, trace, shapes, dtypes=TRACE_DTYPES) -> None:
     forms = ((_search, _replacement(options.backend), False),
              (_search_padded, _replacement_padded(options.backend), True))
     trace = reusing_search_traces(trace, (_search, _search_padded))
-    for dtype in TRACE_DTYPES:
+    for dtype in dtypes:
         for B, T in shapes:
             for search, replacement, padded in forms:
                 pm.register_replacement(
@@ -195,13 +195,14 @@ def _register_traces(pm_pass: pm.PatternMatcherPass, options, trace, shapes) -> 
                 )
 
 
-def _decode_sizes(graph: torch.fx.Graph) -> set:
-    """(B, T) of each decode step's masked scores in ``graph`` (B None where symbolic)."""
+def _decode_steps(graph: torch.fx.Graph) -> set:
+    """(B, T, trace dtypes) of each decode step's masked scores in ``graph`` (B None where symbolic; the dtypes
+    ``trace_dtypes_of`` the scores)."""
     out = set()
     for node in graph.find_nodes(op="call_function", target=aten.where.self):
         if _is_decode_mask(node):
             B, _, T, _ = val(node).shape
-            out.add((B if isinstance(B, int) else None, int(T)))
+            out.add((B if isinstance(B, int) else None, int(T), trace_dtypes_of(node.args[2])))
     return out
 
 
@@ -218,22 +219,26 @@ def _traces_for(B: Optional[int], T: int, batch_one_form: bool) -> set:
     return {(2, 1), (1, 2)} if T == 1 else {(1, 2)}
 
 
-def _wants(facts, shape: tuple, batch_one_form: bool) -> bool:
-    return any(shape in _traces_for(B, T, batch_one_form) for B, T in _decode_sizes(facts.graph))
+def _wants(facts, shape: tuple, dtype: torch.dtype, batch_one_form: bool) -> bool:
+    return any(shape in _traces_for(B, T, batch_one_form) and dtype in dtypes
+               for B, T, dtypes in _decode_steps(facts.graph))
 
 
 def groups(options) -> list[Group]:
     """The softmax as the model writes it (a CPU graph: ``amax`` ... ``div``), and Inductor's online form (a GPU
-    graph: ``prims.prepare_softmax_online``), the latter also with batch-1 ``bmm``'s as ``mm``'s: a group a form and
-    trace size, each only for a graph that calls its softmax's op and holds a decode step of its size
-    (:func:`_traces_for`: a B 2 decode graph on a GPU traces 4 of the 20 searches)."""
+    graph: ``prims.prepare_softmax_online``), the latter also with batch-1 ``bmm``'s as ``mm``'s: a group a form,
+    trace size and dtype, each only for a graph that calls its softmax's op and holds a decode step of its size
+    computed in its dtype (:func:`_traces_for`, ``trace_dtypes_of``: a bf16 B 2 decode graph on a GPU traces 2 of
+    the 40 searches)."""
     import k3compile.ops.mla_decode  # noqa: F401  (registers k3::mla_decode)
 
     def sized(name, trace, shapes, requires, batch_one_form=False):
-        return [Group(f"{name}, B {b} T {t}", functools.partial(_register_traces, options=options, trace=trace,
-                                                                 shapes=((b, t),)),
-                      requires=requires, when=functools.partial(_wants, shape=(b, t), batch_one_form=batch_one_form))
-                for b, t in shapes]
+        return [Group(f"{name}, B {b} T {t}, {str(dtype).removeprefix('torch.')}",
+                      functools.partial(_register_traces, options=options, trace=trace, shapes=((b, t),),
+                                        dtypes=(dtype,)),
+                      requires=requires,
+                      when=functools.partial(_wants, shape=(b, t), dtype=dtype, batch_one_form=batch_one_form))
+                for b, t in shapes for dtype in TRACE_DTYPES]
 
     out = sized("plain softmax", _trace, TRACE_SHAPES, (aten.amax.default,))
     online = online_softmax_pass()

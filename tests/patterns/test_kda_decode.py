@@ -101,3 +101,21 @@ def test_near_misses_do_not_fire(pass_harness):
     fn = two_steps(model_step(-5.0, l2_eps=1e-5), model_step(-5.0))
     n = compile_count_and_check(pass_harness, fn, make_inputs(bf16, bf16, 0), make_inputs(bf16, bf16, 1), bf16)
     assert n == 1
+
+
+@pytest.mark.parametrize("act,param,group", [(torch.float32, torch.float32, "float32 activations"),
+                                             (torch.bfloat16, torch.bfloat16, "bfloat16 activations")],
+                         ids=["fp32", "bf16"])
+def test_a_decode_graph_traces_only_its_activation_dtypes_searches(act, param, group, pass_harness):
+    """A group an activation dtype (``pattern.groups``), traced for a graph whose conv windows are computed from
+    values of that dtype: a bf16 decode step does not trace the fp32 searches, and still matches."""
+    from k3compile import passes
+    from k3compile.passes import K3Options
+
+    fresh = 300 + (act == torch.bfloat16)   # options no other test registers
+    harness = pass_harness(backend="reference", passes=("kda_decode",), small_m_limit=fresh)
+    before = len(passes.REGISTRATIONS)
+    harness.compile(model_step(-5.0), fullgraph=True)(*make_inputs(act, param))
+    groups = passes._REGISTERED[K3Options(backend="reference", passes=("kda_decode",), small_m_limit=fresh)]
+    assert {groups.groups["kda_decode"][i].name for _, i in passes.REGISTRATIONS[before:]} == {group}
+    assert harness.matches("kda_decode") == 1

@@ -136,20 +136,25 @@ def test_decode_attention_fires_on_the_gpu_batch_one_form(monkeypatch, T):
     assert compile_and_count(layers, 1, T, torch.bfloat16, "reference", OnlineSoftmaxFirst) == (2, 2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("B,T,sizes", [(2, 1, {"B 2 T 1"}), (3, 4, {"B 2 T 2"}), (1, 2, {"B 1 T 2"}),
                                        (1, 1, {"B 2 T 1", "B 1 T 2"})], ids=["B2-T1", "B3-T4", "B1-T2", "B1-T1"])
-def test_a_decode_graph_traces_only_the_searches_of_its_sizes(B, T, sizes):
-    """Each trace size is a group of its own (``pattern.groups``), traced for a graph holding a decode step of its
-    size only: a batch-2 decode step traces the (2, 1) searches, not the twenty of every size and form."""
+def test_a_decode_graph_traces_only_the_searches_of_its_sizes(B, T, sizes, dtype):
+    """Each trace size and dtype is a group of its own (``pattern.groups``), traced for a graph holding a decode step
+    of its size computed in its dtype only: a batch-2 bf16 decode step traces the (2, 1) bf16 searches, not the
+    forty of every size, dtype and form."""
     from k3compile import passes
 
-    options = K3Options(backend="reference", passes=("mla_decode",), small_m_limit=200 + 10 * B + T)   # fresh
+    options = K3Options(backend="reference", passes=("mla_decode",),
+                        small_m_limit=200 + 10 * B + T + (dtype == torch.bfloat16))   # fresh
     from k3compile.patterns._common import fake_mode
 
     with fake_mode():   # the graph our pass gets: traced, then Inductor's passes before ours
-        graph = pattern._trace(layer(mla_attend), make_layer_inputs(B, T, S - T - 3, torch.float32, 0, False)).graph
+        graph = pattern._trace(layer(mla_attend), make_layer_inputs(B, T, S - T - 3, dtype, 0, False)).graph
     assert pattern.facts(graph, options)["graph_mla_decode_masks"] == 1
     before = len(passes.REGISTRATIONS)
     passes._register(options, graph)
     groups = passes._REGISTERED[options].groups["mla_decode"]
-    assert {groups[i].name for _, i in passes.REGISTRATIONS[before:]} == {f"plain softmax, {s}" for s in sizes}
+    name = str(dtype).removeprefix("torch.")
+    assert {groups[i].name for _, i in passes.REGISTRATIONS[before:]} == {f"plain softmax, {s}, {name}"
+                                                                         for s in sizes}
