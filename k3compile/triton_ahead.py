@@ -8,7 +8,8 @@ runs it on each graph our pass rewrote wherever it builds ahead; ``K3_PRECOMPILE
    specialisation the launcher asked for (signature, constexprs, the alignment and divisibility attributes, options,
    target: ``serialize_specialization_data``, what Triton's own ``preload`` reads) and skips the compile. No k3 kernel
    is loaded or built: a CuTe kernel asked for on the way does nothing (``kernel_cache.dry_running``), so a call that
-   composes ops (``k3::experts_beside``) reaches the Triton launches after it; no choice is recorded. An op that
+   composes ops (``k3::experts_beside``) reaches the Triton launches after it, and an op it calls through the
+   dispatcher runs its implementation on the DryTensors, not its meta kernel; no choice is recorded. An op that
    writes an input (``k3::kda_decode``) is listed through its ``auto_functionalized`` call (``call_sites``).
 2. ``build`` (a worker's job, GPU-blind) compiles a request for its target into Triton's disk cache, under the key the
    first call computes, and the kernel's launcher where Triton compiles one per signature: that call then only loads
