@@ -108,7 +108,7 @@ def test_tower_matches_naive_reference(tower, grids):
 EVEN = st.integers(1, 5).map(lambda v: 2 * v)
 
 
-@settings(max_examples=10)
+@settings(max_examples=max(10, settings.default.max_examples // 3))
 @given(grids=st.lists(st.tuples(st.just(1), EVEN, EVEN), min_size=1, max_size=3), seed=st.integers(0, 2**16))
 def test_tower_matches_naive_reference_drawn_grids(tower, grids, seed):
     pv = _pixels(grids, seed)

@@ -53,7 +53,7 @@ def clean_records():
 # ---------------------------------------------------------------------------------------------
 # the kernels against the reference
 
-@settings(max_examples=10)
+@settings(max_examples=max(10, settings.default.max_examples // 3))
 @given(m=st.integers(1, 5), a=st.integers(1, 3), e=st.integers(1, 6), i=st.integers(1, 50), l=st.integers(1, 70),
        dtype=st.sampled_from(list(DTYPES)), routing=st.sampled_from(["random", "skewed", "repeat", "one"]),
        limit=st.sampled_from([1, 16]), tiles=st.sampled_from(["small", "default"]), seed=st.integers(0, 2**16))
@@ -74,7 +74,7 @@ def test_triton_float_matches_reference(m, a, e, i, l, dtype, routing, limit, ti
     assert rel_err(out, truth(args)) < TOL[dt], f"M{m}-A{a}-E{e}-I{i}-L{l}-{dtype}-{routing}-lim{limit}-{tiles}"
 
 
-@settings(max_examples=6)
+@settings(max_examples=max(6, settings.default.max_examples // 4))
 @given(m=st.integers(1, 4), a=st.integers(1, 3), e=st.integers(1, 5), i=st.sampled_from([32, 64]),
        l=st.sampled_from([32, 64, 96]), dtype=st.sampled_from(list(DTYPES)),
        routing=st.sampled_from(["random", "repeat", "one"]), limit=st.sampled_from([1, 16]), halves=st.booleans(),
@@ -93,7 +93,7 @@ def test_triton_mxfp4_matches_reference(m, a, e, i, l, dtype, routing, limit, ha
     assert rel_err(out, truth(args)) < TOL[dt], f"M{m}-A{a}-E{e}-I{i}-L{l}-{dtype}-{routing}-lim{limit}-h{halves}"
 
 
-@settings(max_examples=6)
+@settings(max_examples=max(6, settings.default.max_examples // 4))
 @given(m=st.integers(1, 5), a=st.integers(1, 3), e=st.integers(1, 6), i=st.sampled_from([32, 48, 96]),
        l=st.sampled_from([32, 64, 96]), dtype=st.sampled_from(list(DTYPES)), mxfp4=st.booleans(),
        routing=st.sampled_from(["random", "skewed", "repeat", "one"]), limit=st.sampled_from([1, 16]),

@@ -242,7 +242,7 @@ def _drawn_configs(warps_k, row_groups, unroll, prefetch, up_scan, down_scan, do
 
 
 @pytest.mark.gpu
-@settings(max_examples=16)   # each draw may build two kernels (a second or two each)
+@settings(max_examples=max(16, settings.default.max_examples // 2))   # each draw may build two kernels (a second or two each)
 @DRAWS
 def test_gpu_drawn_shapes_match_reference(m, a, e, i, l, routing, big, ids32, seed, **division):
     """Drawn tokens, experts, widths (K tails of 32 / 64 / 96 past a step of 128), routings (duplicates within a

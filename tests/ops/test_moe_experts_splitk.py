@@ -37,7 +37,7 @@ def run(args, config, limit=16, betas=K3_BETAS):
     return out
 
 
-@settings(max_examples=8)
+@settings(max_examples=max(8, settings.default.max_examples // 3))
 @given(m=st.integers(1, 5), a=st.integers(1, 3), e=st.integers(1, 6), i=st.integers(1, 50),
        l=st.integers(33, 140), dtype=st.sampled_from(list(DTYPES)), mxfp4=st.booleans(),
        routing=st.sampled_from(["random", "skewed", "repeat", "one"]), split=st.integers(1, 5), gemv=st.booleans(),
