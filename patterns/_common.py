@@ -222,6 +222,13 @@ class GraphFacts:
     devices: frozenset
     cat_inputs: frozenset = frozenset()
     graph: Optional[torch.fx.Graph] = field(default=None, compare=False, repr=False)
+    _derived: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def derived(self, fn: Callable[[torch.fx.Graph], Any]) -> Any:
+        """``fn(self.graph)``, computed once for these facts: a pass's groups each ask their ``when`` of one graph."""
+        if fn not in self._derived:
+            self._derived[fn] = fn(self.graph)
+        return self._derived[fn]
 
     @classmethod
     def of(cls, graph: torch.fx.Graph) -> "GraphFacts":

@@ -220,10 +220,15 @@ def _conv_windows(graph: torch.fx.Graph) -> list:
     return out
 
 
+def _window_dtypes(graph: torch.fx.Graph) -> list:
+    """``trace_dtypes_of`` each conv window of ``graph``."""
+    return [trace_dtypes_of(w) for w in _conv_windows(graph)]
+
+
 def _wants(facts, act_dtype: torch.dtype) -> bool:
-    """A graph with a conv window computed from values of ``act_dtype`` (``trace_dtypes_of``), or with none found."""
-    windows = _conv_windows(facts.graph)
-    return not windows or any(act_dtype in trace_dtypes_of(w) for w in windows)
+    """A graph with a conv window computed from values of ``act_dtype``, or with none found."""
+    windows = facts.derived(_window_dtypes)
+    return not windows or any(act_dtype in dtypes for dtypes in windows)
 
 
 def groups(options) -> list[Group]:

@@ -26,10 +26,11 @@ The einsums' decomposition depends on the sizes: a reshape that cannot view beco
 differently for B = 1. So each dtype and form (with and without ``start``) is traced at three (B, T): (2, 1),
 (2, 2) and (1, 2); and on a GPU, where Inductor turns a batch-1 ``bmm`` into ``mm``, batch 1 is traced in that form
 too, at T = 1 and 2. Each size and dtype is traced only for a graph holding a decode step it stands for, computed
-from values of that dtype (``groups``: a trace costs ~0.2 s; on torch 2.13 the fp32 plain-softmax trace of any one size matched every size tried). The search
-ignores sizes and other literals; the guard re-checks what that leaves open: the shapes the op accepts, a static
-T <= ``MAX_DECODE_TOKENS`` (a longer or symbolic-length prompt stays on the plain path; a prompt this short is one
-more thing the op computes), w_kv_b split at N, the mask's fill -inf, start ``[B]`` integer.
+from values of that dtype (``groups``: a trace costs ~0.2 s; on torch 2.13 the fp32 plain-softmax trace of any one
+size matched every size tried). The search ignores sizes and other literals; the guard re-checks what that leaves
+open: the shapes the op accepts, a static T <= ``MAX_DECODE_TOKENS`` (a longer or symbolic-length prompt stays on
+the plain path; a prompt this short is one more thing the op computes), w_kv_b split at N, the mask's fill -inf,
+start ``[B]`` integer.
 
 Not matched yet: a graph with a symbolic batch or cache length (Dynamo's recompile for a new batch size or
 allocation under ``dynamic=None``). Inductor checks each match by re-tracing the search at the match's sizes, and at
@@ -221,7 +222,7 @@ def _traces_for(B: Optional[int], T: int, batch_one_form: bool) -> set:
 
 def _wants(facts, shape: tuple, dtype: torch.dtype, batch_one_form: bool) -> bool:
     return any(shape in _traces_for(B, T, batch_one_form) and dtype in dtypes
-               for B, T, dtypes in _decode_steps(facts.graph))
+               for B, T, dtypes in facts.derived(_decode_steps))
 
 
 def groups(options) -> list[Group]:

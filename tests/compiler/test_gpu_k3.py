@@ -94,7 +94,7 @@ def test_first_decode_step_compiles_none_of_our_triton_kernels(monkeypatch, tmp_
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
     monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
-    eager, model, ids = _models()
+    _, model, ids = _models()
     torch._dynamo.reset()
     k3compile.optimize(model, dynamic=False)
     cache = model.allocate_cache(BATCH, PROMPT + 2, device="cuda")
